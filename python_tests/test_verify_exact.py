@@ -1,0 +1,118 @@
+"""Exact tests: with the same random numbers the Triton kernel and the PyTorch reference emit
+the same tokens and counts.  On a machine without a GPU the kernel runs under
+TRITON_INTERPRET=1; the reference always runs on the CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import make_step
+from specdec_kernels import fused_verify, verify as verify_mod
+from specdec_kernels.reference import philox_uniforms, verify_reference
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _row_params(B: int, K: int, V: int, warp: bool):
+    kb = torch.tensor([K, K // 2, max(K - 1, 0)][:B])
+    temperature = torch.tensor([1.0, 0.0, 0.7][:B])
+    top_k = torch.tensor([min(5, V), 0, max(1, V // 3)][:B]) if warp else None
+    top_p = torch.tensor([0.9, 1.0, 0.6][:B]) if warp else None
+    return kb, temperature, top_k, top_p
+
+
+def _greedy_friendly(logits, x):
+    """Make the greedy row's first drafts the argmax, so greedy acceptance happens too."""
+    if x.shape[0] > 1:
+        n = max(1, x.shape[1] // 2)
+        x[1, :n] = logits[1, :n].float().argmax(-1)[:n]
+    return x
+
+
+def _run_both(logits, x, q, kb, temperature, top_k, top_p, seed, offset, device):
+    out = fused_verify(logits.to(device), x.to(device), None if q is None else q.to(device),
+                       num_draft_tokens=kb.to(device), temperature=temperature.to(device),
+                       top_k=None if top_k is None else top_k.to(device),
+                       top_p=None if top_p is None else top_p.to(device),
+                       seed=seed.to(device), offset=offset.to(device), backend="triton")
+    u = philox_uniforms(seed, offset, x.shape[1])
+    ref_tokens, ref_num = verify_reference(logits.cpu(), x.cpu(), None if q is None else q.cpu(), kb,
+                                           temperature, top_k, top_p, u)
+    return out, ref_tokens, ref_num
+
+
+@pytest.mark.parametrize("warp", [False, True], ids=["plain", "topk_topp"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("V", [1, 2, 111, 1271, 32001])
+@pytest.mark.parametrize("K", [1, 4, 8])
+@pytest.mark.parametrize("B", [1, 3])
+def test_kernel_matches_reference(B, K, V, dtype, warp, device, monkeypatch):
+    if V == 1271:
+        monkeypatch.setattr(verify_mod, "_MAX_BLOCK_V", 128)  # cross 10 tile boundaries
+    logits, x, q = make_step(B, K, V, dtype, seed=1000 * B + 10 * K + V % 97)
+    x = _greedy_friendly(logits, x)
+    kb, temperature, top_k, top_p = _row_params(B, K, V, warp)
+    seed = torch.arange(B, dtype=torch.int64) * 7919 + V
+    offset = torch.full((B,), 3, dtype=torch.int64)
+    out, ref_tokens, ref_num = _run_both(logits, x, q, kb, temperature, top_k, top_p, seed, offset, device)
+    assert torch.equal(out.num_accepted.cpu(), ref_num), (out.num_accepted, ref_num)
+    assert torch.equal(out.tokens.cpu(), ref_tokens), (out.tokens, ref_tokens)
+    assert (ref_num >= 0).all(), "these inputs are finite: no row may be marked invalid"
+
+
+@pytest.mark.parametrize("V,Vd", [(111, 100), (1271, 1000)])
+def test_padded_target_vocabulary_matches_reference(V, Vd, device):
+    logits, x, q = make_step(3, 4, V, Vd=Vd, seed=V)
+    kb, temperature, top_k, top_p = _row_params(3, 4, V, warp=True)
+    seed, offset = torch.tensor([5, 6, 7]), torch.tensor([0, 1, 2])
+    out, ref_tokens, ref_num = _run_both(logits, x, q, kb, temperature, top_k, top_p, seed, offset, device)
+    assert torch.equal(out.tokens.cpu(), ref_tokens) and torch.equal(out.num_accepted.cpu(), ref_num)
+
+
+@pytest.mark.parametrize("K", [1, 5])
+def test_deterministic_drafter_matches_reference(K, device):
+    """draft_probs=None: q is one-hot at the drafted token."""
+    logits, _, _ = make_step(3, K, 257, seed=K)
+    x = logits[:, :K].float().argmax(-1)  # a greedy drafter
+    x[0, -1] = (x[0, -1] + 1) % 257  # one disagreement
+    kb, temperature, top_k, top_p = _row_params(3, K, 257, warp=False)
+    seed, offset = torch.tensor([1, 2, 3]), torch.tensor([9, 9, 9])
+    out, ref_tokens, ref_num = _run_both(logits, x, None, kb, temperature, top_k, top_p, seed, offset, device)
+    assert torch.equal(out.tokens.cpu(), ref_tokens) and torch.equal(out.num_accepted.cpu(), ref_num)
+
+
+def test_explicit_uniforms_match_seeded_draws(device):
+    """uniforms = philox_uniforms(seed, offset) gives the kernel's own draws exactly."""
+    logits, x, q = make_step(3, 4, 111, seed=3)
+    seed, offset = torch.tensor([11, 12, 2**40 + 13]), torch.tensor([0, 5, 2**33 + 1])
+    u = philox_uniforms(seed, offset, 4)
+    a = fused_verify(logits.to(device), x.to(device), q.to(device), seed=seed.to(device),
+                     offset=offset.to(device), backend="triton")
+    b = fused_verify(logits.to(device), x.to(device), q.to(device), uniforms=u.to(device), backend="triton")
+    c = fused_verify(logits, x, q, uniforms=u, backend="torch")
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.num_accepted, b.num_accepted)
+    assert torch.equal(a.tokens.cpu(), c.tokens) and torch.equal(a.num_accepted.cpu(), c.num_accepted)
+
+
+def test_philox_uniforms_match_triton_rand(device):
+    """The reference's Philox reproduces triton.language.rand bit for bit."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _rand_kernel(seed_ptr, offset_ptr, out_ptr, N):
+        b = tl.program_id(0)
+        seed = tl.load(seed_ptr + b)
+        base = tl.load(offset_ptr + b) << 32
+        for c in range(0, N):
+            tl.store(out_ptr + b * N + c, tl.rand(seed, base | c))
+
+    seed = torch.tensor([0, 1, -7, 2**62 + 5, 123456789], dtype=torch.int64)
+    offset = torch.tensor([0, 1, 2, 2**31 + 3, 77], dtype=torch.int64)
+    out = torch.empty(5, 6, dtype=torch.float32, device=device)
+    _rand_kernel[(5,)](seed.to(device), offset.to(device), out, 6)
+    u = philox_uniforms(seed, offset, 5)  # counters 1..5 then 0
+    expected = torch.cat([u[:, 5:], u[:, :5]], dim=1)
+    assert torch.equal(out.cpu(), expected)
+    assert ((u >= 0) & (u < 1)).all()

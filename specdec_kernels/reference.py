@@ -1,0 +1,291 @@
+"""Pure-PyTorch references for every op of the package, with their random numbers passed in.
+
+These are the ground truth of the tests, the baseline of the benchmarks, and the CPU path of
+``fused_verify``.  They are written plainly: vectorised over the batch and the draft positions,
+but with no tricks beyond what the maths says.
+
+Terms, used the same way everywhere (Leviathan et al. 2023, "Fast Inference from Transformers
+via Speculative Decoding"; Chen et al. 2023, "Accelerating Large Language Model Decoding with
+Speculative Sampling"):
+
+- *target distribution* p_i: softmax of the target's logits at verify position i, after
+  temperature, top-k and top-p (the "warp"). Tokens removed by the warp have p = 0.
+- *draft distribution* q_i: the distribution the drafter sampled x_i from (one-hot for a
+  deterministic drafter; zero beyond the draft vocabulary).
+- *accepted*: draft x_i is accepted when ``u_i * q_i(x_i) < p_i(x_i)``, i.e. with probability
+  min(1, p_i(x_i) / q_i(x_i)), written without a division.
+- *recovered* token: at the first rejection i, a token drawn from the *residual*
+  norm(max(0, p_i - q_i)); from p_i itself if the residual sums to zero in floating point.
+- *bonus* token: drawn from p_{K_b} when row b accepted all K_b of its drafts.
+- *invalid* row: a value the row needs is not usable (a NaN or +inf logit, a position whose
+  logits are all -inf, a NaN/inf/negative draft probability, a draft token outside [0, V), a
+  bad per-row parameter). It emits nothing: ``num_accepted = -1`` and ``tokens`` all -1.
+
+Random numbers: ``uniforms`` is [B, K+1] fp32 in [0, 1); ``uniforms[b, i]`` (i < K) is the
+acceptance test of draft i and ``uniforms[b, K]`` drives the final inverse-CDF draw (recovered
+or bonus).  ``philox_uniforms`` produces exactly the numbers the Triton kernel draws itself.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "order_key",
+    "warp_logits",
+    "verify_reference",
+    "philox_uniforms",
+]
+
+_MASK32 = 0xFFFFFFFF
+
+
+# ----------------------------------------------------------------------------------------------
+# Counter-based random numbers: the same Philox4x32-10 stream as triton.language.rand
+# ----------------------------------------------------------------------------------------------
+def _mulhilo32(a: torch.Tensor, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """High and low 32 bits of a * b for uint32 values held in int64 (no int64 overflow)."""
+    a_hi, a_lo = a >> 16, a & 0xFFFF
+    b_hi, b_lo = b >> 16, b & 0xFFFF
+    mid = (a_hi * b_lo + a_lo * b_hi) * 65536 + a_lo * b_lo  # < 2**50
+    hi = a_hi * b_hi + (mid >> 32)
+    return hi & _MASK32, mid & _MASK32
+
+
+def _philox4x32(c0, c1, c2, c3, k0, k1, rounds: int = 10):
+    """Philox4x32 (Salmon et al. 2011) as triton.language.random.philox_impl computes it."""
+    for _ in range(rounds):
+        hi_b, lo_b = _mulhilo32(c2, 0xCD9E8D57)
+        hi_a, lo_a = _mulhilo32(c0, 0xD2511F53)
+        c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
+        k0 = (k0 + 0x9E3779B9) & _MASK32
+        k1 = (k1 + 0xBB67AE85) & _MASK32
+    return c0, c1, c2, c3
+
+
+def _uint32_to_uniform(x: torch.Tensor) -> torch.Tensor:
+    """triton.language.random.uint_to_uniform_float for uint32: a float32 in [0, 1)."""
+    x = torch.where(x >= 2**31, x - 2**32, x)  # reinterpret as int32
+    x = torch.where(x < 0, -x - 1, x)  # ~x for negatives
+    return x.to(torch.float32) * torch.tensor(4.6566127342e-10, dtype=torch.float32)
+
+
+def philox_uniforms(seed: torch.Tensor, offset: torch.Tensor, num_draft_slots: int) -> torch.Tensor:
+    """The uniforms fused_verify draws for (seed, offset): [B, K+1] fp32 in [0, 1).
+
+    Each number is ``tl.rand(seed_b, (offset_b << 32) | c)``, i.e. Philox with counter
+    (c, offset_b, 0, 0) and key seed_b: counter c = i + 1 for the acceptance test of draft i
+    and c = 0 for the final draw.  So a row's numbers depend on its own seed and offset only,
+    never on B, K or the other rows.
+    """
+    seed = seed.to(torch.int64)  # [B]
+    offset = offset.to(torch.int64)  # [B]
+    B = seed.shape[0]
+    counter = torch.arange(num_draft_slots + 1, dtype=torch.int64, device=seed.device)
+    counter = torch.where(counter == num_draft_slots, 0, counter + 1)  # final draw uses c = 0
+    c0 = counter.expand(B, -1)
+    c1 = (offset & _MASK32)[:, None].expand_as(c0)
+    zero = torch.zeros_like(c0)
+    k0 = (seed & _MASK32)[:, None].expand_as(c0)
+    k1 = ((seed >> 32) & _MASK32)[:, None].expand_as(c0)
+    r0, _, _, _ = _philox4x32(c0, c1, zero, zero, k0, k1)
+    return _uint32_to_uniform(r0)
+
+
+# ----------------------------------------------------------------------------------------------
+# The warp: temperature, top-k, top-p
+# ----------------------------------------------------------------------------------------------
+def order_key(x: torch.Tensor) -> torch.Tensor:
+    """Map fp32 to int32 so that integer order equals float order (-0.0 taken as +0.0)."""
+    bits = (x + 0.0).contiguous().view(torch.int32)
+    return torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+
+def warp_logits(
+    logits: torch.Tensor,  # [..., V] any float dtype
+    inv_temperature: torch.Tensor,  # [...] fp32: 1 / temperature
+    top_k: torch.Tensor | None,  # [...] int, 0 = off
+    top_p: torch.Tensor | None,  # [...] fp32, >= 1 = off
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scaled logits s = logits * (1 / T) and the mask of the tokens the warp keeps.
+
+    top-k keeps every token whose s is >= the k-th largest s (ties at the boundary are all
+    kept; k >= V keeps all).  top-p then keeps token v iff the probability mass, renormalised
+    over the top-k set, of the tokens with s strictly greater than s_v is < top_p: the smallest
+    set of most likely tokens whose mass reaches top_p, with ties kept together.
+    Returns (s [..., V] fp32, keep [..., V] bool).
+    """
+    s = logits.float() * inv_temperature[..., None]
+    V = s.shape[-1]
+    keep = torch.ones_like(s, dtype=torch.bool)
+    if top_k is None and top_p is None:
+        return s, keep
+    s_sorted = torch.sort(s, dim=-1, descending=True).values  # [..., V]
+    if top_k is not None:
+        k = top_k.to(torch.int64)
+        k = torch.where((k <= 0) | (k > V), V, k)
+        kth = s_sorted.gather(-1, (k - 1)[..., None])  # [..., 1]
+        keep = s >= kth
+    if top_p is not None:
+        kept_sorted = s_sorted >= s.masked_fill(~keep, float("inf")).amin(-1, keepdim=True)
+        m = s_sorted[..., :1]
+        e = torch.where(kept_sorted, torch.exp(s_sorted - m), 0.0)  # [..., V]
+        csum = torch.cumsum(e, dim=-1)
+        mass_before = csum - e  # mass of the tokens sorted ahead of this one
+        p_lim = top_p.float()[..., None] * csum[..., -1:]
+        n_keep = (mass_before < p_lim).sum(-1, keepdim=True)  # >= 1: mass_before[0] = 0
+        cut = s_sorted.gather(-1, n_keep - 1)  # the smallest kept value
+        active = (top_p < 1.0)[..., None]
+        keep = keep & (~active | (s >= cut))
+    return s, keep
+
+
+def _target_probs(s: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """p = exp(s - max) / sum over the kept tokens; 0 elsewhere.  [..., V] fp32."""
+    m = s.masked_fill(~keep, float("-inf")).amax(-1, keepdim=True)
+    e = torch.where(keep, torch.exp(s - m), 0.0)
+    return e / e.sum(-1, keepdim=True)
+
+
+def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Index of the first v with cumsum(w)[v] > u * sum(w); the last v with w > 0 if rounding
+    leaves none.  weights [N, V] >= 0 with a positive sum, u [N] in [0, 1).  Returns [N] int64."""
+    cdf = torch.cumsum(weights, dim=-1)
+    target = u * cdf[:, -1]
+    idx = (cdf <= target[:, None]).sum(-1)
+    V = weights.shape[-1]
+    ar = torch.arange(V, device=weights.device)
+    last_nonzero = torch.where(weights > 0, ar, -1).amax(-1)
+    return torch.where(idx >= V, last_nonzero, idx)
+
+
+# ----------------------------------------------------------------------------------------------
+# The verification step
+# ----------------------------------------------------------------------------------------------
+def verify_reference(
+    target_logits: torch.Tensor,  # [B, K+1, V] fp32/bf16/fp16
+    draft_tokens: torch.Tensor,  # [B, K] int
+    draft_probs: torch.Tensor | None,  # [B, K, Vd] fp32, Vd <= V; None = one-hot q
+    num_draft_tokens: torch.Tensor,  # [B] int64 in [0, K]
+    temperature: torch.Tensor,  # [B] fp32, 0 = greedy
+    top_k: torch.Tensor | None,  # [B] int, 0 = off
+    top_p: torch.Tensor | None,  # [B] fp32, 1 = off
+    uniforms: torch.Tensor,  # [B, K+1] fp32 in [0, 1)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One speculative-decoding verification step. Returns (tokens [B, K+1] int64,
+    num_accepted [B] int64); row b emits tokens[b, :num_accepted[b] + 1]."""
+    B, K1, V = target_logits.shape
+    K = K1 - 1
+    dev = target_logits.device
+    kb = num_draft_tokens.to(torch.int64)  # [B]
+    temp = temperature.float()
+    greedy = temp == 0  # [B]
+    bad_param = ~torch.isfinite(temp) | (temp < 0) | (kb < 0) | (kb > K)
+    if top_k is not None:
+        bad_param |= top_k < 0
+    if top_p is not None:
+        bad_param |= ~(top_p > 0) | (top_p > 1)  # NaN fails the first test
+    inv_t = torch.where(greedy | bad_param, 1.0, 1.0 / temp.masked_fill(temp == 0, 1.0))
+    per_pos = lambda t: None if t is None else t[:, None].expand(B, K1)  # noqa: E731
+    s, keep = warp_logits(target_logits, inv_t[:, None].expand(B, K1), per_pos(top_k), per_pos(top_p))
+    # A position is unusable if any logit is NaN or +inf, or if nothing has a finite logit.
+    bad_pos = torch.isnan(s).any(-1) | torch.isposinf(s).any(-1) | torch.isneginf(s).all(-1)  # [B, K+1]
+    p = _target_probs(s, keep)  # [B, K+1, V]
+    argmax = s.argmax(-1)  # [B, K+1]: first index of the maximum
+
+    x = draft_tokens.to(torch.int64)  # [B, K]
+    x_ok = (x >= 0) & (x < V)
+    x_safe = torch.where(x_ok, x, 0)
+    p_x = p[:, :K].gather(-1, x_safe[..., None])[..., 0]  # [B, K]
+    if draft_probs is None:
+        q_x = torch.ones_like(p_x)
+    else:
+        Vd = draft_probs.shape[-1]
+        q_x = draft_probs.float().gather(-1, x_safe.clamp(max=Vd - 1)[..., None])[..., 0]
+        q_x = torch.where(x_safe < Vd, q_x, 0.0)
+    u = uniforms.float()
+    accept = torch.where(greedy[:, None], x == argmax[:, :K], u[:, :K] * q_x < p_x)  # [B, K]
+    bad_x = ~x_ok | (~greedy[:, None] & (~torch.isfinite(q_x) | (q_x < 0)))
+    bad_verify = bad_pos[:, :K] | bad_x  # [B, K]
+
+    # j = the position where the row stops: its first rejection, its first unusable position,
+    # or K_b when it accepts everything (then position K_b gives the bonus token).
+    i = torch.arange(K, device=dev)
+    stops = (~accept | bad_verify) & (i[None, :] < kb[:, None])  # [B, K]
+    j = torch.where(stops.any(-1), stops.int().argmax(-1), kb).clamp(0, K)  # [B]
+    rejected = j < kb
+    bad_row = bad_param | bad_pos.gather(1, j[:, None])[:, 0]
+    bad_row |= torch.where(rejected, bad_x.gather(1, j.clamp(max=K - 1)[:, None])[:, 0] if K > 0 else False, False)
+
+    # The final draw at position j: the residual after a rejection, p itself for the bonus.
+    p_j = p.gather(1, j[:, None, None].expand(B, 1, V))[:, 0]  # [B, V]
+    if draft_probs is None:
+        q_j = torch.zeros_like(p_j)
+        if K > 0:
+            x_j = x_safe.gather(1, j.clamp(max=K - 1)[:, None])  # [B, 1]
+            q_j.scatter_(1, x_j, 1.0)
+    else:
+        q_j = torch.zeros_like(p_j)
+        if K > 0:
+            Vd = draft_probs.shape[-1]
+            q_rows = draft_probs.float().gather(1, j.clamp(max=K - 1)[:, None, None].expand(B, 1, Vd))[:, 0]
+            q_j[:, :Vd] = q_rows
+            bad_q = ~torch.isfinite(q_rows).all(-1) | (q_rows < 0).any(-1)
+            bad_row |= rejected & ~greedy & bad_q
+    residual = torch.where(rejected[:, None], (p_j - q_j).clamp(min=0.0), p_j)
+    residual = torch.nan_to_num(residual, nan=0.0)  # only on rows already marked invalid
+    empty = residual.sum(-1) <= 0
+    weights = torch.where(empty[:, None], torch.nan_to_num(p_j, nan=0.0), residual)
+    # Only invalid rows can still sum to zero here; they get a dummy draw that is discarded below.
+    weights = torch.where(weights.sum(-1, keepdim=True) > 0, weights, 1.0)
+    sampled = _inverse_cdf(weights, u[:, K])
+    final = torch.where(greedy, argmax.gather(1, j[:, None])[:, 0], sampled)
+
+    cols = torch.arange(K1, device=dev)[None, :]
+    x_pad = torch.cat([x, x.new_full((B, 1), -1)], dim=1)  # [B, K+1]
+    tokens = torch.where(cols < j[:, None], x_pad, -1)
+    tokens = torch.where(cols == j[:, None], final[:, None], tokens)
+    tokens = torch.where(bad_row[:, None], -1, tokens)
+    num_accepted = torch.where(bad_row, -1, j)
+    return tokens, num_accepted
+
+
+# ----------------------------------------------------------------------------------------------
+# KV-cache compaction (the ground truth of specdec::compact_kv_, see kv_cache.py)
+# ----------------------------------------------------------------------------------------------
+def compact_kv_reference(
+    caches: list[torch.Tensor],  # L x [B, H, T, D], any dtype; modified in place
+    src_start: int,  # first position written by this step, in [0, T]
+    dst_start: torch.Tensor,  # [B] int64, in [0, src_start]
+    count: torch.Tensor,  # [B] int64, in [0, T - src_start]
+) -> None:
+    """KV-cache compaction, in place: for every cache c, row b and j in [0, count[b]),
+    ``c[b, :, dst_start[b] + j, :] = c[b, :, src_start + j, :]``.
+
+    Rows are copied one position at a time in increasing j, which is memmove semantics
+    because ``dst_start[b] <= src_start``: a source position is always read before a
+    destination write reaches it.  Raises ValueError for index values out of range, with the
+    same text as the CPU kernel.  Reads the indices on the host (plain loops, no tricks).
+    """
+    dst = dst_start.tolist()  # [B]
+    cnt = count.tolist()  # [B]
+    shortest = min(range(len(caches)), key=lambda i: caches[i].shape[2])
+    T = caches[shortest].shape[2]
+    for b, (d, n) in enumerate(zip(dst, cnt)):
+        if d < 0:
+            raise ValueError(f"compact_kv_: dst_start[{b}] must be >= 0, got {d}")
+        if d > src_start:
+            raise ValueError(
+                f"compact_kv_: dst_start[{b}] must be <= src_start = {src_start}, got {d}"
+            )
+        if n < 0:
+            raise ValueError(f"compact_kv_: count[{b}] must be >= 0, got {n}")
+        if n > T - src_start:
+            raise ValueError(
+                f"compact_kv_: src_start + count[{b}] must be <= T = {T} "
+                f"(T = caches[{shortest}].size(2)), got {src_start} + {n}"
+            )
+    for c in caches:
+        for b, (d, n) in enumerate(zip(dst, cnt)):
+            for j in range(n):
+                c[b, :, d + j, :] = c[b, :, src_start + j, :]  # [H, D]

@@ -1,0 +1,304 @@
+"""``fused_verify``: the verification step of exact speculative decoding in one launch.
+
+Three layers (see shared STYLE.md item 1): the Triton kernel (``_verify_kernel.py``), the
+launcher here (validates, allocates, picks the grid and launches), and the public op
+``fused_verify``, registered with ``torch.library`` as ``specdec::fused_verify`` so that
+``torch.compile(fullgraph=True)`` traces through it.
+
+Dtypes are decided here: logits fp32/bf16/fp16 (read as they are, accumulated in fp32), draft
+probabilities fp32, temperature and top-p fp32, seeds/offsets/top-k int64, tokens int64 out.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import NamedTuple, Optional
+
+import torch
+
+try:  # loads the C++ op namespace first, when built
+    from . import _ext  # noqa: F401
+except ImportError:  # pragma: no cover - _ext is part of the package
+    pass
+from .reference import philox_uniforms, verify_reference
+
+__all__ = ["VerifyOutput", "fused_verify"]
+
+_LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_INDEX_DTYPES = (torch.int32, torch.int64)
+_BACKENDS = ("auto", "triton", "torch")
+# The vocabulary tile. 4096 fp32 logits per tile keep 8 warps streaming; the tests lower it to
+# cross tile boundaries on small vocabularies.
+_MAX_BLOCK_V = 4096
+
+
+class VerifyOutput(NamedTuple):
+    """tokens [B, K+1] int64: the accepted drafts, then the recovered or bonus token, then -1.
+    num_accepted [B] int64 in [0, K_b]; row b emits tokens[b, :num_accepted[b] + 1].
+    A row whose inputs were unusable (NaN/inf logits, ...) has num_accepted -1 and emits nothing."""
+
+    tokens: torch.Tensor
+    num_accepted: torch.Tensor
+
+
+# ----------------------------------------------------------------------------------------------
+# Validation at the boundary: name the argument, the expected and the actual value
+# ----------------------------------------------------------------------------------------------
+def _shape(t: torch.Tensor) -> list[int]:
+    return list(t.shape)
+
+
+def _check_tensor(name: str, t, dtypes, shape: list[int], device: torch.device) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        want = " or ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise TypeError(f"{name} must have dtype {want}, got {str(t.dtype).replace('torch.', '')}")
+    if _shape(t) != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {_shape(t)}")
+    if t.device != device:
+        raise ValueError(f"{name} must be on {device} (the device of target_logits), got {t.device}")
+
+
+def _per_row(name: str, value, B: int, dtype: torch.dtype, device: torch.device, kind: type) -> torch.Tensor:
+    """A python scalar or a [B] tensor as a [B] tensor of ``dtype`` on ``device``."""
+    if isinstance(value, torch.Tensor):
+        ok = (torch.float32, torch.float64, torch.bfloat16, torch.float16) if kind is float else _INDEX_DTYPES
+        _check_tensor(name, value, ok, [B], device)
+        return value.to(dtype)
+    if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
+        raise TypeError(f"{name} must be a {kind.__name__} or a [B] = [{B}] tensor, got {type(value).__name__}")
+    return torch.full((B,), value, dtype=dtype, device=device)
+
+
+def _check_values(t: torch.Tensor) -> bool:
+    """Whether a tensor's values may be read for validation: only where reading is free (CPU,
+    not while tracing). On CUDA a bad value makes its row invalid in-kernel instead of a sync."""
+    return t.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
+class _Args(NamedTuple):
+    target_logits: torch.Tensor  # [B, K+1, V]
+    draft_tokens: torch.Tensor  # [B, K] int32/int64
+    draft_probs: Optional[torch.Tensor]  # [B, K, Vd] fp32
+    num_draft_tokens: torch.Tensor  # [B] int64
+    temperature: torch.Tensor  # [B] fp32
+    top_k: Optional[torch.Tensor]  # [B] int64
+    top_p: Optional[torch.Tensor]  # [B] fp32
+    seed: torch.Tensor  # [B] int64
+    offset: torch.Tensor  # [B] int64
+    uniforms: Optional[torch.Tensor]  # [B, K+1] fp32
+
+
+def _normalize(target_logits, draft_tokens, draft_probs, num_draft_tokens, temperature, top_k,
+               top_p, seed, offset, uniforms) -> _Args:
+    if not isinstance(target_logits, torch.Tensor):
+        raise TypeError(f"target_logits must be a torch.Tensor, got {type(target_logits).__name__}")
+    if target_logits.dim() != 3:
+        raise ValueError(f"target_logits must have 3 dims [B, K+1, V], got {target_logits.dim()}: {_shape(target_logits)}")
+    if target_logits.dtype not in _LOGIT_DTYPES:
+        raise TypeError(f"target_logits must have dtype float32, bfloat16 or float16, got {str(target_logits.dtype).replace('torch.', '')}")
+    B, K1, V = target_logits.shape
+    K = K1 - 1
+    if V < 1:
+        raise ValueError(f"target_logits must have a vocabulary V >= 1, got shape {_shape(target_logits)}")
+    dev = target_logits.device
+    if not isinstance(draft_tokens, torch.Tensor):
+        raise TypeError(f"draft_tokens must be a torch.Tensor, got {type(draft_tokens).__name__}")
+    if draft_tokens.dim() != 2:
+        raise ValueError(f"draft_tokens must have 2 dims [B, K], got {draft_tokens.dim()}: {_shape(draft_tokens)}")
+    _check_tensor("draft_tokens", draft_tokens, _INDEX_DTYPES, [B, K], dev)
+    if draft_probs is not None:
+        if not isinstance(draft_probs, torch.Tensor):
+            raise TypeError(f"draft_probs must be a torch.Tensor or None, got {type(draft_probs).__name__}")
+        if draft_probs.dim() != 3:
+            raise ValueError(f"draft_probs must have 3 dims [B, K, Vd], got {draft_probs.dim()}: {_shape(draft_probs)}")
+        Vd = draft_probs.shape[-1]
+        if not 1 <= Vd <= V:
+            raise ValueError(f"draft_probs must have a vocabulary 1 <= Vd <= V = {V}, got Vd = {Vd}")
+        _check_tensor("draft_probs", draft_probs, (torch.float32,), [B, K, Vd], dev)
+    if num_draft_tokens is None:
+        kb = torch.full((B,), K, dtype=torch.int64, device=dev)
+    else:
+        kb = _per_row("num_draft_tokens", num_draft_tokens, B, torch.int64, dev, int)
+        if _check_values(kb) and B > 0 and bool(((kb < 0) | (kb > K)).any()):
+            raise ValueError(f"num_draft_tokens must be in [0, K] = [0, {K}], got {kb.tolist()}")
+    temp = _per_row("temperature", temperature, B, torch.float32, dev, float)
+    if _check_values(temp) and B > 0 and not bool((torch.isfinite(temp) & (temp >= 0)).all()):
+        raise ValueError(f"temperature must be finite and >= 0 (0 = greedy), got {temp.tolist()}")
+    if top_k is not None:
+        top_k = _per_row("top_k", top_k, B, torch.int64, dev, int)
+        if _check_values(top_k) and B > 0 and bool((top_k < 0).any()):
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {top_k.tolist()}")
+    if top_p is not None:
+        top_p = _per_row("top_p", top_p, B, torch.float32, dev, float)
+        if _check_values(top_p) and B > 0 and not bool(((top_p > 0) & (top_p <= 1)).all()):
+            raise ValueError(f"top_p must be in (0, 1] (1 = off), got {top_p.tolist()}")
+    if seed is None:
+        seed = torch.randint(0, 2**62, (B,), dtype=torch.int64, device=dev)  # no host sync
+    else:
+        seed = _per_row("seed", seed, B, torch.int64, dev, int)
+    offset = _per_row("offset", offset, B, torch.int64, dev, int)
+    if uniforms is not None:
+        _check_tensor("uniforms", uniforms, (torch.float32,), [B, K + 1], dev)
+        if _check_values(uniforms) and uniforms.numel() and not bool(((uniforms >= 0) & (uniforms < 1)).all()):
+            raise ValueError("uniforms must lie in [0, 1), got values outside it")
+    return _Args(target_logits, draft_tokens, draft_probs, kb, temp, top_k, top_p, seed, offset, uniforms)
+
+
+# ----------------------------------------------------------------------------------------------
+# The launcher and the torch path
+# ----------------------------------------------------------------------------------------------
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _resolve_backend(backend: str, device: torch.device) -> str:
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    if backend == "triton" and device.type != "cuda" and not _interpreting():
+        raise ValueError(
+            f"backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 for CPU tensors), got tensors on {device}")
+    return backend
+
+
+def _launch_triton(a: _Args) -> tuple[torch.Tensor, torch.Tensor]:
+    import triton  # imported lazily: the torch path needs no Triton
+
+    from ._verify_kernel import _verify_kernel
+
+    logits = a.target_logits if a.target_logits.stride(-1) == 1 else a.target_logits.contiguous()
+    B, K1, V = logits.shape
+    K = K1 - 1
+    dev = logits.device
+    tokens = torch.empty((B, K1), dtype=torch.int64, device=dev)
+    num_accepted = torch.empty((B,), dtype=torch.int64, device=dev)
+    if B == 0:
+        return tokens, num_accepted
+    q = a.draft_probs
+    if q is not None and q.stride(-1) != 1:
+        q = q.contiguous()
+    uniforms = a.uniforms.contiguous() if a.uniforms is not None else None
+    dummy = num_accepted  # stands in for absent optional pointers; never dereferenced
+    block_v = max(16, min(triton.next_power_of_2(V), _MAX_BLOCK_V))
+    _verify_kernel[(B,)](
+        logits, logits.stride(0), logits.stride(1),
+        a.draft_tokens, a.draft_tokens.stride(0),
+        q if q is not None else dummy, q.stride(0) if q is not None else 0, q.stride(1) if q is not None else 0,
+        a.num_draft_tokens, a.temperature,
+        a.top_k if a.top_k is not None else dummy,
+        a.top_p if a.top_p is not None else dummy,
+        a.seed, a.offset,
+        uniforms if uniforms is not None else dummy,
+        tokens, num_accepted,
+        K, V, q.shape[-1] if q is not None else V,
+        HAS_DRAFT_PROBS=q is not None,
+        HAS_TOP_K=a.top_k is not None,
+        HAS_TOP_P=a.top_p is not None,
+        HAS_UNIFORMS=uniforms is not None,
+        BLOCK_V=block_v,
+        BLOCK_K=triton.next_power_of_2(K1),
+        num_warps=8 if block_v >= 2048 else 4,
+    )
+    return tokens, num_accepted
+
+
+def _run_torch(a: _Args) -> tuple[torch.Tensor, torch.Tensor]:
+    K = a.target_logits.shape[1] - 1
+    u = a.uniforms if a.uniforms is not None else philox_uniforms(a.seed, a.offset, K)
+    return verify_reference(a.target_logits, a.draft_tokens, a.draft_probs, a.num_draft_tokens,
+                            a.temperature, a.top_k, a.top_p, u)
+
+
+def _verify_impl(target_logits, draft_tokens, draft_probs, num_draft_tokens, temperature, top_k,
+                 top_p, seed, offset, uniforms, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    a = _Args(target_logits, draft_tokens, draft_probs, num_draft_tokens, temperature, top_k, top_p,
+              seed, offset, uniforms)
+    if _resolve_backend(backend, target_logits.device) == "triton":
+        return _launch_triton(a)
+    return _run_torch(a)
+
+
+# The registered op: opaque to torch.compile, with a fake for tracing.  Eager calls skip the
+# dispatcher (it costs tens of microseconds at batch 1, a decode step's scale; see bench/).
+@torch.library.custom_op("specdec::fused_verify", mutates_args=())
+def _fused_verify_op(
+    target_logits: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    draft_probs: Optional[torch.Tensor],
+    num_draft_tokens: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: Optional[torch.Tensor],
+    top_p: Optional[torch.Tensor],
+    seed: torch.Tensor,
+    offset: torch.Tensor,
+    uniforms: Optional[torch.Tensor],
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _verify_impl(target_logits, draft_tokens, draft_probs, num_draft_tokens, temperature,
+                        top_k, top_p, seed, offset, uniforms, backend)
+
+
+@_fused_verify_op.register_fake
+def _(target_logits, draft_tokens, draft_probs, num_draft_tokens, temperature, top_k, top_p, seed,
+      offset, uniforms, backend):
+    B, K1, _ = target_logits.shape
+    return (target_logits.new_empty((B, K1), dtype=torch.int64),
+            target_logits.new_empty((B,), dtype=torch.int64))
+
+
+def fused_verify(
+    target_logits: torch.Tensor,  # [B, K+1, V] fp32/bf16/fp16: raw target logits
+    draft_tokens: torch.Tensor,  # [B, K] int32/int64
+    draft_probs: Optional[torch.Tensor] = None,  # [B, K, Vd] fp32, Vd <= V; None = one-hot q
+    *,
+    num_draft_tokens=None,  # None, int or [B] int: row b uses its first K_b <= K drafts
+    temperature=1.0,  # float or [B]: 0 = greedy verification for that row
+    top_k=None,  # None, int or [B] int (0 = off)
+    top_p=None,  # None, float or [B] (1.0 = off)
+    seed=None,  # None (torch's default generator), int, or [B] int64
+    offset=0,  # int or [B] int64: a step counter
+    uniforms: Optional[torch.Tensor] = None,  # [B, K+1] fp32 in [0, 1): explicit random numbers
+    backend: str = "auto",  # "auto" | "triton" | "torch"
+) -> VerifyOutput:
+    """Verify K drafted tokens against the target in one step (Leviathan et al. 2023; Chen et al. 2023).
+
+    For each row b and verify position i, p_i = softmax(warp(target_logits[b, i] / T)), where the
+    warp is top-k then top-p.  Draft x_i is *accepted* with probability min(1, p_i(x_i)/q_i(x_i))
+    (as ``u_i * q_i(x_i) < p_i(x_i)``, no division).  At the first rejection the *recovered*
+    token is drawn from the residual norm(max(0, p_i - q_i)) (from p_i if that sums to zero in
+    floating point); if all K_b drafts are accepted, the *bonus* token is drawn from p_{K_b}.
+    Rows with temperature 0 are verified greedily: accept while x_i == argmax p_i, then emit the
+    argmax.  The emitted tokens are distributed exactly as sampling from the target alone.
+
+    Randomness: the numbers of row b depend only on (seed[b], offset[b]) (Philox, counter-based),
+    never on the other rows of the batch; an int seed is used by every row.  ``uniforms``
+    replaces them: ``uniforms[b, i]`` (i < K) tests draft i and ``uniforms[b, K]`` drives the
+    final draw.  The CPU torch path and the Triton kernel draw the same numbers.
+
+    Unusable input never yields a token: a row that meets a NaN or +inf logit, a position with
+    no finite logit, a NaN/inf/negative draft probability or a draft id outside [0, V) at a
+    position it reads gets ``num_accepted = -1`` and ``tokens = -1``.  Shapes, dtypes, devices
+    and scalar arguments are checked here and raise ValueError/TypeError; tensor-valued
+    parameters (num_draft_tokens, temperature, top_k, top_p) are range-checked on CPU, where
+    that is free; on CUDA an out-of-range value marks its row invalid instead (no host sync).
+    """
+    if isinstance(temperature, float) and not (temperature >= 0 and temperature != float("inf")):
+        raise ValueError(f"temperature must be finite and >= 0 (0 = greedy), got {temperature}")
+    if isinstance(top_k, int) and not isinstance(top_k, bool) and top_k < 0:
+        raise ValueError(f"top_k must be >= 0 (0 = off), got {top_k}")
+    if isinstance(top_p, float) and not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1] (1 = off), got {top_p}")
+    if isinstance(num_draft_tokens, int) and isinstance(target_logits, torch.Tensor) and target_logits.dim() == 3:
+        K = target_logits.shape[1] - 1
+        if not 0 <= num_draft_tokens <= K:
+            raise ValueError(f"num_draft_tokens must be in [0, K] = [0, {K}], got {num_draft_tokens}")
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+    a = _normalize(target_logits, draft_tokens, draft_probs, num_draft_tokens, temperature, top_k,
+                   top_p, seed, offset, uniforms)
+    fn = _fused_verify_op if torch.compiler.is_compiling() else _verify_impl
+    tokens, num_accepted = fn(*a, backend)
+    return VerifyOutput(tokens, num_accepted)
