@@ -147,6 +147,16 @@ def _target_probs(s: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     return e / e.sum(-1, keepdim=True)
 
 
+def _accept(u: torch.Tensor, p_x: torch.Tensor, q_x: torch.Tensor) -> torch.Tensor:
+    """Accept with probability min(1, p(x) / q(x)): u * q(x) < p(x), with no division."""
+    return u * q_x < p_x
+
+
+def _residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """The unnormalised residual max(0, p - q) of the whole distributions [N, V]."""
+    return (p - q).clamp(min=0.0)
+
+
 def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Index of the first v with cumsum(w)[v] > u * sum(w); the last v with w > 0 if rounding
     leaves none.  weights [N, V] >= 0 with a positive sum, u [N] in [0, 1).  Returns [N] int64."""
@@ -204,7 +214,7 @@ def verify_reference(
         q_x = draft_probs.float().gather(-1, x_safe.clamp(max=Vd - 1)[..., None])[..., 0]
         q_x = torch.where(x_safe < Vd, q_x, 0.0)
     u = uniforms.float()
-    accept = torch.where(greedy[:, None], x == argmax[:, :K], u[:, :K] * q_x < p_x)  # [B, K]
+    accept = torch.where(greedy[:, None], x == argmax[:, :K], _accept(u[:, :K], p_x, q_x))  # [B, K]
     bad_x = ~x_ok | (~greedy[:, None] & (~torch.isfinite(q_x) | (q_x < 0)))
     bad_verify = bad_pos[:, :K] | bad_x  # [B, K]
 
@@ -232,7 +242,7 @@ def verify_reference(
             q_j[:, :Vd] = q_rows
             bad_q = ~torch.isfinite(q_rows).all(-1) | (q_rows < 0).any(-1)
             bad_row |= rejected & ~greedy & bad_q
-    residual = torch.where(rejected[:, None], (p_j - q_j).clamp(min=0.0), p_j)
+    residual = torch.where(rejected[:, None], _residual(p_j, q_j), p_j)
     residual = torch.nan_to_num(residual, nan=0.0)  # only on rows already marked invalid
     empty = residual.sum(-1) <= 0
     weights = torch.where(empty[:, None], torch.nan_to_num(p_j, nan=0.0), residual)

@@ -1,0 +1,212 @@
+"""Distributional tests: speculative sampling through fused_verify emits the target's
+distribution, whatever the draft.
+
+Each case runs N = 100,000 independent trials (rows with distinct seeds) of one verification
+step with K = 2 drafts sampled from q, and checks:
+  1. the first emitted token follows p_1,
+  2. given that x_1 was accepted, the second emitted token follows p_2,
+  3. the acceptance rate of x_1 matches sum_v min(p_1(v), q_1(v)).
+1 and 2 are chi-square goodness-of-fit tests that must not reject at significance 1e-4 (bins
+with expected count < 5 merged; any draw of a token with p = 0 fails outright); 3 is a z-test
+with bound |z| < 5 (two-sided p ~ 6e-7).  The seeds are fixed, so each run is deterministic:
+the bounds state how unlikely a correct implementation is to fail with a fresh seed.
+
+The expected distributions are computed here, independently of the package (float64, sorting,
+written from the definitions).  On CPU the torch path runs these 100,000-row batches; the Triton
+kernel equals it token for token (test_verify_exact.py), and on a GPU it runs these tests itself.
+Two mutants prove the tests have teeth: the residual written as max(0, p - p) (the article's
+bug) and an acceptance test that ignores q must both be rejected.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from conftest import HAS_CUDA
+from specdec_kernels import fused_verify
+from specdec_kernels import reference as ref
+
+N = 100_000
+SIGNIFICANCE = 1e-4
+Z_BOUND = 5.0
+V = 12
+K = 2
+NEG_INF = float("-inf")
+
+BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(
+    not HAS_CUDA, reason="100,000-row kernel runs need a GPU; on CPU the kernel is checked exactly against the torch path"))]
+
+
+def expected_probs(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None) -> np.ndarray:
+    """The warped target distribution from its definition, in float64."""
+    s = logits.double().numpy() / temperature
+    keep = np.isfinite(s)
+    if top_k:
+        kth = np.sort(s)[::-1][min(top_k, len(s)) - 1]
+        keep &= s >= kth
+    e = np.where(keep, np.exp(np.where(keep, s, 0) - s[keep].max()), 0.0)
+    p = e / e.sum()
+    if top_p is not None and top_p < 1:
+        # keep v iff the mass of tokens strictly more likely than v is < top_p
+        greater = np.array([p[p > p[v]].sum() for v in range(len(p))])
+        keep &= greater < top_p
+        p = np.where(keep, p, 0.0)
+        p = p / p.sum()
+    return p
+
+
+def chi_square_pvalue(tokens: np.ndarray, p: np.ndarray) -> float:
+    counts = np.bincount(tokens, minlength=len(p)).astype(np.float64)
+    if counts[p == 0].sum() > 0 or (tokens < 0).any():
+        return 0.0  # a token the target forbids was emitted
+    n = counts.sum()
+    exp = p * n
+    order = np.argsort(exp)
+    obs_bins, exp_bins, acc_o, acc_e = [], [], 0.0, 0.0
+    for v in order:
+        if p[v] == 0:
+            continue
+        acc_o += counts[v]
+        acc_e += exp[v]
+        if acc_e >= 5:
+            obs_bins.append(acc_o)
+            exp_bins.append(acc_e)
+            acc_o = acc_e = 0.0
+    if acc_e > 0:
+        if exp_bins:
+            obs_bins[-1] += acc_o
+            exp_bins[-1] += acc_e
+        else:
+            obs_bins.append(acc_o)
+            exp_bins.append(acc_e)
+    if len(exp_bins) < 2:
+        return 1.0 if obs_bins[0] == n else 0.0  # a single allowed token: all draws must be it
+    return float(stats.chisquare(obs_bins, exp_bins).pvalue)
+
+
+def run_case(backend, logits, q, x=None, temperature=1.0, top_k=None, top_p=None, seed0=0):
+    """N trials of one step. logits [K+1, V]; q [K, Vd] (drafts sampled from it) or None with
+    fixed drafts x [K]. Returns (tokens [N, K+1], num_accepted [N]) as numpy."""
+    dev = torch.device("cuda" if backend == "triton" else "cpu")
+    g = torch.Generator().manual_seed(12345 + seed0)
+    if q is not None:
+        x = torch.stack([torch.multinomial(q[i], N, replacement=True, generator=g) for i in range(K)], dim=1)
+        draft_probs = q.float()[None].expand(N, -1, -1).to(dev)
+    else:
+        x = x[None].expand(N, -1)
+        draft_probs = None
+    out = fused_verify(logits.float()[None].expand(N, -1, -1).to(dev), x.to(dev), draft_probs,
+                       temperature=temperature, top_k=top_k, top_p=top_p,
+                       seed=torch.arange(N, dtype=torch.int64, device=dev) + 10**6 * seed0,
+                       offset=seed0, backend=backend)
+    return out.tokens.cpu().numpy(), out.num_accepted.cpu().numpy()
+
+
+def check(backend, logits, q, x=None, temperature=1.0, top_k=None, top_p=None, seed0=0):
+    """Assert the three properties; returns the p-values for the mutant tests."""
+    tokens, n_acc = run_case(backend, logits, q, x, temperature, top_k, top_p, seed0)
+    assert (n_acc >= 0).all() and (n_acc <= K).all()
+    p1 = expected_probs(logits[0], temperature, top_k, top_p)
+    p2 = expected_probs(logits[1], temperature, top_k, top_p)
+    pv1 = chi_square_pvalue(tokens[:, 0], p1)
+    accepted = n_acc >= 1
+    pv2 = chi_square_pvalue(tokens[accepted, 1], p2) if accepted.sum() >= 50 else 1.0
+    if q is not None:
+        q1 = np.zeros(len(p1))
+        q1[: q.shape[1]] = q[0].double().numpy()
+    else:
+        q1 = np.eye(len(p1))[int(x[0])]
+    alpha = float(np.minimum(p1, q1).sum())
+    rate = accepted.mean()
+    if alpha in (0.0, 1.0) or min(alpha, 1 - alpha) < 1e-9:
+        z = 0.0 if abs(rate - alpha) < 1e-12 else math.inf
+    else:
+        z = (rate - alpha) / math.sqrt(alpha * (1 - alpha) / N)
+    return pv1, pv2, z
+
+
+def assert_exact(pv1, pv2, z):
+    assert pv1 > SIGNIFICANCE, f"first token does not follow p_1: chi-square p = {pv1:.3g}"
+    assert pv2 > SIGNIFICANCE, f"second token given acceptance does not follow p_2: chi-square p = {pv2:.3g}"
+    assert abs(z) < Z_BOUND, f"acceptance rate of x_1 is off sum min(p, q): z = {z:.2f}"
+
+
+def _logits(seed, scale=1.5, support=None):
+    g = torch.Generator().manual_seed(seed)
+    lg = torch.randn(K + 1, V, generator=g, dtype=torch.float64) * scale
+    if support is not None:
+        lg[:, [v for v in range(V) if v not in support]] = NEG_INF
+    return lg
+
+
+def _probs(logits, temperature=1.0):
+    return torch.softmax(logits / temperature, -1)[:K]
+
+
+CASES = {
+    # name: (logits, q or None, x or None, temperature, top_k, top_p)
+    "generic": lambda: (_logits(1), _probs(_logits(2)), None, 1.0, None, None),
+    "q_equals_p": lambda: (_logits(3), _probs(_logits(3)), None, 1.0, None, None),
+    "disjoint_supports": lambda: (_logits(4, support=range(0, 6)), _probs(_logits(5, support=range(6, 12))), None, 1.0, None, None),
+    "q_zero_where_p_positive": lambda: (_logits(6), _probs(_logits(7, support=range(0, 4))), None, 1.0, None, None),
+    "one_hot_p": lambda: (_logits(8, support=[3]), _probs(_logits(9)), None, 1.0, None, None),
+    "one_hot_q": lambda: (_logits(10), _probs(_logits(11, support=[2])), None, 1.0, None, None),
+    "temperature_0.5": lambda: (_logits(12), _probs(_logits(13), 0.5), None, 0.5, None, None),
+    "temperature_2": lambda: (_logits(14), _probs(_logits(15), 2.0), None, 2.0, None, None),
+    "top_k": lambda: (_logits(16), _probs(_logits(17)), None, 1.0, 4, None),
+    "top_p": lambda: (_logits(18), _probs(_logits(19)), None, 1.0, None, 0.7),
+    "top_k_and_top_p": lambda: (_logits(20), _probs(_logits(21)), None, 0.8, 6, 0.8),
+    "padded_target_vocab": lambda: (_logits(22), _probs(_logits(23)[:, :9]), None, 1.0, None, None),
+    "deterministic_drafter": lambda: (_logits(24), None, torch.tensor([5, 1]), 1.0, None, None),
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", list(CASES))
+def test_emits_target_distribution(case, backend):
+    logits, q, x, temperature, top_k, top_p = CASES[case]()
+    if case == "q_equals_p":  # q is the warped target itself: everything is accepted
+        q = torch.from_numpy(np.stack([expected_probs(logits[i], 1.0, None, None) for i in range(K)]))
+    assert_exact(*check(backend, logits, q, x, temperature, top_k, top_p, seed0=list(CASES).index(case)))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_greedy_rows_emit_the_argmax(backend):
+    """Temperature 0: x_i is accepted iff it is the argmax of p_i, and every emitted token is
+    the argmax of its position, whatever the draft sampled."""
+    logits = _logits(30, scale=0.3)  # flat, so the sampled drafts often differ from the argmax
+    q = _probs(_logits(30, scale=0.3))
+    g = torch.Generator().manual_seed(7)
+    x = torch.stack([torch.multinomial(q[i], N, replacement=True, generator=g) for i in range(K)], dim=1)
+    dev = torch.device("cuda" if backend == "triton" else "cpu")
+    out = fused_verify(logits.float()[None].expand(N, -1, -1).to(dev), x.to(dev), q.float()[None].expand(N, -1, -1).to(dev),
+                       temperature=0.0, seed=0, backend=backend)
+    tokens, n_acc = out.tokens.cpu(), out.num_accepted.cpu()
+    argmax = logits.argmax(-1)
+    expected_n = torch.where(x[:, 0] != argmax[0], 0, torch.where(x[:, 1] != argmax[1], 1, 2))
+    assert torch.equal(n_acc, expected_n)
+    cols = torch.arange(K + 1)[None, :]
+    emitted = cols <= n_acc[:, None]
+    assert torch.equal(tokens[emitted], argmax[None].expand(N, -1)[emitted])
+    assert 0.05 < (n_acc == 0).float().mean() < 0.95, "the case must exercise both outcomes"
+
+
+def test_mutant_residual_p_minus_p_is_caught(monkeypatch):
+    """The article's residual max(0, p - p) (zero, so our fallback samples p) must fail."""
+    monkeypatch.setattr(ref, "_residual", lambda p, q: (p - p).clamp(min=0.0))
+    logits, q, _, _, _, _ = CASES["generic"]()
+    pv1, _, _ = check("torch", logits, q, seed0=1)
+    assert pv1 < SIGNIFICANCE, f"the mutant residual was not detected (p = {pv1:.3g})"
+
+
+def test_mutant_acceptance_ignoring_q_is_caught(monkeypatch):
+    """Accepting with probability p(x) instead of min(1, p(x)/q(x)) must fail."""
+    monkeypatch.setattr(ref, "_accept", lambda u, p_x, q_x: u < p_x)
+    logits, q, _, _, _, _ = CASES["generic"]()
+    pv1, _, z = check("torch", logits, q, seed0=2)
+    assert pv1 < SIGNIFICANCE or abs(z) > Z_BOUND, "the mutant acceptance test was not detected"
