@@ -1,0 +1,242 @@
+// The specdec op namespace: schemas (TORCH_LIBRARY) and the CPU kernels.
+//
+// Python reaches the ops as torch.ops.specdec.<name> once specdec_kernels._C is imported;
+// the module itself is empty and only exists so that the import loads this shared object,
+// which runs the static registrations below.  The CUDA kernels register themselves from
+// compact_kv_cuda.cu when the extension is built with CUDA.
+//
+// compact_kv_ memory traffic: each moved row reads and writes H * D * elem bytes per cache,
+// i.e. 2 * count[b] * H * D * elem bytes per (cache, row); nothing else is touched, which is
+// the floor for an in-place move.
+#include <Python.h>
+
+#include <ATen/MemoryOverlap.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstring>
+#include <utility>
+#include <vector>
+
+#include "compact_kv.h"
+
+extern "C" {
+// An empty module `specdec_kernels._C`: importing it dlopens this library, and with it the
+// TORCH_LIBRARY / TORCH_LIBRARY_IMPL initialisers.  Only the limited Python C API is used.
+PyObject* PyInit__C(void) {
+  static struct PyModuleDef module_def = {
+      PyModuleDef_HEAD_INIT,
+      "_C",                                             // m_name
+      "specdec custom ops; use them via torch.ops.specdec",  // m_doc
+      -1,                                               // m_size: no per-interpreter state
+      nullptr,                                          // m_methods: none
+  };
+  return PyModule_Create(&module_def);
+}
+}
+
+namespace specdec {
+
+void check_compact_kv_meta(
+    at::TensorList caches,
+    int64_t src_start,
+    const at::Tensor& dst_start,
+    const at::Tensor& count) {
+  TORCH_CHECK(
+      !caches.empty(),
+      "compact_kv_: caches must be a non-empty list of [B, H, T, D] tensors, got an empty list");
+  TORCH_CHECK(
+      dst_start.dim() == 1,
+      "compact_kv_: dst_start must have 1 dim [B], got ", dst_start.dim(), " (shape ",
+      dst_start.sizes(), ")");
+  TORCH_CHECK(
+      count.dim() == 1,
+      "compact_kv_: count must have 1 dim [B], got ", count.dim(), " (shape ", count.sizes(), ")");
+  TORCH_CHECK(
+      dst_start.scalar_type() == at::kLong,
+      "compact_kv_: dst_start must be int64 (Long), got ", dst_start.scalar_type());
+  TORCH_CHECK(
+      count.scalar_type() == at::kLong,
+      "compact_kv_: count must be int64 (Long), got ", count.scalar_type());
+  const int64_t B = dst_start.size(0);
+  TORCH_CHECK(
+      count.size(0) == B,
+      "compact_kv_: count must have B = dst_start.size(0) = ", B, " entries, got ", count.size(0));
+
+  const c10::Device device = caches[0].device();
+  TORCH_CHECK(
+      dst_start.device() == device,
+      "compact_kv_: dst_start must be on the caches' device ", device, ", got ", dst_start.device());
+  TORCH_CHECK(
+      count.device() == device,
+      "compact_kv_: count must be on the caches' device ", device, ", got ", count.device());
+
+  for (size_t i = 0; i < caches.size(); ++i) {
+    const at::Tensor& c = caches[i];
+    TORCH_CHECK(c.defined(), "compact_kv_: caches[", i, "] must be a tensor, got an undefined one");
+    TORCH_CHECK(
+        c.dim() == 4,
+        "compact_kv_: caches[", i, "] must have 4 dims [B, H, T, D], got ", c.dim(), " (shape ",
+        c.sizes(), ")");
+    TORCH_CHECK(
+        c.device() == device,
+        "compact_kv_: caches[", i, "] must be on caches[0]'s device ", device, ", got ", c.device());
+    TORCH_CHECK(
+        at::isFloatingType(c.scalar_type()),
+        "compact_kv_: caches[", i, "] must have a floating-point dtype, got ", c.scalar_type());
+    TORCH_CHECK(
+        c.size(0) == B,
+        "compact_kv_: caches[", i, "] must have B = dst_start.size(0) = ", B,
+        " rows (dim 0), got ", c.size(0), " (shape ", c.sizes(), ")");
+    // Rows are moved with memmove of D contiguous elements.
+    TORCH_CHECK(
+        c.stride(3) == 1 || c.size(3) <= 1,
+        "compact_kv_: caches[", i, "] must have a contiguous last dim (stride(3) == 1), got "
+        "stride(3) = ", c.stride(3), " (strides ", c.strides(), ")");
+    TORCH_CHECK(
+        src_start >= 0 && src_start <= c.size(2),
+        "compact_kv_: src_start must be in [0, T] = [0, ", c.size(2), "] (T = caches[", i,
+        "].size(2)), got ", src_start);
+    // An expanded tensor (stride 0 over a dim of size > 1) would be written by several
+    // rows/heads at once.
+    TORCH_CHECK(
+        at::has_internal_overlap(c) != at::MemOverlap::Yes,
+        "compact_kv_: caches[", i, "] must not have internally overlapping memory (e.g. an "
+        "expand()ed tensor), got strides ", c.strides(), " for shape ", c.sizes());
+  }
+
+  // Two caches sharing memory would be moved twice, and the result would depend on the order
+  // (and, in parallel, the timing) of the copies.  Group by storage so the check stays
+  // O(L log L) for the usual case of one buffer per cache; views of one buffer that do not
+  // overlap (keys and values of a fused KV tensor) are fine.
+  std::vector<std::pair<const void*, size_t>> by_storage;
+  by_storage.reserve(caches.size());
+  for (size_t i = 0; i < caches.size(); ++i) {
+    by_storage.emplace_back(caches[i].storage().data(), i);
+  }
+  std::sort(by_storage.begin(), by_storage.end());
+  for (size_t lo = 0; lo < by_storage.size();) {
+    size_t hi = lo + 1;
+    while (hi < by_storage.size() && by_storage[hi].first == by_storage[lo].first) {
+      ++hi;
+    }
+    for (size_t a = lo; a < hi; ++a) {
+      for (size_t b = a + 1; b < hi; ++b) {
+        const size_t i = std::min(by_storage[a].second, by_storage[b].second);
+        const size_t j = std::max(by_storage[a].second, by_storage[b].second);
+        const at::MemOverlapStatus s = at::get_overlap_status(caches[i], caches[j]);
+        TORCH_CHECK(
+            s != at::MemOverlapStatus::Full && s != at::MemOverlapStatus::Partial,
+            "compact_kv_: caches[", i, "] and caches[", j, "] must not share memory, got ",
+            s == at::MemOverlapStatus::Full ? "the same memory" : "overlapping memory",
+            " (every cache in the list must be moved exactly once)");
+      }
+    }
+    lo = hi;
+  }
+}
+
+namespace {
+
+// Below this many bytes a (cache, row) task is merged with its neighbours instead of being
+// handed to another thread: a memmove of 256 KiB takes ~10-30 us, about a thread wake-up.
+constexpr int64_t kMinBytesPerTask = int64_t{256} * 1024;
+
+void compact_kv_cpu(
+    at::TensorList caches,        // L x [B, H, T, D] floating, stride(3) == 1
+    int64_t src_start,            // in [0, T]
+    const at::Tensor& dst_start,  // [B] int64, dst_start[b] in [0, src_start]
+    const at::Tensor& count) {    // [B] int64, count[b] in [0, T - src_start]
+  check_compact_kv_meta(caches, src_start, dst_start, count);
+
+  // On CPU the index values are free to read, so they are checked here (the CUDA kernel
+  // cannot check them without a device sync, and skips/clamps instead).
+  const at::Tensor dst_c = dst_start.contiguous();  // [B] int64
+  const at::Tensor cnt_c = count.contiguous();      // [B] int64
+  const int64_t* dst = dst_c.const_data_ptr<int64_t>();
+  const int64_t* cnt = cnt_c.const_data_ptr<int64_t>();
+  const int64_t B = dst_c.numel();
+  const int64_t L = static_cast<int64_t>(caches.size());
+
+  size_t shortest = 0;  // the cache with the smallest T bounds src_start + count[b]
+  for (size_t i = 1; i < caches.size(); ++i) {
+    if (caches[i].size(2) < caches[shortest].size(2)) {
+      shortest = i;
+    }
+  }
+  const int64_t T = caches[shortest].size(2);
+  int64_t moved_rows = 0;  // sum over b of count[b] for rows that actually move
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(dst[b] >= 0, "compact_kv_: dst_start[", b, "] must be >= 0, got ", dst[b]);
+    TORCH_CHECK(
+        dst[b] <= src_start,
+        "compact_kv_: dst_start[", b, "] must be <= src_start = ", src_start, ", got ", dst[b]);
+    TORCH_CHECK(cnt[b] >= 0, "compact_kv_: count[", b, "] must be >= 0, got ", cnt[b]);
+    TORCH_CHECK(
+        cnt[b] <= T - src_start,
+        "compact_kv_: src_start + count[", b, "] must be <= T = ", T, " (T = caches[", shortest,
+        "].size(2)), got ", src_start, " + ", cnt[b]);
+    if (dst[b] != src_start) {
+      moved_rows += cnt[b];
+    }
+  }
+  if (moved_rows == 0) {
+    return;
+  }
+
+  int64_t total_bytes = 0;
+  for (const at::Tensor& c : caches) {
+    total_bytes += moved_rows * c.size(1) * c.size(3) * c.element_size();
+  }
+  const int64_t tasks = L * B;
+  const int64_t bytes_per_task = std::max<int64_t>(1, total_bytes / tasks);
+  const int64_t grain = std::max<int64_t>(1, kMinBytesPerTask / bytes_per_task);
+
+  // One task per (cache, row): they touch disjoint memory (checked above), so no locking.
+  at::parallel_for(0, tasks, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task % B;
+      const int64_t n = cnt[b];
+      const int64_t d0 = dst[b];
+      if (n == 0 || d0 == src_start) {
+        continue;
+      }
+      const at::Tensor& c = caches[task / B];
+      const int64_t elem = c.element_size();
+      const int64_t H = c.size(1);
+      const int64_t row_bytes = c.size(3) * elem;
+      const int64_t stride_h = c.stride(1) * elem;  // bytes
+      const int64_t stride_t = c.stride(2) * elem;  // bytes
+      char* row = static_cast<char*>(c.mutable_data_ptr()) + b * c.stride(0) * elem;
+      for (int64_t h = 0; h < H; ++h) {
+        char* head = row + h * stride_h;
+        if (stride_t == row_bytes) {
+          // [T, D] slice is dense: one memmove moves all n rows, overlap included.
+          std::memmove(head + d0 * stride_t, head + src_start * stride_t, n * row_bytes);
+        } else {
+          // Rows are strided (e.g. a [B, T, H, D] buffer viewed as [B, H, T, D]).  Increasing
+          // j is safe because dst_start <= src_start: row j is read before any write reaches it.
+          for (int64_t j = 0; j < n; ++j) {
+            std::memmove(
+                head + (d0 + j) * stride_t, head + (src_start + j) * stride_t, row_bytes);
+          }
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY(specdec, m) {
+  m.def("compact_kv_(Tensor(a!)[] caches, int src_start, Tensor dst_start, Tensor count) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(specdec, CPU, m) {
+  m.impl("compact_kv_", &compact_kv_cpu);
+}
+
+}  // namespace specdec
