@@ -1,0 +1,182 @@
+"""Microbenchmark of the verification step: fused_verify against every PyTorch way of doing it.
+
+Providers, all computing the same step on the same inputs:
+  fused_triton        fused_verify, the Triton kernel (one launch; CUDA only)
+  reference_eager     specdec_kernels.reference.verify_reference, eager (uniforms from torch.rand)
+  reference_compiled  the same under torch.compile
+  hf_style            the step as transformers writes it, looped over the rows (bench/hf_style.py);
+                      it has no top-k/top-p of its own, so warped rows are marked n/a for it
+
+On a machine without a GPU only the torch providers run, on CPU (never the Triton interpreter,
+which would measure numpy). Rows append to a CSV keyed by provider, shape, dtype, device and
+versions; a table is printed and a PNG of time against B is drawn per (K, V, dtype, mode).
+
+    python bench/bench_verify.py                     # the grid for this machine (cpu or gpu)
+    python bench/bench_verify.py --grid full --out bench/results/gpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import append_csv, device_name, now, peak_gbps, print_table, time_fn, versions  # noqa: E402
+from hf_style import hf_style_verify  # noqa: E402
+
+from specdec_kernels import fused_verify  # noqa: E402
+from specdec_kernels.reference import verify_reference  # noqa: E402
+
+GRIDS = {
+    # B, K, V, dtypes, temperatures, warps
+    "full": dict(B=[1, 4, 16, 64, 256], K=[1, 4, 8], V=[32000, 128256, 151936],
+                 dtype=["fp32", "bf16"], temperature=[1.0, 0.0], warp=[False, True]),
+    "gpu": dict(B=[1, 4, 16, 64, 256], K=[4], V=[32000, 128256],
+                dtype=["bf16", "fp32"], temperature=[1.0, 0.0], warp=[False, True]),
+    "cpu": dict(B=[1, 4, 16], K=[4], V=[32000, 128256], dtype=["fp32"], temperature=[1.0, 0.0], warp=[False]),
+    "smoke": dict(B=[1, 4], K=[2], V=[1000], dtype=["fp32"], temperature=[1.0], warp=[False, True]),
+}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+PROVIDERS = ["fused_triton", "reference_eager", "reference_compiled", "hf_style"]
+
+
+def make_inputs(B, K, V, dtype, device, seed=0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    logits = (torch.randn(B, K + 1, V, generator=g) * 3).to(dtype)
+    q = torch.softmax(logits[:, :K].float() + torch.randn(B, K, V, generator=g), dim=-1)
+    x = torch.multinomial(q.reshape(-1, V), 1, generator=g).view(B, K)
+    return logits.to(device), x.to(device), q.to(device)
+
+
+def bytes_moved(B, K, V, elem):
+    """Worst-case traffic of the step (all drafts accepted): every logit once, one draft row for
+    the residual, the outputs. The fused kernel reads less when it rejects early."""
+    return B * ((K + 1) * V * elem + V * 4 + (K + 2) * 8)
+
+
+def build_providers(logits, x, q, temperature, warp, device, compiled_cache):
+    B, K1, V = logits.shape
+    kb = torch.full((B,), K1 - 1, dtype=torch.int64, device=device)
+    temp = torch.full((B,), temperature, dtype=torch.float32, device=device)
+    top_k = torch.full((B,), 50, dtype=torch.int64, device=device) if warp else None
+    top_p = torch.full((B,), 0.9, dtype=torch.float32, device=device) if warp else None
+    seed = torch.arange(B, dtype=torch.int64, device=device)
+
+    def reference_step():
+        u = torch.rand(B, K1, device=device)
+        return verify_reference(logits, x, q, kb, temp, top_k, top_p, u)
+
+    if "fn" not in compiled_cache:
+        compiled_cache["fn"] = torch.compile(verify_reference, dynamic=False)
+    compiled = compiled_cache["fn"]
+
+    def compiled_step():
+        u = torch.rand(B, K1, device=device)
+        return compiled(logits, x, q, kb, temp, top_k, top_p, u)
+
+    providers = {
+        "reference_eager": reference_step,
+        "reference_compiled": compiled_step,
+        "hf_style": None if warp else (lambda: hf_style_verify(logits, q, x, temperature)),
+    }
+    if device.type == "cuda":
+        providers["fused_triton"] = lambda: fused_verify(
+            logits, x, q, temperature=temp, top_k=top_k, top_p=top_p, seed=seed, offset=0)
+    return providers
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--grid", choices=sorted(GRIDS), default=None, help="default: gpu on CUDA, cpu otherwise")
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--out", default="bench/results/local")
+    ap.add_argument("--providers", default=",".join(PROVIDERS))
+    args = ap.parse_args(argv)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    grid = GRIDS[args.grid or ("gpu" if device.type == "cuda" else "cpu")]
+    wanted = set(args.providers.split(","))
+    dev_name, peak, ver, stamp = device_name(device), peak_gbps(device), versions(), now()
+    print(f"# bench_verify on {dev_name}; {ver}; {stamp}")
+    rows = []
+    compiled_cache: dict = {}
+    for B, K, V, dt, temperature, warp in itertools.product(
+            grid["B"], grid["K"], grid["V"], grid["dtype"], grid["temperature"], grid["warp"]):
+        if temperature == 0 and warp:
+            continue  # greedy ignores the warp
+        logits, x, q = make_inputs(B, K, V, DTYPES[dt], device)
+        providers = build_providers(logits, x, q, temperature, warp, device, compiled_cache)
+        times = {}
+        for name in PROVIDERS:
+            fn = providers.get(name)
+            if name not in wanted or fn is None:
+                continue
+            small = device.type == "cuda" and name == "fused_triton" and B <= 16
+            times[name] = time_fn(fn, device, cuda_graph=small)
+        nbytes = bytes_moved(B, K, V, logits.element_size())
+        for name, (med, q20, q80) in times.items():
+            gbps = nbytes / (med * 1e-3) / 1e9
+            row = dict(op="verify", provider=name, B=B, K=K, V=V, dtype=dt, temperature=temperature,
+                       warp="topk50_topp0.9" if warp else "none", device=dev_name, median_ms=med,
+                       q20_ms=q20, q80_ms=q80, bytes=nbytes, gbps=gbps,
+                       pct_peak=(100 * gbps / peak) if peak else None, date=stamp, **ver)
+            for other, (omed, _, _) in times.items():
+                if other != name:
+                    row[f"speedup_vs_{other}"] = omed / med
+            rows.append(row)
+    for r in rows:  # one schema for the CSV
+        for p in PROVIDERS:
+            r.setdefault(f"speedup_vs_{p}", None)
+            r.pop(f"speedup_vs_{r['provider']}", None)
+    os.makedirs(args.out, exist_ok=True)
+    csv_path = os.path.join(args.out, "bench_verify.csv")
+    cols = ["provider", "B", "K", "V", "dtype", "temperature", "warp", "median_ms", "q20_ms", "q80_ms", "gbps", "pct_peak"]
+    cols += [f"speedup_vs_{p}" for p in PROVIDERS]
+    for r in rows:
+        for p in PROVIDERS:
+            r.setdefault(f"speedup_vs_{p}", None)
+    rows = [{k: r[k] for k in sorted(r, key=lambda k: (k.startswith("speedup"), k))} for r in rows]
+    append_csv(csv_path, rows)
+    text = print_table(rows, cols)
+    with open(os.path.join(args.out, "bench_verify.txt"), "w") as f:
+        f.write(f"# bench_verify on {dev_name}; {ver}; {stamp}\n{text}\n")
+    plot(rows, os.path.join(args.out, "bench_verify.png"), dev_name)
+    print(f"wrote {csv_path} and bench_verify.png in {args.out}")
+
+
+def plot(rows, path, dev_name):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = sorted({(r["K"], r["V"], r["dtype"], r["temperature"], r["warp"]) for r in rows})
+    n = len(groups)
+    cols = min(3, n)
+    nrows = (n + cols - 1) // cols
+    fig, axes = plt.subplots(nrows, cols, figsize=(5 * cols, 3.6 * nrows), squeeze=False)
+    for ax, g in zip(axes.flat, groups):
+        for prov in PROVIDERS:
+            pts = sorted((r["B"], r["median_ms"]) for r in rows
+                         if (r["K"], r["V"], r["dtype"], r["temperature"], r["warp"]) == g and r["provider"] == prov)
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=prov)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("batch B")
+        ax.set_ylabel("median ms")
+        ax.set_title(f"K={g[0]} V={g[1]} {g[2]} T={g[3]} {g[4]}", fontsize=9)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[n:]:
+        ax.axis("off")
+    fig.suptitle(f"verification step, {dev_name}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()

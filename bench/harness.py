@@ -1,0 +1,112 @@
+"""Shared benchmark harness: timing, environment facts, CSV rows, tables and plots.
+
+Speed is always a ratio of providers measured side by side in one run (STYLE item 18).
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime as _dt
+import os
+import platform
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+# Peak memory bandwidth by device name, GB/s (vendor figures), for the % of peak column.
+PEAK_GBPS = {"H200": 4800.0, "H100 SXM": 3350.0, "H100": 3350.0, "A100": 2039.0}
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"CPU {platform.processor() or platform.machine()} x{torch.get_num_threads()} threads"
+
+
+def peak_gbps(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, value in PEAK_GBPS.items():
+        if key in name:
+            return value
+    return None
+
+
+def versions() -> dict[str, str]:
+    import transformers
+
+    import specdec_kernels
+
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:  # pragma: no cover
+        triton_version = "none"
+    return {"torch": torch.__version__, "triton": triton_version, "transformers": transformers.__version__,
+            "specdec_kernels": specdec_kernels.__version__}
+
+
+def time_fn(fn: Callable[[], object], device: torch.device, min_time_s: float = 0.2, max_reps: int = 200,
+            cuda_graph: bool = False) -> tuple[float, float, float]:
+    """(median, q20, q80) wall time of fn in milliseconds.
+
+    CUDA: triton.testing.do_bench (cold L2 between reps), or do_bench_cudagraph for
+    microsecond-scale cases where launch overhead would dominate. CPU: perf_counter over
+    repetitions after one warm-up call, at least min_time_s in total.
+    """
+    if device.type == "cuda":
+        import triton.testing
+
+        if cuda_graph:
+            q = triton.testing.do_bench_cudagraph(fn, quantiles=[0.5, 0.2, 0.8])
+        else:
+            q = triton.testing.do_bench(fn, quantiles=[0.5, 0.2, 0.8])
+        return float(q[0]), float(q[1]), float(q[2])
+    fn()
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < 3 or (time.perf_counter() - start < min_time_s and len(times) < max_reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    times.sort()
+    qs = statistics.quantiles(times, n=10) if len(times) >= 2 else [times[0]] * 9
+    return statistics.median(times), qs[1], qs[7]
+
+
+def append_csv(path: str, rows: list[dict]) -> None:
+    if not rows:
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    new = not os.path.exists(path)
+    fields = list(rows[0].keys())
+    with open(path, "a", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields)
+        if new:
+            w.writeheader()
+        w.writerows(rows)
+
+
+def print_table(rows: list[dict], columns: list[str]) -> str:
+    widths = {c: max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in columns}
+    lines = [" | ".join(c.ljust(widths[c]) for c in columns), "-+-".join("-" * widths[c] for c in columns)]
+    lines += [" | ".join(_fmt(r.get(c)).ljust(widths[c]) for c in columns) for r in rows]
+    text = "\n".join(lines)
+    print(text)
+    return text
+
+
+def _fmt(v) -> str:
+    if v is None or v == "":
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
