@@ -1,0 +1,56 @@
+"""Model-free drafters.
+
+Prompt lookup (Saxena 2023, "Prompt Lookup Decoding"; HF ``prompt_lookup_num_tokens``): the
+last n tokens of a row (n from ``max_ngram`` down to ``min_ngram``) are searched for earlier
+in the row's own text (prompt and generated tokens); the tokens that followed the most recent
+earlier match are proposed as drafts.  The drafter is deterministic, so the verifier treats
+its distribution as one-hot (``draft_probs=None``) and the output is still exactly the
+target's.  Lookup runs on the host over Python lists: the rows are already there for stop
+strings and detokenisation, and a match is a few list comparisons.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+__all__ = ["prompt_lookup", "PromptLookupDrafter"]
+
+
+def prompt_lookup(tokens: Sequence[int], num_tokens: int, max_ngram: int = 3,
+                  min_ngram: int = 1) -> list[int]:
+    """Up to ``num_tokens`` drafts for the sequence ``tokens`` (empty when nothing matches).
+
+    For n = max_ngram .. min_ngram, find the most recent earlier occurrence of the last n
+    tokens whose continuation is non-empty and return up to ``num_tokens`` tokens of that
+    continuation.  The continuation may run into the suffix itself (a repeating pattern
+    proposes its own continuation).
+    """
+    if num_tokens <= 0:
+        return []
+    if min_ngram < 1 or max_ngram < min_ngram:
+        raise ValueError(f"need 1 <= min_ngram <= max_ngram, got min_ngram={min_ngram}, max_ngram={max_ngram}")
+    t = list(tokens)
+    L = len(t)
+    for n in range(min(max_ngram, L - 1), min_ngram - 1, -1):
+        suffix = t[L - n:]
+        # Candidate starts i < L - n (the suffix itself excluded), most recent first.
+        for i in range(L - n - 1, -1, -1):
+            if t[i:i + n] == suffix:
+                follow = t[i + n:i + n + num_tokens]
+                if follow:
+                    return follow
+    return []
+
+
+class PromptLookupDrafter:
+    """Batched prompt lookup: one list of drafts per row, padded into a [B, K] block."""
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+        if min_ngram < 1 or max_ngram < min_ngram:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got min_ngram={min_ngram}, max_ngram={max_ngram}")
+        self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
+
+    def propose(self, rows: Sequence[Sequence[int]], max_tokens: Sequence[int]) -> list[list[int]]:
+        """Drafts for each row, at most ``max_tokens[b]`` of them (possibly none)."""
+        return [prompt_lookup(r, k, self.max_ngram, self.min_ngram) for r, k in zip(rows, max_tokens)]
