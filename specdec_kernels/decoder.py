@@ -1,0 +1,933 @@
+"""``SpeculativeDecoder``: exact speculative decoding of any pair of Hugging Face causal LMs.
+
+Each step, a cheap *drafter* (a small model, or prompt lookup) proposes K tokens per row; the
+*target* scores all of them in one forward over K + 1 positions; ``fused_verify`` keeps a
+prefix of the drafts and adds one token (Leviathan et al. 2023; Chen et al. 2023):
+
+- *accepted*: a draft the verifier keeps (probability min(1, p(x) / q(x)));
+- *recovered*: after the first rejection, a token drawn from the residual norm(max(0, p - q));
+- *bonus*: when all K_b drafts of a row are accepted, a token drawn from the target itself.
+
+The emitted tokens are distributed exactly as sampling from the target alone (greedily: equal
+to the target's greedy decoding), whatever the drafter proposes.
+
+Cache layout (ragged batches without moving old data).  Both models keep a ``DynamicCache``
+whose rows are *left-aligned*: row b's tokens occupy columns [0, len_b); columns [len_b, T)
+are a masked gap.  Every forward appends its new columns at T (the same for every row) with an
+explicit 2D ``attention_mask`` and ``position_ids`` (row b's new tokens get positions len_b,
+len_b + 1, ...).  After verifying [last, x_1 .. x_K] at columns T .. T+K, row b keeps n_b + 1 of
+them: they are compacted down to len_b (``compact_dynamic_cache_``), len_b grows by n_b + 1 and
+the cache is cropped to max_b len_b.  The emitted recovered/bonus token is not cached: it is
+the next step's ``last``.  The draft model does the same with its own cache: it ran K one-token
+forwards on [last, x_1 .. x_{K-1}] and keeps min(n_b + 1, K) of them; a row that accepted all K
+lacks x_K, so its next step *catches up* by feeding [x_K, last] (rows that need no catch-up
+feed a masked gap column and ``last``).  Nothing already cached is ever fed again.
+Finished rows are sliced out of both caches.
+
+Host synchronisation: one device-to-host copy per step (the accepted counts and tokens, needed
+to detokenise, check stop strings and EOS, and crop the caches); everything else stays on the
+device.
+
+Randomness: row p of a call uses seed ``seed + p`` (or ``seed[p]``).  The verifier draws from
+Philox at (seed_p, step); the draft samples by inverse CDF from counter-based hashes of
+(a key derived from seed_p, step, draft position).  So a row's output depends only on its
+prompt, its seed and K, never on the other rows: decoding prompt p alone with seed ``seed + p``
+gives the same tokens as in the batch.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence, TextIO, Union
+
+import torch
+
+from .drafters import PromptLookupDrafter
+from .stats import DecodingStats, StatsRecorder
+
+__all__ = ["SpeculativeDecoder", "GenerationResult", "warp_probs"]
+
+_DRAFTERS = ("model", "prompt_lookup")
+_MASK32 = 0xFFFFFFFF
+_MASK64 = 0xFFFFFFFFFFFFFFFF
+
+
+# ----------------------------------------------------------------------------------------------
+# The warp, for the draft's sampling (the verifier applies the same warp to the target)
+# ----------------------------------------------------------------------------------------------
+def _per_row_param(value, batch_shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        return value.to(device=device, dtype=dtype).expand(batch_shape)
+    return torch.full(batch_shape, value, dtype=dtype, device=device)
+
+
+def warp_probs(
+    logits: torch.Tensor,  # [..., V] any float dtype
+    temperature: Union[float, torch.Tensor],  # float or [...]: 0 = greedy
+    top_k: Union[int, torch.Tensor, None] = None,  # int or [...]: 0 or >= V = off
+    top_p: Union[float, torch.Tensor, None] = None,  # float or [...]: 1.0 = off
+) -> torch.Tensor:
+    """The distribution a row samples from: [..., V] fp32, rows sum to 1.
+
+    s = logits.float() * (1 / temperature).  top-k keeps every token with s >= the k-th
+    largest s (ties at the boundary all kept).  top-p then keeps token v iff the probability
+    mass, renormalised over the top-k set, of the tokens with s strictly greater than s_v is
+    < top_p (the smallest set of most likely tokens reaching top_p, ties kept together).
+    p = exp(s - max) over the kept tokens, normalised.  Temperature 0 is greedy: one-hot at
+    the argmax of the logits (the lowest index on ties).  These are the verifier's semantics.
+    """
+    s0 = logits.float()  # [..., V]
+    V = s0.shape[-1]
+    bshape = s0.shape[:-1]
+    temp = _per_row_param(temperature, bshape, torch.float32, s0.device)  # [...]
+    greedy = temp == 0
+    inv_t = 1.0 / torch.where(greedy, torch.ones_like(temp), temp)  # fp32 division, as the verifier
+    s = s0 * inv_t[..., None]  # [..., V]
+    keep = torch.ones_like(s, dtype=torch.bool)
+    if top_k is not None or top_p is not None:
+        s_sorted = torch.sort(s, dim=-1, descending=True).values  # [..., V]
+        if top_k is not None:
+            k = _per_row_param(top_k, bshape, torch.int64, s0.device)
+            k = torch.where((k <= 0) | (k > V), V, k)
+            kth = s_sorted.gather(-1, (k - 1)[..., None])  # [..., 1]: the k-th largest
+            keep = s >= kth
+        if top_p is not None:
+            p_lim = _per_row_param(top_p, bshape, torch.float32, s0.device)  # [...]
+            in_k = s_sorted >= s.masked_fill(~keep, float("inf")).amin(-1, keepdim=True)
+            e = torch.where(in_k, torch.exp(s_sorted - s_sorted[..., :1]), 0.0)  # [..., V]
+            csum = torch.cumsum(e, dim=-1)
+            # Mass ahead of each sorted token; at the first token of a tie group that is the
+            # mass of the strictly greater tokens, and it only grows along the sorted order.
+            before = csum - e
+            n_keep = (before < p_lim[..., None] * csum[..., -1:]).sum(-1, keepdim=True)  # >= 1
+            cut = s_sorted.gather(-1, n_keep - 1)  # the smallest kept value: its ties are kept
+            keep = keep & ((p_lim >= 1.0)[..., None] | (s >= cut))
+    m = s.masked_fill(~keep, float("-inf")).amax(-1, keepdim=True)
+    e = torch.where(keep, torch.exp(s - m), 0.0)
+    probs = e / e.sum(-1, keepdim=True)
+    one_hot = torch.zeros_like(probs).scatter_(-1, s0.argmax(-1, keepdim=True), 1.0)
+    return torch.where(greedy[..., None], one_hot, probs)
+
+
+# ----------------------------------------------------------------------------------------------
+# Counter-based random numbers for the draft (no generator state; batch-invariant)
+# ----------------------------------------------------------------------------------------------
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2^32 for x in [0, 2^32) held in int64, without int64 overflow."""
+    return (x * (c & 0xFFFF) + ((x * (c >> 16)) & 0xFFFF) * 65536) & _MASK32
+
+
+def _fmix32(h: torch.Tensor) -> torch.Tensor:
+    """MurmurHash3's 32-bit finaliser: a bijection with full avalanche."""
+    h = h ^ (h >> 16)
+    h = _mul32(h, 0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = _mul32(h, 0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def _draft_key(seed: int) -> tuple[int, int]:
+    """The draft's (lo, hi) 32-bit key for a row seed: a different stream from the verifier's
+    Philox key (seed itself), so the draft's and the verifier's numbers are independent."""
+    k = _splitmix64(seed & _MASK64)
+    return k & _MASK32, k >> 32
+
+
+def _draft_uniforms(key_lo: torch.Tensor, key_hi: torch.Tensor, step: torch.Tensor, j: int) -> torch.Tensor:
+    """[B] fp32 uniforms in [0, 1) for draft position j of each row's step (24 random bits)."""
+    h = _fmix32(key_lo ^ (step & _MASK32))
+    h = _fmix32(h ^ key_hi)
+    h = _fmix32(h ^ ((j * 0x9E3779B9 + 0x7F4A7C15) & _MASK32))
+    h = _fmix32(h ^ key_lo)
+    return (h >> 8).to(torch.float32) * (1.0 / (1 << 24))
+
+
+def _sample_inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The first v with cumsum(p)[v] > u * sum(p) (never a zero-probability token: the last
+    token with p > 0 if rounding leaves none).  probs [B, V] fp32, u [B] -> [B] int64."""
+    cdf = torch.cumsum(probs, dim=-1)  # [B, V]
+    idx = (cdf <= (u * cdf[:, -1])[:, None]).sum(-1)
+    V = probs.shape[-1]
+    ar = torch.arange(V, device=probs.device)
+    last_nonzero = torch.where(probs > 0, ar, -1).amax(-1)
+    return torch.where(idx >= V, last_nonzero, idx).clamp(min=0)
+
+
+# ----------------------------------------------------------------------------------------------
+# KV cache helpers
+# ----------------------------------------------------------------------------------------------
+def _compact_(cache, src_start: int, dst_start: torch.Tensor, count: torch.Tensor) -> None:
+    """Rows b: cache columns [src_start, src_start + count[b]) -> [dst_start[b], ...)."""
+    from .kv_cache import compact_dynamic_cache_
+
+    compact_dynamic_cache_(cache, src_start, dst_start, count)
+
+
+def _crop_(cache, length: int) -> None:
+    """Crop every layer to ``length`` columns.  A negative ``crop`` argument (columns to drop)
+    means the same in transformers 4.x and 5.x."""
+    cur = cache.get_seq_length()
+    if length < cur:
+        cache.crop(length - cur)
+
+
+def _new_cache(model):
+    from transformers import DynamicCache
+
+    try:
+        cache = DynamicCache(config=model.config)
+    except TypeError:  # older transformers: no config argument
+        cache = DynamicCache()
+    for layer in getattr(cache, "layers", []):
+        if getattr(layer, "is_sliding", False) or not getattr(layer, "is_croppable", True):
+            raise ValueError(
+                f"model {type(model).__name__} uses a {type(layer).__name__} cache layer; the speculative "
+                "decoder needs plain full-attention DynamicCache layers (no sliding window or linear attention)")
+    return cache
+
+
+class _Runner:
+    """One model with its forward's calling convention, resolved once."""
+
+    def __init__(self, model, name: str):
+        self.model = model
+        self.name = name
+        params = inspect.signature(model.forward).parameters
+        # transformers 5 renamed past_key_values to cache (the old name is deprecated).
+        self.cache_kw = "cache" if "cache" in params else "past_key_values"
+        self.has_cache_position = "cache_position" in params
+        self.has_logits_to_keep = "logits_to_keep" in params
+        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self.vocab_size = int(cfg.vocab_size)
+        self.context = getattr(cfg, "max_position_embeddings", None)
+
+    def forward(self, cache, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
+                start: int, keep: int) -> torch.Tensor:
+        """Append ids [B, q] at cache column ``start``; mask [B, start + q] bool (valid columns),
+        positions [B, q].  Returns the logits of the last ``keep`` columns [B, keep, V]."""
+        q = ids.shape[1]
+        kwargs = {self.cache_kw: cache, "use_cache": True, "attention_mask": mask.to(torch.long),
+                  "position_ids": positions}
+        if self.has_cache_position:  # models that index the cache by it (column, not position)
+            kwargs["cache_position"] = torch.arange(start, start + q, device=ids.device)
+        if self.has_logits_to_keep:
+            kwargs["logits_to_keep"] = keep
+        out = self.model(input_ids=ids, **kwargs)
+        return out.logits[:, -keep:]
+
+
+def _device_of(model) -> torch.device:
+    try:
+        return next(model.parameters()).device
+    except StopIteration:  # pragma: no cover - a model without parameters
+        return torch.device("cpu")
+
+
+def _num_params(model) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+class _Clock:
+    """Wall-clock marks; on CUDA, events resolved after the step's single host sync."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def mark(self):
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def seconds(self, a, b) -> float:
+        if self.cuda:
+            return a.elapsed_time(b) / 1000.0
+        return b - a
+
+
+# ----------------------------------------------------------------------------------------------
+# Results and state
+# ----------------------------------------------------------------------------------------------
+@dataclass
+class GenerationResult:
+    """texts[p]: the generated text of prompt p (None without a tokenizer); token_ids[p]: its
+    generated ids (ending with the EOS or the token that completed a stop string, if any);
+    finish_reasons[p]: eos | stop | length | context | nonfinite; stats: see DecodingStats."""
+
+    texts: Optional[list]
+    token_ids: list
+    stats: DecodingStats
+    finish_reasons: list
+
+
+@dataclass
+class _State:
+    rows: list  # prompt index of each active row, in batch order
+    seqs: list  # per prompt: prompt + generated token ids (host)
+    prompt_lens: list
+    generated: list  # per prompt: generated ids
+    finish: list  # per prompt: None while active
+    k: Any  # int or "auto"
+    k_max: int
+    temperature: float
+    top_k: Optional[int]
+    top_p: Optional[float]
+    eos: set
+    stop: list
+    max_new: int
+    context: Optional[int]  # the longest sequence (prompt + generated) allowed
+    target_only: bool
+    recorder: StatsRecorder
+    clock: _Clock
+    verbose: Optional[TextIO]
+    pbar: Any
+    device: torch.device
+    # device tensors, one entry per active row
+    last: torch.Tensor = None  # [B] int64: the next token to feed (emitted, not yet cached)
+    lt: torch.Tensor = None  # [B] int64: valid target-cache columns
+    ld: torch.Tensor = None  # [B] int64: valid draft-cache columns
+    catch: torch.Tensor = None  # [B] int64: the token the draft must catch up on, or -1
+    gen: torch.Tensor = None  # [B] int64: tokens generated so far
+    budget: torch.Tensor = None  # [B] int64: tokens the row may generate in total
+    seed: torch.Tensor = None  # [B] int64: the verifier's Philox seed
+    key_lo: torch.Tensor = None  # [B] int64: the draft's counter-hash key
+    key_hi: torch.Tensor = None
+    step: torch.Tensor = None  # [B] int64: the row's own step counter
+    # host mirrors
+    lt_host: list = field(default_factory=list)
+    ld_host: list = field(default_factory=list)
+    catch_host: list = field(default_factory=list)
+    budget_host: list = field(default_factory=list)
+    tc: Any = None  # target cache
+    dc: Any = None  # draft cache
+    Tt: int = 0  # target cache columns
+    Td: int = 0  # draft cache columns
+    steps_done: int = 0
+    prefill_time: float = 0.0
+
+
+# ----------------------------------------------------------------------------------------------
+# The decoder
+# ----------------------------------------------------------------------------------------------
+def _resolve_dtype(dtype):
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if isinstance(dtype, str):
+        name = dtype.replace("torch.", "")
+        aliases = {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16", "float": "float32"}
+        d = getattr(torch, aliases.get(name, name), None)
+        if isinstance(d, torch.dtype):
+            return d
+    raise ValueError(f"dtype must be a torch.dtype or one of 'float32', 'float16', 'bfloat16', got {dtype!r}")
+
+
+def _vocab_mismatch(a: dict, b: dict) -> Optional[str]:
+    if a == b:
+        return None
+    if len(a) != len(b):
+        return f"{len(a)} vs {len(b)} entries"
+    for tok, i in a.items():
+        if b.get(tok) != i:
+            return f"token {tok!r} has id {i} in the draft's and {b.get(tok)} in the target's"
+    return "different entries"  # pragma: no cover
+
+
+class SpeculativeDecoder:
+    """Exact speculative decoding with a draft model (or prompt lookup) and a target model.
+
+    draft, target: a model name/path (loaded with ``AutoModelForCausalLM``) or a model.
+    ``draft=None`` drafts by prompt lookup (``drafter="prompt_lookup"``).  The two must share
+    a vocabulary (the target's may be padded beyond the draft's); when both tokenizers are
+    known their vocabularies must be equal.  tokenizer: a tokenizer or path (default: the
+    target's, when the target is given by path); without one, prompts must be token ids.
+    device, dtype: where and in which dtype to put the models (default: where they are; both
+    must be on the same device).
+    """
+
+    def __init__(self, draft=None, target=None, tokenizer=None, device=None, dtype=None, *,
+                 drafter: Optional[str] = None, max_ngram: int = 3):
+        if target is None:
+            raise TypeError("target must be a model name/path or a PreTrainedModel, got None")
+        if drafter is None:
+            drafter = "model" if draft is not None else "prompt_lookup"
+        if drafter not in _DRAFTERS:
+            raise ValueError(f"drafter must be one of {_DRAFTERS}, got {drafter!r}")
+        if drafter == "model" and draft is None:
+            raise ValueError("drafter='model' needs a draft model, got draft=None")
+        if drafter == "prompt_lookup" and draft is not None:
+            raise ValueError(f"drafter='prompt_lookup' takes no draft model, got draft={type(draft).__name__}")
+        dtype = _resolve_dtype(dtype)
+        self.drafter = drafter
+        self.lookup = PromptLookupDrafter(max_ngram=max_ngram) if drafter == "prompt_lookup" else None
+
+        # Tokenizers first: a mismatch is refused before loading any weights.
+        from transformers import AutoTokenizer
+
+        if isinstance(tokenizer, str):
+            tokenizer = AutoTokenizer.from_pretrained(tokenizer)
+        if tokenizer is None and isinstance(target, str):
+            tokenizer = AutoTokenizer.from_pretrained(target)
+        draft_tokenizer = AutoTokenizer.from_pretrained(draft) if isinstance(draft, str) else None
+        if draft_tokenizer is not None and tokenizer is not None:
+            why = _vocab_mismatch(draft_tokenizer.get_vocab(), tokenizer.get_vocab())
+            if why is not None:
+                raise ValueError(f"draft and target tokenizers must have the same vocabulary, got {why}")
+        self.tokenizer = tokenizer
+
+        target = self._load(target, dtype)
+        draft = self._load(draft, dtype) if draft is not None else None
+        if device is not None:
+            device = torch.device(device)
+            target.to(device)
+            if draft is not None:
+                draft.to(device)
+        if draft is not None and _device_of(draft) != _device_of(target):
+            raise ValueError(f"draft and target must be on the same device, got draft on {_device_of(draft)} "
+                             f"and target on {_device_of(target)} (pass device=...)")
+        self.device = _device_of(target)
+        self.target = target.eval()
+        self.draft = draft.eval() if draft is not None else None
+        self._t = _Runner(self.target, "target")
+        self._d = _Runner(self.draft, "draft") if draft is not None else None
+        if self._d is not None and self._d.vocab_size > self._t.vocab_size:
+            raise ValueError(f"the draft vocabulary must not exceed the target's: draft vocab_size = "
+                             f"{self._d.vocab_size}, target vocab_size = {self._t.vocab_size}")
+        # The draft/target cost ratio before anything is measured: their parameter counts.
+        self._t_draft_prior = (max(_num_params(self.draft) / max(_num_params(self.target), 1), 0.02)
+                               if self.draft is not None else 0.0)
+
+    @staticmethod
+    def _load(model, dtype):
+        if isinstance(model, str):
+            from transformers import AutoModelForCausalLM
+
+            kwargs = {"dtype": dtype} if dtype is not None else {}
+            return AutoModelForCausalLM.from_pretrained(model, **kwargs)
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"models must be a name/path or a torch.nn.Module, got {type(model).__name__}")
+        if dtype is not None:
+            model.to(dtype)
+        return model
+
+    # -- input --------------------------------------------------------------------------------
+    def _encode(self, prompts, attention_mask) -> list:
+        """prompts -> list of token-id lists (ValueError on an empty prompt)."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        if isinstance(prompts, torch.Tensor):
+            if prompts.dtype.is_floating_point or prompts.dtype == torch.bool:
+                raise TypeError(f"prompts as a tensor must hold integer token ids, got dtype {prompts.dtype}")
+            if prompts.dim() == 1:
+                prompts = prompts[None]
+            if prompts.dim() != 2:
+                raise ValueError(f"prompts as a tensor must be [B, T] token ids, got shape {list(prompts.shape)}")
+            if prompts.shape[0] == 0:
+                raise ValueError("prompts must hold at least one prompt, got a [0, T] tensor")
+            if attention_mask is not None:
+                if not isinstance(attention_mask, torch.Tensor) or list(attention_mask.shape) != list(prompts.shape):
+                    got = list(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask).__name__
+                    raise ValueError(f"attention_mask must be [B, T] = {list(prompts.shape)} like prompts, got {got}")
+                rows = [row[m.bool()].tolist() for row, m in zip(prompts.cpu(), attention_mask.cpu())]
+            else:
+                rows = prompts.cpu().tolist()
+        elif isinstance(prompts, (list, tuple)):
+            if len(prompts) == 0:
+                raise ValueError("prompts must hold at least one prompt, got an empty list")
+            if attention_mask is not None:
+                raise ValueError("attention_mask is only taken with prompts given as a [B, T] tensor")
+            rows = []
+            for i, p in enumerate(prompts):
+                if isinstance(p, str):
+                    if p == "":
+                        raise ValueError(f"prompts[{i}] must not be empty, got ''")
+                    if self.tokenizer is None:
+                        raise TypeError("prompts given as text need a tokenizer: pass tokenizer=... to "
+                                        "SpeculativeDecoder, or give token ids")
+                    rows.append(list(self.tokenizer(p)["input_ids"]))
+                elif isinstance(p, torch.Tensor):
+                    rows.append(p.reshape(-1).tolist())
+                elif isinstance(p, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+                    rows.append(list(p))
+                else:
+                    raise TypeError(f"prompts[{i}] must be a str or a list of token ids, got {type(p).__name__}")
+        else:
+            raise TypeError(f"prompts must be a str, a list of str, a list of token-id lists or a [B, T] "
+                            f"tensor, got {type(prompts).__name__}")
+        for i, r in enumerate(rows):
+            if len(r) == 0:
+                raise ValueError(f"prompts[{i}] must not be empty, got 0 tokens")
+            bad = [t for t in r if not 0 <= t < self._t.vocab_size]
+            if bad:
+                raise ValueError(f"prompts[{i}] token ids must be in [0, {self._t.vocab_size}), got {bad[0]}")
+        return rows
+
+    def _check_context(self, rows: list) -> Optional[int]:
+        """The longest sequence allowed (the smaller max_position_embeddings); prompts above it
+        are refused."""
+        limits = [(r.name, r.context) for r in (self._t, self._d) if r is not None and r.context]
+        if not limits:
+            return None
+        for i, r in enumerate(rows):
+            for name, ctx in limits:
+                if len(r) > ctx:
+                    raise ValueError(f"prompts[{i}] must fit the {name}'s context (max_position_embeddings = "
+                                     f"{ctx}), got {len(r)} tokens")
+        return min(c for _, c in limits)
+
+    def _eos_ids(self, eos_token_id) -> set:
+        if eos_token_id is None:
+            gc = getattr(self.target, "generation_config", None)
+            eos_token_id = getattr(gc, "eos_token_id", None) if gc is not None else None
+            if eos_token_id is None:
+                eos_token_id = getattr(self.target.config, "eos_token_id", None)
+            if eos_token_id is None and self.tokenizer is not None:
+                eos_token_id = self.tokenizer.eos_token_id
+        if eos_token_id is None:
+            return set()
+        if isinstance(eos_token_id, int):
+            return {eos_token_id}
+        return {int(e) for e in eos_token_id}
+
+    # -- public -------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def generate(
+        self,
+        prompts,
+        max_new_tokens: int = 64,
+        num_draft_tokens: Union[int, str] = 4,
+        temperature: float = 0.0,
+        top_k: Optional[int] = None,
+        top_p: Optional[float] = None,
+        seed: Union[int, Sequence[int], None] = 0,
+        stop: Union[str, Sequence[str], None] = None,
+        verbose: Union[bool, TextIO] = False,
+        *,
+        attention_mask: Optional[torch.Tensor] = None,
+        max_draft_tokens: int = 8,
+        eos_token_id: Union[int, Sequence[int], None] = None,
+        baseline_tokens_per_s: Optional[float] = None,
+        progress: bool = False,
+    ) -> GenerationResult:
+        """Generate up to ``max_new_tokens`` tokens for each prompt.
+
+        prompts: a str, a list of str, a list of token-id lists, or [B, T] ids (with an
+        optional ``attention_mask`` marking the valid tokens of padded rows).
+        num_draft_tokens: K, or "auto" to pick K in 1..max_draft_tokens every step from the
+        running acceptance rate and the measured forward times (see ``stats``).
+        temperature 0 is greedy; top_k/top_p warp the target (and the draft) before sampling.
+        seed: row p uses ``seed + p`` (or ``seed[p]``); None draws one.
+        stop: strings that end a row once its generated text contains one (the tokens up to
+        the one that completed it are kept).  Rows also stop at EOS (kept), after
+        ``max_new_tokens``, or when the sequence fills the model's context.
+        verbose: print each step's drafts and accepted tokens (True: to stdout, or a stream).
+        baseline_tokens_per_s: the target alone's speed, for ``stats.measured_speedup``.
+        """
+        st = self._start(prompts, max_new_tokens, num_draft_tokens, temperature, top_k, top_p, seed, stop,
+                         verbose, attention_mask, max_draft_tokens, eos_token_id, progress, target_only=False)
+        return self._run(st, baseline_tokens_per_s)
+
+    @torch.inference_mode()
+    def generate_target_only(self, prompts, max_new_tokens: int = 64, temperature: float = 0.0,
+                             top_k: Optional[int] = None, top_p: Optional[float] = None,
+                             seed: Union[int, Sequence[int], None] = 0, stop=None, *,
+                             attention_mask: Optional[torch.Tensor] = None,
+                             eos_token_id=None, progress: bool = False) -> GenerationResult:
+        """The baseline: the target alone, one token per forward, through the same cache
+        handling and sampler (so greedy output is identical to ``generate``'s).  Its
+        ``stats.tokens_per_s`` is what ``generate(baseline_tokens_per_s=...)`` compares to."""
+        st = self._start(prompts, max_new_tokens, 1, temperature, top_k, top_p, seed, stop, False,
+                         attention_mask, 1, eos_token_id, progress, target_only=True)
+        return self._run(st, None)
+
+    # -- the loop -----------------------------------------------------------------------------
+    def _start(self, prompts, max_new_tokens, num_draft_tokens, temperature, top_k, top_p, seed, stop,
+               verbose, attention_mask, max_draft_tokens, eos_token_id, progress, target_only) -> _State:
+        """Validate everything, encode, allocate the state (no model work yet)."""
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
+            raise TypeError(f"max_new_tokens must be an int, got {type(max_new_tokens).__name__}")
+        if max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens must be > 0, got {max_new_tokens}")
+        if isinstance(max_draft_tokens, bool) or not isinstance(max_draft_tokens, int):
+            raise TypeError(f"max_draft_tokens must be an int, got {type(max_draft_tokens).__name__}")
+        if max_draft_tokens <= 0:
+            raise ValueError(f"max_draft_tokens must be > 0, got {max_draft_tokens}")
+        if isinstance(num_draft_tokens, str):
+            if num_draft_tokens != "auto":
+                raise ValueError(f"num_draft_tokens must be a positive int or 'auto', got {num_draft_tokens!r}")
+            k_max = max_draft_tokens
+        elif isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int):
+            raise TypeError(f"num_draft_tokens must be a positive int or 'auto', got {type(num_draft_tokens).__name__}")
+        elif num_draft_tokens <= 0:
+            raise ValueError(f"num_draft_tokens must be a positive int or 'auto', got {num_draft_tokens}")
+        else:
+            k_max = num_draft_tokens
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+            raise TypeError(f"temperature must be a float, got {type(temperature).__name__}")
+        if not (math.isfinite(temperature) and temperature >= 0):
+            raise ValueError(f"temperature must be finite and >= 0 (0 = greedy), got {temperature}")
+        if top_k is not None:
+            if isinstance(top_k, bool) or not isinstance(top_k, int):
+                raise TypeError(f"top_k must be an int or None, got {type(top_k).__name__}")
+            if top_k < 0:
+                raise ValueError(f"top_k must be >= 0 (0 = off), got {top_k}")
+        if top_p is not None:
+            if isinstance(top_p, bool) or not isinstance(top_p, (int, float)):
+                raise TypeError(f"top_p must be a float or None, got {type(top_p).__name__}")
+            if not 0.0 < top_p <= 1.0:
+                raise ValueError(f"top_p must be in (0, 1] (1 = off), got {top_p}")
+        if stop is None:
+            stop = []
+        elif isinstance(stop, str):
+            stop = [stop]
+        elif not (isinstance(stop, (list, tuple)) and all(isinstance(s, str) for s in stop)):
+            raise TypeError(f"stop must be a str or a list of str, got {type(stop).__name__}")
+        if any(s == "" for s in stop):
+            raise ValueError("stop strings must not be empty, got ''")
+        if stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer to detokenise the output, got tokenizer=None")
+
+        rows = self._encode(prompts, attention_mask)
+        context = self._check_context(rows)
+        B = len(rows)
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, ()).item())
+        if isinstance(seed, int) and not isinstance(seed, bool):
+            seeds = [seed + p for p in range(B)]
+        elif isinstance(seed, (list, tuple)) and all(isinstance(s, int) and not isinstance(s, bool) for s in seed):
+            if len(seed) != B:
+                raise ValueError(f"seed as a list must have one entry per prompt ({B}), got {len(seed)}")
+            seeds = list(seed)
+        else:
+            raise TypeError(f"seed must be an int, a list of ints or None, got {type(seed).__name__}")
+        if any(not -(2**63) <= s < 2**63 for s in seeds):
+            raise ValueError("seed must fit in int64")
+        if verbose is True:
+            verbose = sys.stdout
+        elif verbose is False or verbose is None:
+            verbose = None
+
+        # Budgets: max_new_tokens, and the context (positions < context; the last emitted
+        # token is never fed, so a sequence may reach context + 1 tokens).
+        budgets = []
+        for r in rows:
+            b = max_new_tokens
+            if context is not None:
+                b = min(b, context + 1 - len(r))
+            budgets.append(b)
+        pbar = None
+        if progress:
+            from tqdm.auto import tqdm
+
+            pbar = tqdm(total=sum(budgets), unit="tok", desc="specdec", leave=False)
+        dev = self.device
+        keys = [_draft_key(s) for s in seeds]
+        st = _State(
+            rows=list(range(B)), seqs=[list(r) for r in rows], prompt_lens=[len(r) for r in rows],
+            generated=[[] for _ in rows], finish=[None] * B,
+            k=num_draft_tokens, k_max=k_max, temperature=float(temperature), top_k=top_k,
+            top_p=None if top_p is None else float(top_p), eos=self._eos_ids(eos_token_id), stop=list(stop),
+            max_new=max_new_tokens, context=context, target_only=target_only,
+            recorder=StatsRecorder(k_max, self._t_draft_prior if self.draft is not None else 0.0),
+            clock=_Clock(dev), verbose=verbose, pbar=pbar, device=dev,
+        )
+        st.seed = torch.tensor(seeds, dtype=torch.int64, device=dev)
+        st.key_lo = torch.tensor([k[0] for k in keys], dtype=torch.int64, device=dev)
+        st.key_hi = torch.tensor([k[1] for k in keys], dtype=torch.int64, device=dev)
+        st.step = torch.zeros(B, dtype=torch.int64, device=dev)
+        st.gen = torch.zeros(B, dtype=torch.int64, device=dev)
+        st.budget = torch.tensor(budgets, dtype=torch.int64, device=dev)
+        st.budget_host = budgets
+        st.tc = _new_cache(self.target)
+        st.dc = _new_cache(self.draft) if (self.draft is not None and not target_only) else None
+        # Rows with no budget (prompt already fills the context) finish before any work.
+        for i, b in enumerate(budgets):
+            if b <= 0:
+                st.finish[i] = "context"
+        return st
+
+    def _run(self, st: _State, baseline_tokens_per_s) -> GenerationResult:
+        t0 = time.perf_counter()
+        self._drop_finished(st)
+        if st.rows:
+            self._prefill(st)
+        while st.rows:
+            self._step(st)
+        total = time.perf_counter() - t0
+        if st.pbar is not None:
+            st.pbar.close()
+        stats = st.recorder.finalize(total, st.prefill_time, st.finish, baseline_tokens_per_s,
+                                     draft_is_free=self.draft is None)
+        texts = None
+        if self.tokenizer is not None:
+            texts = [self.tokenizer.decode(g, skip_special_tokens=True) for g in st.generated]
+        return GenerationResult(texts=texts, token_ids=st.generated, stats=stats, finish_reasons=list(st.finish))
+
+    def _prefill(self, st: _State) -> None:
+        """Cache every prompt token but the last, which becomes the first step's ``last``."""
+        t0 = time.perf_counter()
+        dev = st.device
+        lens = [st.prompt_lens[p] for p in st.rows]
+        B, P = len(lens), max(lens) - 1
+        st.last = torch.tensor([st.seqs[p][-1] for p in st.rows], dtype=torch.int64, device=dev)
+        st.lt_host = [n - 1 for n in lens]
+        st.ld_host = list(st.lt_host)
+        st.lt = torch.tensor(st.lt_host, dtype=torch.int64, device=dev)
+        st.ld = st.lt.clone()
+        st.catch = torch.full((B,), -1, dtype=torch.int64, device=dev)
+        st.catch_host = [False] * B
+        if P > 0:
+            ids = torch.zeros((B, P), dtype=torch.int64)  # right-padded; the pad id is irrelevant
+            for i, p in enumerate(st.rows):
+                ids[i, : lens[i] - 1] = torch.tensor(st.seqs[p][: lens[i] - 1])
+            ids = ids.to(dev)
+            lt = st.lt
+            # A row whose prompt is one token has no valid column here; column 0 stands in as a
+            # valid key for this forward only, so no query row is fully masked (sdpa would
+            # write NaN into the cache).  Later masks drop it and compaction overwrites it.
+            mask = torch.arange(P, device=dev)[None, :] < lt.clamp(min=1)[:, None]  # [B, P]
+            pos = torch.arange(P, device=dev)[None, :].expand(B, P)
+            self._t.forward(st.tc, ids, mask, pos, 0, 1)
+            if st.dc is not None:
+                self._d.forward(st.dc, ids.clamp(max=self._d.vocab_size - 1), mask, pos, 0, 1)
+        st.Tt = st.Td = P
+        if st.clock.cuda:
+            torch.cuda.synchronize(dev)
+        st.prefill_time = time.perf_counter() - t0
+
+    def _choose_k(self, st: _State) -> int:
+        if st.target_only:
+            return 0
+        k = st.recorder.choose_k(st.k_max) if st.k == "auto" else st.k
+        # Row b drafts K_b = min(K, budget_b - 1): its step emits at most K_b + 1 tokens.
+        room = max(st.budget_host[p] - len(st.generated[p]) for p in st.rows) - 1
+        return max(min(k, room), 0)
+
+    def _draft_with_model(self, st: _State, K: int):
+        """K draft forwards.  Returns (X [B, K] int64, Q [B, K, Vd] fp32 or None, catch-up used)."""
+        d = self._d
+        dev = st.device
+        B = len(st.rows)
+        Vd = d.vocab_size
+        greedy = st.temperature == 0
+        last = st.last.clamp(max=Vd - 1)  # a padded-vocabulary target token the draft cannot embed
+        catch_up = any(st.catch_host)
+        if catch_up:
+            c = (st.catch >= 0).to(torch.int64)  # [B]
+            ids = torch.stack([st.catch.clamp(min=0, max=Vd - 1), last], 1)  # [B, 2]
+            pos = torch.stack([st.ld, st.ld + c], 1)  # [B, 2]; the gap column's position is unused
+            new_valid = torch.stack([c.bool(), torch.ones_like(c, dtype=torch.bool)], 1)
+            pos_last = st.ld + c
+        else:
+            ids = last[:, None]
+            pos = st.ld[:, None]
+            new_valid = torch.ones((B, 1), dtype=torch.bool, device=dev)
+            pos_last = st.ld
+        mask = torch.arange(st.Td, device=dev)[None, :] < st.ld[:, None]  # [B, Td]
+        T = st.Td
+        xs, qs = [], []
+        for j in range(K):
+            if j > 0:
+                ids = xs[-1][:, None]
+                pos = (pos_last + j)[:, None]
+                new_valid = torch.ones((B, 1), dtype=torch.bool, device=dev)
+            if st.context is not None:
+                pos = pos.clamp(max=st.context - 1)  # drafts past a row's budget are discarded anyway
+            mask = torch.cat([mask, new_valid], 1)
+            logits = d.forward(st.dc, ids, mask, pos, T, 1)[:, -1]  # [B, Vd]
+            T += ids.shape[1]
+            if greedy:
+                x = logits.argmax(-1)
+            else:
+                q = warp_probs(logits, st.temperature, st.top_k, st.top_p)  # [B, Vd] fp32
+                x = _sample_inverse_cdf(q, _draft_uniforms(st.key_lo, st.key_hi, st.step, j))
+                qs.append(q)
+            xs.append(x)
+        st.Td = T
+        X = torch.stack(xs, 1)  # [B, K]
+        Q = torch.stack(qs, 1) if qs else None  # [B, K, Vd]
+        return X, Q, catch_up
+
+    def _step(self, st: _State) -> None:
+        from .verify import fused_verify
+
+        dev = st.device
+        B = len(st.rows)
+        K = self._choose_k(st)
+        remaining = st.budget - st.gen  # [B] >= 1 for active rows
+        clock = st.clock
+        t_a = clock.mark()
+        X, Q, catch_up, n_draft_fwd = None, None, False, 0
+        if K > 0 and self.draft is not None:
+            X, Q, catch_up = self._draft_with_model(st, K)
+            n_draft_fwd = K
+            kb = torch.clamp(remaining - 1, max=K)  # [B]
+        elif K > 0:
+            want = [min(K, st.budget_host[p] - len(st.generated[p]) - 1) for p in st.rows]
+            props = self.lookup.propose([st.seqs[p] for p in st.rows], want)
+            K = max(len(x) for x in props)
+            kb_host = [len(x) for x in props]
+            X = torch.tensor([x + [0] * (K - len(x)) for x in props], dtype=torch.int64).reshape(B, K).to(dev)
+            kb = torch.tensor(kb_host, dtype=torch.int64, device=dev)
+        if X is None:
+            K = 0
+            X = torch.zeros((B, 0), dtype=torch.int64, device=dev)
+            kb = torch.zeros(B, dtype=torch.int64, device=dev)
+        t_b = clock.mark()
+
+        # Verify: the target scores [last, x_1 .. x_K] at columns Tt .. Tt + K.
+        ids = torch.cat([st.last[:, None], X], 1)  # [B, K+1]
+        pos = st.lt[:, None] + torch.arange(K + 1, device=dev)[None, :]  # [B, K+1]
+        if st.context is not None:
+            pos = pos.clamp(max=st.context - 1)
+        mask = torch.cat([torch.arange(st.Tt, device=dev)[None, :] < st.lt[:, None],
+                          torch.ones((B, K + 1), dtype=torch.bool, device=dev)], 1)  # [B, Tt+K+1]
+        logits = self._t.forward(st.tc, ids, mask, pos, st.Tt, K + 1)  # [B, K+1, V]
+        if K == 0:
+            # fused_verify's torch path cannot reduce over K = 0 drafts; an unread pad position
+            # (K_b = 0 for every row) gives the same draws: the final one uses counter 0 at any K.
+            v_logits, v_x = torch.cat([logits, logits], 1), torch.zeros((B, 1), dtype=torch.int64, device=dev)
+        else:
+            v_logits, v_x = logits, X
+        out = fused_verify(v_logits, v_x, Q, num_draft_tokens=kb, temperature=st.temperature,
+                           top_k=st.top_k, top_p=st.top_p, seed=st.seed, offset=st.step)
+        n = out.num_accepted  # [B] int64 in [-1, K_b]
+        # The step's one host sync: counts, tokens, drafts, K_b.
+        packed = torch.cat([n[:, None], kb[:, None], out.tokens[:, : K + 1], X], 1).cpu()
+        t_c = clock.mark()
+        n_host = packed[:, 0].tolist()
+        kb_host = packed[:, 1].tolist()
+        tok_host = packed[:, 2:3 + K].tolist()
+        x_host = packed[:, 3 + K:].tolist()
+
+        # Roll both caches back to what each row accepted (device work, no sync).
+        keep_t = (n + 1).clamp(min=0)  # [B]: last + the accepted drafts
+        _compact_(st.tc, st.Tt, st.lt, keep_t)
+        st.lt = st.lt + keep_t
+        st.Tt += K + 1
+        st.lt_host = [a + max(m + 1, 0) for a, m in zip(st.lt_host, n_host)]
+        if st.dc is not None and K > 0:
+            kept = torch.minimum(n + 1, torch.full_like(n, K)).clamp(min=0)  # [B]
+            T0 = st.Td - (K + (1 if catch_up else 0))  # the draft cache's length before this step
+            if catch_up:
+                c = (st.catch >= 0).to(torch.int64)
+                _compact_(st.dc, T0, st.ld, (kept + 1) * c)  # rows that fed [x_K, last, ...]
+                _compact_(st.dc, T0 + 1, st.ld, kept * (1 - c))  # rows that fed [gap, last, ...]
+                st.ld = st.ld + kept + c
+            else:
+                _compact_(st.dc, T0, st.ld, kept)
+                st.ld = st.ld + kept
+            st.ld_host = [a + (1 if ch else 0) + min(max(m + 1, 0), K)
+                          for a, ch, m in zip(st.ld_host, st.catch_host, n_host)]
+            st.catch = torch.where(n == K, X[:, K - 1], -1)
+            st.catch_host = [m == K for m in n_host]
+        st.last = out.tokens.gather(1, n.clamp(min=0)[:, None])[:, 0]
+        st.gen = st.gen + keep_t
+        st.step = st.step + 1
+        st.steps_done += 1
+
+        # Host bookkeeping: emit, stop, log.
+        emitted_counts = []
+        for i, p in enumerate(st.rows):
+            m = n_host[i]
+            if m < 0:
+                st.finish[p] = "nonfinite"
+                emitted_counts.append(0)
+                continue
+            new = tok_host[i][: m + 1]
+            room = st.budget_host[p] - len(st.generated[p])
+            new = new[:room]
+            reason = None
+            for j, t in enumerate(new):
+                if t in st.eos:
+                    new, reason = new[: j + 1], "eos"
+                    break
+            if st.stop:
+                cut = self._stop_cut(st.generated[p], new, st.stop)
+                if cut is not None:
+                    new, reason = new[:cut], "stop"
+            if st.verbose is not None:
+                self._log(st, p, x_host[i][: kb_host[i]], m, kb_host[i], new)
+            st.generated[p].extend(new)
+            st.seqs[p].extend(new)
+            emitted_counts.append(len(new))
+            if reason is None and len(st.generated[p]) >= st.budget_host[p]:
+                reason = "length" if st.budget_host[p] == st.max_new else "context"
+            st.finish[p] = reason
+        st.recorder.record_step(K, st.rows, kb_host, n_host, emitted_counts)
+        st.recorder.record_times(clock.seconds(t_a, t_b), n_draft_fwd, clock.seconds(t_b, t_c),
+                                 first_step=st.steps_done == 1)
+        if st.pbar is not None:
+            st.pbar.update(sum(emitted_counts))
+        self._drop_finished(st)
+        if st.rows:  # drop the columns past the longest row (rejected drafts, finished rows)
+            st.Tt = max(st.lt_host)
+            _crop_(st.tc, st.Tt)
+            if st.dc is not None:
+                st.Td = max(st.ld_host)
+                _crop_(st.dc, st.Td)
+
+    def _stop_cut(self, generated: list, new: list, stop: list) -> Optional[int]:
+        """The number of ``new`` tokens up to the one that completes a stop string, or None.
+        Only matches that end in the new tokens count; they may start in earlier ones."""
+        tok = self.tokenizer
+        longest = max(len(s) for s in stop)
+        w = longest  # grow the window of earlier tokens until it holds a stop string's length
+        while True:
+            window = generated[-w:] if w else []
+            base = len(tok.decode(window, skip_special_tokens=True))
+            if base >= longest - 1 or w >= len(generated):
+                break
+            w *= 2
+        for j in range(1, len(new) + 1):
+            text = tok.decode(window + new[:j], skip_special_tokens=True)
+            for s in stop:
+                if text.find(s, max(0, base - len(s) + 1)) != -1:
+                    return j
+        return None
+
+    def _drop_finished(self, st: _State) -> None:
+        keep = [i for i, p in enumerate(st.rows) if st.finish[p] is None]
+        if len(keep) == len(st.rows):
+            return
+        st.rows = [st.rows[i] for i in keep]
+        if not keep:
+            return
+        idx = torch.tensor(keep, dtype=torch.int64, device=st.device)
+        for name in ("last", "lt", "ld", "catch", "gen", "budget", "seed", "key_lo", "key_hi", "step"):
+            t = getattr(st, name)
+            if t is not None:
+                setattr(st, name, t.index_select(0, idx))
+        st.lt_host = [st.lt_host[i] for i in keep] if st.lt_host else st.lt_host
+        st.ld_host = [st.ld_host[i] for i in keep] if st.ld_host else st.ld_host
+        st.catch_host = [st.catch_host[i] for i in keep] if st.catch_host else st.catch_host
+        if st.lt_host:  # after the prefill: slice the caches (the caller crops them)
+            st.tc.batch_select_indices(idx)
+            if st.dc is not None:
+                st.dc.batch_select_indices(idx)
+
+    def _log(self, st: _State, p: int, drafts: list, n: int, kb: int, emitted: list) -> None:
+        """One row's step: its drafts, the accepted prefix, then the recovered or bonus token
+        (shown only if it was emitted, i.e. not cut by EOS, a stop string or the budget)."""
+        def show(ids):
+            return repr(ids) if self.tokenizer is None else repr(self.tokenizer.decode(ids))
+
+        out = st.verbose
+        head = f"[step {st.steps_done} | row {p}]"
+        if kb > 0:
+            print(f"{head} Drafted:  {show(drafts)}", file=out)
+            print(f"{head} Accepted: {show(drafts[:n])} ({n}/{kb} tokens)", file=out)
+        if len(emitted) == n + 1:
+            kind = "bonus" if n == kb else "recovered"
+            print(f"{head} + {kind}: {show(emitted[n:])}", file=out)
