@@ -1,0 +1,163 @@
+"""``specdec generate "prompt" ...``: speculative decoding from the command line.
+
+    specdec generate "The capital of France is" --draft DRAFT --target TARGET -k 4
+    specdec generate "def fib(n):" --target TARGET --drafter prompt_lookup -k auto --json
+    python -m specdec_kernels generate "hello" --tiny-random --json
+
+``--tiny-random`` builds a small random-weight Llama pair and a character-level tokenizer in
+memory (no download), for smoke tests; its text is gibberish by construction.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Optional, Sequence
+
+__all__ = ["main", "build_parser", "build_tiny_random_pair", "tiny_char_tokenizer"]
+
+# No default model pair is bundled yet: --target (and --draft, or --drafter prompt_lookup)
+# must be given, or --tiny-random.
+DEFAULT_DRAFT: Optional[str] = None
+DEFAULT_TARGET: Optional[str] = None
+
+_TINY_CHARS = "abcdefghijklmnopqrstuvwxyz0123456789 .,:;!?'\"-()\n"
+
+
+def tiny_char_tokenizer():
+    """A character-level ``PreTrainedTokenizerFast``: <unk> = 0, <eos> = 1, then one id per
+    character of a small alphabet (lower-case letters, digits, space, punctuation, newline)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<eos>": 1}
+    for ch in _TINY_CHARS:
+        vocab[ch] = len(vocab)
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.normalizer = normalizers.Lowercase()
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>",
+                                   pad_token="<unk>")
+
+
+def build_tiny_random_pair(seed: int = 0, noise: float = 0.02):
+    """(draft, target, tokenizer): a 2-layer random Llama target over ``tiny_char_tokenizer``
+    and a draft that is the target with Gaussian noise (std ``noise``) added to its weights,
+    so that drafts are often, not always, accepted."""
+    import copy
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = tiny_char_tokenizer()
+    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                      initializer_range=0.1, bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
+                      pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False)
+    g = torch.Generator().manual_seed(seed)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        target = LlamaForCausalLM(cfg).eval()
+    draft = copy.deepcopy(target)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * noise)
+    return draft, target, tokenizer
+
+
+def _k_arg(s: str):
+    if s == "auto":
+        return s
+    try:
+        k = int(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive int or 'auto', got {s!r}") from None
+    if k <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive int or 'auto', got {k}")
+    return k
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specdec", description="Exact speculative decoding of Hugging Face models.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate text for one or more prompts")
+    g.add_argument("prompts", nargs="+", help="prompt text (several prompts are decoded as one batch)")
+    g.add_argument("--draft", help="draft model name or path")
+    g.add_argument("--target", help="target model name or path")
+    g.add_argument("--tokenizer", help="tokenizer name or path (default: the target's)")
+    g.add_argument("--drafter", choices=["model", "prompt_lookup"], default=None,
+                   help="'prompt_lookup' drafts by n-gram lookup without a draft model")
+    g.add_argument("--tiny-random", action="store_true",
+                   help="use a small random-weight Llama pair built in memory (offline smoke test)")
+    g.add_argument("-k", "--num-draft-tokens", type=_k_arg, default=4, help="K, or 'auto' (default 4)")
+    g.add_argument("--max-draft-tokens", type=int, default=8, help="the largest K 'auto' may pick (default 8)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-k", type=int, default=None)
+    g.add_argument("--top-p", type=float, default=None)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--max-new-tokens", type=int, default=64)
+    g.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
+    g.add_argument("--device", default=None)
+    g.add_argument("--dtype", default=None, help="float32, bfloat16 or float16")
+    g.add_argument("--baseline", action="store_true",
+                   help="first decode with the target alone, to report the measured speed-up")
+    g.add_argument("--verbose", action="store_true", help="print every step's drafts and accepted tokens")
+    g.add_argument("--json", action="store_true", help="print texts, token ids and stats as JSON")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return parser
+
+
+def _make_decoder(args, parser):
+    from .decoder import SpeculativeDecoder
+
+    if args.tiny_random:
+        if args.draft or args.target:
+            parser.error("--tiny-random builds its own models; do not pass --draft/--target with it")
+        draft, target, tokenizer = build_tiny_random_pair(seed=0)
+        if args.drafter == "prompt_lookup":
+            draft = None
+        return SpeculativeDecoder(draft=draft, target=target, tokenizer=tokenizer, device=args.device,
+                                  dtype=args.dtype, drafter=args.drafter)
+    target = args.target or DEFAULT_TARGET
+    if target is None:
+        parser.error("--target is required: no default model pair is bundled yet "
+                     "(pass --target PATH and --draft PATH, or --drafter prompt_lookup, or --tiny-random)")
+    draft = args.draft or (DEFAULT_DRAFT if args.target is None else None)
+    if draft is None and args.drafter != "prompt_lookup":
+        parser.error("--draft is required: no default draft model is bundled yet "
+                     "(pass --draft PATH, or --drafter prompt_lookup to draft without a model)")
+    if draft is not None and args.drafter == "prompt_lookup":
+        parser.error("--drafter prompt_lookup takes no --draft")
+    return SpeculativeDecoder(draft=draft, target=target, tokenizer=args.tokenizer, device=args.device,
+                              dtype=args.dtype, drafter=args.drafter)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    dec = _make_decoder(args, parser)
+    prompts = list(args.prompts)
+    progress = not args.no_progress and len(prompts) * args.max_new_tokens >= 256
+    common = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                  top_p=args.top_p, seed=args.seed, stop=args.stop)
+    try:
+        baseline = None
+        if args.baseline:
+            baseline = dec.generate_target_only(prompts, progress=progress, **common).stats.tokens_per_s
+        res = dec.generate(prompts, num_draft_tokens=args.num_draft_tokens, max_draft_tokens=args.max_draft_tokens,
+                           verbose=(sys.stderr if args.json else True) if args.verbose else False,
+                           baseline_tokens_per_s=baseline, progress=progress, **common)
+    except (ValueError, TypeError) as e:
+        parser.error(str(e))
+    if args.json:
+        json.dump({"texts": res.texts, "token_ids": res.token_ids, "finish_reasons": res.finish_reasons,
+                   "stats": res.stats.to_dict()}, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        for prompt, text in zip(prompts, res.texts or [str(t) for t in res.token_ids]):
+            print(f"{prompt}{text}")
+            print("-" * 40)
+        print(res.stats.summary())
+    return 0
