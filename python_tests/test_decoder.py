@@ -1,0 +1,673 @@
+"""Tests of SpeculativeDecoder on small random-weight Llama models built here (CPU, fp32).
+
+What is checked, and how:
+- greedy output equals ``target.generate(do_sample=False)`` token for token (batch 1 and a
+  ragged batch, K in {1, 3, 8} and "auto", model and prompt-lookup drafters);
+- sampling is exact: the joint distribution of the first two generated tokens over many seeds
+  matches the target's closed-form distribution (chi-square, significance level 1e-3), and the
+  same test rejects the draft's own distribution (so it has the power to see a mistake);
+- batch invariance (greedy and seeded sampling): a row of a batch equals its prompt alone;
+- cache rollback: after each step both caches equal a fresh forward over each row's prefix;
+- nothing is recomputed: every forward is wrapped and its fed tokens counted;
+- EOS, stop strings, max_new_tokens, bad input (each error with ``match=``), stats, the CLI.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import io
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from scipy import stats as sps
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+from specdec_kernels import reference
+from specdec_kernels.cli import build_tiny_random_pair, main as cli_main, tiny_char_tokenizer
+from specdec_kernels.decoder import (
+    SpeculativeDecoder,
+    _draft_key,
+    _draft_uniforms,
+    _sample_inverse_cdf,
+    warp_probs,
+)
+from specdec_kernels.drafters import PromptLookupDrafter, prompt_lookup
+from specdec_kernels.stats import choose_num_draft_tokens, expected_tokens_per_step, predicted_speedup
+
+# Cache comparisons are fp32 values computed by two different call patterns (batched, masked,
+# appended step by step vs one fresh forward): helpers.TOLERANCES[torch.float32] plus headroom
+# for the different reduction orders of sdpa over padded vs unpadded keys.
+CACHE_ATOL, CACHE_RTOL = 1e-5, 1e-4
+# Chi-square tests: fail when the p-value is below this (fixed seeds, so the outcome is fixed).
+SIGNIFICANCE = 1e-3
+
+PROMPTS = [[1, 2, 3], [4], [5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17, 18]]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """The machine is shared; one intra-op thread is also the fastest for these tiny models."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _llama(V: int, hidden: int, layers: int, init: float, seed: int, max_pos: int = 128) -> LlamaForCausalLM:
+    cfg = LlamaConfig(vocab_size=V, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_pos,
+                      initializer_range=init, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return LlamaForCausalLM(cfg).eval()
+
+
+def _perturbed(model, noise: float, seed: int):
+    """A draft: the target with Gaussian noise on every weight."""
+    d = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in d.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * noise)
+    return d
+
+
+@pytest.fixture(scope="module")
+def pair():
+    """V = 32; init std 0.2 makes the logits peaked (no near-ties for greedy); noise 0.01 gives
+    alpha around 0.7 under greedy decoding."""
+    target = _llama(32, 32, 2, 0.2, seed=0)
+    return _perturbed(target, 0.01, seed=1), target
+
+
+@pytest.fixture(scope="module")
+def greedy_refs(pair):
+    """target.generate(do_sample=False) for each prompt alone: 24 new tokens."""
+    _, target = pair
+    with torch.inference_mode():
+        return [target.generate(torch.tensor([p]), do_sample=False, max_new_tokens=24,
+                                pad_token_id=0)[0, len(p):].tolist() for p in PROMPTS]
+
+
+class _CountingForward:
+    """Wraps model.forward; records (input_ids, attention_mask, position_ids) of every call."""
+
+    def __init__(self, model):
+        self.model = model
+        self.calls = []
+        orig = model.forward
+
+        @functools.wraps(orig)
+        def forward(*args, **kwargs):
+            self.calls.append((kwargs["input_ids"].clone(), kwargs["attention_mask"].clone(),
+                               kwargs["position_ids"].clone()))
+            return orig(*args, **kwargs)
+
+        model.forward = forward
+
+    def restore(self):
+        del self.model.forward
+
+
+# ----------------------------------------------------------------------------------------------
+# 1. Greedy equals target.generate
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("k", [1, 3, 8, "auto"])
+def test_greedy_matches_generate_ragged_batch(pair, greedy_refs, k):
+    draft, target = pair
+    dec = SpeculativeDecoder(draft=draft, target=target)
+    res = dec.generate(PROMPTS, max_new_tokens=24, num_draft_tokens=k, max_draft_tokens=6)
+    assert res.token_ids == greedy_refs
+    assert res.finish_reasons == ["length"] * len(PROMPTS)
+    s = res.stats
+    assert 0.2 < s.alpha < 0.95, s.alpha  # the draft is neither useless nor perfect
+    # Ragged acceptance really happened: some step's rows accepted different numbers.
+    assert any(len(set(h["accepted"])) > 1 for h in s.history)
+    assert sum(s.accepted_length_histogram) == s.row_steps
+    assert s.generated_tokens == 24 * len(PROMPTS)
+    if k == "auto":
+        # K in 1..6, less only where every row's budget is nearly spent (K_b <= budget - 1).
+        assert all(1 <= h["k"] <= 6 or h["num_draft"] == [0] * len(h["rows"]) for h in s.history)
+
+
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_greedy_matches_generate_batch1(pair, greedy_refs, k):
+    draft, target = pair
+    dec = SpeculativeDecoder(draft=draft, target=target)
+    for i in (0, 2):
+        res = dec.generate([PROMPTS[i]], max_new_tokens=24, num_draft_tokens=k)
+        assert res.token_ids == [greedy_refs[i]]
+
+
+def test_greedy_tensor_prompts_with_left_padding_mask(pair, greedy_refs):
+    """[B, T] ids with an attention mask (HF's left padding) are taken row by row."""
+    draft, target = pair
+    T = max(len(p) for p in PROMPTS)
+    ids = torch.zeros((len(PROMPTS), T), dtype=torch.int64)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(PROMPTS):
+        ids[i, T - len(p):] = torch.tensor(p)
+        mask[i, T - len(p):] = 1
+    res = SpeculativeDecoder(draft=draft, target=target).generate(ids, attention_mask=mask, max_new_tokens=24)
+    assert res.token_ids == greedy_refs
+
+
+def test_target_only_baseline_matches_generate(pair, greedy_refs):
+    draft, target = pair
+    dec = SpeculativeDecoder(draft=draft, target=target)
+    base = dec.generate_target_only(PROMPTS, max_new_tokens=24)
+    assert base.token_ids == greedy_refs
+    assert base.stats.iterations == 24 and base.stats.drafted_tokens == 0
+    res = dec.generate(PROMPTS, max_new_tokens=24, baseline_tokens_per_s=base.stats.tokens_per_s)
+    assert res.stats.measured_speedup == pytest.approx(res.stats.tokens_per_s / base.stats.tokens_per_s)
+    assert res.stats.predicted_speedup is not None and res.stats.predicted_speedup > 0
+
+
+def test_padded_target_vocabulary(pair):
+    """A target whose vocabulary is padded beyond the draft's (Vd < V): drafts pass [B, K, Vd]."""
+    _, target = pair
+    big = _llama(40, 32, 2, 0.2, seed=0)
+    with torch.no_grad():  # the target's weights; padded ids 32..39 embed to 0 and get logit 0
+        big_params = dict(big.named_parameters())
+        for name, p in target.named_parameters():
+            q = big_params[name]
+            q.zero_()
+            q[: p.shape[0]].copy_(p)
+    draft = _perturbed(target, 0.01, seed=1)
+    with torch.inference_mode():
+        refs = [big.generate(torch.tensor([p]), do_sample=False, max_new_tokens=16,
+                             pad_token_id=0)[0, len(p):].tolist() for p in PROMPTS]
+    dec = SpeculativeDecoder(draft=draft, target=big)
+    assert dec.generate(PROMPTS, max_new_tokens=16, num_draft_tokens=3).token_ids == refs
+    res = dec.generate(PROMPTS, max_new_tokens=16, num_draft_tokens=3, temperature=1.0, seed=3)
+    assert all(len(t) == 16 for t in res.token_ids)
+    # Padded ids were sampled, and fed back to a draft that cannot embed them (it sees id 31).
+    assert any(t >= 32 for row in res.token_ids for t in row)
+
+
+# ----------------------------------------------------------------------------------------------
+# 2. Sampling is exact: chi-square against the target's closed-form distribution
+# ----------------------------------------------------------------------------------------------
+def _naive_warp(logits: list, temperature: float, top_k, top_p) -> list:
+    """The warp written out by hand in float64 (independent of the package's code)."""
+    V = len(logits)
+    s = [x / temperature for x in logits]
+    keep = set(range(V))
+    if top_k:
+        kth = sorted(s, reverse=True)[top_k - 1]
+        keep = {v for v in keep if s[v] >= kth}
+    m = max(s[v] for v in keep)
+    w = {v: math.exp(s[v] - m) for v in keep}
+    if top_p is not None and top_p < 1:
+        z = sum(w.values())
+        keep = {v for v in keep if sum(w[u] for u in keep if s[u] > s[v]) / z < top_p}
+    z = sum(w[v] for v in keep)
+    return [w[v] / z if v in keep else 0.0 for v in range(V)]
+
+
+def _first_two_joint(model, prompt, temperature, top_k, top_p) -> torch.Tensor:
+    """P(t1, t2) = p(t1 | prompt) * p(t2 | prompt, t1): [V, V] float64, in closed form."""
+    with torch.inference_mode():
+        l1 = model(torch.tensor([prompt])).logits[0, -1].double().tolist()
+        V = len(l1)
+        ext = torch.tensor([prompt + [t] for t in range(V)])
+        l2 = model(ext).logits[:, -1].double().tolist()
+    p1 = _naive_warp(l1, temperature, top_k, top_p)
+    return torch.tensor([[p1[a] * q for q in _naive_warp(l2[a], temperature, top_k, top_p)] for a in range(V)],
+                        dtype=torch.float64)
+
+
+def _chisquare_pvalue(observed: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson's chi-square of counts against probabilities; cells expected < 5 are pooled.
+    Cells of probability 0 must be empty (asserted by the caller)."""
+    n = observed.sum().item()
+    exp = probs.flatten() * n
+    obs = observed.flatten().double()
+    pos = exp > 0
+    exp, obs = exp[pos], obs[pos]
+    small = exp < 5
+    if small.any():
+        exp = torch.cat([exp[~small], exp[small].sum()[None]])
+        obs = torch.cat([obs[~small], obs[small].sum()[None]])
+    assert exp.numel() >= 2, "a chi-square test needs at least two cells"
+    return float(sps.chisquare(obs.numpy(), exp.numpy() * (obs.sum() / exp.sum()).item()).pvalue)
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p,k", [
+    (1.0, None, None, 2),
+    (0.7, 4, None, 1),
+    (1.0, 6, 0.9, 3),
+])
+def test_sampling_matches_target_distribution(temperature, top_k, top_p, k):
+    V, N = 8, 4000
+    target = _llama(V, 16, 2, 0.3, seed=0, max_pos=64)
+    draft = _perturbed(target, 0.05, seed=1)  # alpha ~ 0.5: rejections, recoveries and bonuses
+    prompt = [1, 2, 3]
+    dec = SpeculativeDecoder(draft=draft, target=target)
+    # One batch of N copies of the prompt: row p samples with seed 1000 + p.
+    res = dec.generate([prompt] * N, max_new_tokens=2, num_draft_tokens=k, temperature=temperature,
+                       top_k=top_k, top_p=top_p, seed=1000)
+    toks = torch.tensor(res.token_ids)  # [N, 2]
+    assert toks.shape == (N, 2)
+    assert 0.1 < res.stats.alpha < 0.95
+    observed = torch.zeros((V, V), dtype=torch.int64)
+    observed.index_put_((toks[:, 0], toks[:, 1]), torch.ones(N, dtype=torch.int64), accumulate=True)
+
+    joint = _first_two_joint(target, prompt, temperature, top_k, top_p)  # [V, V]
+    assert observed[joint == 0].sum() == 0  # tokens removed by top-k/top-p never appear
+    p_first = _chisquare_pvalue(observed.sum(1), joint.sum(1))
+    p_joint = _chisquare_pvalue(observed, joint)
+    assert p_first > SIGNIFICANCE, p_first
+    assert p_joint > SIGNIFICANCE, p_joint
+
+    # Power: had the decoder emitted the draft's samples, the same test would reject them.
+    q_joint = _first_two_joint(draft, prompt, temperature, top_k, top_p)
+    pseudo = (q_joint * N).round().to(torch.int64)
+    pseudo[joint == 0] = 0
+    assert _chisquare_pvalue(pseudo, joint) < SIGNIFICANCE
+
+
+def test_prompt_lookup_sampling_first_token_distribution():
+    """Deterministic drafts (draft_probs=None) with sampling: the first token is still p."""
+    V, N = 8, 3000
+    target = _llama(V, 16, 2, 0.3, seed=0, max_pos=64)
+    prompt = [3, 3, 3, 3]  # lookup proposes 3, 3, ...: a frequent token here, so some are accepted
+    res = SpeculativeDecoder(target=target).generate([prompt] * N, max_new_tokens=1, num_draft_tokens=2,
+                                                     temperature=1.0, seed=7)
+    first = torch.tensor([t[0] for t in res.token_ids])
+    observed = torch.bincount(first, minlength=V)
+    p1 = torch.tensor(_first_two_joint(target, prompt, 1.0, None, None).sum(1).tolist())
+    assert _chisquare_pvalue(observed, p1) > SIGNIFICANCE
+
+
+# ----------------------------------------------------------------------------------------------
+# 3. Batch invariance
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_row_equals_prompt_decoded_alone(pair, temperature):
+    draft, target = pair
+    dec = SpeculativeDecoder(draft=draft, target=target)
+    kw = dict(max_new_tokens=16, num_draft_tokens=3, temperature=temperature, top_k=20 if temperature else None)
+    batch = dec.generate(PROMPTS, seed=50, **kw)
+    for i, p in enumerate(PROMPTS):
+        alone = dec.generate([p], seed=50 + i, **kw)  # row i of a call uses seed + i
+        assert alone.token_ids[0] == batch.token_ids[i], i
+    if temperature:  # the seed matters
+        assert dec.generate(PROMPTS, seed=51, **kw).token_ids != batch.token_ids
+
+
+# ----------------------------------------------------------------------------------------------
+# 4. Cache rollback
+# ----------------------------------------------------------------------------------------------
+def _fresh_cache(model, ids: list) -> DynamicCache:
+    cache = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        model(input_ids=torch.tensor([ids]), cache=cache, use_cache=True)
+    return cache
+
+
+def _assert_row_cache(cache, b: int, length: int, model, ids: list):
+    assert len(ids) == length
+    ref = _fresh_cache(model, ids)
+    for layer, ref_layer in zip(cache.layers, ref.layers):
+        torch.testing.assert_close(layer.keys[b, :, :length], ref_layer.keys[0], atol=CACHE_ATOL, rtol=CACHE_RTOL)
+        torch.testing.assert_close(layer.values[b, :, :length], ref_layer.values[0], atol=CACHE_ATOL,
+                                   rtol=CACHE_RTOL)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_caches_equal_fresh_forward_after_each_step(pair, temperature):
+    draft, target = pair
+    dec = SpeculativeDecoder(draft=draft, target=target)
+    st = dec._start(PROMPTS, 30, 4, temperature, None, None, 0, None, False, None, 4, None, False,
+                    target_only=False)
+    caught_up = 0
+    with torch.inference_mode():
+        dec._prefill(st)
+        for _ in range(5):
+            dec._step(st)
+            assert st.tc.get_seq_length() == max(st.lt_host)
+            assert st.dc.get_seq_length() == max(st.ld_host)
+            for b, p in enumerate(st.rows):
+                seq = st.seqs[p]
+                # The target caches everything but the last emitted token; the draft also lacks
+                # x_K when the row accepted all K drafts (it catches up next step).
+                assert st.lt_host[b] == len(seq) - 1
+                assert st.ld_host[b] == len(seq) - 1 - int(st.catch_host[b])
+                caught_up += int(st.catch_host[b])
+                _assert_row_cache(st.tc, b, st.lt_host[b], target, seq[: st.lt_host[b]])
+                _assert_row_cache(st.dc, b, st.ld_host[b], draft, seq[: st.ld_host[b]])
+    assert caught_up > 0  # the catch-up path was exercised
+
+
+# ----------------------------------------------------------------------------------------------
+# 5. Nothing is recomputed: count what each model is fed
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_each_token_is_fed_once(pair, temperature):
+    draft, target = pair
+    dec = SpeculativeDecoder(draft=draft, target=target)
+    tc, dc = _CountingForward(target), _CountingForward(draft)
+    try:
+        res = dec.generate(PROMPTS, max_new_tokens=20, num_draft_tokens=4, temperature=temperature, seed=3)
+    finally:
+        tc.restore()
+        dc.restore()
+    hist = res.stats.history
+    lens = {p: len(x) for p, x in enumerate(PROMPTS)}
+    P = max(lens.values()) - 1
+    # Prefill: every prompt token but the last, once, in both models.
+    for calls in (tc.calls, dc.calls):
+        ids, mask, pos = calls[0]
+        assert ids.shape == (len(PROMPTS), P)
+        assert mask.sum(1).tolist() == [max(lens[p] - 1, 1) for p in range(len(PROMPTS))]  # col 0 stands in
+    assert len(tc.calls) == 1 + len(hist)
+    assert len(dc.calls) == 1 + sum(h["k"] for h in hist)
+
+    cached = {p: lens[p] - 1 for p in lens}  # tokens in the target cache
+    d_cached = dict(cached)  # tokens in the draft cache
+    prev_all = {p: False for p in lens}  # row accepted all K last step (draft must catch up)
+    di = 1
+    fed_t = fed_d = catch_ups = 0
+    for s, h in enumerate(hist):
+        K, rows = h["k"], h["rows"]
+        # Draft: K forwards; the first feeds [x_K, last] for rows catching up, else [last].
+        for j in range(K):
+            ids, mask, pos = dc.calls[di + j]
+            T = mask.shape[1] - ids.shape[1]
+            if j == 0:
+                assert ids.shape[1] == (2 if any(prev_all[p] for p in rows) else 1)
+                catch_ups += sum(prev_all[p] for p in rows)
+            else:
+                assert ids.shape[1] == 1
+            for b, p in enumerate(rows):
+                new = mask[b, T:].bool()
+                if j == 0:
+                    assert mask[b, :T].sum().item() == d_cached[p]  # the cache holds each token once
+                    assert new.sum().item() == 1 + prev_all[p]
+                    assert pos[b, new][0].item() == d_cached[p]  # the first new token is the next position
+                fed_d += new.sum().item()
+        di += K
+        # Target: exactly [last, x_1 .. x_K] at the positions after the cached tokens.
+        ids, mask, pos = tc.calls[1 + s]
+        T = mask.shape[1] - ids.shape[1]
+        assert ids.shape == (len(rows), K + 1)
+        for b, p in enumerate(rows):
+            assert mask[b, :T].sum().item() == cached[p]
+            assert mask[b, T:].all()
+            assert pos[b].tolist() == list(range(cached[p], cached[p] + K + 1))
+            n = h["accepted"][b]
+            cached[p] += n + 1
+            d_cached[p] += int(prev_all[p]) + min(n + 1, K)
+            prev_all[p] = n == K
+            fed_t += K + 1
+    # Totals: the target saw each kept token once plus each rejected draft once.
+    rejected = res.stats.drafted_tokens - res.stats.accepted_tokens
+    steps_rows = res.stats.row_steps
+    assert fed_t == sum(h["k"] * len(h["rows"]) for h in hist) + steps_rows
+    assert fed_t == res.stats.accepted_tokens + steps_rows + rejected + sum(
+        (h["k"] - kb) for h in hist for kb in h["num_draft"])
+    assert fed_d > 0 and catch_ups > 0  # the two-column catch-up forward happened
+
+
+# ----------------------------------------------------------------------------------------------
+# Prompt lookup
+# ----------------------------------------------------------------------------------------------
+def test_prompt_lookup_function():
+    assert prompt_lookup([1, 2, 3, 4, 5, 1, 2, 3], 3) == [4, 5, 1]  # 3-gram match
+    assert prompt_lookup([1, 2, 3, 4, 9, 9, 3], 2) == [4, 9]  # falls back to a 1-gram
+    assert prompt_lookup([7, 1, 2, 8, 1, 2], 4) == [8, 1, 2]  # most recent match; stops at the end
+    assert prompt_lookup([5, 5, 5], 4) == [5]  # a repeat proposes its own continuation
+    assert prompt_lookup([1, 2, 3], 4) == []
+    assert prompt_lookup([1], 4) == []
+    assert PromptLookupDrafter().propose([[1, 2, 1], [3]], [2, 2]) == [[2, 1], []]
+
+
+def test_prompt_lookup_greedy_matches_generate(pair):
+    _, target = pair
+    prompts = [[1, 2, 3, 4, 1, 2, 3, 4, 1, 2], [7, 8, 9], [5, 6, 5, 6, 5]]
+    with torch.inference_mode():
+        refs = [target.generate(torch.tensor([p]), do_sample=False, max_new_tokens=30,
+                                pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    dec = SpeculativeDecoder(target=target)  # draft=None: prompt lookup
+    assert dec.drafter == "prompt_lookup"
+    res = dec.generate(prompts, max_new_tokens=30, num_draft_tokens=4)
+    assert res.token_ids == refs
+    assert res.stats.accepted_tokens > 0  # greedy random models repeat themselves: lookup pays off
+    assert res.stats.mean_tokens_per_target_call > 1.0
+
+
+# ----------------------------------------------------------------------------------------------
+# Stopping: EOS, stop strings, max_new_tokens
+# ----------------------------------------------------------------------------------------------
+def test_eos_stops_only_its_row(pair, greedy_refs):
+    draft, target = pair
+    eos = greedy_refs[2][5]
+    first = [r.index(eos) if eos in r else None for r in greedy_refs]
+    res = SpeculativeDecoder(draft=draft, target=target).generate(PROMPTS, max_new_tokens=24, eos_token_id=eos)
+    for i, r in enumerate(greedy_refs):
+        if first[i] is None:
+            assert res.token_ids[i] == r and res.finish_reasons[i] == "length"
+        else:
+            assert res.token_ids[i] == r[: first[i] + 1] and res.finish_reasons[i] == "eos"
+    assert res.finish_reasons[2] == "eos"
+
+
+@pytest.mark.parametrize("k", [1, 8])
+def test_max_new_tokens_is_never_exceeded(pair, greedy_refs, k):
+    draft, target = pair
+    for m in (1, 2, 5):
+        res = SpeculativeDecoder(draft=draft, target=target).generate(PROMPTS, max_new_tokens=m, num_draft_tokens=k)
+        assert res.token_ids == [r[:m] for r in greedy_refs]
+        assert res.stats.generated_tokens == m * len(PROMPTS)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    draft, target, tok = build_tiny_random_pair(seed=0, noise=0.005)
+    return SpeculativeDecoder(draft=draft, target=target, tokenizer=tok), tok
+
+
+def test_stop_strings(tiny):
+    dec, tok = tiny
+    prompts = ["hello world", "the cat"]
+    free = dec.generate(prompts, max_new_tokens=30, eos_token_id=[])
+    text = free.texts[0]
+    stop = text[6:9]
+    ids = free.token_ids[0]
+    end = next(j for j in range(len(ids) + 1) if stop in tok.decode(ids[:j], skip_special_tokens=True))
+    res = dec.generate(prompts, max_new_tokens=30, stop=[stop, "will never appear ~"], eos_token_id=[])
+    assert res.token_ids[0] == ids[:end]
+    assert res.texts[0].endswith(stop) and stop not in res.texts[0][:-1]
+    assert res.finish_reasons[0] == "stop"
+    if stop not in free.texts[1]:
+        assert res.token_ids[1] == free.token_ids[1]
+
+
+def test_text_prompts_and_verbose(tiny):
+    dec, tok = tiny
+    buf = io.StringIO()
+    res = dec.generate("The Capital of France is", max_new_tokens=12, num_draft_tokens=4, verbose=buf)
+    ids = tok("The Capital of France is")["input_ids"]
+    assert res.token_ids == dec.generate([ids], max_new_tokens=12, num_draft_tokens=4).token_ids
+    out = buf.getvalue()
+    assert "Drafted:  '" in out and "Accepted: '" in out
+    assert " tokens)" in out and ("+ bonus: " in out or "+ recovered: " in out)
+
+
+# ----------------------------------------------------------------------------------------------
+# Bad input: ValueError/TypeError naming the argument, before any model work
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kwargs,exc,match", [
+    (dict(prompts=""), ValueError, r"prompts\[0\] must not be empty, got ''"),
+    (dict(prompts=[]), ValueError, "prompts must hold at least one prompt"),
+    (dict(prompts=[[1, 2], []]), ValueError, r"prompts\[1\] must not be empty, got 0 tokens"),
+    (dict(prompts=[[1, 99]]), ValueError, r"prompts\[0\] token ids must be in \[0, 32\), got 99"),
+    (dict(prompts=["text"]), TypeError, "prompts given as text need a tokenizer"),
+    (dict(prompts=[[1]] , max_new_tokens=0), ValueError, "max_new_tokens must be > 0, got 0"),
+    (dict(prompts=[[1]], max_new_tokens=2.0), TypeError, "max_new_tokens must be an int, got float"),
+    (dict(prompts=[[1]], num_draft_tokens=0), ValueError, "num_draft_tokens must be a positive int or 'auto', got 0"),
+    (dict(prompts=[[1]], num_draft_tokens="fast"), ValueError, "num_draft_tokens must be a positive int or 'auto', got 'fast'"),
+    (dict(prompts=[[1]], temperature=-0.5), ValueError, r"temperature must be finite and >= 0 \(0 = greedy\), got -0.5"),
+    (dict(prompts=[[1]], top_k=-1), ValueError, r"top_k must be >= 0 \(0 = off\), got -1"),
+    (dict(prompts=[[1]], top_p=0.0), ValueError, r"top_p must be in \(0, 1\] \(1 = off\), got 0.0"),
+    (dict(prompts=[[1]], stop="x"), ValueError, "stop strings need a tokenizer"),
+    (dict(prompts=[[1], [2]], seed=[1]), ValueError, r"seed as a list must have one entry per prompt \(2\), got 1"),
+    (dict(prompts=[list(range(30)) * 5]), ValueError,
+     r"prompts\[0\] must fit the target's context \(max_position_embeddings = 128\), got 150 tokens"),
+])
+def test_bad_generate_arguments(pair, kwargs, exc, match):
+    draft, target = pair
+    dec = SpeculativeDecoder(draft=draft, target=target)
+    tc, dc = _CountingForward(target), _CountingForward(draft)
+    try:
+        with pytest.raises(exc, match=match):
+            dec.generate(**kwargs)
+    finally:
+        tc.restore()
+        dc.restore()
+    assert tc.calls == [] and dc.calls == []  # refused before any generation work
+
+
+def test_bad_constructor_arguments(pair, tmp_path):
+    draft, target = pair
+    with pytest.raises(TypeError, match="target must be a model name/path or a PreTrainedModel, got None"):
+        SpeculativeDecoder(draft=draft)
+    with pytest.raises(ValueError, match="drafter must be one of"):
+        SpeculativeDecoder(draft=draft, target=target, drafter="medusa")
+    with pytest.raises(ValueError, match="draft and target must be on the same device, got draft on meta"):
+        SpeculativeDecoder(draft=copy.deepcopy(draft).to("meta"), target=target)
+    with pytest.raises(ValueError, match="the draft vocabulary must not exceed the target's: draft vocab_size = 40"):
+        SpeculativeDecoder(draft=_llama(40, 32, 1, 0.2, seed=0), target=target)
+    # Tokenizers from paths: a different vocabulary is refused before any weights load.
+    tok = tiny_char_tokenizer()
+    tok.save_pretrained(tmp_path / "target")
+    other = tiny_char_tokenizer()
+    other.add_tokens(["<extra>"])
+    other.save_pretrained(tmp_path / "draft")
+    with pytest.raises(ValueError, match="draft and target tokenizers must have the same vocabulary, got 52 vs 51"):
+        SpeculativeDecoder(draft=str(tmp_path / "draft"), target=str(tmp_path / "target"))
+
+
+def test_load_pair_from_paths(tiny, tmp_path):
+    dec, tok = tiny
+    for name, model in (("draft", dec.draft), ("target", dec.target)):
+        model.save_pretrained(tmp_path / name)
+        tok.save_pretrained(tmp_path / name)
+    loaded = SpeculativeDecoder(draft=str(tmp_path / "draft"), target=str(tmp_path / "target"), dtype="float32")
+    a = loaded.generate(["hello"], max_new_tokens=10)
+    b = dec.generate(["hello"], max_new_tokens=10)
+    assert a.texts == b.texts and a.token_ids == b.token_ids
+
+
+# ----------------------------------------------------------------------------------------------
+# Pieces: warp, draft random numbers, stats
+# ----------------------------------------------------------------------------------------------
+def test_warp_probs_matches_the_verifier_semantics():
+    g = torch.Generator().manual_seed(0)
+    B, V = 64, 17
+    logits = (torch.randn(B, V, generator=g) * 2).round(decimals=0)  # many ties
+    temp = torch.rand(B, generator=g) + 0.3
+    top_k = torch.randint(0, V + 3, (B,), generator=g)
+    top_p = torch.rand(B, generator=g).clamp(min=0.05)
+    top_p[::4] = 1.0
+    ours = warp_probs(logits, temp, top_k, top_p)
+    s, keep = reference.warp_logits(logits, 1.0 / temp, top_k, top_p)
+    m = s.masked_fill(~keep, float("-inf")).amax(-1, keepdim=True)
+    e = torch.where(keep, torch.exp(s - m), 0.0)
+    torch.testing.assert_close(ours, e / e.sum(-1, keepdim=True))
+    for b in range(8):  # and the hand-written float64 warp
+        want = _naive_warp((logits[b] / 1.0).tolist(), float(temp[b]), int(top_k[b]) if 0 < top_k[b] <= V else None,
+                           float(top_p[b]))
+        torch.testing.assert_close(ours[b].double(), torch.tensor(want, dtype=torch.float64), atol=1e-6, rtol=1e-5)
+    # Temperature 0: one-hot at the first maximum.
+    tied = torch.tensor([[0.0, 3.0, 3.0, 1.0]])
+    assert warp_probs(tied, 0.0).tolist() == [[0.0, 1.0, 0.0, 0.0]]
+
+
+def test_draft_sampler_is_uniform_and_exact():
+    B = 20000
+    keys = [_draft_key(s) for s in range(B)]
+    lo = torch.tensor([k[0] for k in keys])
+    hi = torch.tensor([k[1] for k in keys])
+    u = _draft_uniforms(lo, hi, torch.full((B,), 3), 2)
+    assert ((u >= 0) & (u < 1)).all()
+    counts = torch.histc(u, bins=20, min=0, max=1)
+    assert sps.chisquare(counts.numpy()).pvalue > SIGNIFICANCE
+    # Different draft positions and steps give unrelated numbers.
+    u2 = _draft_uniforms(lo, hi, torch.full((B,), 3), 3)
+    assert abs(float(torch.corrcoef(torch.stack([u, u2]))[0, 1])) < 0.05
+    probs = torch.tensor([0.5, 0.0, 0.3, 0.2]).expand(B, 4)
+    x = _sample_inverse_cdf(probs, u)
+    observed = torch.bincount(x, minlength=4)
+    assert observed[1] == 0
+    assert _chisquare_pvalue(observed, probs[0].double()) > SIGNIFICANCE
+
+
+def test_speedup_model():
+    assert expected_tokens_per_step(0.5, 3) == pytest.approx(1.875)
+    assert expected_tokens_per_step(1.0, 4) == 5.0
+    assert expected_tokens_per_step(0.0, 4) == 1.0
+    assert predicted_speedup(0.8, 4, 0.0, 1.0) == pytest.approx(expected_tokens_per_step(0.8, 4))
+    assert choose_num_draft_tokens(0.9, 0.01, 1.0, 8) == 8
+    assert choose_num_draft_tokens(0.1, 0.5, 1.0, 8) == 1
+    k = choose_num_draft_tokens(0.7, 0.1, 1.0, 16)
+    rate = lambda k: expected_tokens_per_step(0.7, k) / (k * 0.1 + 1.0)  # noqa: E731
+    assert all(rate(k) >= rate(j) for j in range(1, 17))
+
+
+def test_stats_are_consistent(pair):
+    draft, target = pair
+    res = SpeculativeDecoder(draft=draft, target=target).generate(PROMPTS, max_new_tokens=20, num_draft_tokens=4)
+    s = res.stats
+    assert s.iterations == len(s.history)
+    assert s.row_steps == sum(len(h["rows"]) for h in s.history)
+    assert s.generated_tokens == sum(len(t) for t in res.token_ids)
+    assert s.accepted_tokens == sum(n * c for n, c in enumerate(s.accepted_length_histogram))
+    assert s.drafted_tokens == sum(sum(h["num_draft"]) for h in s.history)
+    assert s.acceptance_rate == pytest.approx(s.accepted_tokens / s.drafted_tokens)
+    assert 0 < s.acceptance_per_position[0] <= 1
+    assert s.mean_tokens_per_target_call == pytest.approx(s.generated_tokens / s.row_steps)
+    assert s.draft_time_s > 0 and s.target_time_s > 0 and s.tokens_per_s > 0
+    assert s.measured_speedup is None  # no baseline given
+    d = s.to_dict()
+    assert "history" not in d and json.dumps(d)
+
+
+# ----------------------------------------------------------------------------------------------
+# 6. CLI
+# ----------------------------------------------------------------------------------------------
+def test_cli_tiny_random_json(capsys):
+    assert cli_main(["generate", "hello world", "the cat", "--tiny-random", "--json", "-k", "auto",
+                     "--max-new-tokens", "12", "--temperature", "0.8", "--top-k", "10", "--seed", "3"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert len(out["texts"]) == 2 and all(len(t) <= 12 for t in out["token_ids"])
+    assert out["stats"]["iterations"] > 0 and "alpha" in out["stats"]
+
+
+def test_cli_requires_models(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli_main(["generate", "hello"])
+    assert e.value.code == 2
+    assert "--target is required: no default model pair is bundled yet" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli_main(["generate", "hello", "--tiny-random", "-k", "0"])
+    assert "must be a positive int or 'auto', got 0" in capsys.readouterr().err
+
+
+def test_python_dash_m_entry_point():
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    r = subprocess.run([sys.executable, "-m", "specdec_kernels", "generate", "abc", "--tiny-random", "--json",
+                        "--max-new-tokens", "5", "--verbose"],
+                       capture_output=True, text=True, timeout=240, env=env, cwd=root)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["stats"]["generated_tokens"] <= 5
+    assert "Drafted:" in r.stderr  # --verbose goes to stderr when --json owns stdout
