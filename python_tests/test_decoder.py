@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import inspect
 import io
 import json
 import math
@@ -307,8 +308,10 @@ def test_row_equals_prompt_decoded_alone(pair, temperature):
 # ----------------------------------------------------------------------------------------------
 def _fresh_cache(model, ids: list) -> DynamicCache:
     cache = DynamicCache(config=model.config)
+    # transformers >= 5.2x names the argument cache; earlier 5.x past_key_values.
+    kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     with torch.inference_mode():
-        model(input_ids=torch.tensor([ids]), cache=cache, use_cache=True)
+        model(input_ids=torch.tensor([ids]), use_cache=True, **{kw: cache})
     return cache
 
 
