@@ -82,6 +82,21 @@ def test_deterministic_drafter_matches_reference(K, device):
     assert torch.equal(out.tokens.cpu(), ref_tokens) and torch.equal(out.num_accepted.cpu(), ref_num)
 
 
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_no_drafts_gives_the_bonus_token(backend, device):
+    """K = 0 (and K_b = 0 rows): the step only samples the bonus token from p_0."""
+    logits, x, q = make_step(3, 0, 50, seed=4)
+    seed = torch.tensor([1, 2, 3])
+    dev = device if backend == "triton" else "cpu"
+    out = fused_verify(logits.to(dev), x.to(dev), q.to(dev), temperature=torch.tensor([1.0, 0.0, 0.5]).to(dev),
+                       seed=seed.to(dev), backend=backend)
+    ref_tokens, ref_num = verify_reference(logits, x, q, torch.zeros(3, dtype=torch.int64),
+                                           torch.tensor([1.0, 0.0, 0.5]), None, None, philox_uniforms(seed, torch.zeros(3, dtype=torch.int64), 0))
+    assert torch.equal(out.tokens.cpu(), ref_tokens) and torch.equal(out.num_accepted.cpu(), ref_num)
+    assert out.tokens.shape == (3, 1) and (out.num_accepted == 0).all()
+    assert int(out.tokens[1, 0]) == int(logits[1, 0].argmax())
+
+
 def test_explicit_uniforms_match_seeded_draws(device):
     """uniforms = philox_uniforms(seed, offset) gives the kernel's own draws exactly."""
     logits, x, q = make_step(3, 4, 111, seed=3)

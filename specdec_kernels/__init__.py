@@ -1,10 +1,12 @@
 """specdec-kernels: fused kernels for exact speculative decoding of Hugging Face models.
 
 ``fused_verify`` verifies K drafted tokens against the target's raw logits in one Triton launch
-(or a vectorised PyTorch path on CPU); ``reference`` holds the plain-PyTorch ground truth.
+(or a vectorised PyTorch path on CPU); ``reference`` holds the plain-PyTorch ground truth;
+``SpeculativeDecoder`` runs batched, KV-cached speculative decoding over Hugging Face models.
 """
 
+from .decoder import GenerationResult, SpeculativeDecoder
 from .verify import VerifyOutput, fused_verify
 
-__all__ = ["VerifyOutput", "fused_verify"]
+__all__ = ["GenerationResult", "SpeculativeDecoder", "VerifyOutput", "fused_verify"]
 __version__ = "0.1.0"

@@ -62,25 +62,29 @@ def _position_stats(
     >= thr and 0 elsewhere; argmax is the first index of the largest logit; bad is 1 when the
     position holds a NaN or +inf, or nothing finite.
     """
-    # Pass 1: max, first argmax, smallest order key and the non-finite check, online over tiles.
+    # Pass 1, online over tiles: max, first argmax, the running sum of exp(s - max), and the
+    # non-finite check. Without top-k/top-p this is the whole softmax of the position.
     m = float("-inf")
     amax = 0
-    kmin = _INT32_MAX
+    acc = tl.zeros([BLOCK_V], dtype=tl.float32)
     n_bad = 0
     for start in range(0, V, BLOCK_V):
         offs = start + tl.arange(0, BLOCK_V)
         mask = offs < V
         s = tl.load(row_ptr + offs, mask=mask, other=float("-inf")).to(tl.float32) * inv_t
         n_bad += tl.sum(((s != s) | (s == float("inf"))).to(tl.int32), axis=0)
-        s_clean = tl.where(s != s, float("-inf"), s)
-        tile_max = tl.max(s_clean, axis=0)
-        tile_arg = tl.min(tl.where(s_clean == tile_max, offs, _INT32_MAX), axis=0)
+        s = tl.where(s != s, float("-inf"), s)
+        tile_max = tl.max(s, axis=0)
+        tile_arg = tl.min(tl.where(s == tile_max, offs, _INT32_MAX), axis=0)
         amax = tl.where(tile_max > m, tile_arg, amax)
-        m = tl.maximum(m, tile_max)
-        kmin = tl.minimum(kmin, tl.min(tl.where(mask, _order_key(s_clean), _INT32_MAX), axis=0))
-    bad = (n_bad > 0) | (m == float("-inf"))
+        m_new = tl.maximum(m, tile_max)
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        acc = acc * tl.exp(m - m_ref) + tl.exp(s - m_ref)
+        m = m_new
+    bad = (n_bad > 0) | (m == float("-inf")) | (m == float("inf"))
     m_safe = tl.where(bad, 0.0, m)
-    thr = kmin.to(tl.int64)  # keep everything
+    S = tl.sum(acc, axis=0)
+    thr = tl.full([], -2147483648, tl.int64)  # every int32 order key is >= this: keep all
     key_max = _order_key(m_safe).to(tl.int64)
     if HAS_TOP_K:
         # The k-th largest key: the largest t with count(key >= t) >= k, by bisection on keys.
@@ -99,7 +103,7 @@ def _position_stats(
                 lo = tl.where(enough, mid, lo)
                 hi = tl.where(enough, hi, mid - 1)
             thr = lo
-    S = _masked_mass(row_ptr, V, inv_t, m_safe, thr, BLOCK_V)
+            S = _masked_mass(row_ptr, V, inv_t, m_safe, thr, BLOCK_V)
     if HAS_TOP_P:
         # The smallest key c whose strictly-greater mass is < top_p * S: keep key >= c.
         if (top_p < 1.0) & (bad == 0):

@@ -794,13 +794,7 @@ class SpeculativeDecoder:
         mask = torch.cat([torch.arange(st.Tt, device=dev)[None, :] < st.lt[:, None],
                           torch.ones((B, K + 1), dtype=torch.bool, device=dev)], 1)  # [B, Tt+K+1]
         logits = self._t.forward(st.tc, ids, mask, pos, st.Tt, K + 1)  # [B, K+1, V]
-        if K == 0:
-            # fused_verify's torch path cannot reduce over K = 0 drafts; an unread pad position
-            # (K_b = 0 for every row) gives the same draws: the final one uses counter 0 at any K.
-            v_logits, v_x = torch.cat([logits, logits], 1), torch.zeros((B, 1), dtype=torch.int64, device=dev)
-        else:
-            v_logits, v_x = logits, X
-        out = fused_verify(v_logits, v_x, Q, num_draft_tokens=kb, temperature=st.temperature,
+        out = fused_verify(logits, X, Q, num_draft_tokens=kb, temperature=st.temperature,
                            top_k=st.top_k, top_p=st.top_p, seed=st.seed, offset=st.step)
         n = out.num_accepted  # [B] int64 in [-1, K_b]
         # The step's one host sync: counts, tokens, drafts, K_b.

@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 
 __all__ = [
+    "compact_kv_reference",
     "order_key",
     "warp_logits",
     "verify_reference",
@@ -222,7 +223,7 @@ def verify_reference(
     # or K_b when it accepts everything (then position K_b gives the bonus token).
     i = torch.arange(K, device=dev)
     stops = (~accept | bad_verify) & (i[None, :] < kb[:, None])  # [B, K]
-    j = torch.where(stops.any(-1), stops.int().argmax(-1), kb).clamp(0, K)  # [B]
+    j = torch.minimum((~stops).int().cumprod(-1).sum(-1), kb).clamp(0, K)  # [B]: leading non-stops
     rejected = j < kb
     bad_row = bad_param | bad_pos.gather(1, j[:, None])[:, 0]
     bad_row |= torch.where(rejected, bad_x.gather(1, j.clamp(max=K - 1)[:, None])[:, 0] if K > 0 else False, False)

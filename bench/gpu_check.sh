@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# One prepared run on a GPU machine: build with CUDA, the whole test suite on CUDA (the Triton
+# kernel for real, not interpreted), bench_verify on a reduced grid, bench_e2e on a random-weight
+# pair of the embedded pair's shapes (the target's GGUF does not travel; acceptance figures come
+# from CPU runs). Works offline from a fresh copy of the repository; aims at < 8 minutes on an H200.
+#
+#   bash bench/gpu_check.sh [OUT_DIR]      # default: $OUT, else bench/results/gpu-<date>
+#
+# Leaves in OUT_DIR: env.txt, build.log, tests.log, bench_verify.{csv,txt,png},
+# bench_e2e.{csv,txt,png}, and gpu_check.log (everything printed).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT_DIR=${1:-${OUT:-bench/results/gpu-$(date -u +%Y%m%d)}}
+mkdir -p "$OUT_DIR"
+exec > >(tee "$OUT_DIR/gpu_check.log") 2>&1
+PY=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16}
+start=$(date +%s)
+stamp() { echo "[gpu_check +$(( $(date +%s) - start ))s] $*"; }
+
+stamp "environment"
+{
+    date -u
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem --format=csv
+    $PY - <<'PYEOF'
+import torch, triton, transformers, platform
+print("python", platform.python_version(), "| torch", torch.__version__, "| cuda", torch.version.cuda,
+      "| triton", triton.__version__, "| transformers", transformers.__version__)
+print("device", torch.cuda.get_device_name(0), "| SMs", torch.cuda.get_device_properties(0).multi_processor_count)
+PYEOF
+    git rev-parse HEAD 2>/dev/null || true
+} | tee "$OUT_DIR/env.txt"
+
+stamp "build (CUDAExtension, TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST)"
+# --no-deps: the image has every dependency and there is no network there.
+USE_CUDA=1 $PY -m pip install --no-build-isolation --no-deps --no-index -e . >"$OUT_DIR/build.log" 2>&1
+build_rc=$?
+tail -n 5 "$OUT_DIR/build.log"
+$PY -c "import specdec_kernels._ext as e; print('extension loaded:', e.HAS_EXT)"
+
+stamp "tests on CUDA"
+timeout 300 $PY -m pytest python_tests -q -n 4 -rs -p no:cacheprovider >"$OUT_DIR/tests.log" 2>&1
+tests_rc=$?
+tail -n 25 "$OUT_DIR/tests.log"
+
+stamp "bench_verify (gpu grid)"
+timeout 180 $PY bench/bench_verify.py --grid gpu --out "$OUT_DIR"
+verify_rc=$?
+
+stamp "bench_e2e (random weights of the default pair's shapes)"
+timeout 120 $PY bench/bench_e2e.py --random-default-shapes --out "$OUT_DIR" --repeats 3 --max-new-tokens 64
+e2e_rc=$?
+
+stamp "done: build=$build_rc tests=$tests_rc bench_verify=$verify_rc bench_e2e=$e2e_rc"
+[ $build_rc -eq 0 ] && [ $tests_rc -eq 0 ] && [ $verify_rc -eq 0 ] && [ $e2e_rc -eq 0 ]
