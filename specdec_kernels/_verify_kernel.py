@@ -39,13 +39,36 @@ def _order_key(s):
 
 
 @triton.jit
+def _scaled_tile(row_ptr, start, V, inv_t, BLOCK_V: tl.constexpr):
+    """Logits [start, start + BLOCK_V) of one position in fp32, times 1/T; -inf past V."""
+    offs = start + tl.arange(0, BLOCK_V)
+    mask = offs < V
+    s = tl.load(row_ptr + offs, mask=mask, other=float("-inf")).to(tl.float32) * inv_t
+    return offs, mask, s
+
+
+@triton.jit
+def _draw_tile(pos_ptr, q_ptr, start, V, q_len, x_j, inv_t, m, S, thr, subtract_q,
+               HAS_DRAFT_PROBS: tl.constexpr, BLOCK_V: tl.constexpr):
+    """One tile of the final draw: p, q and the weights r = max(0, p - q) when subtract_q
+    (the residual after a rejection), else r = p. q is read up to q_len (0 = not at all), or is
+    one-hot at x_j for a deterministic drafter."""
+    offs, mask, s = _scaled_tile(pos_ptr, start, V, inv_t, BLOCK_V)
+    p = tl.where(mask & (_order_key(s).to(tl.int64) >= thr), tl.exp(s - m) / S, 0.0)
+    if HAS_DRAFT_PROBS:
+        q = tl.load(q_ptr + offs, mask=offs < q_len, other=0.0)
+    else:
+        q = tl.where(offs == x_j, 1.0, 0.0)
+    r = tl.where(subtract_q, tl.maximum(p - q, 0.0), p)
+    return offs, mask, p, q, r
+
+
+@triton.jit
 def _masked_mass(row_ptr, V, inv_t, m, thr, BLOCK_V: tl.constexpr):
     """sum of exp(s - m) over the tokens with order key >= thr (int64 scalar)."""
     acc = tl.zeros([BLOCK_V], dtype=tl.float32)
     for start in range(0, V, BLOCK_V):
-        offs = start + tl.arange(0, BLOCK_V)
-        mask = offs < V
-        s = tl.load(row_ptr + offs, mask=mask, other=float("-inf")).to(tl.float32) * inv_t
+        offs, mask, s = _scaled_tile(row_ptr, start, V, inv_t, BLOCK_V)
         keep = mask & (_order_key(s).to(tl.int64) >= thr)
         acc += tl.where(keep, tl.exp(s - m), 0.0)
     return tl.sum(acc, axis=0)
@@ -69,9 +92,7 @@ def _position_stats(
     acc = tl.zeros([BLOCK_V], dtype=tl.float32)
     n_bad = 0
     for start in range(0, V, BLOCK_V):
-        offs = start + tl.arange(0, BLOCK_V)
-        mask = offs < V
-        s = tl.load(row_ptr + offs, mask=mask, other=float("-inf")).to(tl.float32) * inv_t
+        offs, mask, s = _scaled_tile(row_ptr, start, V, inv_t, BLOCK_V)
         n_bad += tl.sum(((s != s) | (s == float("inf"))).to(tl.int32), axis=0)
         s = tl.where(s != s, float("-inf"), s)
         tile_max = tl.max(s, axis=0)
@@ -95,9 +116,7 @@ def _position_stats(
                 mid = lo + (hi - lo + 1) // 2
                 cnt = tl.zeros([BLOCK_V], dtype=tl.int32)
                 for start in range(0, V, BLOCK_V):
-                    offs = start + tl.arange(0, BLOCK_V)
-                    mask = offs < V
-                    s = tl.load(row_ptr + offs, mask=mask, other=float("-inf")).to(tl.float32) * inv_t
+                    offs, mask, s = _scaled_tile(row_ptr, start, V, inv_t, BLOCK_V)
                     cnt += (mask & (_order_key(s).to(tl.int64) >= mid)).to(tl.int32)
                 enough = tl.sum(cnt, axis=0) >= top_k
                 lo = tl.where(enough, mid, lo)
@@ -213,16 +232,9 @@ def _verify_kernel(
         acc_p = tl.zeros([BLOCK_V], dtype=tl.float32)
         n_bad_q = 0
         for start in range(0, V, BLOCK_V):
-            offs = start + tl.arange(0, BLOCK_V)
-            mask = offs < V
-            s = tl.load(pos_ptr + offs, mask=mask, other=float("-inf")).to(tl.float32) * inv_t
-            p = tl.where(mask & (_order_key(s).to(tl.int64) >= thr_j), tl.exp(s - m_j) / S_j, 0.0)
-            if HAS_DRAFT_PROBS:
-                q = tl.load(q_ptr + offs, mask=offs < q_len, other=0.0)
-                n_bad_q += tl.sum(((q != q) | (q < 0.0) | (q == float("inf"))).to(tl.int32), axis=0)
-            else:
-                q = tl.where(offs == x_j, 1.0, 0.0)
-            r = tl.where(rejected, tl.maximum(p - q, 0.0), p)
+            offs, mask, p, q, r = _draw_tile(pos_ptr, q_ptr, start, V, q_len, x_j, inv_t, m_j, S_j, thr_j,
+                                             rejected, HAS_DRAFT_PROBS, BLOCK_V)
+            n_bad_q += tl.sum(((q != q) | (q < 0.0) | (q == float("inf"))).to(tl.int32), axis=0)
             acc_r += tl.where(r == r, r, 0.0)
             acc_p += p
         bad = n_bad_q > 0
@@ -240,15 +252,8 @@ def _verify_kernel(
         last_nz = tl.full([], -1, tl.int32)
         start = tl.full([], 0, tl.int32)
         while (start < V) & (found < 0):
-            offs = start + tl.arange(0, BLOCK_V)
-            mask = offs < V
-            s = tl.load(pos_ptr + offs, mask=mask, other=float("-inf")).to(tl.float32) * inv_t
-            p = tl.where(mask & (_order_key(s).to(tl.int64) >= thr_j), tl.exp(s - m_j) / S_j, 0.0)
-            if HAS_DRAFT_PROBS:
-                q = tl.load(q_ptr + offs, mask=offs < q_len, other=0.0)
-            else:
-                q = tl.where(offs == x_j, 1.0, 0.0)
-            r = tl.where(rejected & ~use_p, tl.maximum(p - q, 0.0), p)
+            offs, mask, p, q, r = _draw_tile(pos_ptr, q_ptr, start, V, q_len, x_j, inv_t, m_j, S_j, thr_j,
+                                             rejected & ~use_p, HAS_DRAFT_PROBS, BLOCK_V)
             cdf = carry + tl.cumsum(r, axis=0)
             hit = tl.min(tl.where(mask & (cdf > target), offs, _INT32_MAX), axis=0)
             found = tl.where(hit < _INT32_MAX, hit, found)
