@@ -329,3 +329,22 @@ def test_one_launch_and_no_host_sync(monkeypatch):
                  "aten.sort", "aten.topk", "aten.multinomial", "aten.cumsum"}
     assert not forbidden & set(rec.ops), sorted(forbidden & set(rec.ops))
     assert out.tokens.shape == (3, 5) and (out.num_accepted >= 0).all()
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU for graph capture")
+def test_cuda_graph_capture_and_replay():
+    """The op captures in a CUDA graph; replays with new offsets draw new numbers, as eager does."""
+    lg, x, q = make_step(4, 4, 1000, seed=3)
+    lg, x, q = lg.cuda(), x.cuda(), q.cuda()
+    seed = torch.arange(4, device="cuda")
+    offset = torch.zeros(4, dtype=torch.int64, device="cuda")
+    fused_verify(lg, x, q, seed=seed, offset=offset)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_verify(lg, x, q, seed=seed, offset=offset)
+    for step in range(3):
+        offset.fill_(step)
+        graph.replay()
+        eager = fused_verify(lg, x, q, seed=seed, offset=step)
+        assert torch.equal(out.tokens, eager.tokens) and torch.equal(out.num_accepted, eager.num_accepted)
