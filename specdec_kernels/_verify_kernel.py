@@ -17,6 +17,12 @@ accepts everything), with V the vocabulary and E the logit element size (4, or 2
 The floor for one step is the (j + 1) * V * E bytes of logits that a correct verification must
 look at; the plain path reads about (j + 2.5) * V * E.  Everything is accumulated in fp32.
 
+Parallelism: one program per batch row, so at small B the step is bound by one streaming
+multiprocessor per row, not by the device's bandwidth. Splitting the vocabulary across programs
+needs a grid-wide barrier between the softmax statistics and the final draw (the residual
+max(0, e/S - q) is not decomposable before S is known); that variant is future work, to be
+measured against this one on a GPU.
+
 Randomness is counter-based: the uniform with counter c of row b is
 ``tl.rand(seed_b, (offset_b << 32) | c)`` (c = i + 1 for the acceptance test of draft i, c = 0
 for the final draw), so a row's numbers never depend on the other rows, on B or on K, and the
