@@ -1,0 +1,605 @@
+"""End-to-end benchmark: what speculative decoding is for (STYLE item 17).
+
+On the same prompts, seeds, max_new_tokens, dtype and device, for one draft/target pair:
+
+  target_hf            the target alone with its KV cache: Hugging Face ``target.generate``
+                       (greedy: do_sample=False; sampling: do_sample=True, temperature=1,
+                       top_k=0, top_p=1, so no hidden warp)
+  assisted_hf          Hugging Face assisted generation, ``target.generate(assistant_model=draft)``;
+                       batch 1 only (transformers refuses batches).  Fixed K: the assistant's
+                       num_assistant_tokens=K, num_assistant_tokens_schedule="constant",
+                       assistant_confidence_threshold=0 (no early stop, so every step drafts K).
+                       K="auto": transformers' own default dynamic schedule, untouched.
+  specdec              ``SpeculativeDecoder.generate`` with K in --ks (fixed K or "auto")
+  specdec_target_only  ``SpeculativeDecoder.generate_target_only``: the decoder's own loop with
+                       no drafts, which separates the loop's overhead from speculation
+
+for greedy and temperature 1, at batch 1 (each prompt alone, one after the other) and batch 8
+(the 8 prompts as one batch).  EOS is ignored by default (--eos ignore) so every method
+generates exactly max_new_tokens per prompt; --eos stop lets rows end at EOS.
+
+Reported per configuration: tokens/s (generated tokens / wall time, the median over --repeats
+timed runs after one untimed warm-up, methods interleaved run by run so that load on a shared
+machine falls on all of them alike), the speed-ups over the target alone and over assisted
+generation at the same K (ratios of tokens/s measured in this run, STYLE item 18), alpha, mean
+tokens per target call, the accepted-length histogram, and the speed-up the model of
+``specdec_kernels.stats`` predicts from the measured alpha and step times:
+E(K) / ((K * T_draft + T_target) / T_target), E(K) = (1 - alpha^(K+1)) / (1 - alpha).
+
+Greedy check: at temperature 0 the token ids of every method must equal the target alone's,
+prompt by prompt.  Where they do not, the differing prompts are printed and no speed-up is
+reported for that (batch, K) configuration: its speed-up cells read REFUSED.
+
+    python bench/bench_e2e.py                                  # the embedded pair
+    python bench/bench_e2e.py --draft D --target T --out bench/results/gpu
+    python bench/bench_e2e.py --quick --out /tmp/e2e           # smoke run, tiny random pair
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# The repository root, for a checkout whose package is not pip-installed (an installed one wins).
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from harness import append_csv, device_name, now, print_table, versions  # noqa: E402
+
+from specdec_kernels import SpeculativeDecoder  # noqa: E402
+from specdec_kernels.stats import predicted_speedup  # noqa: E402
+
+# Eight distinct prompts of varied length (a few tokens to about 150), plain text (no chat
+# template), the same for every method.
+PROMPTS = [
+    "The capital of France is",
+    "Write a short poem about the sea.",
+    "Question: If a train travels at 60 miles per hour for 2.5 hours, how far does it go?\nAnswer:",
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number, computed iteratively."""\n',
+    "Here is a list of the planets of the solar system, in order from the Sun:\n1.",
+    "Explain to a ten-year-old, in simple words, why the sky is blue during the day and red at sunset.",
+    "Once upon a time, in a small village at the edge of a great forest, there lived an old clockmaker "
+    "who had never left the valley. Every morning he opened his shop, wound the hundred clocks on its "
+    "walls, and waited for the travellers who came to have their watches mended. One winter evening, "
+    "a stranger knocked at his door carrying a clock that had no hands.",
+    "Photosynthesis is the process by which green plants, algae and some bacteria turn light energy "
+    "into chemical energy. In the chloroplasts, chlorophyll absorbs mostly blue and red light. The "
+    "energy splits water molecules, releasing oxygen, and drives the production of ATP and NADPH. In "
+    "the Calvin cycle these carriers are used to fix carbon dioxide from the air into sugars, which "
+    "the plant uses to grow and to store energy. Nearly all life on Earth depends on this process, "
+    "directly or indirectly, for food and for the oxygen in the atmosphere.\n\n"
+    "Summarise the passage above in one sentence:",
+]
+
+METHODS = ["target_hf", "assisted_hf", "specdec", "specdec_target_only"]
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+NA_BATCH = "n/a (batch 1 only)"
+REFUSED = "REFUSED"
+
+
+# ----------------------------------------------------------------------------------------------
+# The pair
+# ----------------------------------------------------------------------------------------------
+def load_pair(args, device: torch.device, dtype: torch.dtype):
+    """(draft, target, tokenizer, pair name), both models on ``device`` in ``dtype``, eval mode."""
+    if args.tiny_random:
+        from specdec_kernels.cli import build_tiny_random_pair
+
+        draft, target, tok = build_tiny_random_pair(seed=0)
+        name = "tiny-random (2-layer Llama, char tokenizer; draft = target + noise 0.02)"
+    elif args.draft or args.target:
+        if not (args.draft and args.target):
+            raise SystemExit("--draft and --target go together (or neither: the embedded pair)")
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(args.tokenizer or args.target)
+        target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype)
+        draft = AutoModelForCausalLM.from_pretrained(args.draft, dtype=dtype)
+        name = f"{os.path.basename(os.path.normpath(args.target))} + draft {os.path.basename(os.path.normpath(args.draft))}"
+    else:
+        try:
+            from specdec_kernels.models import TARGET_NAME, default_pair
+        except ImportError as e:
+            raise SystemExit(f"the embedded pair is not available ({e}); pass --draft/--target or --tiny-random")
+        draft, target, tok = default_pair(device=device, dtype=dtype)
+        name = f"embedded: {TARGET_NAME} + shipped distilled draft"
+    draft.to(device=device, dtype=dtype)
+    target.to(device=device, dtype=dtype)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return draft.eval(), target.eval(), tok, name
+
+
+def model_size(model) -> str:
+    cfg = model.config
+    n = sum(p.numel() for p in model.parameters())
+    return f"{n / 1e6:.1f}M params, {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}"
+
+
+# ----------------------------------------------------------------------------------------------
+# One run of a method over the prompts
+# ----------------------------------------------------------------------------------------------
+@dataclass
+class RunOut:
+    token_ids: list  # per prompt: the generated ids
+    seconds: float  # wall time of the whole run (all prompts)
+    stats: Optional[list] = None  # DecodingStats per generate call (SpeculativeDecoder only)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _trim(ids: list, eos: set) -> list:
+    """HF pads finished rows after EOS; keep the ids up to and including the first EOS."""
+    for j, t in enumerate(ids):
+        if t in eos:
+            return ids[: j + 1]
+    return ids
+
+
+@contextlib.contextmanager
+def generation_settings(model, **values):
+    """Set fields of ``model.generation_config`` for the duration (restored after)."""
+    gc = model.generation_config
+    old = {k: getattr(gc, k, None) for k in values}
+    for k, v in values.items():
+        setattr(gc, k, v)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            setattr(gc, k, v)
+
+
+class Bench:
+    def __init__(self, draft, target, tok, device, prompt_ids, max_new, eos_mode, seed):
+        self.draft, self.target, self.tok, self.device = draft, target, tok, device
+        self.prompt_ids = prompt_ids  # list of list of ints
+        self.max_new = max_new
+        self.seed = seed
+        self.batch1_prompts = None  # batch 1 decodes the first N prompts only (None: all)
+        self.pad = tok.pad_token_id
+        self.dec = SpeculativeDecoder(draft=draft, target=target, tokenizer=tok)
+        gc_eos = target.generation_config.eos_token_id
+        if gc_eos is None:
+            gc_eos = tok.eos_token_id
+        self.eos_ids = set([gc_eos] if isinstance(gc_eos, int) else list(gc_eos or []))
+        self.ignore_eos = eos_mode == "ignore"
+        # SpeculativeDecoder: an empty EOS set never stops a row; None uses the model's EOS.
+        self.dec_eos = [] if self.ignore_eos else None
+
+    # -- Hugging Face -------------------------------------------------------------------------
+    def _hf_kwargs(self, temperature: float) -> dict:
+        kw = dict(max_new_tokens=self.max_new, min_new_tokens=0, pad_token_id=self.pad, num_beams=1,
+                  repetition_penalty=1.0)
+        if temperature == 0:
+            kw.update(do_sample=False)
+        else:
+            kw.update(do_sample=True, temperature=float(temperature), top_k=0, top_p=1.0, min_p=None,
+                      typical_p=1.0)
+        return kw
+
+    def _hf_eos(self):
+        """While timing HF with --eos ignore, no EOS on either model (restored after)."""
+        if not self.ignore_eos:
+            return contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        stack.enter_context(generation_settings(self.target, eos_token_id=None))
+        stack.enter_context(generation_settings(self.draft, eos_token_id=None))
+        return stack
+
+    def hf(self, batch: int, temperature: float, assistant_cfg: Optional[dict]) -> RunOut:
+        kw = self._hf_kwargs(temperature)
+        out_ids = []
+        with torch.inference_mode(), self._hf_eos(), (
+                generation_settings(self.draft, **assistant_cfg) if assistant_cfg is not None
+                else contextlib.nullcontext()):
+            if assistant_cfg is not None:
+                kw["assistant_model"] = self.draft
+            _sync(self.device)
+            t0 = time.perf_counter()
+            for chunk in self._chunks(batch):
+                ids, mask = self._left_padded(chunk)
+                torch.manual_seed(self.seed + chunk[0])  # batch 1: prompt p gets seed + p
+                out = self.target.generate(input_ids=ids, attention_mask=mask, **kw)
+                for r in range(len(chunk)):
+                    out_ids.append(out[r, ids.shape[1]:].tolist())
+            _sync(self.device)
+            seconds = time.perf_counter() - t0
+        if not self.ignore_eos:
+            out_ids = [_trim(x, self.eos_ids) for x in out_ids]
+        return RunOut(out_ids, seconds)
+
+    def _chunks(self, batch: int) -> list:
+        idx = list(range(len(self.prompt_ids)))
+        if batch == 1 and self.batch1_prompts is not None:
+            idx = idx[: self.batch1_prompts]
+        return [idx[i: i + batch] for i in range(0, len(idx), batch)]
+
+    def _left_padded(self, chunk: list):
+        rows = [self.prompt_ids[p] for p in chunk]
+        T = max(len(r) for r in rows)
+        ids = torch.full((len(rows), T), self.pad, dtype=torch.int64)
+        mask = torch.zeros((len(rows), T), dtype=torch.int64)
+        for i, r in enumerate(rows):
+            ids[i, T - len(r):] = torch.tensor(r)
+            mask[i, T - len(r):] = 1
+        return ids.to(self.device), mask.to(self.device)
+
+    # -- SpeculativeDecoder --------------------------------------------------------------------
+    def specdec(self, batch: int, temperature: float, k, target_only: bool = False) -> RunOut:
+        out_ids, stats = [], []
+        _sync(self.device)
+        t0 = time.perf_counter()
+        for chunk in self._chunks(batch):
+            prompts = [self.prompt_ids[p] for p in chunk]
+            seeds = [self.seed + p for p in chunk]  # the same row seeds at batch 1 and batch 8
+            if target_only:
+                res = self.dec.generate_target_only(prompts, max_new_tokens=self.max_new, temperature=temperature,
+                                                    seed=seeds, eos_token_id=self.dec_eos)
+            else:
+                res = self.dec.generate(prompts, max_new_tokens=self.max_new, num_draft_tokens=k,
+                                        temperature=temperature, seed=seeds, eos_token_id=self.dec_eos,
+                                        max_draft_tokens=8)
+            out_ids.extend(res.token_ids)
+            stats.append(res.stats)
+        _sync(self.device)
+        return RunOut(out_ids, time.perf_counter() - t0, stats)
+
+
+def assistant_config(k) -> Optional[dict]:
+    """The assistant's generation-config fields set for assisted generation at K (None: HF defaults)."""
+    if k == "auto":
+        return None
+    return dict(num_assistant_tokens=int(k), num_assistant_tokens_schedule="constant",
+                assistant_confidence_threshold=0.0)
+
+
+def hf_config_text(k) -> str:
+    if k == "auto":
+        return ("transformers defaults: num_assistant_tokens=20, schedule=constant, "
+                "assistant_confidence_threshold=0.4 (no sklearn: fixed)" if not _has_sklearn() else
+                "transformers defaults: num_assistant_tokens=20, schedule=constant, "
+                "assistant_confidence_threshold=0.4 (adapted by ROC, sklearn present)")
+    return f"num_assistant_tokens={k}, schedule=constant, assistant_confidence_threshold=0"
+
+
+def _has_sklearn() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("sklearn") is not None
+
+
+# ----------------------------------------------------------------------------------------------
+# Statistics of several generate calls, merged
+# ----------------------------------------------------------------------------------------------
+def merge_stats(stats: list) -> dict:
+    """alpha, histogram, tokens per target call, step times and the predicted speed-up of the
+    generate calls of one run (batch 1 makes one call per prompt)."""
+    reached = accepted = row_steps = generated = iterations = k_sum = draft_fwd = 0
+    t_draft = t_target = t_prefill = 0.0
+    hist: list = []
+    for s in stats:
+        for h in s.history:
+            k_sum += h["k"]
+            for kb, n in zip(h["num_draft"], h["accepted"]):
+                if n >= 0:
+                    reached += min(n + 1, kb)
+                    accepted += n
+        for n, c in enumerate(s.accepted_length_histogram):
+            hist += [0] * (n + 1 - len(hist))
+            hist[n] += c
+        row_steps += s.row_steps
+        generated += s.generated_tokens
+        iterations += s.iterations
+        draft_fwd += s.draft_forwards
+        t_draft += s.draft_time_s
+        t_target += s.target_time_s
+        t_prefill += s.prefill_time_s
+    alpha = accepted / reached if reached else None
+    mean_k = k_sum / iterations if iterations else None
+    td = t_draft / draft_fwd if draft_fwd else None
+    tt = t_target / iterations if iterations else None
+    pred = None
+    if alpha is not None and tt and mean_k:
+        pred = predicted_speedup(alpha, mean_k, td or 0.0, tt)
+    return dict(alpha=alpha, mean_k=mean_k, tokens_per_target_call=generated / row_steps if row_steps else None,
+                hist=hist, draft_ms_per_forward=None if td is None else td * 1e3,
+                target_ms_per_step=None if tt is None else tt * 1e3, predicted_speedup=pred,
+                draft_s=t_draft, target_s=t_target, prefill_s=t_prefill)
+
+
+# ----------------------------------------------------------------------------------------------
+# The benchmark
+# ----------------------------------------------------------------------------------------------
+def _k_list(s: str) -> list:
+    out = []
+    for part in s.split(","):
+        part = part.strip()
+        if part == "auto":
+            out.append("auto")
+            continue
+        try:
+            k = int(part)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"--ks entries must be positive ints or 'auto', got {part!r}") from None
+        if k <= 0:
+            raise argparse.ArgumentTypeError(f"--ks entries must be positive ints or 'auto', got {k}")
+        out.append(k)
+    return out
+
+
+def _int_list(s: str) -> list:
+    return [int(x) for x in s.split(",") if x.strip()]
+
+
+def _float_list(s: str) -> list:
+    return [float(x) for x in s.split(",") if x.strip()]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="bench/results/local")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3, help="timed runs per method (median), after one warm-up")
+    ap.add_argument("--batch", type=_int_list, default=[1, 8], help="batch sizes, e.g. 1,8")
+    ap.add_argument("--temperatures", type=_float_list, default=[0.0, 1.0], help="0 = greedy")
+    ap.add_argument("--ks", type=_k_list, default=[1, 2, 4, 8, "auto"], help="K values, e.g. 1,2,4,8,auto")
+    ap.add_argument("--num-prompts", type=int, default=len(PROMPTS),
+                    help=f"use the first N of the {len(PROMPTS)} prompts (batch 8 needs 8)")
+    ap.add_argument("--batch1-prompts", type=int, default=None,
+                    help="batch 1 decodes only the first N prompts, one by one (default: all); a cheaper run")
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: the machine's)")
+    ap.add_argument("--draft", help="draft model path (with --target)")
+    ap.add_argument("--target", help="target model path (with --draft)")
+    ap.add_argument("--tokenizer", help="tokenizer path (default: the target's)")
+    ap.add_argument("--tiny-random", action="store_true", help="the in-memory random tiny pair (smoke run)")
+    ap.add_argument("--eos", choices=["ignore", "stop"], default="ignore",
+                    help="ignore: every row generates max_new_tokens (default); stop: rows end at EOS")
+    ap.add_argument("--seed", type=int, default=0, help="prompt p uses seed + p")
+    ap.add_argument("--quick", action="store_true", help="smoke run: tiny pair, 8 tokens, 1 repeat")
+    return ap
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.quick:
+        args.tiny_random, args.max_new_tokens, args.repeats = True, 8, 1
+    if args.repeats < 1 or args.max_new_tokens < 1:
+        raise SystemExit("--repeats and --max-new-tokens must be >= 1")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = DTYPES[args.dtype]
+    prompts = PROMPTS[: args.num_prompts]
+    batches = [b for b in args.batch if b <= len(prompts)]
+    if batches != args.batch:
+        print(f"# skipping batch sizes above the {len(prompts)} prompts: {sorted(set(args.batch) - set(batches))}")
+
+    t_load = time.perf_counter()
+    draft, target, tok, pair = load_pair(args, device, dtype)
+    t_load = time.perf_counter() - t_load
+    prompt_ids = [list(tok(p)["input_ids"]) for p in prompts]
+    bench = Bench(draft, target, tok, device, prompt_ids, args.max_new_tokens, args.eos, args.seed)
+    bench.batch1_prompts = args.batch1_prompts
+
+    dev_name, ver, stamp = device_name(device), versions(), now()
+    header = [
+        f"# bench_e2e {stamp}",
+        f"# device: {dev_name}; torch threads: {torch.get_num_threads()} "
+        f"({'--threads' if args.threads else 'machine default'}); os.cpu_count {os.cpu_count()}; "
+        f"niceness {os.nice(0)}; load average at start {', '.join(f'{x:.2f}' for x in os.getloadavg())}",
+        f"# pair: {pair}; target {model_size(target)}; draft {model_size(draft)}; loaded in {t_load:.1f}s",
+        f"# dtype {dtype}; both models eval(), every method under torch.inference_mode()",
+        f"# prompts: {len(prompts)}, token lengths {[len(p) for p in prompt_ids]}; max_new_tokens "
+        f"{args.max_new_tokens}; EOS {args.eos}; seeds: prompt p uses {args.seed} + p"
+        + (f"; batch 1 decodes the first {args.batch1_prompts} prompts only" if args.batch1_prompts else ""),
+        f"# timing: tokens/s = generated tokens / wall time of the whole run (batch 1: the prompts one "
+        f"after the other); median of {args.repeats} timed run(s) after 1 warm-up; methods interleaved",
+        "# target_hf: target.generate (greedy do_sample=False; T>0: do_sample=True, top_k=0, top_p=1)",
+        "# assisted_hf: target.generate(assistant_model=draft); fixed K: " + hf_config_text(1).replace("=1,", "=K,")
+        + "; K=auto: " + hf_config_text("auto"),
+        "# specdec: SpeculativeDecoder.generate(num_draft_tokens=K, max_draft_tokens=8); "
+        "specdec_target_only: its generate_target_only",
+        f"# versions: {ver}",
+    ]
+    print("\n".join(header), flush=True)
+
+    rows, notes = [], []
+    for temperature in args.temperatures:
+        for batch in batches:
+            r, n = run_config(bench, batch, temperature, args.ks, args.repeats)
+            rows += r
+            notes += n
+    for r in rows:
+        r.update(pair=pair, device=dev_name, dtype=args.dtype, threads=torch.get_num_threads(),
+                 max_new_tokens=args.max_new_tokens, repeats=args.repeats, eos=args.eos, date=stamp, **ver)
+
+    os.makedirs(args.out, exist_ok=True)
+    csv_path = os.path.join(args.out, "bench_e2e.csv")
+    append_csv(csv_path, rows)
+    cols = ["method", "K", "batch", "temperature", "tokens", "tokens_per_s", "speedup_vs_target",
+            "speedup_vs_assisted", "predicted_speedup", "alpha", "tokens_per_target_call", "mean_k",
+            "accepted_length_hist", "draft_ms_per_forward", "target_ms_per_step", "greedy_check"]
+    print()
+    text = print_table(rows, cols)
+    hf_lines = sorted({f"#   assisted_hf K={r['K']}: {r['hf_config']}" for r in rows
+                       if r["method"] == "assisted_hf" and r["hf_config"]})
+    footer = ["# HF assisted-generation configs:"] + hf_lines + notes
+    print("\n".join(footer))
+    with open(os.path.join(args.out, "bench_e2e.txt"), "w") as f:
+        f.write("\n".join(header) + "\n" + text + "\n" + "\n".join(footer) + "\n")
+    plot(rows, os.path.join(args.out, "bench_e2e.png"), pair, dev_name, args)
+    print(f"wrote {csv_path}, bench_e2e.txt and bench_e2e.png in {args.out}")
+    return 0
+
+
+def run_config(bench: Bench, batch: int, temperature: float, ks: list, repeats: int):
+    """All methods at one (batch, temperature): rows and printed notes."""
+    greedy = temperature == 0
+    label = f"batch {batch}, temperature {temperature:g}"
+    methods: dict[tuple, Callable[[], RunOut]] = {("target_hf", "-"): lambda: bench.hf(batch, temperature, None)}
+    if batch == 1:
+        for k in ks:
+            methods[("assisted_hf", k)] = (lambda k=k: bench.hf(batch, temperature, assistant_config(k)))
+    for k in ks:
+        methods[("specdec", k)] = (lambda k=k: bench.specdec(batch, temperature, k))
+    methods[("specdec_target_only", "-")] = lambda: bench.specdec(batch, temperature, None, target_only=True)
+
+    t0 = time.perf_counter()
+    print(f"\n## {label}: warm-up", flush=True)
+    first = {key: fn() for key, fn in methods.items()}
+    runs = {key: [] for key in methods}
+    for rep in range(repeats):
+        for key, fn in methods.items():  # interleaved: background load falls on every method alike
+            runs[key].append(fn())
+        print(f"## {label}: repeat {rep + 1}/{repeats} done ({time.perf_counter() - t0:.0f}s)", flush=True)
+
+    med = {}
+    for key, rs in runs.items():
+        order = sorted(range(len(rs)), key=lambda i: rs[i].seconds)
+        mid = rs[order[(len(rs) - 1) // 2]]  # the (lower) median run: its stats go with its time
+        secs = statistics.median(r.seconds for r in rs)
+        tokens = sum(len(x) for x in mid.token_ids)
+        med[key] = (tokens / secs, tokens, secs, mid)
+
+    # The greedy check: every method's ids equal the target alone's, prompt by prompt, in the
+    # warm-up and in every timed run.
+    notes, failed = [], {}
+    if greedy:
+        ref = first[("target_hf", "-")].token_ids
+        for key in methods:
+            bad = set()
+            for r in [first[key]] + runs[key]:
+                bad |= {p for p, (a, b) in enumerate(zip(r.token_ids, ref)) if a != b}
+            if key != ("target_hf", "-"):
+                bad |= {p for r in runs[("target_hf", "-")] for p, (a, b) in enumerate(zip(r.token_ids, ref)) if a != b}
+            if bad:
+                failed[key] = sorted(bad)
+                for p in sorted(bad):
+                    a, b = first[key].token_ids[p], ref[p]
+                    j = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+                    msg = (f"# GREEDY CHECK FAILED ({label}): {key[0]} K={key[1]} prompt {p} differs from "
+                           f"target_hf at generated token {j}: {a[j:j + 5]} vs {b[j:j + 5]}")
+                    notes.append(msg)
+                    print(msg, flush=True)
+        if not failed:
+            notes.append(f"# greedy check ({label}): all methods gave the target's token ids for every prompt")
+    refused_ks = set()
+    for key in failed:
+        if key[0] in ("target_hf",):
+            refused_ks |= {k for (_, k) in methods} | {"-"}
+        else:
+            refused_ks.add(key[1])
+    if ("specdec_target_only", "-") in failed:
+        refused_ks.add("-")
+
+    base = med[("target_hf", "-")][0]
+    rows = []
+    for key, (tps, tokens, secs, mid) in med.items():
+        method, k = key
+        row = dict(method=method, K=k, batch=batch, temperature=temperature, tokens=tokens, seconds=secs,
+                   tokens_per_s=tps, speedup_vs_target=None, speedup_vs_assisted=None,
+                   hf_config=hf_config_text(k) if method == "assisted_hf" else "")
+        if method != "target_hf":
+            row["speedup_vs_target"] = tps / base
+        if method == "specdec" and ("assisted_hf", k) in med:
+            row["speedup_vs_assisted"] = tps / med[("assisted_hf", k)][0]
+        elif method == "specdec" and batch != 1:
+            row["speedup_vs_assisted"] = NA_BATCH
+        if greedy:
+            row["greedy_check"] = ("FAIL: prompts " + ",".join(map(str, failed[key])) + " differ") if key in failed \
+                else "pass"
+            if k in refused_ks or key in failed:
+                row["speedup_vs_target"] = REFUSED if method != "target_hf" else None
+                if method == "specdec":
+                    row["speedup_vs_assisted"] = REFUSED
+        else:
+            row["greedy_check"] = "n/a (sampling)"
+        if mid.stats is not None:
+            m = merge_stats(mid.stats)
+            if method == "specdec_target_only":
+                m.update(alpha=None, mean_k=None, hist=[], predicted_speedup=None)
+            row.update(alpha=m["alpha"], tokens_per_target_call=m["tokens_per_target_call"], mean_k=m["mean_k"],
+                       accepted_length_hist=" ".join(map(str, m["hist"])) if m["hist"] else None,
+                       draft_ms_per_forward=m["draft_ms_per_forward"], target_ms_per_step=m["target_ms_per_step"],
+                       predicted_speedup=m["predicted_speedup"], prefill_s=m["prefill_s"],
+                       draft_s=m["draft_s"], target_s=m["target_s"])
+        rows.append(row)
+    if batch != 1:  # transformers' assisted generation refuses batches: say so in the table
+        rows.insert(1, dict(method="assisted_hf", K="-", batch=batch, temperature=temperature, tokens=None,
+                            seconds=None, tokens_per_s=NA_BATCH, speedup_vs_target=NA_BATCH,
+                            speedup_vs_assisted=None, hf_config="",
+                            greedy_check=NA_BATCH if greedy else "n/a (sampling)"))
+    keys = ["method", "K", "batch", "temperature", "tokens", "seconds", "tokens_per_s", "speedup_vs_target",
+            "speedup_vs_assisted", "predicted_speedup", "alpha", "tokens_per_target_call", "mean_k",
+            "accepted_length_hist", "draft_ms_per_forward", "target_ms_per_step", "prefill_s", "draft_s",
+            "target_s", "greedy_check", "hf_config"]
+    rows = [{c: r.get(c) for c in keys} for r in rows]
+    for r in rows:
+        r["K"] = str(r["K"])
+    print(f"## {label}: done in {time.perf_counter() - t0:.0f}s", flush=True)
+    return rows, notes
+
+
+def plot(rows, path, pair, dev_name, args):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    temps = sorted({r["temperature"] for r in rows})
+    ks = [str(k) for k in args.ks]
+    x = list(range(len(ks)))
+    fig, axes = plt.subplots(1, len(temps), figsize=(6 * len(temps), 4.2), squeeze=False)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for ax, t in zip(axes[0], temps):
+        for ci, b in enumerate(sorted({r["batch"] for r in rows})):
+            c = colors[ci % len(colors)]
+            sel = [r for r in rows if r["temperature"] == t and r["batch"] == b]
+
+            def tps(method, k):
+                v = next((r["tokens_per_s"] for r in sel if r["method"] == method and r["K"] == k), None)
+                return v if isinstance(v, float) else None
+
+            ys = [tps("specdec", k) for k in ks]
+            ax.plot(x, ys, marker="o", color=c, label=f"SpeculativeDecoder, batch {b}")
+            base = tps("target_hf", "-")
+            if base:
+                ax.axhline(base, color=c, linestyle="--", linewidth=1.2, label=f"target alone (HF), batch {b}")
+            ya = [tps("assisted_hf", k) for k in ks]
+            if any(v is not None for v in ya):
+                # Assisted generation was measured at each K (num_assistant_tokens = K): one
+                # horizontal segment per K, so it reads against the decoder at the same K.
+                for xi, v in zip(x, ya):
+                    if v is not None:
+                        ax.hlines(v, xi - 0.3, xi + 0.3, color=c, linestyle=":", linewidth=2.2)
+                ax.plot([], [], color=c, linestyle=":", linewidth=2.2, label=f"HF assisted (same K), batch {b}")
+        ax.set_xticks(x, ks)
+        ax.set_xlabel("K (draft tokens per step)")
+        ax.set_ylabel("generated tokens/s")
+        ax.set_title("greedy" if t == 0 else f"temperature {t:g}", fontsize=10)
+        ax.set_ylim(bottom=0)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"end to end: {pair}\n{dev_name}, {args.dtype}, {args.max_new_tokens} new tokens, "
+                 f"median of {args.repeats}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

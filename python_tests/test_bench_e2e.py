@@ -1,0 +1,111 @@
+"""bench/bench_e2e.py --quick runs end to end on the tiny random pair and writes what it promises.
+
+A subprocess, so the benchmark's own process set-up (threads, sys.path, argument parsing) is
+what is tested.  Only structure and the greedy identity check are asserted, never a speed
+(STYLE item 18): a ratio measured on a shared CPU says nothing about a pass or a fail.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "bench" / "bench_e2e.py"
+
+
+def test_bench_e2e_quick(tmp_path):
+    # --ks 1,auto and one thread keep the run short on a shared 2-core machine (about 30 s).
+    cmd = [sys.executable, str(SCRIPT), "--quick", "--out", str(tmp_path), "--threads", "1", "--ks", "1,auto"]
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "GREEDY CHECK FAILED" not in r.stdout, r.stdout
+
+    for name in ("bench_e2e.csv", "bench_e2e.txt", "bench_e2e.png"):
+        assert (tmp_path / name).stat().st_size > 0, name
+    with open(tmp_path / "bench_e2e.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+
+    got = sorted((r["method"], r["K"], r["batch"], r["temperature"]) for r in rows)
+    want = []
+    for t in ("0.0", "1.0"):
+        want += [("target_hf", "-", "1", t), ("specdec_target_only", "-", "1", t),
+                 ("target_hf", "-", "8", t), ("specdec_target_only", "-", "8", t),
+                 ("assisted_hf", "-", "8", t)]  # the batch-8 row that says assisted is batch 1 only
+        for k in ("1", "auto"):
+            want += [("assisted_hf", k, "1", t), ("specdec", k, "1", t), ("specdec", k, "8", t)]
+    assert got == sorted(want)
+
+    for r in rows:
+        assert r["pair"].startswith("tiny-random")
+        assert r["max_new_tokens"] == "8" and r["repeats"] == "1" and r["threads"] == "1"
+        for key in ("device", "dtype", "date", "torch", "transformers", "specdec_kernels"):
+            assert r[key], key
+        if r["method"] == "assisted_hf" and r["batch"] == "8":
+            assert r["tokens_per_s"] == "n/a (batch 1 only)"
+            continue
+        # 8 prompts x 8 tokens (EOS ignored), and a positive speed
+        assert int(r["tokens"]) == 64, r
+        assert float(r["tokens_per_s"]) > 0
+        if r["temperature"] == "0.0":
+            assert r["greedy_check"] == "pass", r
+            if r["method"] != "target_hf":
+                float(r["speedup_vs_target"])  # reported, not REFUSED
+        else:
+            assert r["greedy_check"] == "n/a (sampling)"
+        if r["method"] == "specdec":
+            assert 0.0 <= float(r["alpha"]) <= 1.0
+            assert float(r["tokens_per_target_call"]) >= 1.0
+            hist = [int(x) for x in r["accepted_length_hist"].split()]
+            assert sum(hist) > 0
+            assert float(r["predicted_speedup"]) > 0
+            if r["batch"] == "1":
+                float(r["speedup_vs_assisted"])
+            else:
+                assert r["speedup_vs_assisted"] == "n/a (batch 1 only)"
+        if r["method"] == "assisted_hf":
+            assert "num_assistant_tokens" in r["hf_config"]
+
+    text = (tmp_path / "bench_e2e.txt").read_text()
+    assert "torch threads: 1" in text
+    assert "greedy check (batch 1, temperature 0)" in text and "greedy check (batch 8, temperature 0)" in text
+
+
+def test_greedy_mismatch_refuses_the_speedup(capsys):
+    """A method whose greedy ids differ from the target's gets REFUSED speed-ups at its K (and
+    so does every other method at that K), the differing prompt is printed, and the other K
+    values keep theirs."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import bench_e2e
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+
+    ids = [[1, 2, 3], [4, 5, 6]]
+
+    class FakeBench:
+        def hf(self, batch, temperature, assistant_cfg):
+            return bench_e2e.RunOut([list(x) for x in ids], 1.0)
+
+        def specdec(self, batch, temperature, k, target_only=False):
+            out = [list(x) for x in ids]
+            if k == 4:
+                out[1][2] = 9  # prompt 1 differs at its third token
+            return bench_e2e.RunOut(out, 0.5)
+
+    rows, notes = bench_e2e.run_config(FakeBench(), 1, 0.0, [2, 4], repeats=1)
+    by = {(r["method"], r["K"]): r for r in rows}
+    assert by[("specdec", "4")]["greedy_check"] == "FAIL: prompts 1 differ"
+    assert by[("specdec", "4")]["speedup_vs_target"] == "REFUSED"
+    assert by[("specdec", "4")]["speedup_vs_assisted"] == "REFUSED"
+    assert by[("assisted_hf", "4")]["speedup_vs_target"] == "REFUSED"
+    assert by[("specdec", "2")]["greedy_check"] == "pass"
+    assert by[("specdec", "2")]["speedup_vs_target"] == 2.0
+    assert by[("specdec", "2")]["speedup_vs_assisted"] == 2.0
+    out = capsys.readouterr().out
+    assert "GREEDY CHECK FAILED (batch 1, temperature 0): specdec K=4 prompt 1 differs" in out
+    assert any("specdec K=4 prompt 1" in n for n in notes)
