@@ -47,8 +47,11 @@ stamp "bench_verify (gpu grid)"
 timeout 180 $PY bench/bench_verify.py --grid gpu --out "$OUT_DIR"
 verify_rc=$?
 
-stamp "bench_e2e (random weights of the default pair's shapes)"
-timeout 120 $PY bench/bench_e2e.py --random-default-shapes --out "$OUT_DIR" --repeats 3 --max-new-tokens 64
+stamp "bench_e2e (random weights of the default pair's shapes, fp32)"
+PAIR=$(mktemp -d)
+$PY bench/random_pair.py "$PAIR" && \
+timeout 150 $PY bench/bench_e2e.py --draft "$PAIR/draft" --target "$PAIR/target" --tokenizer "$PAIR/target" \
+    --device cuda --dtype fp32 --out "$OUT_DIR" --repeats 2 --max-new-tokens 64
 e2e_rc=$?
 
 stamp "done: build=$build_rc tests=$tests_rc bench_verify=$verify_rc bench_e2e=$e2e_rc"

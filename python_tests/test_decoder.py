@@ -540,7 +540,7 @@ def test_bad_generate_arguments(pair, kwargs, exc, match):
 
 def test_bad_constructor_arguments(pair, tmp_path):
     draft, target = pair
-    with pytest.raises(TypeError, match="target must be a model name/path or a PreTrainedModel, got None"):
+    with pytest.raises(TypeError, match=r"target must be a model name/path or a PreTrainedModel, got None \(pass neither"):
         SpeculativeDecoder(draft=draft)
     with pytest.raises(ValueError, match="drafter must be one of"):
         SpeculativeDecoder(draft=draft, target=target, drafter="medusa")
@@ -656,9 +656,9 @@ def test_cli_tiny_random_json(capsys):
 
 def test_cli_requires_models(capsys):
     with pytest.raises(SystemExit) as e:
-        cli_main(["generate", "hello"])
+        cli_main(["generate", "hello", "--draft", "some/path"])
     assert e.value.code == 2
-    assert "--target is required: no default model pair is bundled yet" in capsys.readouterr().err
+    assert "--draft needs --target (without both, the embedded default pair is used)" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli_main(["generate", "hello", "--tiny-random", "-k", "0"])
     assert "must be a positive int or 'auto', got 0" in capsys.readouterr().err

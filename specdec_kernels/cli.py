@@ -17,10 +17,7 @@ from typing import Optional, Sequence
 
 __all__ = ["main", "build_parser", "build_tiny_random_pair", "tiny_char_tokenizer"]
 
-# No default model pair is bundled yet: --target (and --draft, or --drafter prompt_lookup)
-# must be given, or --tiny-random.
-DEFAULT_DRAFT: Optional[str] = None
-DEFAULT_TARGET: Optional[str] = None
+# With neither --target nor --tiny-random, the embedded default pair (specdec_kernels.models).
 
 _TINY_CHARS = "abcdefghijklmnopqrstuvwxyz0123456789 .,:;!?'\"-()\n"
 
@@ -110,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _make_decoder(args, parser):
-    from .decoder import SpeculativeDecoder
+    from .decoder import SpeculativeDecoder, _resolve_dtype
 
     if args.tiny_random:
         if args.draft or args.target:
@@ -120,17 +117,24 @@ def _make_decoder(args, parser):
             draft = None
         return SpeculativeDecoder(draft=draft, target=target, tokenizer=tokenizer, device=args.device,
                                   dtype=args.dtype, drafter=args.drafter)
-    target = args.target or DEFAULT_TARGET
-    if target is None:
-        parser.error("--target is required: no default model pair is bundled yet "
-                     "(pass --target PATH and --draft PATH, or --drafter prompt_lookup, or --tiny-random)")
-    draft = args.draft or (DEFAULT_DRAFT if args.target is None else None)
+    if args.target is None:
+        if args.draft is not None:
+            parser.error("--draft needs --target (without both, the embedded default pair is used)")
+        from .models import default_pair
+
+        try:
+            draft, target, tokenizer = default_pair(device=args.device, dtype=_resolve_dtype(args.dtype))
+        except (FileNotFoundError, ImportError) as e:
+            parser.error(f"the embedded default pair is not available: {e}")
+        if args.drafter == "prompt_lookup":
+            draft = None
+        return SpeculativeDecoder(draft=draft, target=target, tokenizer=tokenizer, drafter=args.drafter)
+    draft = args.draft
     if draft is None and args.drafter != "prompt_lookup":
-        parser.error("--draft is required: no default draft model is bundled yet "
-                     "(pass --draft PATH, or --drafter prompt_lookup to draft without a model)")
+        parser.error("--draft is required with --target (or --drafter prompt_lookup to draft without a model)")
     if draft is not None and args.drafter == "prompt_lookup":
         parser.error("--drafter prompt_lookup takes no --draft")
-    return SpeculativeDecoder(draft=draft, target=target, tokenizer=args.tokenizer, device=args.device,
+    return SpeculativeDecoder(draft=draft, target=args.target, tokenizer=args.tokenizer, device=args.device,
                               dtype=args.dtype, drafter=args.drafter)
 
 

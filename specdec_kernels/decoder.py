@@ -347,7 +347,8 @@ def _vocab_mismatch(a: dict, b: dict) -> Optional[str]:
 class SpeculativeDecoder:
     """Exact speculative decoding with a draft model (or prompt lookup) and a target model.
 
-    draft, target: a model name/path (loaded with ``AutoModelForCausalLM``) or a model.
+    draft, target: a model name/path (loaded with ``AutoModelForCausalLM``) or a model; with
+    neither (and no drafter), the embedded default pair of ``specdec_kernels.models``.
     ``draft=None`` drafts by prompt lookup (``drafter="prompt_lookup"``).  The two must share
     a vocabulary (the target's may be padded beyond the draft's); when both tokenizers are
     known their vocabularies must be equal.  tokenizer: a tokenizer or path (default: the
@@ -358,8 +359,14 @@ class SpeculativeDecoder:
 
     def __init__(self, draft=None, target=None, tokenizer=None, device=None, dtype=None, *,
                  drafter: Optional[str] = None, max_ngram: int = 3):
+        if target is None and draft is None and drafter is None:
+            from .models import default_pair  # the embedded default pair, offline
+
+            draft, target, default_tokenizer = default_pair(device=device, dtype=_resolve_dtype(dtype))
+            tokenizer = default_tokenizer if tokenizer is None else tokenizer
         if target is None:
-            raise TypeError("target must be a model name/path or a PreTrainedModel, got None")
+            raise TypeError("target must be a model name/path or a PreTrainedModel, got None "
+                            "(pass neither draft nor target for the embedded default pair)")
         if drafter is None:
             drafter = "model" if draft is not None else "prompt_lookup"
         if drafter not in _DRAFTERS:
