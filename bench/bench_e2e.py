@@ -24,7 +24,10 @@ machine falls on all of them alike), the speed-ups over the target alone and ove
 generation at the same K (ratios of tokens/s measured in this run, STYLE item 18), alpha, mean
 tokens per target call, the accepted-length histogram, and the speed-up the model of
 ``specdec_kernels.stats`` predicts from the measured alpha and step times:
-E(K) / ((K * T_draft + T_target) / T_target), E(K) = (1 - alpha^(K+1)) / (1 - alpha).
+E(K) / ((K * T_draft + T_target) / T_target), E(K) = (1 - alpha^(K+1)) / (1 - alpha), with
+T_target the decoder's verify step (predicted_speedup), and the same with the target's
+one-token step T_1 of this run as the baseline, E(K) * T_1 / (K * T_draft + T_target)
+(predicted_speedup_t1): the two differ where verifying K + 1 tokens costs more than one.
 
 Greedy check: at temperature 0 the token ids of every method must equal the target alone's,
 prompt by prompt.  Where they do not, the differing prompts are printed and no speed-up is
@@ -369,6 +372,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--eos", choices=["ignore", "stop"], default="ignore",
                     help="ignore: every row generates max_new_tokens (default); stop: rows end at EOS")
     ap.add_argument("--seed", type=int, default=0, help="prompt p uses seed + p")
+    ap.add_argument("--warmup-tokens", type=int, default=None,
+                    help="max_new_tokens of the untimed warm-up run (default: --max-new-tokens)")
     ap.add_argument("--quick", action="store_true", help="smoke run: tiny pair, 8 tokens, 1 repeat")
     return ap
 
@@ -407,7 +412,8 @@ def main(argv=None) -> int:
         f"{args.max_new_tokens}; EOS {args.eos}; seeds: prompt p uses {args.seed} + p"
         + (f"; batch 1 decodes the first {args.batch1_prompts} prompts only" if args.batch1_prompts else ""),
         f"# timing: tokens/s = generated tokens / wall time of the whole run (batch 1: the prompts one "
-        f"after the other); median of {args.repeats} timed run(s) after 1 warm-up; methods interleaved",
+        f"after the other); median of {args.repeats} timed run(s) after 1 warm-up"
+        f"{f' of {args.warmup_tokens} tokens' if args.warmup_tokens else ''}; methods interleaved",
         "# target_hf: target.generate (greedy do_sample=False; T>0: do_sample=True, top_k=0, top_p=1)",
         "# assisted_hf: target.generate(assistant_model=draft); fixed K: " + hf_config_text(1).replace("=1,", "=K,")
         + "; K=auto: " + hf_config_text("auto"),
@@ -420,7 +426,7 @@ def main(argv=None) -> int:
     rows, notes = [], []
     for temperature in args.temperatures:
         for batch in batches:
-            r, n = run_config(bench, batch, temperature, args.ks, args.repeats)
+            r, n = run_config(bench, batch, temperature, args.ks, args.repeats, args.warmup_tokens)
             rows += r
             notes += n
     for r in rows:
@@ -431,7 +437,7 @@ def main(argv=None) -> int:
     csv_path = os.path.join(args.out, "bench_e2e.csv")
     append_csv(csv_path, rows)
     cols = ["method", "K", "batch", "temperature", "tokens", "tokens_per_s", "speedup_vs_target",
-            "speedup_vs_assisted", "predicted_speedup", "alpha", "tokens_per_target_call", "mean_k",
+            "speedup_vs_assisted", "predicted_speedup", "predicted_speedup_t1", "alpha", "tokens_per_target_call", "mean_k",
             "accepted_length_hist", "draft_ms_per_forward", "target_ms_per_step", "greedy_check"]
     print()
     text = print_table(rows, cols)
@@ -446,7 +452,8 @@ def main(argv=None) -> int:
     return 0
 
 
-def run_config(bench: Bench, batch: int, temperature: float, ks: list, repeats: int):
+def run_config(bench: Bench, batch: int, temperature: float, ks: list, repeats: int,
+               warmup_tokens: Optional[int] = None):
     """All methods at one (batch, temperature): rows and printed notes."""
     greedy = temperature == 0
     label = f"batch {batch}, temperature {temperature:g}"
@@ -460,7 +467,15 @@ def run_config(bench: Bench, batch: int, temperature: float, ks: list, repeats: 
 
     t0 = time.perf_counter()
     print(f"\n## {label}: warm-up", flush=True)
-    first = {key: fn() for key, fn in methods.items()}
+    saved = bench.max_new if warmup_tokens else None
+    if warmup_tokens:  # a shorter warm-up: allocations and first calls, not the whole run
+        bench.max_new = warmup_tokens
+    try:
+        for fn in methods.values():
+            fn()
+    finally:
+        if warmup_tokens:
+            bench.max_new = saved
     runs = {key: [] for key in methods}
     for rep in range(repeats):
         for key, fn in methods.items():  # interleaved: background load falls on every method alike
@@ -475,21 +490,21 @@ def run_config(bench: Bench, batch: int, temperature: float, ks: list, repeats: 
         tokens = sum(len(x) for x in mid.token_ids)
         med[key] = (tokens / secs, tokens, secs, mid)
 
-    # The greedy check: every method's ids equal the target alone's, prompt by prompt, in the
-    # warm-up and in every timed run.
+    # The greedy check: every method's ids equal the target alone's, prompt by prompt, in every
+    # timed run.
     notes, failed = [], {}
     if greedy:
-        ref = first[("target_hf", "-")].token_ids
+        ref = runs[("target_hf", "-")][0].token_ids
         for key in methods:
             bad = set()
-            for r in [first[key]] + runs[key]:
+            for r in runs[key]:
                 bad |= {p for p, (a, b) in enumerate(zip(r.token_ids, ref)) if a != b}
             if key != ("target_hf", "-"):
                 bad |= {p for r in runs[("target_hf", "-")] for p, (a, b) in enumerate(zip(r.token_ids, ref)) if a != b}
             if bad:
                 failed[key] = sorted(bad)
                 for p in sorted(bad):
-                    a, b = first[key].token_ids[p], ref[p]
+                    a, b = runs[key][0].token_ids[p], ref[p]
                     j = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
                     msg = (f"# GREEDY CHECK FAILED ({label}): {key[0]} K={key[1]} prompt {p} differs from "
                            f"target_hf at generated token {j}: {a[j:j + 5]} vs {b[j:j + 5]}")
@@ -538,14 +553,22 @@ def run_config(bench: Bench, batch: int, temperature: float, ks: list, repeats: 
                        predicted_speedup=m["predicted_speedup"], prefill_s=m["prefill_s"],
                        draft_s=m["draft_s"], target_s=m["target_s"])
         rows.append(row)
+    # The stats' model prices a verify step like a one-token step (T_target = the verify
+    # forward's time).  Where a forward over K + 1 tokens costs more than one over 1 token (CPU
+    # matmuls are not memory-bound at M = K + 1), the fair prediction divides by the one-token
+    # step of the target alone in this run: E(K) * T_1 / (K * T_draft + T_verify).
+    t1 = next((r.get("target_ms_per_step") for r in rows if r["method"] == "specdec_target_only"), None)
+    for r in rows:
+        if r["method"] == "specdec" and r.get("predicted_speedup") and t1 and r.get("target_ms_per_step"):
+            r["predicted_speedup_t1"] = r["predicted_speedup"] * t1 / r["target_ms_per_step"]
     if batch != 1:  # transformers' assisted generation refuses batches: say so in the table
         rows.insert(1, dict(method="assisted_hf", K="-", batch=batch, temperature=temperature, tokens=None,
                             seconds=None, tokens_per_s=NA_BATCH, speedup_vs_target=NA_BATCH,
                             speedup_vs_assisted=None, hf_config="",
                             greedy_check=NA_BATCH if greedy else "n/a (sampling)"))
     keys = ["method", "K", "batch", "temperature", "tokens", "seconds", "tokens_per_s", "speedup_vs_target",
-            "speedup_vs_assisted", "predicted_speedup", "alpha", "tokens_per_target_call", "mean_k",
-            "accepted_length_hist", "draft_ms_per_forward", "target_ms_per_step", "prefill_s", "draft_s",
+            "speedup_vs_assisted", "predicted_speedup", "predicted_speedup_t1", "alpha", "tokens_per_target_call",
+            "mean_k", "accepted_length_hist", "draft_ms_per_forward", "target_ms_per_step", "prefill_s", "draft_s",
             "target_s", "greedy_check", "hf_config"]
     rows = [{c: r.get(c) for c in keys} for r in rows]
     for r in rows:
