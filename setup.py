@@ -113,6 +113,8 @@ setup(
     version="0.1.0",
     description="Fused kernels for exact speculative decoding",
     packages=find_packages(exclude=("python_tests", "python_tests.*", "bench", "bench.*")),
+    # The embedded default draft (weights, config, tokenizer) ships inside the package.
+    package_data={"specdec_kernels": ["assets/draft/*"]},
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.11",
