@@ -97,7 +97,10 @@ def main(argv=None):
     ap.add_argument("--device", default=None)
     ap.add_argument("--out", default="bench/results/local")
     ap.add_argument("--providers", default=",".join(PROVIDERS))
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     grid = GRIDS[args.grid or ("gpu" if device.type == "cuda" else "cpu")]
     wanted = set(args.providers.split(","))
