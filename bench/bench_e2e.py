@@ -402,7 +402,7 @@ def main(argv=None) -> int:
 
     dev_name, ver, stamp = device_name(device), versions(), now()
     header = [
-        f"# bench_e2e {stamp}",
+        f"# bench_e2e {stamp}: python bench/bench_e2e.py {' '.join(sys.argv[1:] if argv is None else argv)}",
         f"# device: {dev_name}; torch threads: {torch.get_num_threads()} "
         f"({'--threads' if args.threads else 'machine default'}); os.cpu_count {os.cpu_count()}; "
         f"niceness {os.nice(0)}; load average at start {', '.join(f'{x:.2f}' for x in os.getloadavg())}",
