@@ -57,6 +57,7 @@ sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from harness import append_csv, device_name, now, print_table, versions  # noqa: E402
 
 from specdec_kernels import SpeculativeDecoder  # noqa: E402
+from specdec_kernels.cli import _k_arg  # noqa: E402  (the same K syntax as `specdec -k`)
 from specdec_kernels.stats import predicted_speedup  # noqa: E402
 
 # Eight distinct prompts of varied length (a few tokens to about 150), plain text (no chat
@@ -326,20 +327,8 @@ def merge_stats(stats: list) -> dict:
 # The benchmark
 # ----------------------------------------------------------------------------------------------
 def _k_list(s: str) -> list:
-    out = []
-    for part in s.split(","):
-        part = part.strip()
-        if part == "auto":
-            out.append("auto")
-            continue
-        try:
-            k = int(part)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"--ks entries must be positive ints or 'auto', got {part!r}") from None
-        if k <= 0:
-            raise argparse.ArgumentTypeError(f"--ks entries must be positive ints or 'auto', got {k}")
-        out.append(k)
-    return out
+    """--ks: comma-separated K values, each parsed like the CLI's -k (a positive int or 'auto')."""
+    return [_k_arg(part.strip()) for part in s.split(",")]
 
 
 def _int_list(s: str) -> list:

@@ -209,7 +209,7 @@ def _bad_argument_cases():
         ("top_p_above_one", dict(top_p=1.5), ValueError, r"top_p must be in \(0, 1\] \(1 = off\), got 1.5"),
         ("top_p_tensor", dict(top_p=torch.tensor([0.5, 2.0])), ValueError, r"top_p must be in \(0, 1\] \(1 = off\), got \[0.5, 2.0\]"),
         ("top_k_negative", dict(top_k=-2), ValueError, r"top_k must be >= 0 \(0 = off\), got -2"),
-        ("seed_type", dict(seed=1.5), TypeError, r"seed must be a int or a \[B\] = \[2\] tensor, got float"),
+        ("seed_type", dict(seed=1.5), TypeError, r"seed must be an int or a \[B\] = \[2\] tensor, got float"),
         ("uniforms_shape", dict(uniforms=torch.rand(2, 3)), ValueError, r"uniforms must have shape \[2, 4\], got \[2, 3\]"),
         ("uniforms_range", dict(uniforms=torch.full((2, 4), 1.0)), ValueError, r"uniforms must lie in \[0, 1\)"),
         ("backend", dict(backend="cuda"), ValueError, r"backend must be one of \('auto', 'triton', 'torch'\), got 'cuda'"),

@@ -67,7 +67,8 @@ def _per_row(name: str, value, B: int, dtype: torch.dtype, device: torch.device,
         _check_tensor(name, value, ok, [B], device)
         return value.to(dtype)
     if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
-        raise TypeError(f"{name} must be a {kind.__name__} or a [B] = [{B}] tensor, got {type(value).__name__}")
+        article = "an" if kind is int else "a"
+        raise TypeError(f"{name} must be {article} {kind.__name__} or a [B] = [{B}] tensor, got {type(value).__name__}")
     return torch.full((B,), value, dtype=dtype, device=device)
 
 
