@@ -233,6 +233,10 @@ void compact_kv_cpu(
 
 TORCH_LIBRARY(specdec, m) {
   m.def("compact_kv_(Tensor(a!)[] caches, int src_start, Tensor dst_start, Tensor count) -> ()");
+  // y = x @ weight^T (+ bias), fp32 CPU, batch-invariant; see skinny_linear.cpp.  The
+  // _portable variant runs the same arithmetic without AVX2 (tests compare the two).
+  m.def("skinny_linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
+  m.def("skinny_linear_portable(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(specdec, CPU, m) {

@@ -355,10 +355,20 @@ class SpeculativeDecoder:
     target's, when the target is given by path); without one, prompts must be token ids.
     device, dtype: where and in which dtype to put the models (default: where they are; both
     must be on the same device).
+    cpu_linear: how the models' fp32 ``nn.Linear`` layers run on the CPU during ``generate``:
+    ``"skinny"`` routes inputs of at most 16 rows through ``torch.ops.specdec.skinny_linear``
+    (``specdec_kernels.cpu_linear``), which streams the weights once for all K+1 verified
+    positions (torch's SGEMM takes 2-3x a decode step there; bench/bench_skinny_linear.py) and
+    whose result for a row does not depend on the other rows; ``"torch"`` leaves torch's
+    ``linear``; ``"auto"`` (default) is ``"skinny"`` when the
+    models are fp32 on the CPU and the C++ extension is built, else ``"torch"``.  The layers are
+    patched only for the duration of each ``generate``/``generate_target_only`` call.
     """
 
     def __init__(self, draft=None, target=None, tokenizer=None, device=None, dtype=None, *,
-                 drafter: Optional[str] = None, max_ngram: int = 3):
+                 drafter: Optional[str] = None, max_ngram: int = 3, cpu_linear: str = "auto"):
+        if cpu_linear not in ("auto", "skinny", "torch"):
+            raise ValueError(f"cpu_linear must be 'auto', 'skinny' or 'torch', got {cpu_linear!r}")
         if target is None and draft is None and drafter is None:
             from .models import default_pair  # the embedded default pair, offline
 
@@ -406,6 +416,7 @@ class SpeculativeDecoder:
         self.device = _device_of(target)
         self.target = target.eval()
         self.draft = draft.eval() if draft is not None else None
+        self.cpu_linear = self._resolve_cpu_linear(cpu_linear)
         self._t = _Runner(self.target, "target")
         self._d = _Runner(self.draft, "draft") if draft is not None else None
         if self._d is not None and self._d.vocab_size > self._t.vocab_size:
@@ -414,6 +425,32 @@ class SpeculativeDecoder:
         # The draft/target cost ratio before anything is measured: their parameter counts.
         self._t_draft_prior = (max(_num_params(self.draft) / max(_num_params(self.target), 1), 0.02)
                                if self.draft is not None else 0.0)
+
+    def _resolve_cpu_linear(self, mode: str) -> str:
+        from ._ext import HAS_EXT
+
+        fp32_cpu = self.device.type == "cpu" and all(
+            p.dtype == torch.float32 for m in (self.target, self.draft) if m is not None
+            for p in m.parameters())
+        if mode == "skinny" and not (HAS_EXT and self.device.type == "cpu"):
+            raise ValueError("cpu_linear='skinny' needs the models on the CPU and the C++ extension "
+                             f"(device {self.device}, extension built: {HAS_EXT})")
+        if mode == "auto":
+            return "skinny" if HAS_EXT and fp32_cpu else "torch"
+        return mode
+
+    def _linear_layers(self):
+        """A context in which the models' linear layers run as ``self.cpu_linear`` says."""
+        import contextlib
+
+        stack = contextlib.ExitStack()
+        if self.cpu_linear == "skinny":
+            from .cpu_linear import use_skinny_linear
+
+            for m in (self.target, self.draft):
+                if m is not None:
+                    stack.enter_context(use_skinny_linear(m))
+        return stack
 
     @staticmethod
     def _load(model, dtype):
@@ -543,7 +580,8 @@ class SpeculativeDecoder:
         """
         st = self._start(prompts, max_new_tokens, num_draft_tokens, temperature, top_k, top_p, seed, stop,
                          verbose, attention_mask, max_draft_tokens, eos_token_id, progress, target_only=False)
-        return self._run(st, baseline_tokens_per_s)
+        with self._linear_layers():
+            return self._run(st, baseline_tokens_per_s)
 
     @torch.inference_mode()
     def generate_target_only(self, prompts, max_new_tokens: int = 64, temperature: float = 0.0,
@@ -556,7 +594,8 @@ class SpeculativeDecoder:
         ``stats.tokens_per_s`` is what ``generate(baseline_tokens_per_s=...)`` compares to."""
         st = self._start(prompts, max_new_tokens, 1, temperature, top_k, top_p, seed, stop, False,
                          attention_mask, 1, eos_token_id, progress, target_only=True)
-        return self._run(st, None)
+        with self._linear_layers():
+            return self._run(st, None)
 
     # -- the loop -----------------------------------------------------------------------------
     def _start(self, prompts, max_new_tokens, num_draft_tokens, temperature, top_k, top_p, seed, stop,

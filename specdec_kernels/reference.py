@@ -36,6 +36,7 @@ __all__ = [
     "warp_logits",
     "verify_reference",
     "philox_uniforms",
+    "skinny_linear_reference",
 ]
 
 _MASK32 = 0xFFFFFFFF
@@ -300,3 +301,17 @@ def compact_kv_reference(
         for b, (d, n) in enumerate(zip(dst, cnt)):
             for j in range(n):
                 c[b, :, d + j, :] = c[b, :, src_start + j, :]  # [H, D]
+
+
+def skinny_linear_reference(
+    x: torch.Tensor,  # [..., K] fp32
+    weight: torch.Tensor,  # [N, K] fp32
+    bias: torch.Tensor | None = None,  # [N] fp32
+) -> torch.Tensor:
+    """``x @ weight.T + bias`` accumulated in float64, rounded once to fp32: the ground truth
+    ``skinny_linear`` is compared with.  (The kernel sums in fp32 in a fixed order, so the two
+    differ by fp32 rounding error; the tests bound it.)"""
+    y = x.double() @ weight.double().T  # [..., N] fp64
+    if bias is not None:
+        y = y + bias.double()
+    return y.float()

@@ -1,0 +1,139 @@
+"""Benchmark of specdec::skinny_linear against torch's linear on the CPU.
+
+Two measurements, each provider side by side in one run (speed is the ratio):
+
+1. ``sweep``: all the fp32 linear layers of one forward of the embedded target
+   (SmolLM2-135M: 30 x [q 576x576, k 192x576, v 192x576, o 576x576, gate 1536x576,
+   up 1536x576, down 576x1536] + the 49,152 x 576 output layer; 538 MB of weights, so
+   they stream from memory as in the model) over M = 1..32 rows;
+2. ``--model``: the embedded target's forward over M new tokens (KV cache of 64), with and
+   without ``use_skinny_linear``: what one verify of K = M - 1 drafts costs.
+
+    python bench/bench_skinny_linear.py --threads 1            # sweep only
+    python bench/bench_skinny_linear.py --threads 1 --model    # + the target forward
+
+Rows append to bench/results/cpu/bench_skinny_linear.csv (or --csv).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import harness  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def target_shapes(layers: int = 30, hidden: int = 576, kv: int = 192, mlp: int = 1536,
+                  vocab: int = 49152) -> list[tuple[int, int]]:
+    per_layer = [(hidden, hidden), (kv, hidden), (kv, hidden), (hidden, hidden),
+                 (mlp, hidden), (mlp, hidden), (hidden, mlp)]
+    return per_layer * layers + [(vocab, hidden)]
+
+
+def run_sweep(rows: list[int], min_time_s: float) -> list[dict]:
+    from specdec_kernels.cpu_linear import skinny_linear
+
+    g = torch.Generator().manual_seed(0)
+    weights = [torch.randn(n, k, generator=g) * 0.02 for n, k in target_shapes()]  # [N, K] fp32
+    nbytes = sum(w.numel() * 4 for w in weights)
+    cpu = torch.device("cpu")
+    out = []
+    for m in rows:
+        xs = {k: torch.randn(m, k, generator=g) for k in {w.shape[1] for w in weights}}  # [M, K]
+        provs = {
+            "torch F.linear": lambda: [F.linear(xs[w.shape[1]], w) for w in weights],
+            "skinny_linear": lambda: [skinny_linear(xs[w.shape[1]], w) for w in weights],
+        }
+        times = {name: harness.time_fn(fn, cpu, min_time_s=min_time_s) for name, fn in provs.items()}
+        for name, (med, q20, q80) in times.items():
+            out.append({
+                "bench": "sweep", "provider": name, "rows": m, "ms": med, "q20_ms": q20, "q80_ms": q80,
+                "GB/s": nbytes / med / 1e6,
+                "speedup_vs_linear": times["torch F.linear"][0] / med,
+                "vs_own_1_row": None,
+            })
+    for name in ("torch F.linear", "skinny_linear"):
+        one = next(r["ms"] for r in out if r["provider"] == name and r["rows"] == rows[0])
+        for r in out:
+            if r["provider"] == name:
+                r["vs_own_1_row"] = r["ms"] / one
+    return out
+
+
+def run_model(rows: list[int], reps: int) -> list[dict]:
+    from specdec_kernels.cpu_linear import use_skinny_linear
+    from specdec_kernels.models import default_pair
+
+    _, target, tok = default_pair()
+    ids = tok("The capital of France is a city that", return_tensors="pt").input_ids
+    ids = ids.repeat(1, 64)[:, :64]  # [1, 64]
+    g = torch.Generator().manual_seed(0)
+
+    def forward_ms(m: int) -> list[float]:
+        with torch.no_grad():
+            cache = target(ids, use_cache=True).past_key_values
+            times = []
+            for _ in range(reps):
+                x = torch.randint(0, 1000, (1, m), generator=g)  # [1, M]
+                t0 = time.perf_counter()
+                target(x, past_key_values=cache, use_cache=True)
+                times.append((time.perf_counter() - t0) * 1e3)
+                cache.crop(-m)
+        return times
+
+    out = []
+    for m in rows:
+        # interleave the two providers so that load changes hit both alike
+        stock, fast = [], []
+        for _ in range(2):
+            stock += forward_ms(m)
+            with use_skinny_linear(target):
+                fast += forward_ms(m)
+        for name, ts in (("torch F.linear", stock), ("skinny_linear", fast)):
+            ts.sort()
+            out.append({"bench": "target forward", "provider": name, "rows": m,
+                        "ms": ts[len(ts) // 2], "q20_ms": ts[len(ts) // 5], "q80_ms": ts[(4 * len(ts)) // 5]})
+    for name in ("torch F.linear", "skinny_linear"):
+        one = next(r["ms"] for r in out if r["provider"] == name and r["rows"] == rows[0])
+        for r in out:
+            if r["provider"] == name:
+                r["vs_own_1_row"] = r["ms"] / one
+    for r in out:
+        r["speedup_vs_linear"] = next(
+            s["ms"] for s in out if s["provider"] == "torch F.linear" and s["rows"] == r["rows"]) / r["ms"]
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", default="1,2,3,4,5,6,9,16,32", help="comma-separated M values")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--model", action="store_true", help="also time the embedded target's forward")
+    ap.add_argument("--reps", type=int, default=5, help="target forwards per provider per round (2 rounds)")
+    ap.add_argument("--min-time", type=float, default=1.0, help="seconds per sweep measurement")
+    ap.add_argument("--csv", default=os.path.join(HERE, "results", "cpu", "bench_skinny_linear.csv"))
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    rows = [int(r) for r in args.rows.split(",")]
+    print(" ".join(["python"] + sys.argv))
+    cond = {"device": harness.device_name(torch.device("cpu")), "date": harness.now(), **harness.versions()}
+    print(cond)
+    results = run_sweep(rows, args.min_time)
+    if args.model:
+        results += run_model(rows, args.reps)
+    cols = ["bench", "provider", "rows", "ms", "q20_ms", "q80_ms", "GB/s", "vs_own_1_row", "speedup_vs_linear"]
+    harness.print_table(results, cols)
+    harness.append_csv(args.csv, [{**cond, **{c: r.get(c) for c in cols}} for r in results])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

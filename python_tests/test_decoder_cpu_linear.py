@@ -1,0 +1,104 @@
+"""SpeculativeDecoder with ``cpu_linear``: the skinny fp32 linear layers on the CPU.
+
+Checks that the choice resolves as documented, that greedy output still equals
+``target.generate`` with either choice, that the kernel really runs during ``generate`` (its
+call counter moves) and that the models' layers are restored afterwards.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from specdec_kernels import cpu_linear as cpu_linear_mod
+from specdec_kernels._ext import HAS_EXT
+from specdec_kernels.decoder import SpeculativeDecoder
+
+pytestmark = pytest.mark.skipif(
+    not HAS_EXT, reason="needs the C++ extension: pip install --no-build-isolation -e ."
+)
+
+PROMPTS = [[1, 2, 3], [4], [5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17, 18]]
+
+
+def _pair():
+    cfg = LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                      initializer_range=0.2, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        target = LlamaForCausalLM(cfg).eval()
+    draft = copy.deepcopy(target)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.01)
+    return draft, target
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return _pair()
+
+
+@pytest.fixture(scope="module")
+def refs(pair):
+    _, target = pair
+    with torch.inference_mode():
+        return [target.generate(torch.tensor([p]), do_sample=False, max_new_tokens=16,
+                                pad_token_id=0)[0, len(p):].tolist() for p in PROMPTS]
+
+
+def test_auto_resolves_by_dtype_and_device(pair):
+    draft, target = pair
+    assert SpeculativeDecoder(draft, target).cpu_linear == "skinny"
+    assert SpeculativeDecoder(draft, target, cpu_linear="torch").cpu_linear == "torch"
+    d16, t16 = copy.deepcopy(draft).bfloat16(), copy.deepcopy(target).bfloat16()
+    assert SpeculativeDecoder(d16, t16).cpu_linear == "torch"
+    with pytest.raises(ValueError, match="cpu_linear must be 'auto', 'skinny' or 'torch', got 'mkl'"):
+        SpeculativeDecoder(draft, target, cpu_linear="mkl")
+
+
+@pytest.mark.parametrize("mode", ["skinny", "torch"])
+@pytest.mark.parametrize("k", [1, 3])
+def test_greedy_equals_generate_and_layers_are_restored(pair, refs, mode, k, monkeypatch):
+    draft, target = pair
+    handles = []
+    real = cpu_linear_mod.use_skinny_linear
+
+    def spy(model, *a, **kw):
+        handles.append(real(model, *a, **kw))
+        return handles[-1]
+
+    monkeypatch.setattr(cpu_linear_mod, "use_skinny_linear", spy)
+    dec = SpeculativeDecoder(draft, target, cpu_linear=mode)
+    res = dec.generate(PROMPTS, max_new_tokens=16, num_draft_tokens=k)
+    assert res.token_ids == refs
+    alone = dec.generate_target_only(PROMPTS[:2], max_new_tokens=16)
+    assert alone.token_ids == refs[:2]
+    if mode == "skinny":
+        assert len(handles) == 4  # target and draft, in each of the two calls
+        assert all(h.calls > 0 for h in handles[:2])  # verify and draft forwards went through it
+        assert handles[2].calls > 0  # the target-only baseline too
+    else:
+        assert handles == []
+    for m in (draft, target):
+        assert all("forward" not in mod.__dict__ for mod in m.modules() if isinstance(mod, torch.nn.Linear))
+
+
+def test_layers_restored_after_an_error(pair, monkeypatch):
+    draft, target = pair
+    dec = SpeculativeDecoder(draft, target, cpu_linear="skinny")
+
+    def boom(st):
+        assert any("forward" in mod.__dict__ for mod in target.modules())  # patched inside
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(dec, "_step", boom)
+    with pytest.raises(RuntimeError, match="boom"):
+        dec.generate([[1, 2]], max_new_tokens=4, num_draft_tokens=2)
+    for m in (draft, target):
+        assert all("forward" not in mod.__dict__ for mod in m.modules())

@@ -1,0 +1,213 @@
+"""Tests of specdec::skinny_linear (csrc/skinny_linear.cpp) and ``use_skinny_linear``.
+
+The kernel sums in fp32 in its own fixed order, so it is compared with the float64 reference
+(``reference.skinny_linear_reference``) under the standard floating-point summation bound
+(stated in ``_bound``), and *bit for bit* with itself where it promises batch invariance:
+a row alone vs. inside any batch, 1 thread vs. 2, the AVX2 path vs. the portable C++ path.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specdec_kernels._ext import HAS_EXT
+from specdec_kernels.reference import skinny_linear_reference
+
+pytestmark = pytest.mark.skipif(
+    not HAS_EXT, reason="needs the C++ extension: pip install --no-build-isolation -e ."
+)
+
+if HAS_EXT:
+    from specdec_kernels.cpu_linear import skinny_linear, use_skinny_linear
+
+U32 = 2.0**-24  # fp32 unit roundoff
+
+
+def _bound(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """|kernel - exact| <= (n + 2) * u * (|x| @ |w|.T + |b|) + u * |exact|, with n the longest
+    chain of roundings one output sees: K/8 fused multiply-adds per lane, 3 levels of the lane
+    reduction, K % 8 tail FMAs, the bias add, then the float64 reference's own final rounding.
+    (Higham, Accuracy and Stability of Numerical Algorithms, 2nd ed., section 3.1.)"""
+    k = w.shape[1]
+    n = k // 8 + 3 + k % 8 + 1
+    mag = x.double().abs() @ w.double().abs().T
+    if b is not None:
+        mag = mag + b.double().abs()
+    exact = x.double() @ w.double().T + (b.double() if b is not None else 0.0)
+    return (n + 2) * U32 * mag + U32 * exact.abs()
+
+
+def _case(m, n, k, bias, seed=0, lead=None):
+    g = torch.Generator().manual_seed(seed)
+    shape = (*(lead or (m,)), k)
+    x = torch.randn(shape, generator=g)
+    w = torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    return x, w, b
+
+
+ROWS = [1, 2, 3, 4, 5, 6, 7, 12, 13, 16, 25]
+COLS = [1, 2, 3, 4, 5, 7, 49, 576]
+DEPTH = [1, 7, 8, 9, 576, 1537]
+
+
+@pytest.mark.parametrize("m", ROWS)
+@pytest.mark.parametrize("n", COLS)
+@pytest.mark.parametrize("k", DEPTH)
+def test_matches_float64_reference_within_bound(m, n, k):
+    x, w, b = _case(m, n, k, bias=(m + n + k) % 2 == 0, seed=m * 1000 + n * 10 + k)
+    y = skinny_linear(x, w, b)
+    ref = skinny_linear_reference(x, w, b)
+    assert y.shape == (m, n) and y.dtype == torch.float32
+    err = (y.double() - x.double() @ w.double().T - (b.double() if b is not None else 0)).abs()
+    bound = _bound(x, w, b)
+    assert bool((err <= bound).all()), f"max err/bound {(err / bound).max().item():.3g}"
+    # and the reference itself is the exact product rounded once
+    assert torch.allclose(y, ref, rtol=1e-4, atol=1e-4 * (k**0.5))
+
+
+@pytest.mark.parametrize("m", [2, 3, 5, 6, 7, 12, 13, 16, 25])
+@pytest.mark.parametrize("k", [9, 576])
+def test_batch_invariant_bitwise(m, k):
+    """Row i of a batch equals, bit for bit, row i computed alone or in any sub-batch."""
+    x, w, b = _case(m, 577, k, bias=True, seed=m + k)
+    y = skinny_linear(x, w, b)
+    for i in range(m):
+        assert torch.equal(y[i : i + 1], skinny_linear(x[i : i + 1], w, b)), f"row {i}"
+    for lo, hi in [(0, m // 2), (m // 3, m)]:
+        if hi > lo:
+            assert torch.equal(y[lo:hi], skinny_linear(x[lo:hi].clone(), w, b))
+
+
+def test_thread_count_and_portable_path_give_same_bits():
+    x, w, b = _case(7, 4099, 576, bias=True, seed=3)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        y1 = skinny_linear(x, w, b)
+        torch.set_num_threads(2)
+        y2 = skinny_linear(x, w, b)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(y1, y2)
+    yp = torch.ops.specdec.skinny_linear_portable(x, w, b)
+    assert torch.equal(y1, yp)
+
+
+def test_leading_dims_and_non_contiguous_inputs():
+    x, w, b = _case(0, 33, 20, bias=True, lead=(2, 3))
+    y = skinny_linear(x, w, b)
+    assert y.shape == (2, 3, 33)
+    assert torch.equal(y.reshape(6, 33), skinny_linear(x.reshape(6, 20), w, b))
+    xt = torch.randn(20, 5).t()  # [5, 20], not contiguous
+    wt = torch.randn(20, 33).t()  # [33, 20], not contiguous
+    assert torch.equal(skinny_linear(xt, wt, b), skinny_linear(xt.contiguous(), wt.contiguous(), b))
+
+
+def test_empty_shapes():
+    assert skinny_linear(torch.randn(0, 8), torch.randn(5, 8)).shape == (0, 5)
+    assert skinny_linear(torch.randn(3, 8), torch.randn(0, 8)).shape == (3, 0)
+    b = torch.randn(4)
+    y = skinny_linear(torch.randn(3, 0), torch.randn(4, 0), b)  # empty sum: the bias
+    assert torch.equal(y, b.expand(3, 4))
+
+
+def test_nan_and_inf_stay_in_their_row():
+    x, w, b = _case(5, 64, 40, bias=False, seed=9)
+    x[1, 3] = float("nan")
+    x[3, 0] = float("inf")
+    y = skinny_linear(x, w, b)
+    assert bool(y[1].isnan().all())
+    assert not bool(y[3].isfinite().any())
+    for i in (0, 2, 4):
+        assert bool(y[i].isfinite().all())
+        assert torch.equal(y[i : i + 1], skinny_linear(x[i : i + 1], w, b))
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        ((torch.randn(2, 8, dtype=torch.float64), torch.randn(3, 8), None), "x must be float32"),
+        ((torch.randn(2, 8), torch.randn(3, 8).half(), None), "weight must be float32"),
+        ((torch.randn(2, 8), torch.randn(3, 7), None), r"K = weight.shape\[1\] = 7, got shape \[2, 8\]"),
+        ((torch.randn(2, 8), torch.randn(3, 8, 1), None), "weight must have 2 dims"),
+        ((torch.randn(2, 8), torch.randn(3, 8), torch.randn(4)), r"bias must be \[N\] = \[3\], got \[4\]"),
+        ((torch.randn(2, 8, device="meta"), torch.randn(3, 8), None), "x must be a CPU tensor"),
+    ],
+)
+def test_bad_input_names_the_tensor(args, match):
+    with pytest.raises(ValueError, match=match):
+        skinny_linear(*args)
+
+
+def test_cpp_checks_too():
+    with pytest.raises(RuntimeError, match="x must be float32"):
+        torch.ops.specdec.skinny_linear(torch.randn(2, 8).double(), torch.randn(3, 8), None)
+    with pytest.raises(RuntimeError, match=r"K = weight.size\(1\) = 7"):
+        torch.ops.specdec.skinny_linear(torch.randn(2, 8), torch.randn(3, 7), None)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_opcheck(bias):
+    x, w, b = _case(5, 17, 24, bias=bias)
+    torch.library.opcheck(torch.ops.specdec.skinny_linear.default, (x, w, b))
+
+
+def test_torch_compile_fullgraph_matches_eager():
+    x, w, b = _case(4, 33, 24, bias=True)
+
+    def f(x, w, b):
+        return torch.ops.specdec.skinny_linear(x, w, b) * 2.0
+
+    compiled = torch.compile(f, fullgraph=True, backend="eager")
+    assert torch.equal(compiled(x, w, b), f(x, w, b))
+
+
+class _Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(24, 40)
+        self.b = nn.Linear(40, 7, bias=False)
+        self.c = nn.Linear(24, 3).double()  # not fp32: left alone
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x))), self.c(x.double())
+
+
+def test_use_skinny_linear_patches_counts_and_restores():
+    torch.manual_seed(0)
+    m = _Tiny()
+    x = torch.randn(2, 3, 24)  # 6 rows
+    with torch.no_grad():
+        y0, z0 = m(x)
+        with use_skinny_linear(m, max_rows=8) as h:
+            assert len(h.modules) == 2  # the fp64 layer is skipped
+            y1, z1 = m(x)
+            assert h.calls == 2
+            big = torch.randn(9, 24)  # 9 rows > max_rows: torch's linear
+            yb, _ = m(big)
+            assert h.calls == 2
+            assert torch.equal(yb, m.b(torch.relu(F.linear(big, m.a.weight, m.a.bias))))
+        y2, _ = m(x)
+    assert torch.allclose(y1, y0, rtol=1e-5, atol=1e-5)
+    assert torch.equal(z1, z0)
+    assert torch.equal(y2, y0)  # restored: torch's linear again, same bits as before
+    assert all("forward" not in mod.__dict__ for mod in m.modules())
+
+
+def test_use_skinny_linear_keeps_autograd_path():
+    m = _Tiny()
+    x = torch.randn(3, 24, requires_grad=True)
+    with use_skinny_linear(m) as h:
+        y, _ = m(x)
+        y.sum().backward()
+        assert h.calls == 0
+    assert x.grad is not None
+
+
+def test_use_skinny_linear_bad_max_rows():
+    with pytest.raises(ValueError, match="max_rows must be an int >= 1, got 0"):
+        use_skinny_linear(_Tiny(), max_rows=0)

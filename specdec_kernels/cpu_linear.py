@@ -1,0 +1,173 @@
+"""A batch-invariant fp32 linear layer for the CPU, for the target's verify forward.
+
+Verifying K drafted tokens runs the target over K+1 positions at once.  On a GPU that costs
+about one decode step; on a CPU, torch's fp32 ``linear`` hands 2-16 rows to an SGEMM that takes
+2-3x the one-row time (measured on an AVX2 AMD EPYC: a 49,152 x 576 output layer, 14 ms for
+one row and 45 ms for five), which wipes out what speculation saves.  ``skinny_linear``
+(``torch.ops.specdec.skinny_linear``, csrc/skinny_linear.cpp) streams the weights once for all
+rows instead, so K+1 rows cost little more than one.
+
+It is also batch-invariant: row i of the result is bit-identical whether x holds 1 row or 16
+and whatever the thread count, because each output element is summed in one fixed order (see
+the C++ header).  So with it the target's logits for a verified position equal, bit for bit,
+the logits the same position gets in a one-token decode step (the linear layers' share; the
+attention kernel is torch's).  It is not bit-identical to ``torch.nn.functional.linear``
+(whose order is MKL's): the difference is bounded against a float64 reference in the tests.
+
+``use_skinny_linear(model)`` routes a model's fp32 CPU ``nn.Linear`` layers through it for
+inputs of at most ``max_rows`` rows (larger inputs, e.g. the prompt, keep torch's SGEMM, which
+wins there) and returns a handle whose ``remove()`` (or ``with`` block) restores them.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ._ext import HAS_EXT
+from .reference import skinny_linear_reference
+
+__all__ = ["DEFAULT_MAX_ROWS", "SkinnyLinearHandle", "skinny_linear", "use_skinny_linear"]
+
+# Up to this many rows (the product of x's leading dims) the kernel beat torch's linear in
+# bench/bench_skinny_linear.py on the 2-core AVX2 machine (30-50% less time at 2-9 rows, on par
+# at 16, slower at 32); above it torch's SGEMM is used.
+DEFAULT_MAX_ROWS = 16
+
+
+def _check(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> None:
+    if not isinstance(x, Tensor) or not isinstance(weight, Tensor):
+        raise TypeError(
+            f"skinny_linear: x and weight must be tensors, got {type(x).__name__} and "
+            f"{type(weight).__name__}"
+        )
+    if weight.dim() != 2:
+        raise ValueError(
+            f"skinny_linear: weight must have 2 dims [N, K], got {weight.dim()} "
+            f"(shape {list(weight.shape)})"
+        )
+    if x.dim() < 1 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"skinny_linear: x must be [..., K] with K = weight.shape[1] = {weight.shape[1]}, "
+            f"got shape {list(x.shape)}"
+        )
+    for name, t in (("x", x), ("weight", weight), ("bias", bias)):
+        if t is None:
+            continue
+        if t.dtype != torch.float32:
+            raise ValueError(f"skinny_linear: {name} must be float32, got {t.dtype}")
+        if t.device.type != "cpu":
+            raise ValueError(f"skinny_linear: {name} must be a CPU tensor, got device {t.device}")
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != weight.shape[0]):
+        raise ValueError(
+            f"skinny_linear: bias must be [N] = [{weight.shape[0]}], got {list(bias.shape)}"
+        )
+
+
+def skinny_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+    """``x @ weight.T + bias`` for fp32 CPU tensors, batch-invariant (see the module doc).
+
+    x: ``[..., K]`` fp32 CPU; weight: ``[N, K]`` fp32 CPU; bias: ``[N]`` fp32 CPU or None.
+    Returns ``[..., N]`` fp32.  Without the C++ extension it falls back to
+    ``reference.skinny_linear_reference`` (float64 accumulation, not batch-invariant-fast).
+    """
+    _check(x, weight, bias)
+    if HAS_EXT:
+        return torch.ops.specdec.skinny_linear(x, weight, bias)
+    return skinny_linear_reference(x, weight, bias)
+
+
+if HAS_EXT:
+
+    @torch.library.register_fake("specdec::skinny_linear")
+    def _skinny_linear_fake(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+        _check(x, weight, bias)
+        return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+    @torch.library.register_fake("specdec::skinny_linear_portable")
+    def _skinny_linear_portable_fake(
+        x: Tensor, weight: Tensor, bias: Optional[Tensor] = None
+    ) -> Tensor:
+        _check(x, weight, bias)
+        return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def _skinny_forward(self: nn.Linear, x: Tensor, *, _max_rows: int, _calls: list) -> Tensor:
+    w = self.weight
+    if (
+        x.device.type == "cpu"
+        and x.dtype == torch.float32
+        and w.dtype == torch.float32
+        and w.device.type == "cpu"
+        and x.dim() >= 1
+        and x.numel() // max(x.shape[-1], 1) <= _max_rows
+        and not torch.is_grad_enabled()
+    ):
+        _calls[0] += 1
+        return torch.ops.specdec.skinny_linear(x, w, self.bias)
+    return F.linear(x, w, self.bias)
+
+
+class SkinnyLinearHandle:
+    """What ``use_skinny_linear`` patched; ``remove()`` (or leaving the ``with`` block) undoes it.
+
+    ``calls`` counts the forwards that went through the kernel (for tests and statistics).
+    """
+
+    def __init__(self, modules: list, max_rows: int):
+        self.modules = modules
+        self.max_rows = max_rows
+        self._calls = [0]
+
+    @property
+    def calls(self) -> int:
+        return self._calls[0]
+
+    def _install(self) -> None:
+        for m in self.modules:
+            fwd = types.MethodType(_skinny_forward, m)
+            m.forward = lambda x, _f=fwd: _f(x, _max_rows=self.max_rows, _calls=self._calls)
+
+    def remove(self) -> None:
+        for m in self.modules:
+            if "forward" in m.__dict__:
+                del m.forward
+        self.modules = []
+
+    def __enter__(self) -> "SkinnyLinearHandle":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+
+def use_skinny_linear(model: nn.Module, max_rows: int = DEFAULT_MAX_ROWS) -> SkinnyLinearHandle:
+    """Route ``model``'s fp32 CPU ``nn.Linear`` layers through ``skinny_linear`` for inputs of at
+    most ``max_rows`` rows (inference only: with grad enabled they keep ``F.linear``).
+
+    Returns a handle; ``handle.remove()`` or ``with use_skinny_linear(m): ...`` restores the
+    layers.  Layers already patched, or whose ``forward`` was replaced by someone else, are
+    left alone.  Requires the C++ extension (``RuntimeError`` otherwise).
+    """
+    if not HAS_EXT:
+        raise RuntimeError(
+            "use_skinny_linear needs the C++ extension specdec_kernels._C; build it with "
+            "`pip install --no-build-isolation -e .`"
+        )
+    if not isinstance(max_rows, int) or isinstance(max_rows, bool) or max_rows < 1:
+        raise ValueError(f"use_skinny_linear: max_rows must be an int >= 1, got {max_rows!r}")
+    mods = [
+        m
+        for m in model.modules()
+        if type(m) is nn.Linear
+        and "forward" not in m.__dict__
+        and m.weight.dtype == torch.float32
+        and m.weight.device.type == "cpu"
+    ]
+    handle = SkinnyLinearHandle(mods, max_rows)
+    handle._install()
+    return handle
