@@ -136,7 +136,9 @@ def warp_logits(
         mass_before = csum - e  # mass of the tokens sorted ahead of this one
         p_lim = top_p.float()[..., None] * csum[..., -1:]
         n_keep = (mass_before < p_lim).sum(-1, keepdim=True)  # >= 1: mass_before[0] = 0
-        cut = s_sorted.gather(-1, n_keep - 1)  # the smallest kept value
+        # ... except where the mass is NaN (a NaN, +inf or all--inf position: its row is marked
+        # invalid anyway); the clamp keeps the gather in range there.
+        cut = s_sorted.gather(-1, (n_keep - 1).clamp(min=0))  # the smallest kept value
         active = (top_p < 1.0)[..., None]
         keep = keep & (~active | (s >= cut))
     return s, keep

@@ -206,7 +206,102 @@ def _launch_triton(a: _Args) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens, num_accepted
 
 
+def _all_greedy(a: _Args) -> bool:
+    """Whether the CPU torch path may take the greedy route: every row has temperature 0 (the
+    reference's definition of a greedy row: ``temperature.float() == 0``, so -0.0 counts).
+    CPU only: on CUDA the test would be a host sync."""
+    t = a.temperature
+    return t.device.type == "cpu" and t.numel() > 0 and bool((t == 0).all())
+
+
+# The chunk of _max_and_first_argmax: small enough that argmax over one chunk per row is cheap.
+_ARGMAX_CHUNK = 256
+
+
+def _max_and_first_argmax(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(s.amax(-1), s.argmax(-1)) of s [N, V], the argmax exact wherever the maximum is a
+    number (rows holding a NaN get some index).  torch's argmax is a scalar loop on CPU, about
+    ten times slower than its vectorised amax; so: the maximum of each chunk of _ARGMAX_CHUNK
+    tokens (vectorised), the first chunk whose maximum is the row's, and argmax within that
+    chunk only.  The first index of the maximum overall lies in the first chunk holding it, so
+    this is the first index of the maximum, as argmax (and -0.0 == +0.0 in both)."""
+    N, V = s.shape
+    if s.stride(-1) != 1:
+        s = s.contiguous()
+    C = _ARGMAX_CHUNK
+    nc = V // C
+    Vm = nc * C
+    chunks = s[:, :Vm].view(N, nc, C) if nc else None  # a view: the rows' last dim is dense
+    tail = s[:, Vm:] if Vm < V else None
+    parts = ([chunks.amax(-1)] if nc else []) + ([tail.amax(-1, keepdim=True)] if tail is not None else [])
+    gmax = torch.cat(parts, 1) if len(parts) > 1 else parts[0]  # [N, chunks (+ tail)]
+    m = gmax.amax(-1)  # [N]
+    g = (gmax == m[:, None]).int().argmax(-1)  # the first chunk holding the maximum
+    idx = None
+    if nc:
+        gc = g.clamp(max=nc - 1)
+        rows = chunks.gather(1, gc[:, None, None].expand(N, 1, C))[:, 0]  # [N, C]
+        idx = gc * C + rows.argmax(-1)
+    if tail is not None:
+        in_tail = Vm + tail.argmax(-1)
+        idx = in_tail if idx is None else torch.where(g == nc, in_tail, idx)
+    return m, idx
+
+
+def _verify_greedy(a: _Args) -> tuple[torch.Tensor, torch.Tensor]:
+    """``verify_reference`` when every row is greedy, without the work greedy rows discard.
+
+    At temperature 0 the reference uses, per position, only s = logits.float() (scaled by
+    1 / T = 1, an exact no-op), its argmax (first index of the maximum) and whether the
+    position is usable; p, q, top-k/top-p, the uniforms and the final draw only reach rows that
+    sample.  top-k/top-p still matter through their range checks (``bad_param``), which are
+    repeated here.  Usable positions: no NaN, no +inf, not all -inf, i.e. a finite maximum
+    (``amax`` propagates NaN; it is +inf if any +inf, -inf only if all are -inf).  The rest is
+    the reference's own code for the stop position j and the outputs, so it is bit-identical
+    to it (tests: test_verify_greedy_fast_path.py).
+    """
+    logits = a.target_logits
+    B, K1, V = logits.shape
+    K = K1 - 1
+    dev = logits.device
+    kb = a.num_draft_tokens.to(torch.int64)
+    temp = a.temperature.float()
+    bad_param = ~torch.isfinite(temp) | (temp < 0) | (kb < 0) | (kb > K)
+    if a.top_k is not None:
+        bad_param |= a.top_k < 0
+    if a.top_p is not None:
+        bad_param |= ~(a.top_p > 0) | (a.top_p > 1)
+    # Maxima and their first indices in the logits' own dtype: a bf16/fp16 -> fp32 conversion
+    # is exact and monotone, so both are those of the reference's s = logits.float().
+    m, argmax = _max_and_first_argmax(logits.reshape(B * K1, V))
+    argmax = argmax.view(B, K1)  # [B, K+1]: first index of the maximum, as the reference
+    bad_pos = ~torch.isfinite(m).view(B, K1)  # [B, K+1]
+
+    x = a.draft_tokens.to(torch.int64)  # [B, K]
+    bad_x = (x < 0) | (x >= V)  # a greedy row checks only the draft id, never q
+    accept = x == argmax[:, :K]
+    bad_verify = bad_pos[:, :K] | bad_x
+    i = torch.arange(K, device=dev)
+    stops = (~accept | bad_verify) & (i[None, :] < kb[:, None])
+    j = torch.minimum((~stops).int().cumprod(-1).sum(-1), kb).clamp(0, K)  # [B]
+    rejected = j < kb
+    bad_row = bad_param | bad_pos.gather(1, j[:, None])[:, 0]
+    if K > 0:
+        bad_row |= rejected & bad_x.gather(1, j.clamp(max=K - 1)[:, None])[:, 0]
+    final = argmax.gather(1, j[:, None])[:, 0]
+
+    cols = torch.arange(K1, device=dev)[None, :]
+    x_pad = torch.cat([x, x.new_full((B, 1), -1)], dim=1)  # [B, K+1]
+    tokens = torch.where(cols < j[:, None], x_pad, -1)
+    tokens = torch.where(cols == j[:, None], final[:, None], tokens)
+    tokens = torch.where(bad_row[:, None], -1, tokens)
+    num_accepted = torch.where(bad_row, -1, j)
+    return tokens, num_accepted
+
+
 def _run_torch(a: _Args) -> tuple[torch.Tensor, torch.Tensor]:
+    if _all_greedy(a):
+        return _verify_greedy(a)
     K = a.target_logits.shape[1] - 1
     u = a.uniforms if a.uniforms is not None else philox_uniforms(a.seed, a.offset, K)
     return verify_reference(a.target_logits, a.draft_tokens, a.draft_probs, a.num_draft_tokens,
