@@ -58,6 +58,7 @@ from harness import append_csv, device_name, now, print_table, versions  # noqa:
 
 from specdec_kernels import SpeculativeDecoder  # noqa: E402
 from specdec_kernels.cli import _k_arg  # noqa: E402  (the same K syntax as `specdec -k`)
+from specdec_kernels.cpu_linear import use_skinny_linear  # noqa: E402
 from specdec_kernels.stats import predicted_speedup  # noqa: E402
 
 # Eight distinct prompts of varied length (a few tokens to about 150), plain text (no chat
@@ -166,14 +167,18 @@ def generation_settings(model, **values):
 
 
 class Bench:
-    def __init__(self, draft, target, tok, device, prompt_ids, max_new, eos_mode, seed):
+    def __init__(self, draft, target, tok, device, prompt_ids, max_new, eos_mode, seed, linear="auto"):
         self.draft, self.target, self.tok, self.device = draft, target, tok, device
         self.prompt_ids = prompt_ids  # list of list of ints
         self.max_new = max_new
         self.seed = seed
         self.batch1_prompts = None  # batch 1 decodes the first N prompts only (None: all)
         self.pad = tok.pad_token_id
-        self.dec = SpeculativeDecoder(draft=draft, target=target, tokenizer=tok)
+        self.dec = SpeculativeDecoder(draft=draft, target=target, tokenizer=tok, cpu_linear=linear)
+        # Every method runs the models' linear layers the same way: the decoder's choice
+        # ("skinny" on fp32 CPU by default) is applied to the Hugging Face methods too, and
+        # target_hf_torch_linear times the target alone with torch's own linear besides.
+        self.linear = self.dec.cpu_linear
         gc_eos = target.generation_config.eos_token_id
         if gc_eos is None:
             gc_eos = tok.eos_token_id
@@ -202,10 +207,18 @@ class Bench:
         stack.enter_context(generation_settings(self.draft, eos_token_id=None))
         return stack
 
-    def hf(self, batch: int, temperature: float, assistant_cfg: Optional[dict]) -> RunOut:
+    def _linear_layers(self, stock: bool):
+        if stock or self.linear != "skinny":
+            return contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        for m in (self.target, self.draft):
+            stack.enter_context(use_skinny_linear(m))
+        return stack
+
+    def hf(self, batch: int, temperature: float, assistant_cfg: Optional[dict], stock_linear: bool = False) -> RunOut:
         kw = self._hf_kwargs(temperature)
         out_ids = []
-        with torch.inference_mode(), self._hf_eos(), (
+        with torch.inference_mode(), self._hf_eos(), self._linear_layers(stock_linear), (
                 generation_settings(self.draft, **assistant_cfg) if assistant_cfg is not None
                 else contextlib.nullcontext()):
             if assistant_cfg is not None:
@@ -361,6 +374,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--eos", choices=["ignore", "stop"], default="ignore",
                     help="ignore: every row generates max_new_tokens (default); stop: rows end at EOS")
     ap.add_argument("--seed", type=int, default=0, help="prompt p uses seed + p")
+    ap.add_argument("--linear", choices=["auto", "skinny", "torch"], default="auto",
+                    help="how every method runs the linear layers: SpeculativeDecoder's cpu_linear "
+                         "(auto: skinny_linear on fp32 CPU)")
     ap.add_argument("--warmup-tokens", type=int, default=None,
                     help="max_new_tokens of the untimed warm-up run (default: --max-new-tokens)")
     ap.add_argument("--quick", action="store_true", help="smoke run: tiny pair, 8 tokens, 1 repeat")
@@ -386,7 +402,7 @@ def main(argv=None) -> int:
     draft, target, tok, pair = load_pair(args, device, dtype)
     t_load = time.perf_counter() - t_load
     prompt_ids = [list(tok(p)["input_ids"]) for p in prompts]
-    bench = Bench(draft, target, tok, device, prompt_ids, args.max_new_tokens, args.eos, args.seed)
+    bench = Bench(draft, target, tok, device, prompt_ids, args.max_new_tokens, args.eos, args.seed, args.linear)
     bench.batch1_prompts = args.batch1_prompts
 
     dev_name, ver, stamp = device_name(device), versions(), now()
@@ -408,6 +424,9 @@ def main(argv=None) -> int:
         + "; K=auto: " + hf_config_text("auto"),
         "# specdec: SpeculativeDecoder.generate(num_draft_tokens=K, max_draft_tokens=8); "
         "specdec_target_only: its generate_target_only",
+        f"# linear layers: {bench.linear} for every method (--linear {args.linear})"
+        + ("; target_hf_torch_linear: the target alone with torch's linear; speed-ups over the target "
+           "are over the faster of target_hf and target_hf_torch_linear" if bench.linear == "skinny" else ""),
         f"# versions: {ver}",
     ]
     print("\n".join(header), flush=True)
@@ -447,6 +466,8 @@ def run_config(bench: Bench, batch: int, temperature: float, ks: list, repeats: 
     greedy = temperature == 0
     label = f"batch {batch}, temperature {temperature:g}"
     methods: dict[tuple, Callable[[], RunOut]] = {("target_hf", "-"): lambda: bench.hf(batch, temperature, None)}
+    if getattr(bench, "linear", "torch") == "skinny":  # the target alone with torch's linear too
+        methods[("target_hf_torch_linear", "-")] = lambda: bench.hf(batch, temperature, None, stock_linear=True)
     if batch == 1:
         for k in ks:
             methods[("assisted_hf", k)] = (lambda k=k: bench.hf(batch, temperature, assistant_config(k)))
@@ -481,7 +502,7 @@ def run_config(bench: Bench, batch: int, temperature: float, ks: list, repeats: 
 
     # The greedy check: every method's ids equal the target alone's, prompt by prompt, in every
     # timed run.
-    notes, failed = [], {}
+    notes, failed, stock_differs = [], {}, set()
     if greedy:
         ref = runs[("target_hf", "-")][0].token_ids
         for key in methods:
@@ -490,6 +511,12 @@ def run_config(bench: Bench, batch: int, temperature: float, ks: list, repeats: 
                 bad |= {p for p, (a, b) in enumerate(zip(r.token_ids, ref)) if a != b}
             if key != ("target_hf", "-"):
                 bad |= {p for r in runs[("target_hf", "-")] for p, (a, b) in enumerate(zip(r.token_ids, ref)) if a != b}
+            if bad and key[0] == "target_hf_torch_linear":
+                stock_differs.update(bad)
+                # other rounding in the linear layers (not our code path): noted, refuses nothing
+                notes.append(f"# note ({label}): target_hf_torch_linear differs from target_hf (skinny "
+                             f"linear) on prompts {sorted(bad)}: fp32 rounding differences at near-ties")
+                continue
             if bad:
                 failed[key] = sorted(bad)
                 for p in sorted(bad):
@@ -510,7 +537,8 @@ def run_config(bench: Bench, batch: int, temperature: float, ks: list, repeats: 
     if ("specdec_target_only", "-") in failed:
         refused_ks.add("-")
 
-    base = med[("target_hf", "-")][0]
+    # The baseline is the faster target alone: with the skinny linear or with torch's.
+    base = max(med[("target_hf", "-")][0], med.get(("target_hf_torch_linear", "-"), (0.0,))[0])
     rows = []
     for key, (tps, tokens, secs, mid) in med.items():
         method, k = key
@@ -519,6 +547,7 @@ def run_config(bench: Bench, batch: int, temperature: float, ks: list, repeats: 
                    hf_config=hf_config_text(k) if method == "assisted_hf" else "")
         if method != "target_hf":
             row["speedup_vs_target"] = tps / base
+
         if method == "specdec" and ("assisted_hf", k) in med:
             row["speedup_vs_assisted"] = tps / med[("assisted_hf", k)][0]
         elif method == "specdec" and batch != 1:
@@ -526,6 +555,8 @@ def run_config(bench: Bench, batch: int, temperature: float, ks: list, repeats: 
         if greedy:
             row["greedy_check"] = ("FAIL: prompts " + ",".join(map(str, failed[key])) + " differ") if key in failed \
                 else "pass"
+            if method == "target_hf_torch_linear" and stock_differs:
+                row["greedy_check"] = "differs (rounding, see notes)"
             if k in refused_ks or key in failed:
                 row["speedup_vs_target"] = REFUSED if method != "target_hf" else None
                 if method == "specdec":
@@ -591,6 +622,10 @@ def plot(rows, path, pair, dev_name, args):
             base = tps("target_hf", "-")
             if base:
                 ax.axhline(base, color=c, linestyle="--", linewidth=1.2, label=f"target alone (HF), batch {b}")
+            stock = tps("target_hf_torch_linear", "-")
+            if stock:
+                ax.axhline(stock, color=c, linestyle="-.", linewidth=1.0,
+                           label=f"target alone (HF, torch linear), batch {b}")
             ya = [tps("assisted_hf", k) for k in ks]
             if any(v is not None for v in ya):
                 # Assisted generation was measured at each K (num_assistant_tokens = K): one
