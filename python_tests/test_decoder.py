@@ -137,6 +137,42 @@ def test_greedy_matches_generate_ragged_batch(pair, greedy_refs, k):
         assert all(1 <= h["k"] <= 6 or h["num_draft"] == [0] * len(h["rows"]) for h in s.history)
 
 
+def _synthetic_times(monkeypatch, slope: float, seen: list):
+    """Replace the decoder's measured times by T_draft = 0.02 per forward and a target step of
+    1 + slope * K for K drafts (no timing in tests); ``seen`` collects (K, first_step)."""
+    import specdec_kernels.stats as stats_mod
+
+    orig = stats_mod.StatsRecorder.record_times
+
+    def record_times(self, t_draft_total, n_draft_forwards, t_target, first_step, k=None):
+        seen.append((k, first_step))
+        orig(self, 0.02 * n_draft_forwards, n_draft_forwards, 1.0 + slope * k, first_step, k=k)
+
+    monkeypatch.setattr(stats_mod.StatsRecorder, "record_times", record_times)
+
+
+def test_greedy_auto_k_follows_the_verify_cost(pair, greedy_refs, monkeypatch):
+    """K="auto" with a flat verify cost drafts more than with a steep one, and both reproduce
+    target.generate exactly; the recorder receives each step's K."""
+    draft, target = pair
+    dec = SpeculativeDecoder(draft=draft, target=target)
+    mean_k = {}
+    for slope in (0.0, 1.0):
+        seen = []
+        with monkeypatch.context() as m:
+            _synthetic_times(m, slope, seen)
+            res = dec.generate(PROMPTS, max_new_tokens=24, num_draft_tokens="auto", max_draft_tokens=6)
+        assert res.token_ids == greedy_refs, slope
+        ks = [h["k"] for h in res.stats.history]
+        assert [k for k, _ in seen] == ks  # record_times gets the step's own K
+        mean_k[slope] = res.stats.mean_num_draft_tokens
+        if slope == 1.0:  # T(K) = 1 + K: K = 1 after the warm-up and the one exploring step
+            assert ks[3:-2] and all(k == 1 for k in ks[3:-2]), ks
+        else:
+            assert max(ks) == 6, ks
+    assert mean_k[0.0] > mean_k[1.0] + 2, mean_k
+
+
 @pytest.mark.parametrize("k", [1, 3, 8])
 def test_greedy_matches_generate_batch1(pair, greedy_refs, k):
     draft, target = pair
@@ -432,7 +468,8 @@ def test_prompt_lookup_function():
     assert PromptLookupDrafter().propose([[1, 2, 1], [3]], [2, 2]) == [[2, 1], []]
 
 
-def test_prompt_lookup_greedy_matches_generate(pair):
+@pytest.mark.parametrize("k", [4, "auto"])
+def test_prompt_lookup_greedy_matches_generate(pair, k):
     _, target = pair
     prompts = [[1, 2, 3, 4, 1, 2, 3, 4, 1, 2], [7, 8, 9], [5, 6, 5, 6, 5]]
     with torch.inference_mode():
@@ -440,7 +477,7 @@ def test_prompt_lookup_greedy_matches_generate(pair):
                                 pad_token_id=0)[0, len(p):].tolist() for p in prompts]
     dec = SpeculativeDecoder(target=target)  # draft=None: prompt lookup
     assert dec.drafter == "prompt_lookup"
-    res = dec.generate(prompts, max_new_tokens=30, num_draft_tokens=4)
+    res = dec.generate(prompts, max_new_tokens=30, num_draft_tokens=k)
     assert res.token_ids == refs
     assert res.stats.accepted_tokens > 0  # greedy random models repeat themselves: lookup pays off
     assert res.stats.mean_tokens_per_target_call > 1.0

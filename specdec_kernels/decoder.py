@@ -569,7 +569,8 @@ class SpeculativeDecoder:
         prompts: a str, a list of str, a list of token-id lists, or [B, T] ids (with an
         optional ``attention_mask`` marking the valid tokens of padded rows).
         num_draft_tokens: K, or "auto" to pick K in 1..max_draft_tokens every step from the
-        running acceptance rate and the measured forward times (see ``stats``).
+        running acceptance rate, the measured draft forward time and the target's step time
+        per verified length K + 1 (see ``stats.StatsRecorder``).
         temperature 0 is greedy; top_k/top_p warp the target (and the draft) before sampling.
         seed: row p uses ``seed + p`` (or ``seed[p]``); None draws one.
         stop: strings that end a row once its generated text contains one (the tokens up to
@@ -907,7 +908,7 @@ class SpeculativeDecoder:
             st.finish[p] = reason
         st.recorder.record_step(K, st.rows, kb_host, n_host, emitted_counts)
         st.recorder.record_times(clock.seconds(t_a, t_b), n_draft_fwd, clock.seconds(t_b, t_c),
-                                 first_step=st.steps_done == 1)
+                                 first_step=st.steps_done == 1, k=K)  # the target's time per K + 1 verified
         if st.pbar is not None:
             st.pbar.update(sum(emitted_counts))
         self._drop_finished(st)

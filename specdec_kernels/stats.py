@@ -17,15 +17,21 @@ Sampling"):
 
       E(K) = (1 - alpha^(K+1)) / (1 - alpha)          tokens (K + 1 when alpha = 1),
 
-  and costs K * T_draft + T_target, against T_target per token for the target alone:
+  and costs K * T_draft + T_target(K), against T_target(0) per token for the target alone:
 
-      speed-up(K) = E(K) * T_target / (K * T_draft + T_target).
+      speed-up(K) = E(K) * T_target(0) / (K * T_draft + T_target(K)).
+
+  T_target(K) is the target's verify step over K + 1 tokens (forward and verification).  It
+  grows with K where the forward is compute-bound (on a CPU, 5 tokens cost about twice one),
+  so one measured T_target for every K over-drafts.  ``StatsRecorder`` keeps the measured step
+  time per verified length n = K + 1 and models T_target(K) = a + b * (K + 1): see
+  ``StatsRecorder.target_time``.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Optional
+from typing import Callable, Optional, Union
 
 __all__ = [
     "DecodingStats",
@@ -38,6 +44,13 @@ __all__ = [
 # Priors used before anything is measured: acceptance rate, and its weight in pseudo-trials.
 ALPHA_PRIOR = 0.6
 ALPHA_PRIOR_TRIALS = 4.0
+# Prior shape of the target's step cost over the verified length n = K + 1, used until two
+# lengths are measured: T_target(n) proportional to 1 + TARGET_SLOPE_PRIOR * (n - 1), i.e. each
+# extra verified token costs this fraction of a one-token step (between a memory-bound GPU's
+# few per cent and a CPU's 20-30 per cent).
+TARGET_SLOPE_PRIOR = 0.1
+# Exponential moving average weight of a new time measurement.
+TIME_EMA = 0.3
 
 
 def expected_tokens_per_step(alpha: float, k: int) -> float:
@@ -51,29 +64,63 @@ def expected_tokens_per_step(alpha: float, k: int) -> float:
     return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 
-def predicted_speedup(alpha: float, k: float, t_draft: float, t_target: float) -> float:
-    """E(K) * T_target / (K * T_draft + T_target); a fractional K (the mean of a run that varied
-    K) interpolates E linearly between its neighbours."""
+def predicted_speedup(alpha: float, k: float, t_draft: float, t_target: float,
+                      t_verify: Optional[float] = None) -> float:
+    """E(K) * T_target / (K * T_draft + T_verify): T_target is the target's one-token step (what
+    the target alone pays per token), T_verify its step verifying K drafts (K + 1 tokens); None
+    takes T_verify = T_target (a cost independent of K).  A fractional K (the mean of a run that
+    varied K) interpolates E linearly between its neighbours."""
     if t_target <= 0:
         raise ValueError(f"t_target must be > 0, got {t_target}")
+    if t_verify is None:
+        t_verify = t_target
+    if t_verify <= 0:
+        raise ValueError(f"t_verify must be > 0, got {t_verify}")
     lo = int(k)
     frac = k - lo
     e = expected_tokens_per_step(alpha, lo)
     if frac > 0:
         e = (1 - frac) * e + frac * expected_tokens_per_step(alpha, lo + 1)
-    return e * t_target / (k * max(t_draft, 0.0) + t_target)
+    return e * t_target / (k * max(t_draft, 0.0) + t_verify)
 
 
-def choose_num_draft_tokens(alpha: float, t_draft: float, t_target: float, k_max: int) -> int:
-    """The K in 1..k_max that maximises E(K) / (K * T_draft + T_target) (ties: the smaller K)."""
+def choose_num_draft_tokens(alpha: float, t_draft: float, t_target: Union[float, Callable[[int], float]],
+                            k_max: int) -> int:
+    """The K in 1..k_max that maximises E(K) / (K * T_draft + T_target(K)) (ties: the smaller K).
+
+    ``t_target``: the target's verify step, either one number for every K or a function of K
+    (the step that verifies K drafts, i.e. a forward over K + 1 tokens)."""
     if k_max < 1:
         raise ValueError(f"k_max must be >= 1, got {k_max}")
+    cost = t_target if callable(t_target) else (lambda k: t_target)
     best_k, best = 1, -1.0
     for k in range(1, k_max + 1):
-        rate = expected_tokens_per_step(alpha, k) / (k * max(t_draft, 0.0) + t_target)
+        rate = expected_tokens_per_step(alpha, k) / (k * max(t_draft, 0.0) + cost(k))
         if rate > best * (1 + 1e-9):
             best_k, best = k, rate
     return best_k
+
+
+def fit_step_cost(points: list) -> tuple[float, float]:
+    """(a, b) of the line t = a + b * n that fits ``points`` [(n, t, weight)] by weighted least
+    squares with a >= 0 and b >= 0 (a step never gets cheaper with more tokens, and costs no
+    less per token for fewer).  Needs two distinct n."""
+    W = sum(w for _, _, w in points)
+    n_bar = sum(w * n for n, _, w in points) / W
+    t_bar = sum(w * t for _, t, w in points) / W
+    s_nn = sum(w * (n - n_bar) ** 2 for n, _, w in points)
+    if s_nn <= 0:
+        raise ValueError("fit_step_cost needs points at two distinct lengths")
+    b = sum(w * (n - n_bar) * (t - t_bar) for n, t, w in points) / s_nn
+    a = t_bar - b * n_bar
+    if a >= 0 and b >= 0:
+        return a, b
+    # The constrained optimum lies on a boundary: a flat line, or a line through the origin.
+    sse = lambda a, b: sum(w * (t - a - b * n) ** 2 for n, t, w in points)  # noqa: E731
+    flat = (t_bar, 0.0)
+    origin = (0.0, sum(w * n * t for n, t, w in points) / sum(w * n * n for n, _, w in points))
+    feasible = [c for c in (flat, origin) if c[0] >= 0 and c[1] >= 0] or [(max(t_bar, 0.0), 0.0)]
+    return min(feasible, key=lambda c: sse(*c))
 
 
 @dataclass
@@ -133,7 +180,14 @@ class DecodingStats:
 
 
 class StatsRecorder:
-    """Accumulates per-step counts and times; ``alpha()`` and ``times()`` feed K selection."""
+    """Accumulates per-step counts and times; ``alpha()``, ``times()`` and ``target_time()`` feed
+    K selection (``choose_k``).
+
+    Times: T_draft is one number (per draft forward); the target's verify step is kept per
+    verified length n = K + 1 (an exponential moving average per n, with its count), since its
+    cost grows with K.  ``target_time(n)`` models it as a + b * n (see there); ``choose_k``
+    maximises E(K) / (K * T_draft + T_target(K)) over K in 1..k_max with it.
+    """
 
     def __init__(self, k_max: int, t_draft_prior: float, t_target_prior: float = 1.0,
                  keep_history: bool = True):
@@ -143,9 +197,12 @@ class StatsRecorder:
         self._accepted_at = [0] * k_max  # [i]: row-steps that accepted draft position i
         self._k_sum = 0
         self._keep_history = keep_history
-        # Per-forward times: priors until measured; after that an exponential moving average.
+        # Per-forward times: priors until measured; after that an exponential moving average
+        # (the target's per verified length n = K + 1: {n: [time, count]}).
         self._t_draft = t_draft_prior
-        self._t_target = t_target_prior
+        self._t_target_prior = t_target_prior  # the prior one-token step
+        self._target_by_len: dict = {}
+        self._last_k: Optional[int] = None
         self._measured_draft = 0
         self._measured_target = 0
 
@@ -156,6 +213,7 @@ class StatsRecorder:
         s = self.stats
         s.iterations += 1
         self._k_sum += k
+        self._last_k = k
         for kb, n, e in zip(num_draft, accepted, emitted):
             s.row_steps += 1
             s.generated_tokens += e
@@ -172,19 +230,29 @@ class StatsRecorder:
             s.history.append(dict(k=k, rows=list(rows), num_draft=list(num_draft), accepted=list(accepted)))
 
     def record_times(self, t_draft_total: float, n_draft_forwards: int, t_target: float,
-                     first_step: bool) -> None:
+                     first_step: bool, k: Optional[int] = None) -> None:
+        """One step's times: its draft work, and its target verify step, which verified k drafts
+        (k + 1 tokens; None: the K of the last ``record_step``)."""
         s = self.stats
         s.draft_time_s += t_draft_total
         s.target_time_s += t_target
         s.draft_forwards += n_draft_forwards
         if first_step:  # warm-up (allocations, kernel selection): not representative
             return
-        ema = 0.3
+        ema = TIME_EMA
         if n_draft_forwards > 0:
             t = t_draft_total / n_draft_forwards
             self._t_draft = t if self._measured_draft == 0 else (1 - ema) * self._t_draft + ema * t
             self._measured_draft += 1
-        self._t_target = t_target if self._measured_target == 0 else (1 - ema) * self._t_target + ema * t_target
+        if k is None:
+            k = self._last_k if self._last_k is not None else 0
+        n = int(k) + 1
+        entry = self._target_by_len.get(n)
+        if entry is None:
+            self._target_by_len[n] = [t_target, 1]
+        else:
+            entry[0] = (1 - ema) * entry[0] + ema * t_target
+            entry[1] += 1
         self._measured_target += 1
 
     # -- estimates -------------------------------------------------------------------------
@@ -196,12 +264,48 @@ class StatsRecorder:
         return accepted / reached if reached else None
 
     def times(self) -> tuple[float, float]:
-        """(T_draft per draft forward, T_target per target forward), priors until measured."""
-        return self._t_draft, self._t_target
+        """(T_draft per draft forward, T_target of a one-token target step), priors until
+        measured; the target's cost at other lengths is ``target_time``."""
+        return self._t_draft, self.target_time(1)
+
+    def target_time_samples(self) -> dict:
+        """{verified length n = K + 1: (moving-average step time, number of measurements)}."""
+        return {n: (t, c) for n, (t, c) in sorted(self._target_by_len.items())}
+
+    def target_time(self, n: float) -> float:
+        """The modelled target verify step over n = K + 1 tokens (n may be fractional).
+
+        - Measured at two or more lengths: the line a + b * n fitted by least squares to the
+          per-length moving averages, each weighted by its number of measurements, with
+          a, b >= 0 (``fit_step_cost``); it interpolates and extrapolates to unmeasured n.
+        - Measured at one length n1 only (time t1): the prior shape scaled through it,
+          t1 * (1 + r * (n - 1)) / (1 + r * (n1 - 1)) with r = TARGET_SLOPE_PRIOR.
+        - Nothing measured: t_target_prior * (1 + r * (n - 1)).
+        The result is kept above 1e-12 so that a rate is always finite.
+        """
+        r = TARGET_SLOPE_PRIOR
+        pts = self._target_by_len
+        if len(pts) >= 2:
+            a, b = fit_step_cost([(m, t, c) for m, (t, c) in pts.items()])
+            t = a + b * n
+        elif len(pts) == 1:
+            (n1, (t1, _)), = pts.items()
+            t = t1 * (1 + r * (n - 1)) / (1 + r * (n1 - 1))
+        else:
+            t = self._t_target_prior * (1 + r * (n - 1))
+        return max(t, 1e-12)
 
     def choose_k(self, k_max: int) -> int:
-        t_d, t_t = self.times()
-        return choose_num_draft_tokens(self.alpha(), t_d, t_t, k_max)
+        """The K in 1..k_max maximising E(K) / (K * T_draft + T_target(K)).
+
+        Exploration: while the target has been measured at one verified length only, the line
+        cannot be fitted, so the chooser picks a K at another length (K = 1 if it measured
+        K >= 2, else min(k_max, 4)) for one step; the prior shape decides until then.
+        """
+        if len(self._target_by_len) == 1 and k_max >= 2:
+            (n1,) = self._target_by_len
+            return 1 if n1 - 1 >= 2 else min(k_max, 4)
+        return choose_num_draft_tokens(self.alpha(), self._t_draft, lambda k: self.target_time(k + 1), k_max)
 
     # -- final -----------------------------------------------------------------------------
     def finalize(self, total_time_s: float, prefill_time_s: float, finish_reasons: list,
@@ -228,8 +332,14 @@ class StatsRecorder:
                 t_d = (s.draft_time_s / s.iterations) / s.mean_num_draft_tokens
             else:
                 t_d = s.time_per_draft_forward_s or 0.0
-            s.predicted_speedup = predicted_speedup(s.alpha, s.mean_num_draft_tokens, t_d,
-                                                    s.time_per_target_forward_s)
+            if self._target_by_len:
+                # The same per-K cost as choose_k: the target alone pays T_target(0) per token,
+                # a step of mean K pays T_target(mean K) (the model is linear in K).
+                t_one = self.target_time(1)
+                t_verify = self.target_time(s.mean_num_draft_tokens + 1)
+            else:  # no step after the warm-up one: the mean step time for both
+                t_one = t_verify = s.time_per_target_forward_s
+            s.predicted_speedup = predicted_speedup(s.alpha, s.mean_num_draft_tokens, t_d, t_one, t_verify)
         s.baseline_tokens_per_s = baseline_tokens_per_s
         if baseline_tokens_per_s and s.tokens_per_s:
             s.measured_speedup = s.tokens_per_s / baseline_tokens_per_s

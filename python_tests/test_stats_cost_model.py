@@ -1,0 +1,164 @@
+"""The auto-K cost model of ``stats``: T_target depends on the number of verified tokens.
+
+No timings are measured here: times are injected into ``StatsRecorder`` (or passed to the
+chooser), and the expected K and costs are computed by hand from
+E(K) = (1 - alpha^(K+1)) / (1 - alpha) over K * T_draft + T_target(K).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from specdec_kernels.stats import (
+    TARGET_SLOPE_PRIOR,
+    TIME_EMA,
+    StatsRecorder,
+    choose_num_draft_tokens,
+    expected_tokens_per_step,
+    fit_step_cost,
+    predicted_speedup,
+)
+
+
+def _recorder(alpha_steps: int = 0, k_max: int = 8, t_draft_prior: float = 0.05) -> StatsRecorder:
+    rec = StatsRecorder(k_max, t_draft_prior)
+    for _ in range(alpha_steps):  # one row accepting 4 of 5 drafts: alpha moves towards 0.8
+        rec.record_step(5, [0], [5], [4], [5])
+    return rec
+
+
+def _inject(rec: StatsRecorder, k: int, t_target: float, t_draft: float = 0.05, times: int = 1) -> None:
+    for _ in range(times):
+        rec.record_times(t_draft * k, k, t_target, first_step=False, k=k)
+
+
+# ----------------------------------------------------------------------------------------------
+# The chooser with a per-K cost
+# ----------------------------------------------------------------------------------------------
+def test_chooser_matches_hand_computed_rates():
+    # alpha 0.8, T_draft 0.1.  E(1..7) = 1.8, 2.44, 2.952, 3.3616, 3.68928, 3.951424, 4.1611392.
+    # Flat T_target = 1: rates E / (1 + 0.1 K) = 1.636, 2.033, 2.271, 2.401, 2.4595, 2.4696, 2.4477
+    # -> K = 6.  T_target(K) = 1 + 0.5 K: rates E / (1 + 0.6 K) = 1.125, 1.109, ... -> K = 1.
+    # T_target(K) = 1 + 0.1 K: rates E / (1 + 0.2 K) = 1.5, 1.743, 1.845, 1.868, 1.845 -> K = 4.
+    assert [round(expected_tokens_per_step(0.8, k), 7) for k in (1, 2, 3)] == [1.8, 2.44, 2.952]
+    assert choose_num_draft_tokens(0.8, 0.1, 1.0, 8) == 6
+    assert choose_num_draft_tokens(0.8, 0.1, lambda k: 1.0, 8) == 6
+    assert choose_num_draft_tokens(0.8, 0.1, lambda k: 1.0 + 0.5 * k, 8) == 1
+    assert choose_num_draft_tokens(0.8, 0.1, lambda k: 1.0 + 0.1 * k, 8) == 4
+    # The chooser maximises exactly the formula with T_target(K).
+    for alpha, td, slope in [(0.6, 0.02, 0.3), (0.9, 0.05, 0.05), (0.75, 0.0, 0.2)]:
+        cost = lambda k: 0.7 + slope * (k + 1)  # noqa: E731
+        rate = lambda k: expected_tokens_per_step(alpha, k) / (k * td + cost(k))  # noqa: E731
+        k = choose_num_draft_tokens(alpha, td, cost, 12)
+        assert all(rate(k) >= rate(j) for j in range(1, 13)), (alpha, td, slope, k)
+
+
+def test_chooser_picks_smaller_k_when_verify_cost_grows_steeply():
+    ks = [choose_num_draft_tokens(0.85, 0.03, lambda k, s=s: 1.0 + s * k, 10) for s in (0.0, 0.05, 0.2, 0.5, 2.0)]
+    assert ks == sorted(ks, reverse=True) and ks[0] > ks[-1], ks
+    assert ks[0] >= 8 and ks[-1] == 1, ks
+
+
+def test_recorder_chooses_by_measured_cost_per_length():
+    """Injected step times at two lengths: flat -> large K, steep -> small K."""
+    flat, steep = _recorder(20), _recorder(20)
+    for rec, t2, t5 in ((flat, 1.0, 1.0), (steep, 1.0, 2.5)):
+        _inject(rec, 1, t2, times=3)
+        _inject(rec, 4, t5, times=3)
+    assert flat.choose_k(8) >= 6
+    assert steep.choose_k(8) <= 2
+    # steep: T_target(n) = 0.5 n exactly (two points), so the chooser sees T(K) = 0.5 (K + 1).
+    alpha = steep.alpha()
+    assert steep.target_time(3) == pytest.approx(1.5)
+    assert steep.choose_k(8) == choose_num_draft_tokens(alpha, 0.05, lambda k: 0.5 * (k + 1), 8)
+
+
+# ----------------------------------------------------------------------------------------------
+# The cost model of the recorder
+# ----------------------------------------------------------------------------------------------
+def test_target_time_prior_then_one_length_then_line():
+    rec = StatsRecorder(8, 0.1, t_target_prior=2.0)
+    r = TARGET_SLOPE_PRIOR
+    assert rec.target_time(1) == pytest.approx(2.0)
+    assert rec.target_time(5) == pytest.approx(2.0 * (1 + 4 * r))
+    assert rec.times() == (0.1, pytest.approx(2.0))
+    _inject(rec, 3, 0.4)  # n = 4
+    assert rec.target_time(4) == pytest.approx(0.4)
+    assert rec.target_time(1) == pytest.approx(0.4 / (1 + 3 * r))
+    assert rec.target_time(7) == pytest.approx(0.4 * (1 + 6 * r) / (1 + 3 * r))
+    _inject(rec, 1, 0.25)  # n = 2: the line through (2, 0.25) and (4, 0.4): 0.1 + 0.075 n
+    assert rec.target_time(1) == pytest.approx(0.175)
+    assert rec.target_time(9) == pytest.approx(0.775)
+    assert rec.target_time_samples() == {2: (0.25, 1), 4: (0.4, 1)}
+
+
+def test_target_time_moving_average_and_warm_up():
+    rec = StatsRecorder(4, 0.1)
+    rec.record_times(0.5, 2, 9.0, first_step=True, k=2)  # warm-up: totals only
+    assert rec.target_time_samples() == {} and rec.stats.target_time_s == 9.0
+    _inject(rec, 2, 1.0)
+    _inject(rec, 2, 2.0)
+    assert rec.target_time_samples() == {3: (pytest.approx((1 - TIME_EMA) * 1.0 + TIME_EMA * 2.0), 2)}
+    rec.record_step(1, [0], [1], [1], [2])
+    rec.record_times(0.1, 1, 0.5, first_step=False)  # k=None: the K of the last record_step
+    assert set(rec.target_time_samples()) == {2, 3}
+
+
+def test_fit_step_cost_least_squares_and_constraints():
+    # Three points, weights 1, 2, 1: weighted least squares by hand.
+    pts = [(1, 1.0, 1), (3, 2.0, 2), (5, 4.0, 1)]
+    # n_bar = 3, t_bar = 2.25, S_nn = 8, S_nt = 1*(-2)(-1.25) + 0 + 1*2*1.75 = 6 -> b = 0.75, a = 0.
+    a, b = fit_step_cost(pts)
+    assert (a, b) == (pytest.approx(0.0, abs=1e-12), pytest.approx(0.75))
+    # Times falling with n (noise): the flat line at the weighted mean.
+    assert fit_step_cost([(2, 2.0, 1), (5, 1.0, 3)]) == (pytest.approx(1.25), 0.0)
+    # A negative intercept: the line through the origin, b = sum(w n t) / sum(w n^2).
+    a, b = fit_step_cost([(2, 0.1, 1), (4, 1.0, 1)])
+    assert a == 0.0 and b == pytest.approx((0.2 + 4.0) / (4 + 16))
+    with pytest.raises(ValueError, match="two distinct lengths"):
+        fit_step_cost([(3, 1.0, 2)])
+
+
+def test_line_fit_used_by_the_recorder_with_counts_as_weights():
+    rec = StatsRecorder(8, 0.05)
+    _inject(rec, 0, 1.0)  # n = 1
+    _inject(rec, 2, 2.0, times=2)  # n = 3, moving average stays 2.0, weight 2
+    _inject(rec, 4, 4.0)  # n = 5
+    assert rec.target_time(4) == pytest.approx(0.75 * 4)  # a = 0, b = 0.75 (see above)
+
+
+def test_exploration_measures_a_second_length():
+    rec = _recorder(10)
+    _inject(rec, 4, 1.0)
+    assert rec.choose_k(8) == 1  # measured K = 4 only: explore K = 1
+    rec2 = _recorder(10)
+    _inject(rec2, 1, 1.0)
+    assert rec2.choose_k(8) == 4 and rec2.choose_k(3) == 3
+    assert rec2.choose_k(1) == 1
+    _inject(rec, 1, 0.5)  # two lengths: the model decides
+    assert rec.choose_k(8) == choose_num_draft_tokens(rec.alpha(), 0.05, lambda k: rec.target_time(k + 1), 8)
+
+
+# ----------------------------------------------------------------------------------------------
+# predicted_speedup with the per-K cost
+# ----------------------------------------------------------------------------------------------
+def test_predicted_speedup_with_verify_cost():
+    e4 = expected_tokens_per_step(0.8, 4)
+    assert predicted_speedup(0.8, 4, 0.1, 1.0) == pytest.approx(e4 / 1.4)
+    assert predicted_speedup(0.8, 4, 0.1, 1.0, 2.0) == pytest.approx(e4 / 2.4)
+    with pytest.raises(ValueError, match="t_verify must be > 0"):
+        predicted_speedup(0.8, 4, 0.1, 1.0, 0.0)
+
+
+def test_finalize_reports_with_the_per_k_cost():
+    rec = StatsRecorder(4, 0.05)
+    # Steps: K = 3, 3, 1 (one row; accepted 2, 3, 1 drafts), the first one the warm-up.
+    for i, (k, n, tt) in enumerate([(3, 2, 9.0), (3, 3, 2.0), (1, 1, 1.0)]):
+        rec.record_step(k, [0], [k], [n], [n + 1])
+        rec.record_times(0.05 * k, k, tt, first_step=i == 0, k=k)
+    s = rec.finalize(10.0, 0.1, ["length"], None)
+    # Line through (4, 2.0) and (2, 1.0): T(n) = 0.5 n.  Mean K = 7/3, alpha = 6 / 7.
+    assert s.alpha == pytest.approx(6 / 7)
+    mean_k = 7 / 3
+    expected = predicted_speedup(6 / 7, mean_k, 0.05, 0.5, 0.5 * (mean_k + 1))
+    assert s.predicted_speedup == pytest.approx(expected)
