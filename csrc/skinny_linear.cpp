@@ -8,7 +8,10 @@
 // 49,152 x 576 output layer costs 14 ms for one row and 45 ms for five.  This kernel streams
 // the weight matrix once for all rows and costs little more than the GEMV.
 //
-// Memory traffic: reads N*K*4 bytes of weight (once, the floor: every weight is needed), M*K*4
+// Weights: fp32, or fp16 (F16C widens them exactly as they are loaded, so fp16-exact weights
+// give the fp32 result bit for bit from half the bytes: the embedded draft is stored in fp16).
+//
+// Memory traffic: reads N*K*4 bytes of weight (N*K*2 in fp16; once, the floor: every weight is needed), M*K*4
 // of x (from cache, M rows are reused for every weight block) and N*4 of bias; writes M*N*4.
 // Arithmetic: 2*M*N*K flops, so for M <= ~16 rows on a single AVX2 core the weight stream, not
 // the FMAs, sets the time.
@@ -21,18 +24,20 @@
 // depend on the thread count.  It is not bit-identical to torch.nn.functional.linear (whose
 // summation order is MKL's); the tests bound the difference against a float64 reference.
 //
-// Two code paths with the same arithmetic: AVX2+FMA (selected at run time) and portable C++
+// Two code paths with the same arithmetic: AVX2+FMA+F16C (selected at run time) and portable C++
 // (std::fma on 8 explicit lanes).  Both give the same bits.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
+#include <c10/util/Half.h>
 #include <c10/util/Optional.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -62,9 +67,15 @@ inline float reduce8(const float* l) {
 }
 
 // y[i, j] for i in [i0, i0 + mr), j in [j0, j0 + nr): portable path.
-template <int64_t mr, int64_t nr>
+// Weights are fp32, or fp16 widened exactly to fp32 as they are loaded (half the bytes to
+// stream; use_skinny_linear picks fp16 only for weights that fp16 holds exactly, so both give
+// the same bits).
+inline float to_float(float v) { return v; }
+inline float to_float(c10::Half v) { return static_cast<float>(v); }
+
+template <int64_t mr, int64_t nr, typename WT>
 void tile_portable(
-    const float* x, const float* w, const float* bias, float* y,
+    const float* x, const WT* w, const float* bias, float* y,
     int64_t K, int64_t N, int64_t i0, int64_t j0) {
   float acc[mr][nr][8];
   for (int64_t a = 0; a < mr; ++a)
@@ -75,8 +86,8 @@ void tile_portable(
     for (int64_t a = 0; a < mr; ++a) {
       const float* xr = x + (i0 + a) * K + k;
       for (int64_t b = 0; b < nr; ++b) {
-        const float* wr = w + (j0 + b) * K + k;
-        for (int l = 0; l < 8; ++l) acc[a][b][l] = std::fma(xr[l], wr[l], acc[a][b][l]);
+        const WT* wr = w + (j0 + b) * K + k;
+        for (int l = 0; l < 8; ++l) acc[a][b][l] = std::fma(xr[l], to_float(wr[l]), acc[a][b][l]);
       }
     }
   }
@@ -84,8 +95,8 @@ void tile_portable(
     for (int64_t b = 0; b < nr; ++b) {
       float s = reduce8(acc[a][b]);
       const float* xr = x + (i0 + a) * K;
-      const float* wr = w + (j0 + b) * K;
-      for (int64_t k = K8; k < K; ++k) s = std::fma(xr[k], wr[k], s);
+      const WT* wr = w + (j0 + b) * K;
+      for (int64_t k = K8; k < K; ++k) s = std::fma(xr[k], to_float(wr[k]), s);
       if (bias != nullptr) s += bias[j0 + b];
       y[(i0 + a) * N + j0 + b] = s;
     }
@@ -93,9 +104,16 @@ void tile_portable(
 }
 
 #if SPECDEC_X86
-template <int64_t mr, int64_t nr>
-__attribute__((target("avx2,fma"))) void tile_avx2(
-    const float* x, const float* w, const float* bias, float* y,
+__attribute__((target("avx2,fma,f16c"))) inline __m256 load8(const float* w) {
+  return _mm256_loadu_ps(w);
+}
+__attribute__((target("avx2,fma,f16c"))) inline __m256 load8(const c10::Half* w) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+}
+
+template <int64_t mr, int64_t nr, typename WT>
+__attribute__((target("avx2,fma,f16c"))) void tile_avx2(
+    const float* x, const WT* w, const float* bias, float* y,
     int64_t K, int64_t N, int64_t i0, int64_t j0) {
   __m256 acc[mr][nr];
   for (int64_t a = 0; a < mr; ++a)
@@ -103,7 +121,7 @@ __attribute__((target("avx2,fma"))) void tile_avx2(
   const int64_t K8 = K - K % 8;
   for (int64_t k = 0; k < K8; k += 8) {
     __m256 wv[nr];
-    for (int64_t b = 0; b < nr; ++b) wv[b] = _mm256_loadu_ps(w + (j0 + b) * K + k);
+    for (int64_t b = 0; b < nr; ++b) wv[b] = load8(w + (j0 + b) * K + k);
     for (int64_t a = 0; a < mr; ++a) {
       const __m256 xv = _mm256_loadu_ps(x + (i0 + a) * K + k);
       for (int64_t b = 0; b < nr; ++b) acc[a][b] = _mm256_fmadd_ps(xv, wv[b], acc[a][b]);
@@ -115,8 +133,8 @@ __attribute__((target("avx2,fma"))) void tile_avx2(
       _mm256_store_ps(lanes, acc[a][b]);
       float s = reduce8(lanes);
       const float* xr = x + (i0 + a) * K;
-      const float* wr = w + (j0 + b) * K;
-      for (int64_t k = K8; k < K; ++k) s = std::fma(xr[k], wr[k], s);
+      const WT* wr = w + (j0 + b) * K;
+      for (int64_t k = K8; k < K; ++k) s = std::fma(xr[k], to_float(wr[k]), s);
       if (bias != nullptr) s += bias[j0 + b];
       y[(i0 + a) * N + j0 + b] = s;
     }
@@ -124,59 +142,61 @@ __attribute__((target("avx2,fma"))) void tile_avx2(
 }
 
 bool cpu_has_avx2_fma() {
-  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                          __builtin_cpu_supports("f16c");
   return has;
 }
 #endif
 
 // Runs tile<mr, nr> with a run-time mr in [1, 12 / nr] (12 accumulators fit the 16 AVX2
 // registers with the weight and x vectors).
-template <int64_t nr, int64_t mr = 12 / nr>
+template <int64_t nr, typename WT, int64_t mr = 12 / nr>
 void tile_dispatch(
-    bool avx2, int64_t m, const float* x, const float* w, const float* bias, float* y,
+    bool avx2, int64_t m, const float* x, const WT* w, const float* bias, float* y,
     int64_t K, int64_t N, int64_t i0, int64_t j0) {
   if constexpr (mr >= 1) {
     if (m == mr) {
 #if SPECDEC_X86
       if (avx2) {
-        tile_avx2<mr, nr>(x, w, bias, y, K, N, i0, j0);
+        tile_avx2<mr, nr, WT>(x, w, bias, y, K, N, i0, j0);
         return;
       }
 #endif
-      tile_portable<mr, nr>(x, w, bias, y, K, N, i0, j0);
+      tile_portable<mr, nr, WT>(x, w, bias, y, K, N, i0, j0);
       return;
     }
     if constexpr (mr > 1) {
-      tile_dispatch<nr, mr - 1>(avx2, m, x, w, bias, y, K, N, i0, j0);
+      tile_dispatch<nr, WT, mr - 1>(avx2, m, x, w, bias, y, K, N, i0, j0);
     }
   }
 }
 
 // All M rows of y for weight rows [j0, j0 + nr).  With M <= 12 / nr the weight tile is read
 // from memory in one pass while every x row uses it; for more rows it is re-read from L1.
-template <int64_t nr>
+template <int64_t nr, typename WT>
 void column_tile(
-    bool avx2, const float* x, const float* w, const float* bias, float* y,
+    bool avx2, const float* x, const WT* w, const float* bias, float* y,
     int64_t M, int64_t K, int64_t N, int64_t j0) {
   constexpr int64_t max_mr = 12 / nr;
   for (int64_t i0 = 0; i0 < M; i0 += max_mr) {
-    tile_dispatch<nr>(avx2, std::min(max_mr, M - i0), x, w, bias, y, K, N, i0, j0);
+    tile_dispatch<nr, WT>(avx2, std::min(max_mr, M - i0), x, w, bias, y, K, N, i0, j0);
   }
 }
 
 // Weight rows per tile for M rows: as many as keep M * nr <= 12 accumulators (at least 1).
-template <int64_t nr>
+template <int64_t nr, typename WT>
 void run_tiles(
-    bool avx2, const float* x, const float* w, const float* bias, float* y,
+    bool avx2, const float* x, const WT* w, const float* bias, float* y,
     int64_t M, int64_t K, int64_t N) {
   const int64_t tiles = N / nr;
-  const int64_t grain = std::max<int64_t>(1, kMinWeightBytesPerTask / (nr * K * 4));
+  const int64_t grain =
+      std::max<int64_t>(1, kMinWeightBytesPerTask / (nr * K * int64_t{sizeof(WT)}));
   at::parallel_for(0, tiles + (N % nr != 0), grain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       if (t < tiles) {
-        column_tile<nr>(avx2, x, w, bias, y, M, K, N, t * nr);
+        column_tile<nr, WT>(avx2, x, w, bias, y, M, K, N, t * nr);
       } else {  // the last N % nr weight rows
-        for (int64_t j = tiles * nr; j < N; ++j) column_tile<1>(avx2, x, w, bias, y, M, K, N, j);
+        for (int64_t j = tiles * nr; j < N; ++j) column_tile<1, WT>(avx2, x, w, bias, y, M, K, N, j);
       }
     }
   });
@@ -191,8 +211,8 @@ at::Tensor skinny_linear_cpu(
       x.scalar_type() == at::kFloat,
       "skinny_linear: x must be float32, got ", x.scalar_type());
   TORCH_CHECK(
-      weight.scalar_type() == at::kFloat,
-      "skinny_linear: weight must be float32, got ", weight.scalar_type());
+      weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kHalf,
+      "skinny_linear: weight must be float32 or float16, got ", weight.scalar_type());
   TORCH_CHECK(
       weight.dim() == 2,
       "skinny_linear: weight must have 2 dims [N, K], got ", weight.dim(), " (shape ",
@@ -240,19 +260,26 @@ at::Tensor skinny_linear_cpu(
     return y;
   }
   const float* x_ptr = x_c.const_data_ptr<float>();
-  const float* w_ptr = w_c.const_data_ptr<float>();
 
   bool avx2 = false;
 #if SPECDEC_X86
   avx2 = !portable && cpu_has_avx2_fma();
 #endif
   (void)portable;
-  if (M <= 3) {
-    run_tiles<4>(avx2, x_ptr, w_ptr, bias_ptr, y_ptr, M, K, N);
-  } else if (M <= 6) {
-    run_tiles<2>(avx2, x_ptr, w_ptr, bias_ptr, y_ptr, M, K, N);
+  auto run = [&](auto* w_ptr) {
+    using WT = std::remove_const_t<std::remove_pointer_t<decltype(w_ptr)>>;
+    if (M <= 3) {
+      run_tiles<4, WT>(avx2, x_ptr, w_ptr, bias_ptr, y_ptr, M, K, N);
+    } else if (M <= 6) {
+      run_tiles<2, WT>(avx2, x_ptr, w_ptr, bias_ptr, y_ptr, M, K, N);
+    } else {
+      run_tiles<1, WT>(avx2, x_ptr, w_ptr, bias_ptr, y_ptr, M, K, N);
+    }
+  };
+  if (w_c.scalar_type() == at::kHalf) {
+    run(w_c.const_data_ptr<c10::Half>());
   } else {
-    run_tiles<1>(avx2, x_ptr, w_ptr, bias_ptr, y_ptr, M, K, N);
+    run(w_c.const_data_ptr<float>());
   }
   return y;
 }

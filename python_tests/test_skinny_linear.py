@@ -131,7 +131,7 @@ def test_nan_and_inf_stay_in_their_row():
     "args, match",
     [
         ((torch.randn(2, 8, dtype=torch.float64), torch.randn(3, 8), None), "x must be float32"),
-        ((torch.randn(2, 8), torch.randn(3, 8).half(), None), "weight must be float32"),
+        ((torch.randn(2, 8), torch.randn(3, 8).bfloat16(), None), "weight must be float32 or float16"),
         ((torch.randn(2, 8), torch.randn(3, 7), None), r"K = weight.shape\[1\] = 7, got shape \[2, 8\]"),
         ((torch.randn(2, 8), torch.randn(3, 8, 1), None), "weight must have 2 dims"),
         ((torch.randn(2, 8), torch.randn(3, 8), torch.randn(4)), r"bias must be \[N\] = \[3\], got \[4\]"),
@@ -166,6 +166,19 @@ def test_torch_compile_fullgraph_matches_eager():
     assert torch.equal(compiled(x, w, b), f(x, w, b))
 
 
+@pytest.mark.parametrize("m", [1, 4, 7, 13])
+@pytest.mark.parametrize("k", [9, 576])
+def test_fp16_weights_give_the_fp32_bits_when_exact(m, k):
+    """fp16 weights are widened exactly, so on fp16-representable weights the result is the fp32
+    kernel's, bit for bit; on other weights it is the fp32 kernel on the rounded weights."""
+    x, w, b = _case(m, 67, k, bias=True, seed=m * k)
+    w_exact = w.half().float()
+    assert torch.equal(skinny_linear(x, w.half(), b), skinny_linear(x, w_exact, b))
+    assert torch.equal(torch.ops.specdec.skinny_linear_portable(x, w.half(), b), skinny_linear(x, w_exact, b))
+    err = (skinny_linear(x, w.half(), b).double() - x.double() @ w_exact.double().T - b.double()).abs()
+    assert bool((err <= _bound(x, w_exact, b)).all())
+
+
 class _Tiny(nn.Module):
     def __init__(self):
         super().__init__()
@@ -196,6 +209,27 @@ def test_use_skinny_linear_patches_counts_and_restores():
     assert torch.equal(z1, z0)
     assert torch.equal(y2, y0)  # restored: torch's linear again, same bits as before
     assert all("forward" not in mod.__dict__ for mod in m.modules())
+
+
+def test_use_skinny_linear_streams_exact_fp16_weights():
+    torch.manual_seed(1)
+    m = _Tiny()
+    with torch.no_grad():
+        m.a.weight.copy_(m.a.weight.half().float())  # exactly representable: streamed as fp16
+    x = torch.randn(5, 24)
+    with torch.no_grad():
+        with use_skinny_linear(m, fp16_weights=False) as h32:
+            y32, _ = m(x)
+            assert h32.fp16 == []
+        with use_skinny_linear(m) as h16:
+            assert h16.fp16 == [m.a]  # m.b's random fp32 weights are not fp16-exact
+            y16, _ = m(x)
+            assert h16.calls == 2
+        with torch.no_grad():
+            m.a.weight.add_(1e-4)  # changed in place: the cached copy is no longer used
+        with use_skinny_linear(m) as h:
+            assert h.fp16 == []
+    assert torch.equal(y16, y32)
 
 
 def test_use_skinny_linear_keeps_autograd_path():

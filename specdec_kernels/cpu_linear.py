@@ -22,6 +22,7 @@ wins there) and returns a handle whose ``remove()`` (or ``with`` block) restores
 from __future__ import annotations
 
 import types
+import weakref
 from typing import Optional
 
 import torch
@@ -58,8 +59,9 @@ def _check(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> None:
     for name, t in (("x", x), ("weight", weight), ("bias", bias)):
         if t is None:
             continue
-        if t.dtype != torch.float32:
-            raise ValueError(f"skinny_linear: {name} must be float32, got {t.dtype}")
+        if t.dtype != torch.float32 and not (name == "weight" and t.dtype == torch.float16):
+            want = "float32 or float16" if name == "weight" else "float32"
+            raise ValueError(f"skinny_linear: {name} must be {want}, got {t.dtype}")
         if t.device.type != "cpu":
             raise ValueError(f"skinny_linear: {name} must be a CPU tensor, got device {t.device}")
     if bias is not None and (bias.dim() != 1 or bias.shape[0] != weight.shape[0]):
@@ -71,7 +73,8 @@ def _check(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> None:
 def skinny_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
     """``x @ weight.T + bias`` for fp32 CPU tensors, batch-invariant (see the module doc).
 
-    x: ``[..., K]`` fp32 CPU; weight: ``[N, K]`` fp32 CPU; bias: ``[N]`` fp32 CPU or None.
+    x: ``[..., K]`` fp32 CPU; weight: ``[N, K]`` fp32 or fp16 CPU (fp16 is widened exactly to
+    fp32 as it is loaded: half the bytes, the same arithmetic); bias: ``[N]`` fp32 CPU or None.
     Returns ``[..., N]`` fp32.  Without the C++ extension it falls back to
     ``reference.skinny_linear_reference`` (float64 accumulation, not batch-invariant-fast).
     """
@@ -96,7 +99,24 @@ if HAS_EXT:
         return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
-def _skinny_forward(self: nn.Linear, x: Tensor, *, _max_rows: int, _calls: list) -> Tensor:
+def _exact_fp16_copy(m: nn.Linear) -> Optional[Tensor]:
+    """``m.weight`` as fp16 if fp16 holds every value exactly (then the kernel's products are the
+    same bits, from half the bytes), else None.  Cached on the module (``_specdec_fp16``) while
+    the weight is the same tensor at the same version, so a model patched for every
+    ``generate`` pays the check once."""
+    w = m.weight
+    cached = m.__dict__.get("_specdec_fp16")
+    if cached is not None and cached[0]() is w and cached[1] == w._version:
+        return cached[2]
+    w16 = w.detach().to(torch.float16)
+    if not torch.equal(w16.float(), w.detach()):
+        w16 = None
+    m.__dict__["_specdec_fp16"] = (weakref.ref(w), w._version, w16)
+    return w16
+
+
+def _skinny_forward(self: nn.Linear, x: Tensor, *, _max_rows: int, _calls: list,
+                    _w16: Optional[Tensor]) -> Tensor:
     w = self.weight
     if (
         x.device.type == "cpu"
@@ -108,7 +128,7 @@ def _skinny_forward(self: nn.Linear, x: Tensor, *, _max_rows: int, _calls: list)
         and not torch.is_grad_enabled()
     ):
         _calls[0] += 1
-        return torch.ops.specdec.skinny_linear(x, w, self.bias)
+        return torch.ops.specdec.skinny_linear(x, w if _w16 is None else _w16, self.bias)
     return F.linear(x, w, self.bias)
 
 
@@ -118,19 +138,24 @@ class SkinnyLinearHandle:
     ``calls`` counts the forwards that went through the kernel (for tests and statistics).
     """
 
-    def __init__(self, modules: list, max_rows: int):
+    def __init__(self, modules: list, max_rows: int, fp16_weights: bool):
         self.modules = modules
         self.max_rows = max_rows
         self._calls = [0]
+        # the layers whose weights stream as exact fp16 copies
+        self.fp16 = [m for m in modules if fp16_weights and _exact_fp16_copy(m) is not None]
 
     @property
     def calls(self) -> int:
         return self._calls[0]
 
     def _install(self) -> None:
+        fp16 = {id(m) for m in self.fp16}
         for m in self.modules:
             fwd = types.MethodType(_skinny_forward, m)
-            m.forward = lambda x, _f=fwd: _f(x, _max_rows=self.max_rows, _calls=self._calls)
+            w16 = _exact_fp16_copy(m) if id(m) in fp16 else None
+            m.forward = (lambda x, _f=fwd, _w=w16:
+                         _f(x, _max_rows=self.max_rows, _calls=self._calls, _w16=_w))
 
     def remove(self) -> None:
         for m in self.modules:
@@ -145,9 +170,15 @@ class SkinnyLinearHandle:
         self.remove()
 
 
-def use_skinny_linear(model: nn.Module, max_rows: int = DEFAULT_MAX_ROWS) -> SkinnyLinearHandle:
+def use_skinny_linear(model: nn.Module, max_rows: int = DEFAULT_MAX_ROWS,
+                      fp16_weights: bool = True) -> SkinnyLinearHandle:
     """Route ``model``'s fp32 CPU ``nn.Linear`` layers through ``skinny_linear`` for inputs of at
     most ``max_rows`` rows (inference only: with grad enabled they keep ``F.linear``).
+
+    fp16_weights: a layer whose fp32 weights fp16 represents exactly (a model saved in fp16 and
+    loaded as fp32, like the embedded draft) streams an fp16 copy instead: half the bytes and
+    bit-identical results.  Other layers keep fp32.  The copy is taken when the handle is made;
+    do not change the weights while it is installed.
 
     Returns a handle; ``handle.remove()`` or ``with use_skinny_linear(m): ...`` restores the
     layers.  Layers already patched, or whose ``forward`` was replaced by someone else, are
@@ -168,6 +199,6 @@ def use_skinny_linear(model: nn.Module, max_rows: int = DEFAULT_MAX_ROWS) -> Ski
         and m.weight.dtype == torch.float32
         and m.weight.device.type == "cpu"
     ]
-    handle = SkinnyLinearHandle(mods, max_rows)
+    handle = SkinnyLinearHandle(mods, max_rows, fp16_weights)
     handle._install()
     return handle
