@@ -631,6 +631,22 @@ def test_warp_probs_matches_the_verifier_semantics():
     assert warp_probs(tied, 0.0).tolist() == [[0.0, 1.0, 0.0, 0.0]]
 
 
+def test_nan_draft_logits_with_top_p_end_the_row_cleanly(pair):
+    """A draft that emits NaN logits (top-p on, so the warp's sort/cumsum sees NaN) must not crash
+    the warp (it gathered index -1 before) nor emit a token: its rows end as 'nonfinite'."""
+    nan_logits = torch.tensor([[float("nan"), 1.0, 2.0], [0.5, 1.0, 2.0]])
+    probs = warp_probs(nan_logits, 1.0, None, 0.9)  # no IndexError
+    assert bool(probs[0].isnan().all()) and torch.allclose(probs[1].sum(), torch.tensor(1.0))
+    draft, target = pair
+    bad = copy.deepcopy(draft)
+    with torch.no_grad():
+        bad.lm_head.weight[3, 0] = float("nan")  # token 3's logit is NaN at every position
+    res = SpeculativeDecoder(bad, target).generate(PROMPTS[:2], max_new_tokens=8, num_draft_tokens=3,
+                                                   temperature=1.0, top_p=0.9, seed=0)
+    assert res.finish_reasons == ["nonfinite", "nonfinite"]
+    assert res.token_ids == [[], []]
+
+
 def test_draft_sampler_is_uniform_and_exact():
     B = 20000
     keys = [_draft_key(s) for s in range(B)]

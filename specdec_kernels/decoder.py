@@ -104,7 +104,7 @@ def warp_probs(
             # mass of the strictly greater tokens, and it only grows along the sorted order.
             before = csum - e
             n_keep = (before < p_lim[..., None] * csum[..., -1:]).sum(-1, keepdim=True)  # >= 1
-            cut = s_sorted.gather(-1, n_keep - 1)  # the smallest kept value: its ties are kept
+            cut = s_sorted.gather(-1, (n_keep - 1).clamp(min=0))  # smallest kept value; ties kept
             keep = keep & ((p_lim >= 1.0)[..., None] | (s >= cut))
     m = s.masked_fill(~keep, float("-inf")).amax(-1, keepdim=True)
     e = torch.where(keep, torch.exp(s - m), 0.0)
