@@ -23,11 +23,12 @@ timed runs after one untimed warm-up, methods interleaved run by run so that loa
 machine falls on all of them alike), the speed-ups over the target alone and over assisted
 generation at the same K (ratios of tokens/s measured in this run, STYLE item 18), alpha, mean
 tokens per target call, the accepted-length histogram, and the speed-up the model of
-``specdec_kernels.stats`` predicts from the measured alpha and step times:
-E(K) / ((K * T_draft + T_target) / T_target), E(K) = (1 - alpha^(K+1)) / (1 - alpha), with
-T_target the decoder's verify step (predicted_speedup), and the same with the target's
-one-token step T_1 of this run as the baseline, E(K) * T_1 / (K * T_draft + T_target)
-(predicted_speedup_t1): the two differ where verifying K + 1 tokens costs more than one.
+``specdec_kernels.stats`` predicts from the measured alpha and step times,
+E(K) * T_target(0) / (K * T_draft + T_target(K)), E(K) = (1 - alpha^(K+1)) / (1 - alpha), with
+T_target(K) the decoder's line fitted to its verify steps per verified length
+(predicted_speedup), and the same from this run's direct measurements,
+E(K) * T_1 / (K * T_draft + T_verify) with T_1 the one-token step of specdec_target_only and
+T_verify the run's mean verify step (predicted_speedup_t1).
 
 Greedy check: at temperature 0 the token ids of every method must equal the target alone's,
 prompt by prompt.  Where they do not, the differing prompts are printed and no speed-up is
@@ -573,14 +574,16 @@ def run_config(bench: Bench, batch: int, temperature: float, ks: list, repeats: 
                        predicted_speedup=m["predicted_speedup"], prefill_s=m["prefill_s"],
                        draft_s=m["draft_s"], target_s=m["target_s"])
         rows.append(row)
-    # The stats' model prices a verify step like a one-token step (T_target = the verify
-    # forward's time).  Where a forward over K + 1 tokens costs more than one over 1 token (CPU
-    # matmuls are not memory-bound at M = K + 1), the fair prediction divides by the one-token
-    # step of the target alone in this run: E(K) * T_1 / (K * T_draft + T_verify).
+    # predicted_speedup is the decoder's own (stats: T_target(K) fitted per verified length within
+    # the run).  predicted_speedup_t1 uses this run's direct measurements instead: the one-token
+    # step T_1 of specdec_target_only and the run's mean verify step T_verify:
+    # E(mean K) * T_1 / (mean K * T_draft + T_verify).
     t1 = next((r.get("target_ms_per_step") for r in rows if r["method"] == "specdec_target_only"), None)
     for r in rows:
-        if r["method"] == "specdec" and r.get("predicted_speedup") and t1 and r.get("target_ms_per_step"):
-            r["predicted_speedup_t1"] = r["predicted_speedup"] * t1 / r["target_ms_per_step"]
+        if (r["method"] == "specdec" and t1 and r.get("target_ms_per_step") and r.get("alpha") is not None
+                and r.get("mean_k")):
+            r["predicted_speedup_t1"] = predicted_speedup(r["alpha"], r["mean_k"], r.get("draft_ms_per_forward") or 0.0,
+                                                          t1, r["target_ms_per_step"])
     if batch != 1:  # transformers' assisted generation refuses batches: say so in the table
         rows.insert(1, dict(method="assisted_hf", K="-", batch=batch, temperature=temperature, tokens=None,
                             seconds=None, tokens_per_s=NA_BATCH, speedup_vs_target=NA_BATCH,
