@@ -50,7 +50,7 @@
 namespace specdec {
 namespace {
 
-// Tiles: nr weight rows x mr x rows, mr * nr <= 12 accumulators.  The tile shape is picked
+// Tiles: nr weight rows x mr x rows, mr * nr <= 12 accumulators (nr = 8 for a single row).  The tile shape is picked
 // from M so that up to 12 rows use each weight while it is in a register (one pass over the
 // weights, which then stream from memory without pauses); it never changes the arithmetic.
 // About 256 KiB of weights per parallel task: small enough to split a 576 x 576 matrix over
@@ -290,7 +290,9 @@ at::Tensor skinny_linear_cpu(
   (void)portable;
   auto run = [&](auto* w_ptr) {
     using WT = std::remove_const_t<std::remove_pointer_t<decltype(w_ptr)>>;
-    if (M <= 3) {
+    if (M == 1) {
+      run_tiles<8, WT>(avx2, x_ptr, w_ptr, bias_ptr, y_ptr, M, K, N);
+    } else if (M <= 3) {
       run_tiles<4, WT>(avx2, x_ptr, w_ptr, bias_ptr, y_ptr, M, K, N);
     } else if (M <= 6) {
       run_tiles<2, WT>(avx2, x_ptr, w_ptr, bias_ptr, y_ptr, M, K, N);
