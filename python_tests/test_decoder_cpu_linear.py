@@ -102,3 +102,12 @@ def test_layers_restored_after_an_error(pair, monkeypatch):
         dec.generate([[1, 2]], max_new_tokens=4, num_draft_tokens=2)
     for m in (draft, target):
         assert all("forward" not in mod.__dict__ for mod in m.modules())
+
+
+@pytest.mark.parametrize("choice", ["torch", "skinny"])
+def test_cli_passes_cpu_linear(choice):
+    from specdec_kernels.cli import _make_decoder, build_parser
+
+    parser = build_parser()
+    args = parser.parse_args(["generate", "Hi", "--tiny-random", "--cpu-linear", choice])
+    assert _make_decoder(args, parser).cpu_linear == choice

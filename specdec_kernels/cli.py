@@ -98,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
     g.add_argument("--device", default=None)
     g.add_argument("--dtype", default=None, help="float32, bfloat16 or float16")
+    g.add_argument("--cpu-linear", choices=["auto", "skinny", "torch"], default="auto",
+                   help="fp32 CPU linear layers: skinny_linear (auto: when the models are fp32 on the "
+                        "CPU) or torch's own")
     g.add_argument("--baseline", action="store_true",
                    help="first decode with the target alone, to report the measured speed-up")
     g.add_argument("--verbose", action="store_true", help="print every step's drafts and accepted tokens")
@@ -116,7 +119,7 @@ def _make_decoder(args, parser):
         if args.drafter == "prompt_lookup":
             draft = None
         return SpeculativeDecoder(draft=draft, target=target, tokenizer=tokenizer, device=args.device,
-                                  dtype=args.dtype, drafter=args.drafter)
+                                  dtype=args.dtype, drafter=args.drafter, cpu_linear=args.cpu_linear)
     if args.target is None:
         if args.draft is not None:
             parser.error("--draft needs --target (without both, the embedded default pair is used)")
@@ -128,14 +131,15 @@ def _make_decoder(args, parser):
             parser.error(f"the embedded default pair is not available: {e}")
         if args.drafter == "prompt_lookup":
             draft = None
-        return SpeculativeDecoder(draft=draft, target=target, tokenizer=tokenizer, drafter=args.drafter)
+        return SpeculativeDecoder(draft=draft, target=target, tokenizer=tokenizer, drafter=args.drafter,
+                                  cpu_linear=args.cpu_linear)
     draft = args.draft
     if draft is None and args.drafter != "prompt_lookup":
         parser.error("--draft is required with --target (or --drafter prompt_lookup to draft without a model)")
     if draft is not None and args.drafter == "prompt_lookup":
         parser.error("--drafter prompt_lookup takes no --draft")
     return SpeculativeDecoder(draft=draft, target=args.target, tokenizer=args.tokenizer, device=args.device,
-                              dtype=args.dtype, drafter=args.drafter)
+                              dtype=args.dtype, drafter=args.drafter, cpu_linear=args.cpu_linear)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
