@@ -2,6 +2,8 @@
 
 Providers, all computing the same step on the same inputs:
   fused_triton        fused_verify, the Triton kernel (one launch; CUDA only)
+  fused_cpu           fused_verify on CPU tensors: the reference's computation, or its greedy
+                      fast route (argmax and compare) when every row has temperature 0 (CPU only)
   reference_eager     specdec_kernels.reference.verify_reference, eager (uniforms from torch.rand)
   reference_compiled  the same under torch.compile
   hf_style            the step as transformers writes it, looped over the rows (bench/hf_style.py);
@@ -42,7 +44,7 @@ GRIDS = {
     "smoke": dict(B=[1, 4], K=[2], V=[1000], dtype=["fp32"], temperature=[1.0], warp=[False, True]),
 }
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-PROVIDERS = ["fused_triton", "reference_eager", "reference_compiled", "hf_style"]
+PROVIDERS = ["fused_triton", "fused_cpu", "reference_eager", "reference_compiled", "hf_style"]
 
 
 def make_inputs(B, K, V, dtype, device, seed=0):
@@ -85,9 +87,12 @@ def build_providers(logits, x, q, temperature, warp, device, compiled_cache):
         "reference_compiled": compiled_step,
         "hf_style": None if warp else (lambda: hf_style_verify(logits, q, x, temperature)),
     }
+    fused = lambda: fused_verify(  # noqa: E731
+        logits, x, q, temperature=temp, top_k=top_k, top_p=top_p, seed=seed, offset=0)
     if device.type == "cuda":
-        providers["fused_triton"] = lambda: fused_verify(
-            logits, x, q, temperature=temp, top_k=top_k, top_p=top_p, seed=seed, offset=0)
+        providers["fused_triton"] = fused
+    else:  # fused_verify's CPU path: the reference, or its greedy fast route when every row has T = 0
+        providers["fused_cpu"] = fused
     return providers
 
 
