@@ -245,3 +245,5 @@ def test_use_skinny_linear_keeps_autograd_path():
 def test_use_skinny_linear_bad_max_rows():
     with pytest.raises(ValueError, match="max_rows must be an int >= 1, got 0"):
         use_skinny_linear(_Tiny(), max_rows=0)
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module, got dict"):
+        use_skinny_linear({})

@@ -189,6 +189,8 @@ def use_skinny_linear(model: nn.Module, max_rows: int = DEFAULT_MAX_ROWS,
             "use_skinny_linear needs the C++ extension specdec_kernels._C; build it with "
             "`pip install --no-build-isolation -e .`"
         )
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"use_skinny_linear: model must be a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(max_rows, int) or isinstance(max_rows, bool) or max_rows < 1:
         raise ValueError(f"use_skinny_linear: max_rows must be an int >= 1, got {max_rows!r}")
     mods = [

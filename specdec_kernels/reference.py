@@ -190,7 +190,6 @@ def verify_reference(
     num_accepted [B] int64); row b emits tokens[b, :num_accepted[b] + 1]."""
     B, K1, V = target_logits.shape
     K = K1 - 1
-    dev = target_logits.device
     kb = num_draft_tokens.to(torch.int64)  # [B]
     temp = temperature.float()
     greedy = temp == 0  # [B]
@@ -220,16 +219,8 @@ def verify_reference(
     u = uniforms.float()
     accept = torch.where(greedy[:, None], x == argmax[:, :K], _accept(u[:, :K], p_x, q_x))  # [B, K]
     bad_x = ~x_ok | (~greedy[:, None] & (~torch.isfinite(q_x) | (q_x < 0)))
-    bad_verify = bad_pos[:, :K] | bad_x  # [B, K]
 
-    # j = the position where the row stops: its first rejection, its first unusable position,
-    # or K_b when it accepts everything (then position K_b gives the bonus token).
-    i = torch.arange(K, device=dev)
-    stops = (~accept | bad_verify) & (i[None, :] < kb[:, None])  # [B, K]
-    j = torch.minimum((~stops).int().cumprod(-1).sum(-1), kb).clamp(0, K)  # [B]: leading non-stops
-    rejected = j < kb
-    bad_row = bad_param | bad_pos.gather(1, j[:, None])[:, 0]
-    bad_row |= torch.where(rejected, bad_x.gather(1, j.clamp(max=K - 1)[:, None])[:, 0] if K > 0 else False, False)
+    j, rejected, bad_row = _stop_position(accept, bad_x, bad_pos, bad_param, kb)
 
     # The final draw at position j: the residual after a rejection, p itself for the bonus.
     p_j = p.gather(1, j[:, None, None].expand(B, 1, V))[:, 0]  # [B, V]
@@ -255,7 +246,39 @@ def verify_reference(
     sampled = _inverse_cdf(weights, u[:, K])
     final = torch.where(greedy, argmax.gather(1, j[:, None])[:, 0], sampled)
 
-    cols = torch.arange(K1, device=dev)[None, :]
+    return _outputs(x, j, final, bad_row)
+
+
+def _stop_position(
+    accept: torch.Tensor,  # [B, K] bool: draft i passes its test
+    bad_x: torch.Tensor,  # [B, K] bool: draft i (its id, or for sampling rows its q) is unusable
+    bad_pos: torch.Tensor,  # [B, K+1] bool: position i's logits are unusable
+    bad_param: torch.Tensor,  # [B] bool: the row's parameters are out of range
+    kb: torch.Tensor,  # [B] int64: the row's number of drafts K_b
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(j, rejected, bad_row): j [B] = the position where the row stops (its first rejection,
+    its first unusable position, or K_b when it accepts everything: then position K_b gives the
+    bonus token); rejected = j < K_b; bad_row = the row read something unusable."""
+    K = accept.shape[1]
+    i = torch.arange(K, device=accept.device)
+    stops = (~accept | bad_pos[:, :K] | bad_x) & (i[None, :] < kb[:, None])  # [B, K]
+    j = torch.minimum((~stops).int().cumprod(-1).sum(-1), kb).clamp(0, K)  # [B]: leading non-stops
+    rejected = j < kb
+    bad_row = bad_param | bad_pos.gather(1, j[:, None])[:, 0]
+    bad_row |= torch.where(rejected, bad_x.gather(1, j.clamp(max=K - 1)[:, None])[:, 0] if K > 0 else False, False)
+    return j, rejected, bad_row
+
+
+def _outputs(
+    x: torch.Tensor,  # [B, K] int64 drafts
+    j: torch.Tensor,  # [B] int64 stop position
+    final: torch.Tensor,  # [B] int64 the recovered or bonus token
+    bad_row: torch.Tensor,  # [B] bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """tokens [B, K+1] (accepted drafts, the final token at j, then -1; all -1 for a bad row)
+    and num_accepted [B] (j, or -1 for a bad row)."""
+    B, K = x.shape
+    cols = torch.arange(K + 1, device=x.device)[None, :]
     x_pad = torch.cat([x, x.new_full((B, 1), -1)], dim=1)  # [B, K+1]
     tokens = torch.where(cols < j[:, None], x_pad, -1)
     tokens = torch.where(cols == j[:, None], final[:, None], tokens)

@@ -20,7 +20,7 @@ try:  # loads the C++ op namespace first, when built
     from . import _ext  # noqa: F401
 except ImportError:  # pragma: no cover - _ext is part of the package
     pass
-from .reference import philox_uniforms, verify_reference
+from .reference import _outputs, _stop_position, philox_uniforms, verify_reference
 
 __all__ = ["VerifyOutput", "fused_verify"]
 
@@ -263,7 +263,6 @@ def _verify_greedy(a: _Args) -> tuple[torch.Tensor, torch.Tensor]:
     logits = a.target_logits
     B, K1, V = logits.shape
     K = K1 - 1
-    dev = logits.device
     kb = a.num_draft_tokens.to(torch.int64)
     temp = a.temperature.float()
     bad_param = ~torch.isfinite(temp) | (temp < 0) | (kb < 0) | (kb > K)
@@ -280,23 +279,9 @@ def _verify_greedy(a: _Args) -> tuple[torch.Tensor, torch.Tensor]:
     x = a.draft_tokens.to(torch.int64)  # [B, K]
     bad_x = (x < 0) | (x >= V)  # a greedy row checks only the draft id, never q
     accept = x == argmax[:, :K]
-    bad_verify = bad_pos[:, :K] | bad_x
-    i = torch.arange(K, device=dev)
-    stops = (~accept | bad_verify) & (i[None, :] < kb[:, None])
-    j = torch.minimum((~stops).int().cumprod(-1).sum(-1), kb).clamp(0, K)  # [B]
-    rejected = j < kb
-    bad_row = bad_param | bad_pos.gather(1, j[:, None])[:, 0]
-    if K > 0:
-        bad_row |= rejected & bad_x.gather(1, j.clamp(max=K - 1)[:, None])[:, 0]
+    j, _, bad_row = _stop_position(accept, bad_x, bad_pos, bad_param, kb)
     final = argmax.gather(1, j[:, None])[:, 0]
-
-    cols = torch.arange(K1, device=dev)[None, :]
-    x_pad = torch.cat([x, x.new_full((B, 1), -1)], dim=1)  # [B, K+1]
-    tokens = torch.where(cols < j[:, None], x_pad, -1)
-    tokens = torch.where(cols == j[:, None], final[:, None], tokens)
-    tokens = torch.where(bad_row[:, None], -1, tokens)
-    num_accepted = torch.where(bad_row, -1, j)
-    return tokens, num_accepted
+    return _outputs(x, j, final, bad_row)
 
 
 def _run_torch(a: _Args) -> tuple[torch.Tensor, torch.Tensor]:
