@@ -385,6 +385,81 @@ def test_caches_equal_fresh_forward_after_each_step(pair, temperature):
     assert caught_up > 0  # the catch-up path was exercised
 
 
+# Prompts whose lengths differ enough for the prefill to run in groups (tokens to cache: 1, 29,
+# 0, 11, 11 -> groups [1], [11, 11], [29] at the CPU's fixed cost of 8 tokens per forward).
+SKEWED = [[1, 2], list(range(1, 31)), [3], list(range(2, 14)), list(range(5, 17))]
+
+
+def test_prefill_groups_are_optimal_partitions():
+    """_prefill_groups against brute force over every partition of the rows (not only runs of
+    consecutive lengths): same cost; each row with tokens in exactly one group, the others in none."""
+    from specdec_kernels.decoder import _prefill_groups
+
+    def partitions(items):
+        if not items:
+            yield []
+            return
+        first, rest = items[0], items[1:]
+        for part in partitions(rest):
+            for i in range(len(part)):
+                yield part[:i] + [[first] + part[i]] + part[i + 1:]
+            yield [[first]] + part
+
+    def cost(groups, lens, fixed):
+        return sum(fixed + len(g) * max(lens[i] for i in g) for g in groups)
+
+    g = torch.Generator().manual_seed(0)
+    for trial in range(60):
+        n = int(torch.randint(1, 7, (), generator=g))
+        lens = torch.randint(0, 40, (n,), generator=g).tolist()
+        fixed = [0, 1, 8, 30, 4096][trial % 5]
+        groups = _prefill_groups(lens, fixed)
+        rows = sorted(i for grp in groups for i in grp)
+        assert rows == [i for i in range(n) if lens[i] > 0], (lens, groups)
+        nonzero = [i for i in range(n) if lens[i] > 0]
+        best = min(cost(p, lens, fixed) for p in partitions(nonzero)) if nonzero else 0
+        assert cost(groups, lens, fixed) == best, (lens, fixed, groups)
+    assert _prefill_groups([1, 29, 0, 12, 11], 8) == [[0], [3, 4], [1]]
+    assert _prefill_groups([1, 29, 0, 12, 11], 4096) == [[0, 1, 3, 4]]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_grouped_prefill_caches_and_outputs(pair, temperature):
+    """Skewed prompt lengths: the prefill runs one forward per group, the stacked caches equal a
+    fresh forward over each row's prefix (after the prefill and after every step), and every
+    row's output equals the prompt decoded alone (greedy: equals target.generate)."""
+    draft, target = pair
+    dec = SpeculativeDecoder(draft=draft, target=target)
+    st = dec._start(SKEWED, 12, 3, temperature, None, None, 7, None, False, None, 3, None, False,
+                    target_only=False)
+    tc = _CountingForward(target)
+    try:
+        with torch.inference_mode():
+            dec._prefill(st)
+    finally:
+        tc.restore()
+    assert [c[0].shape for c in tc.calls] == [(1, 1), (2, 11), (1, 29)]  # three groups
+    with torch.inference_mode():
+        for b, p in enumerate(st.rows):
+            if st.lt_host[b]:
+                _assert_row_cache(st.tc, b, st.lt_host[b], target, st.seqs[p][: st.lt_host[b]])
+                _assert_row_cache(st.dc, b, st.ld_host[b], draft, st.seqs[p][: st.ld_host[b]])
+        for _ in range(4):
+            dec._step(st)
+            for b, p in enumerate(st.rows):
+                _assert_row_cache(st.tc, b, st.lt_host[b], target, st.seqs[p][: st.lt_host[b]])
+                _assert_row_cache(st.dc, b, st.ld_host[b], draft, st.seqs[p][: st.ld_host[b]])
+    kw = dict(max_new_tokens=12, num_draft_tokens=3, temperature=temperature)
+    batch = dec.generate(SKEWED, seed=7, **kw)
+    for i, p in enumerate(SKEWED):
+        alone = dec.generate([p], seed=7 + i, **kw)
+        assert alone.token_ids[0] == batch.token_ids[i], i
+        if temperature == 0:
+            with torch.inference_mode():
+                ref = target.generate(torch.tensor([p]), do_sample=False, max_new_tokens=12, pad_token_id=0)
+            assert batch.token_ids[i] == ref[0, len(p):].tolist(), i
+
+
 # ----------------------------------------------------------------------------------------------
 # 5. Nothing is recomputed: count what each model is fed
 # ----------------------------------------------------------------------------------------------

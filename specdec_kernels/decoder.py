@@ -197,6 +197,54 @@ def _new_cache(model):
     return cache
 
 
+# The prefill's fixed cost of one more forward, in padded prompt tokens: what a forward over a
+# [rows, P] block costs is about this + rows * P tokens.  On the CPU a forward's fixed part (the
+# Python of the layers, one pass over the weights) weighs about as much as 8 tokens of arithmetic
+# (SmolLM2-135M, fp32); on a GPU the arithmetic of a few thousand tokens is hidden by the launch
+# overhead, so rows are split only when the lengths differ by thousands.
+_PREFILL_GROUP_COST = {"cpu": 8, "other": 4096}
+
+
+def _prefill_groups(lens: Sequence[int], fixed_cost: float) -> list:
+    """Rows with ``lens[i] > 0`` tokens to prefill, partitioned into groups of similar lengths
+    that minimise the sum over groups of ``fixed_cost + len(group) * max length in the group``
+    (dynamic programming over the rows sorted by length; the optimum groups consecutive
+    lengths).  Each group is a list of row indices; rows with nothing to prefill are in none."""
+    order = sorted((i for i in range(len(lens)) if lens[i] > 0), key=lambda i: (lens[i], i))
+    n = len(order)
+    if n == 0:
+        return []
+    best = [0.0] + [math.inf] * n  # best[j]: cost of the first j sorted rows
+    cut = [0] * (n + 1)
+    for j in range(1, n + 1):
+        lj = lens[order[j - 1]]
+        for i in range(j):
+            c = best[i] + fixed_cost + (j - i) * lj
+            if c < best[j]:
+                best[j], cut[j] = c, i
+    groups, j = [], n
+    while j > 0:
+        groups.append(sorted(order[cut[j]:j]))
+        j = cut[j]
+    return groups[::-1]
+
+
+def _stack_caches_(cache, parts: list, B: int, P: int) -> None:
+    """Fill the empty ``cache`` with the [B, H, P, D] stack of the group caches in ``parts``
+    ((row indices [n] int64, cache of those rows with at most P columns)); the columns past a
+    group's length and the rows in no group are zeros (they are masked by every later step)."""
+    first = parts[0][1]
+    for li in range(len(first.layers)):
+        k0, v0 = first.layers[li].keys, first.layers[li].values
+        keys = k0.new_zeros((B, k0.shape[1], P, k0.shape[3]))
+        values = v0.new_zeros((B, v0.shape[1], P, v0.shape[3]))
+        for rows, c in parts:
+            k, v = c.layers[li].keys, c.layers[li].values
+            keys[rows, :, : k.shape[2]] = k
+            values[rows, :, : v.shape[2]] = v
+        cache.update(keys, values, li)
+
+
 class _Runner:
     """One model with its forward's calling convention, resolved once."""
 
@@ -734,24 +782,48 @@ class SpeculativeDecoder:
         st.ld = st.lt.clone()
         st.catch = torch.full((B,), -1, dtype=torch.int64, device=dev)
         st.catch_host = [False] * B
-        if P > 0:
-            ids = torch.zeros((B, P), dtype=torch.int64)  # right-padded; the pad id is irrelevant
-            for i, p in enumerate(st.rows):
-                ids[i, : lens[i] - 1] = torch.tensor(st.seqs[p][: lens[i] - 1])
-            ids = ids.to(dev)
-            lt = st.lt
-            # A row whose prompt is one token has no valid column here; column 0 stands in as a
-            # valid key for this forward only, so no query row is fully masked (sdpa would
-            # write NaN into the cache).  Later masks drop it and compaction overwrites it.
-            mask = torch.arange(P, device=dev)[None, :] < lt.clamp(min=1)[:, None]  # [B, P]
-            pos = torch.arange(P, device=dev)[None, :].expand(B, P)
-            self._t.forward(st.tc, ids, mask, pos, 0, 1)
+        groups = _prefill_groups(st.lt_host, _PREFILL_GROUP_COST.get(dev.type, _PREFILL_GROUP_COST["other"]))
+        if P > 0 and len(groups) == 1:
+            # One forward over all rows (right-padded to P).  A row whose prompt is one token has
+            # no valid column here; column 0 stands in as a valid key for this forward only, so
+            # no query row is fully masked (sdpa would write NaN into the cache).  Later masks
+            # drop it and compaction overwrites it.
+            self._prefill_rows(st, list(range(B)), P, st.tc, st.dc)
+        elif P > 0:
+            # Prompts of very different lengths: one forward per group of similar lengths (no
+            # row is padded to the longest prompt), then the groups' caches stacked, right-padded
+            # to P columns, into the batch's caches.  Rows with nothing to cache are in no group.
+            parts = []
+            for g in groups:
+                Pg = max(st.lt_host[i] for i in g)
+                tc = _new_cache(self.target)
+                dc = _new_cache(self.draft) if st.dc is not None else None
+                self._prefill_rows(st, g, Pg, tc, dc)
+                parts.append((torch.tensor(g, dtype=torch.int64, device=dev), tc, dc))
+            _stack_caches_(st.tc, [(g, tc) for g, tc, _ in parts], B, P)
             if st.dc is not None:
-                self._d.forward(st.dc, ids.clamp(max=self._d.vocab_size - 1), mask, pos, 0, 1)
+                _stack_caches_(st.dc, [(g, dc) for g, _, dc in parts], B, P)
         st.Tt = st.Td = P
         if st.clock.cuda:
             torch.cuda.synchronize(dev)
         st.prefill_time = time.perf_counter() - t0
+
+    def _prefill_rows(self, st: _State, rows: list, P: int, tc, dc) -> None:
+        """Cache the prompts (all tokens but the last) of batch rows ``rows`` into ``tc``/``dc``
+        in one forward each, right-padded to ``P`` columns."""
+        dev = st.device
+        n = len(rows)
+        ids = torch.zeros((n, P), dtype=torch.int64)  # right-padded; the pad id is irrelevant
+        for j, i in enumerate(rows):
+            L = st.lt_host[i]
+            ids[j, :L] = torch.tensor(st.seqs[st.rows[i]][:L])
+        ids = ids.to(dev)
+        lt = torch.tensor([max(st.lt_host[i], 1) for i in rows], dtype=torch.int64, device=dev)
+        mask = torch.arange(P, device=dev)[None, :] < lt[:, None]  # [n, P]
+        pos = torch.arange(P, device=dev)[None, :].expand(n, P)
+        self._t.forward(tc, ids, mask, pos, 0, 1)
+        if dc is not None:
+            self._d.forward(dc, ids.clamp(max=self._d.vocab_size - 1), mask, pos, 0, 1)
 
     def _choose_k(self, st: _State) -> int:
         if st.target_only:
