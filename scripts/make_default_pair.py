@@ -399,11 +399,14 @@ def cached_corpus(target, tokenizer, prompts, new_tokens, batch_size, top_k, cac
 
 
 def chunked_corpus(target, tokenizer, prompts, new_tokens, batch_size, top_k, cache: Path, tag: str,
-                   temperature: float = 0.0, seed: int = 0, chunk: int = 128):
+                   temperature: float = 0.0, seed: int = 0, chunk: int = 128, start_chunk: int = 0):
     """``cached_corpus`` in chunks of ``chunk`` prompts, each cached on its own (chunk i seeded
-    with seed + i), so that a long generation can be resumed and extended."""
+    with seed + i), so that a long generation can be resumed and extended (and, from
+    ``start_chunk``, filled by a second process)."""
     out = []
     for i, s in enumerate(range(0, len(prompts), chunk)):
+        if i < start_chunk:
+            continue
         out += cached_corpus(target, tokenizer, prompts[s:s + chunk], new_tokens, batch_size, top_k, cache,
                              f"{tag}{i}", temperature, seed + i)
     return out
@@ -772,6 +775,11 @@ def main(argv=None):
     ap.add_argument("--gen-batch", type=int, default=32)
     ap.add_argument("--sampled-prompts", type=int, default=SAMPLED_PROMPTS,
                     help=f"training prompts that also get a sampled continuation (default {SAMPLED_PROMPTS}; 0: none)")
+    ap.add_argument("--sampled-passes", type=int, default=1,
+                    help="sampled continuations per sampled prompt, each pass with other seeds (default 1)")
+    ap.add_argument("--start-chunk", type=int, default=0,
+                    help="with --corpus-only: generate only the sampled chunks from this one on, counted "
+                         "over all passes (for a second process beside a plain --corpus-only)")
     ap.add_argument("--sample-temperature", type=float, default=0.8,
                     help="temperature of the sampled continuations (default 0.8)")
     ap.add_argument("--chunk", type=int, default=128, help="prompts per cached corpus chunk of the newer parts")
@@ -825,21 +833,45 @@ def main(argv=None):
     eval_corpus = cached_corpus(target, tokenizer, eval_prompts, args.eval_new_tokens, args.gen_batch, 8,
                                 distill_cache, "eval")
     info = {}
-    # the sampled part: the training prompts in a fixed shuffled order, the first --sampled-prompts
+    # the sampled part: the training prompts in a fixed shuffled order (A + B shuffled, then C
+    # shuffled, so that the first 1,394 are what earlier builds drew from), the first
+    # --sampled-prompts of them; --sampled-passes > 1 adds passes with other seeds
     sampled_pool = train_a + train_b
     random.Random(args.seed + 1).shuffle(sampled_pool)
+    pool_c = list(train_c)
+    random.Random(args.seed + 2).shuffle(pool_c)
+    sampled_pool += pool_c
     sampled_prompts = sampled_pool[:args.sampled_prompts]
-    print(f"sampled continuations (T={args.sample_temperature}): {len(sampled_prompts)} prompts")
+    print(f"sampled continuations (T={args.sample_temperature}): {len(sampled_prompts)} prompts x "
+          f"{args.sampled_passes} pass(es)")
+
+    n_chunks = -(-len(sampled_prompts) // args.chunk)
+
+    def sampled_corpus():
+        out = []
+        for pss in range(args.sampled_passes):
+            if args.corpus_only and args.start_chunk >= (pss + 1) * n_chunks:
+                continue
+            # pass 0 keeps the earlier builds' tag and seeds (chunk i: seed + i); pass r > 0 is
+            # seeded 1000 * r apart
+            tag = "sampled-" if pss == 0 else f"sampled-p{pss}-"
+            out += chunked_corpus(target, tokenizer, sampled_prompts, args.new_tokens, args.gen_batch, 8,
+                                  distill_cache, tag, args.sample_temperature, args.seed + 1000 * pss, args.chunk,
+                                  start_chunk=max(args.start_chunk - pss * n_chunks, 0) if args.corpus_only else 0)
+        return out
 
     def train_corpus():
         return (cached_corpus(target, tokenizer, train_a, args.new_tokens, args.gen_batch, 8, distill_cache, "train")
                 + cached_corpus(target, tokenizer, train_b, args.new_tokens, args.gen_batch, 8, distill_cache,
                                 "train-b")
-                + chunked_corpus(target, tokenizer, sampled_prompts, args.new_tokens, args.gen_batch, 8,
-                                 distill_cache, "sampled-", args.sample_temperature, args.seed, args.chunk)
+                + sampled_corpus()
                 + chunked_corpus(target, tokenizer, train_c, args.new_tokens, args.gen_batch, 8, distill_cache,
                                  "train-c", chunk=args.chunk))
 
+    if args.corpus_only and args.start_chunk:
+        sampled_corpus()  # a second process filling the later sampled chunks in parallel
+        print(f"sampled chunks from {args.start_chunk} ready ({time.time() - t_start:.0f} s)")
+        return
     if args.corpus_only:
         corpus = train_corpus()
         print(f"corpora ready ({time.time() - t_start:.0f} s)")
@@ -860,7 +892,7 @@ def main(argv=None):
         draft = draft.to(torch.float16).to(torch.float32)
         info["training"] = {k: getattr(args, k) for k in ("seed", "new_tokens", "hidden", "layers", "intermediate",
                                                           "epochs", "batch", "lr", "soft_weight", "negatives", "emb_lr_scale", "threads",
-                                                          "sampled_prompts", "sample_temperature", "chunk")}
+                                                          "sampled_prompts", "sampled_passes", "sample_temperature", "chunk")}
         info["training"].update(train_prompts=len(train_prompts), train_tokens=n_tok,
                                 wall_s=round(time.time() - t_start))
 
