@@ -82,12 +82,23 @@ def append_csv(path: str, rows: list[dict]) -> None:
     if not rows:
         return
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    new = not os.path.exists(path)
     fields = list(rows[0].keys())
-    with open(path, "a", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=fields)
-        if new:
-            w.writeheader()
+    if os.path.exists(path):
+        with open(path, newline="") as f:
+            old_fields = next(csv.reader(f), [])
+        if old_fields == fields:
+            with open(path, "a", newline="") as f:
+                csv.DictWriter(f, fieldnames=fields).writerows(rows)
+            return
+        # the columns changed (a newer script): rewrite the file under the union of the columns,
+        # old rows with empty cells for the new ones
+        with open(path, newline="") as f:
+            old_rows = list(csv.DictReader(f))
+        fields = old_fields + [c for c in fields if c not in old_fields]
+        rows = old_rows + rows
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields, restval="")
+        w.writeheader()
         w.writerows(rows)
 
 

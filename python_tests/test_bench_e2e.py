@@ -70,6 +70,8 @@ def test_bench_e2e_quick(tmp_path):
             hist = [int(x) for x in r["accepted_length_hist"].split()]
             assert sum(hist) > 0
             assert float(r["predicted_speedup"]) > 0
+            assert float(r["decode_speedup_vs_target_only"]) > 0
+            assert 0 < float(r["prefill_s"]) < float(r["seconds"])
             if r["batch"] == "1":
                 float(r["speedup_vs_assisted"])
             else:
