@@ -224,6 +224,25 @@ def verify_reference(
 
     # The final draw at position j: the residual after a rejection, p itself for the bonus.
     p_j = p.gather(1, j[:, None, None].expand(B, 1, V))[:, 0]  # [B, V]
+    final, bad_row = _final_token(p_j, x_safe, draft_probs, j, rejected, bad_row, greedy, argmax, u[:, K])
+    return _outputs(x, j, final, bad_row)
+
+
+def _final_token(
+    p_j: torch.Tensor,  # [B, V] fp32: the target distribution at the stop position j
+    x_safe: torch.Tensor,  # [B, K] int64 drafts, out-of-range ids replaced by 0
+    draft_probs: torch.Tensor | None,  # [B, K, Vd] or None (one-hot q)
+    j: torch.Tensor,  # [B] int64 stop position
+    rejected: torch.Tensor,  # [B] bool: j < K_b
+    bad_row: torch.Tensor,  # [B] bool
+    greedy: torch.Tensor,  # [B] bool
+    argmax: torch.Tensor,  # [B, K+1] int64: first index of the maximum of s
+    u_final: torch.Tensor,  # [B] fp32: the final draw's uniform
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The recovered (after a rejection: residual norm(max(0, p_j - q_j))) or bonus (p_j) token
+    of each row, its argmax for greedy rows; and bad_row, extended by an unusable q_j."""
+    B, V = p_j.shape
+    K = x_safe.shape[1]
     if draft_probs is None:
         q_j = torch.zeros_like(p_j)
         if K > 0:
@@ -243,10 +262,9 @@ def verify_reference(
     weights = torch.where(empty[:, None], torch.nan_to_num(p_j, nan=0.0), residual)
     # Only invalid rows can still sum to zero here; they get a dummy draw that is discarded below.
     weights = torch.where(weights.sum(-1, keepdim=True) > 0, weights, 1.0)
-    sampled = _inverse_cdf(weights, u[:, K])
+    sampled = _inverse_cdf(weights, u_final)
     final = torch.where(greedy, argmax.gather(1, j[:, None])[:, 0], sampled)
-
-    return _outputs(x, j, final, bad_row)
+    return final, bad_row
 
 
 def _stop_position(

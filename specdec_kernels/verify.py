@@ -20,7 +20,8 @@ try:  # loads the C++ op namespace first, when built
     from . import _ext  # noqa: F401
 except ImportError:  # pragma: no cover - _ext is part of the package
     pass
-from .reference import _outputs, _stop_position, philox_uniforms, verify_reference
+from . import reference as _ref
+from .reference import _final_token, _outputs, _stop_position, philox_uniforms, verify_reference
 
 __all__ = ["VerifyOutput", "fused_verify"]
 
@@ -284,11 +285,61 @@ def _verify_greedy(a: _Args) -> tuple[torch.Tensor, torch.Tensor]:
     return _outputs(x, j, final, bad_row)
 
 
+def _verify_untruncated(a: _Args, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``verify_reference`` when no row has top-k or top-p, with fewer passes over the [B, K+1, V]
+    logits; bit-identical to it (tests: test_verify_sampling_fast_path.py).
+
+    Without a warp the keep mask is all true, so the reference's masked max, masked exp and
+    ``where`` are plain ``amax`` and ``exp``; its three scans for unusable positions (a NaN, a +inf,
+    all -inf) are one test of the maximum (``amax`` propagates NaN; it is +inf if any +inf, -inf
+    only if all are -inf); its argmax comes with the maximum (``_max_and_first_argmax``); and
+    p = e / sum(e) is divided out only where it is read: at the drafts (p(x_i)) and at the stop
+    position (p_j), which are the same quotients e / sum(e) the reference gathers.  The sums are
+    the same reductions over the same [B, K+1, V] tensor.  The rest (stop position, residual,
+    final draw, outputs) is the reference's own code.
+    """
+    logits = a.target_logits
+    B, K1, V = logits.shape
+    K = K1 - 1
+    kb = a.num_draft_tokens.to(torch.int64)
+    temp = a.temperature.float()
+    greedy = temp == 0
+    bad_param = ~torch.isfinite(temp) | (temp < 0) | (kb < 0) | (kb > K)
+    inv_t = torch.where(greedy | bad_param, 1.0, 1.0 / temp.masked_fill(temp == 0, 1.0))
+    s = logits.float() * inv_t[:, None].expand(B, K1)[..., None]  # [B, K+1, V], as warp_logits
+    m, argmax = _max_and_first_argmax(s.view(B * K1, V))
+    m = m.view(B, K1, 1)
+    argmax = argmax.view(B, K1)
+    bad_pos = ~torch.isfinite(m[..., 0])  # [B, K+1]
+    e = torch.exp(s - m)  # [B, K+1, V]
+    total = e.sum(-1, keepdim=True)  # [B, K+1, 1]
+
+    x = a.draft_tokens.to(torch.int64)  # [B, K]
+    x_ok = (x >= 0) & (x < V)
+    x_safe = torch.where(x_ok, x, 0)
+    p_x = e[:, :K].gather(-1, x_safe[..., None])[..., 0] / total[:, :K, 0]  # [B, K]
+    draft_probs = a.draft_probs
+    if draft_probs is None:
+        q_x = torch.ones_like(p_x)
+    else:
+        Vd = draft_probs.shape[-1]
+        q_x = draft_probs.float().gather(-1, x_safe.clamp(max=Vd - 1)[..., None])[..., 0]
+        q_x = torch.where(x_safe < Vd, q_x, 0.0)
+    accept = torch.where(greedy[:, None], x == argmax[:, :K], _ref._accept(u[:, :K], p_x, q_x))  # [B, K]
+    bad_x = ~x_ok | (~greedy[:, None] & (~torch.isfinite(q_x) | (q_x < 0)))
+    j, rejected, bad_row = _stop_position(accept, bad_x, bad_pos, bad_param, kb)
+    p_j = e.gather(1, j[:, None, None].expand(B, 1, V))[:, 0] / total.gather(1, j[:, None, None])[:, 0]  # [B, V]
+    final, bad_row = _final_token(p_j, x_safe, draft_probs, j, rejected, bad_row, greedy, argmax, u[:, K])
+    return _outputs(x, j, final, bad_row)
+
+
 def _run_torch(a: _Args) -> tuple[torch.Tensor, torch.Tensor]:
     if _all_greedy(a):
         return _verify_greedy(a)
     K = a.target_logits.shape[1] - 1
     u = a.uniforms if a.uniforms is not None else philox_uniforms(a.seed, a.offset, K)
+    if a.top_k is None and a.top_p is None and a.target_logits.shape[0] > 0:
+        return _verify_untruncated(a, u)
     return verify_reference(a.target_logits, a.draft_tokens, a.draft_probs, a.num_draft_tokens,
                             a.temperature, a.top_k, a.top_p, u)
 

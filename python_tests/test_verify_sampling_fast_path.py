@@ -1,0 +1,227 @@
+"""The untruncated-sampling route of fused_verify's torch path (``verify._verify_untruncated``).
+
+When no row has top-k or top-p (and not every row is greedy) the torch path skips the keep mask,
+finds unusable positions from the maximum, and divides p = e / sum(e) out only where it is read.
+These tests run many randomised batches (sampling and greedy rows mixed, temperatures from 0.05
+to 20, NaN/+inf/all--inf positions, -inf entries, draft ids outside the vocabulary, NaN/negative
+q, ragged K, K = 0, a padded target vocabulary, draft_probs None or not, fp32/bf16/fp16,
+non-contiguous logits, near-certain acceptances and rejections) and require its outputs to equal
+``verify_reference`` exactly, with the route counted; and check the route is not taken where a
+warp is asked for.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from specdec_kernels import fused_verify, verify as verify_mod
+from specdec_kernels.reference import philox_uniforms, verify_reference
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    calls = []
+    orig = verify_mod._verify_untruncated
+
+    def wrapped(a, u):
+        calls.append(a.target_logits.shape)
+        return orig(a, u)
+
+    monkeypatch.setattr(verify_mod, "_verify_untruncated", wrapped)
+    return calls
+
+
+def _random_case(rng: random.Random, g: torch.Generator) -> dict:
+    B = rng.randint(1, 6)
+    K = rng.choice([0, 1, 2, 3, 4, 6])
+    V = rng.choice([1, 2, 3, 7, 50, 301, 1000])
+    dtype = rng.choice(DTYPES)
+    if rng.random() < 0.3:  # few distinct values: ties
+        logits = torch.randint(-2, 3, (B, K + 1, V), generator=g).float()
+    else:
+        logits = torch.randn(B, K + 1, V, generator=g) * rng.choice([0.3, 3.0, 12.0])
+    if rng.random() < 0.3:
+        logits[torch.rand(B, K + 1, V, generator=g) < 0.2] = float("-inf")
+        logits[torch.rand(B, K + 1, V, generator=g) < 0.1] = -0.0
+    for _ in range(rng.choice([0, 0, 1, 2])):
+        b, i = rng.randrange(B), rng.randrange(K + 1)
+        kind = rng.choice(["nan", "posinf", "allneginf"])
+        if kind == "nan":
+            logits[b, i, rng.randrange(V)] = float("nan")
+        elif kind == "posinf":
+            logits[b, i, rng.randrange(V)] = float("inf")
+        else:
+            logits[b, i] = float("-inf")
+    logits = logits.to(dtype)
+    if rng.random() < 0.3:
+        wide = torch.zeros(B, K + 3, V + 2, dtype=dtype)
+        wide[:, 1:K + 2, 1:V + 1] = logits
+        logits = wide[:, 1:K + 2, 1:V + 1]
+    # Drafts: likely tokens (accepted often), then anything.
+    probs = torch.softmax(torch.nan_to_num(logits.float(), nan=0.0, posinf=0.0), -1)[:, :K]
+    x = torch.randint(0, V, (B, K), generator=g)
+    if K and rng.random() < 0.7:
+        x = torch.multinomial(torch.nan_to_num(probs.reshape(B * K, V), nan=1.0) + 1e-6, 1,
+                              generator=g).view(B, K)
+    for _ in range(rng.choice([0, 0, 1])):
+        if K:
+            x[rng.randrange(B), rng.randrange(K)] = rng.choice([-1, V, V + 5])
+    x = x.to(rng.choice([torch.int64, torch.int32]))
+    draft_probs = None
+    if rng.random() < 0.7:
+        Vd = rng.randint(1, V)
+        draft_probs = torch.softmax(torch.randn(B, K, Vd, generator=g) * rng.choice([0.5, 3.0]), -1)
+        if rng.random() < 0.2 and K:
+            draft_probs[rng.randrange(B), rng.randrange(K), rng.randrange(Vd)] = rng.choice(
+                [float("nan"), -1.0, float("inf"), 0.0])
+    kw = dict(target_logits=logits, draft_tokens=x, draft_probs=draft_probs, backend="torch")
+    t = torch.empty(B).uniform_(0.05, 2.0, generator=g) if rng.random() < 0.8 else torch.full((B,), 20.0)
+    if rng.random() < 0.4:  # greedy rows mixed in
+        t[torch.rand(B, generator=g) < 0.4] = 0.0
+    if not bool((t > 0).any()):
+        t[0] = 1.0  # at least one sampling row (else the greedy route is taken)
+    kw["temperature"] = t.to(rng.choice([torch.float32, torch.float64, torch.bfloat16])) if rng.random() < 0.8 \
+        else float(t[0])
+    if isinstance(kw["temperature"], float) and kw["temperature"] == 0:
+        kw["temperature"] = 1.0
+    r = rng.random()
+    if r < 0.3:
+        kw["num_draft_tokens"] = torch.randint(0, K + 1, (B,), generator=g)
+    elif r < 0.5:
+        kw["num_draft_tokens"] = rng.randint(0, K)
+    if rng.random() < 0.5:
+        kw["uniforms"] = torch.rand(B, K + 1, generator=g)
+    else:
+        kw["seed"] = rng.choice([7, torch.randint(0, 2**40, (B,), generator=g)])
+        kw["offset"] = rng.randint(0, 5)
+    return kw
+
+
+def _reference(kw) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = kw["target_logits"]
+    B, K1, _ = logits.shape
+    K = K1 - 1
+    t = kw["temperature"]
+    t = t.float() if isinstance(t, torch.Tensor) else torch.full((B,), float(t))
+    kb = kw.get("num_draft_tokens", K)
+    kb = kb if isinstance(kb, torch.Tensor) else torch.full((B,), kb, dtype=torch.int64)
+    if "uniforms" in kw:
+        u = kw["uniforms"]
+    else:
+        seed = kw["seed"]
+        seed = seed if isinstance(seed, torch.Tensor) else torch.full((B,), seed, dtype=torch.int64)
+        u = philox_uniforms(seed, torch.full((B,), kw["offset"], dtype=torch.int64), K)
+    return verify_reference(logits, kw["draft_tokens"], kw["draft_probs"], kb, t, None, None, u)
+
+
+def test_untruncated_route_equals_reference_on_random_cases(counted, monkeypatch):
+    rng = random.Random(4321)
+    g = torch.Generator().manual_seed(4321)
+    n_invalid = n_rejected = n_all = n_greedy_rows = 0
+    N = 700
+    for case in range(N):
+        kw = _random_case(rng, g)
+        monkeypatch.setattr(verify_mod, "_ARGMAX_CHUNK", rng.choice([1, 3, 16, 256]))
+        out = fused_verify(**kw)
+        tokens, n_acc = _reference(kw)
+        assert out.tokens.dtype == tokens.dtype and out.tokens.shape == tokens.shape, case
+        assert torch.equal(out.tokens, tokens) and torch.equal(out.num_accepted, n_acc), (case, out, tokens, n_acc)
+        K = kw["target_logits"].shape[1] - 1
+        n_invalid += int((n_acc < 0).sum())
+        n_rejected += int(((n_acc >= 0) & (n_acc < K)).sum())
+        n_all += int(((n_acc == K) & (K > 0)).sum())
+        t = kw["temperature"]
+        n_greedy_rows += int((t == 0).sum()) if isinstance(t, torch.Tensor) else 0
+    assert len(counted) == N, "every batch without top-k/top-p that is not all greedy takes the route"
+    assert n_invalid > 50 and n_rejected > 300 and n_all > 50 and n_greedy_rows > 100, \
+        (n_invalid, n_rejected, n_all, n_greedy_rows)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16", "fp16"])
+def test_untruncated_route_on_large_vocabulary(dtype, counted):
+    """V = 49,152 (the default pair's), B = 8, K = 4, against verify_reference itself."""
+    g = torch.Generator().manual_seed(11)
+    B, K, V = 8, 4, 49152
+    logits = (torch.randn(B, K + 1, V, generator=g) * 4).to(dtype)
+    q = torch.softmax(torch.randn(B, K, V, generator=g) * 4, -1)
+    x = torch.multinomial(q.view(B * K, V), 1, generator=g).view(B, K)
+    logits[5, 3, 17] = float("nan")
+    t = torch.tensor([1.0, 0.7, 0.0, 1.3, 1.0, 1.0, 0.0, 2.0])
+    out = fused_verify(logits, x, q, temperature=t, seed=torch.arange(B), offset=3, backend="torch")
+    u = philox_uniforms(torch.arange(B), torch.full((B,), 3), K)
+    ref = verify_reference(logits, x, q, torch.full((B,), K), t, None, None, u)
+    assert torch.equal(out.tokens, ref[0]) and torch.equal(out.num_accepted, ref[1])
+    assert len(counted) == 1
+
+
+def test_route_not_taken_with_a_warp_or_all_greedy(counted):
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(3, 3, 40, generator=g)
+    x = torch.randint(0, 40, (3, 2), generator=g)
+    fused_verify(logits, x, temperature=1.0, top_k=5, seed=1, backend="torch")
+    fused_verify(logits, x, temperature=1.0, top_p=0.9, seed=1, backend="torch")
+    fused_verify(logits, x, temperature=1.0, top_k=0, seed=1, backend="torch")  # given (off): the reference route
+    fused_verify(logits, x, temperature=0.0, seed=1, backend="torch")  # all greedy: the greedy route
+    assert counted == []
+    fused_verify(logits, x, temperature=torch.tensor([0.0, 1.0, 0.0]), seed=1, backend="torch")
+    assert len(counted) == 1
+
+
+def _ref_probs(logits: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """The reference's p = softmax(logits / T) [B, K+1, V], from its own building blocks."""
+    from specdec_kernels.reference import _target_probs, warp_logits
+
+    B, K1, _ = logits.shape
+    inv_t = 1.0 / t
+    s, keep = warp_logits(logits, inv_t[:, None].expand(B, K1), None, None)
+    return _target_probs(s, keep)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16", "fp16"])
+def test_knife_edge_acceptance_and_draw(dtype, counted):
+    """Uniforms placed exactly on the reference's decision boundaries, so that a p(x) or a p_j one
+    ulp away from the reference's flips an outcome: with q one-hot, x is accepted iff u < p(x), so
+    u = p(x) rejects and the next float below accepts; the bonus draw returns the first v with
+    cdf(v) > u * cdf(V-1), so a u for which u * cdf(V-1) equals cdf(v) exactly lands on v + 1 and
+    the float below lands at or before v (the first index whose cdf exceeds it: a flat cdf ties)."""
+    g = torch.Generator().manual_seed(21)
+    B, K, V = 64, 1, 3000
+    logits = (torch.randn(B, K + 1, V, generator=g) * 2.5).to(dtype)
+    t = torch.empty(B).uniform_(0.5, 1.5, generator=g)
+    p = _ref_probs(logits, t)
+    # the 5th likeliest token: p(x) well inside (0, 1), and not the maximum (whose e = exp(0) = 1
+    # would make e / sum and e * (1 / sum) agree)
+    x = p[:, 0].topk(5, -1).indices[:, 4:5]
+    p_x = p[:, 0].gather(-1, x)[:, 0]
+    cdf = torch.cumsum(p[:, 1], -1)
+    total = cdf[:, -1]
+    below = lambda v: torch.nextafter(v, torch.zeros_like(v))  # noqa: E731
+    # a u with u * total == cdf[v] exactly, for a v in the middle of each row
+    v = torch.full((B,), V // 2)
+    target = cdf.gather(1, v[:, None])[:, 0]
+    u_draw = target / total
+    for _ in range(4):  # walk one ulp at a time to an exact hit where there is one
+        low = u_draw * total < target
+        u_draw = torch.where(low, torch.nextafter(u_draw, torch.ones_like(u_draw)), u_draw)
+        high = u_draw * total > target
+        u_draw = torch.where(high, below(u_draw), u_draw)
+    exact = u_draw * total == target
+    assert exact.sum() > B // 2, "enough rows with an exact boundary"
+    for u0, u1 in ((p_x, u_draw), (below(p_x), u_draw), (below(p_x), below(u_draw))):
+        u = torch.stack([u0, u1], 1).float()
+        out = fused_verify(logits, x, None, temperature=t, uniforms=u, backend="torch")
+        ref = verify_reference(logits, x, None, torch.full((B,), K), t, None, None, u)
+        assert torch.equal(out.tokens, ref[0]) and torch.equal(out.num_accepted, ref[1])
+        assert out.num_accepted.tolist() == ([0] * B if u0 is p_x else [1] * B)  # the edge itself
+        if u0 is not p_x:
+            bonus = out.tokens[:, 1]
+            # the first index whose cdf exceeds u * total (ties of a flat cdf counted)
+            want = (cdf <= (u1 * total)[:, None]).sum(-1)
+            assert torch.equal(bonus[exact], want[exact])
+            assert bool((want[exact] >= v[exact] + 1).all() if u1 is u_draw else (want[exact] <= v[exact]).all())
+    assert len(counted) == 3
