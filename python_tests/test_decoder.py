@@ -386,7 +386,7 @@ def test_caches_equal_fresh_forward_after_each_step(pair, temperature):
 
 
 # Prompts whose lengths differ enough for the prefill to run in groups (tokens to cache: 1, 29,
-# 0, 11, 11 -> groups [1], [11, 11], [29] at the CPU's fixed cost of 8 tokens per forward).
+# 0, 11, 11 -> groups [1, 11, 11], [29] at the CPU's fixed cost of 12 tokens per forward).
 SKEWED = [[1, 2], list(range(1, 31)), [3], list(range(2, 14)), list(range(5, 17))]
 
 
@@ -438,7 +438,11 @@ def test_grouped_prefill_caches_and_outputs(pair, temperature):
             dec._prefill(st)
     finally:
         tc.restore()
-    assert [c[0].shape for c in tc.calls] == [(1, 1), (2, 11), (1, 29)]  # three groups
+    from specdec_kernels.decoder import _PREFILL_GROUP_COST, _prefill_groups
+
+    groups = _prefill_groups([len(p) - 1 for p in SKEWED], _PREFILL_GROUP_COST["cpu"])
+    assert len(groups) > 1
+    assert [tuple(c[0].shape) for c in tc.calls] == [(len(g), max(len(SKEWED[i]) - 1 for i in g)) for g in groups]
     with torch.inference_mode():
         for b, p in enumerate(st.rows):
             if st.lt_host[b]:

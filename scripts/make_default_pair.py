@@ -399,13 +399,14 @@ def cached_corpus(target, tokenizer, prompts, new_tokens, batch_size, top_k, cac
 
 
 def chunked_corpus(target, tokenizer, prompts, new_tokens, batch_size, top_k, cache: Path, tag: str,
-                   temperature: float = 0.0, seed: int = 0, chunk: int = 128, start_chunk: int = 0):
+                   temperature: float = 0.0, seed: int = 0, chunk: int = 128, start_chunk: int = 0,
+                   stop_chunk=None):
     """``cached_corpus`` in chunks of ``chunk`` prompts, each cached on its own (chunk i seeded
     with seed + i), so that a long generation can be resumed and extended (and, from
     ``start_chunk``, filled by a second process)."""
     out = []
     for i, s in enumerate(range(0, len(prompts), chunk)):
-        if i < start_chunk:
+        if i < start_chunk or (stop_chunk is not None and i >= stop_chunk):
             continue
         out += cached_corpus(target, tokenizer, prompts[s:s + chunk], new_tokens, batch_size, top_k, cache,
                              f"{tag}{i}", temperature, seed + i)
@@ -780,6 +781,8 @@ def main(argv=None):
     ap.add_argument("--start-chunk", type=int, default=0,
                     help="with --corpus-only: generate only the sampled chunks from this one on, counted "
                          "over all passes (for a second process beside a plain --corpus-only)")
+    ap.add_argument("--stop-chunk", type=int, default=None,
+                    help="with --start-chunk: stop before this sampled chunk (counted over all passes)")
     ap.add_argument("--sample-temperature", type=float, default=0.8,
                     help="temperature of the sampled continuations (default 0.8)")
     ap.add_argument("--chunk", type=int, default=128, help="prompts per cached corpus chunk of the newer parts")
@@ -850,14 +853,17 @@ def main(argv=None):
     def sampled_corpus():
         out = []
         for pss in range(args.sampled_passes):
-            if args.corpus_only and args.start_chunk >= (pss + 1) * n_chunks:
+            if args.corpus_only and (args.start_chunk >= (pss + 1) * n_chunks
+                                     or (args.stop_chunk is not None and args.stop_chunk <= pss * n_chunks)):
                 continue
             # pass 0 keeps the earlier builds' tag and seeds (chunk i: seed + i); pass r > 0 is
             # seeded 1000 * r apart
             tag = "sampled-" if pss == 0 else f"sampled-p{pss}-"
             out += chunked_corpus(target, tokenizer, sampled_prompts, args.new_tokens, args.gen_batch, 8,
                                   distill_cache, tag, args.sample_temperature, args.seed + 1000 * pss, args.chunk,
-                                  start_chunk=max(args.start_chunk - pss * n_chunks, 0) if args.corpus_only else 0)
+                                  start_chunk=max(args.start_chunk - pss * n_chunks, 0) if args.corpus_only else 0,
+                                  stop_chunk=(args.stop_chunk - pss * n_chunks
+                                              if args.corpus_only and args.stop_chunk is not None else None))
         return out
 
     def train_corpus():
@@ -868,9 +874,9 @@ def main(argv=None):
                 + chunked_corpus(target, tokenizer, train_c, args.new_tokens, args.gen_batch, 8, distill_cache,
                                  "train-c", chunk=args.chunk))
 
-    if args.corpus_only and args.start_chunk:
+    if args.corpus_only and (args.start_chunk or args.stop_chunk is not None):
         sampled_corpus()  # a second process filling the later sampled chunks in parallel
-        print(f"sampled chunks from {args.start_chunk} ready ({time.time() - t_start:.0f} s)")
+        print(f"sampled chunks [{args.start_chunk}, {args.stop_chunk}) ready ({time.time() - t_start:.0f} s)")
         return
     if args.corpus_only:
         corpus = train_corpus()
