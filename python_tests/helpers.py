@@ -32,3 +32,26 @@ def make_step(B: int, K: int, V: int, dtype=torch.float32, device="cpu", seed: i
     else:
         x = torch.zeros(B, K, dtype=torch.int64)
     return (logits.to(dtype).to(device), x.to(device), q.to(device))
+
+
+def inject_unusable_positions(logits: torch.Tensor, rng) -> None:
+    """In place, on fp32 logits [B, K+1, V]: 0-2 unusable positions (a NaN, a +inf, or all -inf),
+    chosen by ``rng`` (a random.Random)."""
+    B, K1, V = logits.shape
+    for _ in range(rng.choice([0, 0, 1, 2])):
+        b, i = rng.randrange(B), rng.randrange(K1)
+        kind = rng.choice(["nan", "posinf", "allneginf"])
+        if kind == "nan":
+            logits[b, i, rng.randrange(V)] = float("nan")
+        elif kind == "posinf":
+            logits[b, i, rng.randrange(V)] = float("inf")
+        else:
+            logits[b, i] = float("-inf")
+
+
+def random_randomness(rng, g: torch.Generator, B: int, K: int) -> dict:
+    """fused_verify's random-number arguments, chosen at random: explicit uniforms [B, K+1], or a
+    seed (an int or per-row [B]) with an offset."""
+    if rng.random() < 0.5:
+        return {"uniforms": torch.rand(B, K + 1, generator=g)}
+    return {"seed": rng.choice([7, torch.randint(0, 2**40, (B,), generator=g)]), "offset": rng.randint(0, 5)}

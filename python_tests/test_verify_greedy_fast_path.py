@@ -14,6 +14,7 @@ import random
 import pytest
 import torch
 
+from helpers import inject_unusable_positions, random_randomness
 from specdec_kernels import fused_verify, verify as verify_mod
 from specdec_kernels.reference import philox_uniforms, verify_reference
 
@@ -55,15 +56,7 @@ def _random_case(rng: random.Random, g: torch.Generator) -> dict:
         logits[torch.rand(B, K + 1, V, generator=g) < 0.2] = float("-inf")
         logits[torch.rand(B, K + 1, V, generator=g) < 0.1] = -0.0
     # Unusable positions: NaN, +inf, all -inf.
-    for _ in range(rng.choice([0, 0, 1, 2])):
-        b, i = rng.randrange(B), rng.randrange(K + 1)
-        kind = rng.choice(["nan", "posinf", "allneginf"])
-        if kind == "nan":
-            logits[b, i, rng.randrange(V)] = float("nan")
-        elif kind == "posinf":
-            logits[b, i, rng.randrange(V)] = float("inf")
-        else:
-            logits[b, i] = float("-inf")
+    inject_unusable_positions(logits, rng)
     logits = logits.to(dtype)
     if rng.random() < 0.3:  # a non-contiguous view, as a slice of a model's output would be
         wide = torch.zeros(B, K + 3, V + 2, dtype=dtype)
@@ -104,11 +97,7 @@ def _random_case(rng: random.Random, g: torch.Generator) -> dict:
         kw["top_k"] = rng.choice([0, 1, 3, torch.randint(0, V + 2, (B,), generator=g)])
     if rng.random() < 0.5:
         kw["top_p"] = rng.choice([1.0, 0.5, 0.01, torch.rand(B, generator=g) * 0.99 + 0.01])
-    if rng.random() < 0.5:
-        kw["uniforms"] = torch.rand(B, K + 1, generator=g)
-    else:
-        kw["seed"] = rng.choice([7, torch.randint(0, 2**40, (B,), generator=g)])
-        kw["offset"] = rng.randint(0, 5)
+    kw.update(random_randomness(rng, g, B, K))
     return kw
 
 

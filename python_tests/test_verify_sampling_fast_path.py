@@ -17,6 +17,7 @@ import random
 import pytest
 import torch
 
+from helpers import inject_unusable_positions, random_randomness
 from specdec_kernels import fused_verify, verify as verify_mod
 from specdec_kernels.reference import philox_uniforms, verify_reference
 
@@ -48,15 +49,7 @@ def _random_case(rng: random.Random, g: torch.Generator) -> dict:
     if rng.random() < 0.3:
         logits[torch.rand(B, K + 1, V, generator=g) < 0.2] = float("-inf")
         logits[torch.rand(B, K + 1, V, generator=g) < 0.1] = -0.0
-    for _ in range(rng.choice([0, 0, 1, 2])):
-        b, i = rng.randrange(B), rng.randrange(K + 1)
-        kind = rng.choice(["nan", "posinf", "allneginf"])
-        if kind == "nan":
-            logits[b, i, rng.randrange(V)] = float("nan")
-        elif kind == "posinf":
-            logits[b, i, rng.randrange(V)] = float("inf")
-        else:
-            logits[b, i] = float("-inf")
+    inject_unusable_positions(logits, rng)
     logits = logits.to(dtype)
     if rng.random() < 0.3:
         wide = torch.zeros(B, K + 3, V + 2, dtype=dtype)
@@ -94,11 +87,7 @@ def _random_case(rng: random.Random, g: torch.Generator) -> dict:
         kw["num_draft_tokens"] = torch.randint(0, K + 1, (B,), generator=g)
     elif r < 0.5:
         kw["num_draft_tokens"] = rng.randint(0, K)
-    if rng.random() < 0.5:
-        kw["uniforms"] = torch.rand(B, K + 1, generator=g)
-    else:
-        kw["seed"] = rng.choice([7, torch.randint(0, 2**40, (B,), generator=g)])
-        kw["offset"] = rng.randint(0, 5)
+    kw.update(random_randomness(rng, g, B, K))
     return kw
 
 

@@ -210,12 +210,7 @@ def verify_reference(
     x_ok = (x >= 0) & (x < V)
     x_safe = torch.where(x_ok, x, 0)
     p_x = p[:, :K].gather(-1, x_safe[..., None])[..., 0]  # [B, K]
-    if draft_probs is None:
-        q_x = torch.ones_like(p_x)
-    else:
-        Vd = draft_probs.shape[-1]
-        q_x = draft_probs.float().gather(-1, x_safe.clamp(max=Vd - 1)[..., None])[..., 0]
-        q_x = torch.where(x_safe < Vd, q_x, 0.0)
+    q_x = _draft_prob_of_drafts(draft_probs, x_safe)
     u = uniforms.float()
     accept = torch.where(greedy[:, None], x == argmax[:, :K], _accept(u[:, :K], p_x, q_x))  # [B, K]
     bad_x = ~x_ok | (~greedy[:, None] & (~torch.isfinite(q_x) | (q_x < 0)))
@@ -226,6 +221,16 @@ def verify_reference(
     p_j = p.gather(1, j[:, None, None].expand(B, 1, V))[:, 0]  # [B, V]
     final, bad_row = _final_token(p_j, x_safe, draft_probs, j, rejected, bad_row, greedy, argmax, u[:, K])
     return _outputs(x, j, final, bad_row)
+
+
+def _draft_prob_of_drafts(draft_probs: torch.Tensor | None, x_safe: torch.Tensor) -> torch.Tensor:
+    """q_i(x_i) [B, K] fp32: 1 for a deterministic drafter (draft_probs None), 0 for an id past
+    the draft vocabulary Vd (x_safe [B, K] int64 in [0, V))."""
+    if draft_probs is None:
+        return torch.ones(x_safe.shape, dtype=torch.float32, device=x_safe.device)
+    Vd = draft_probs.shape[-1]
+    q_x = draft_probs.float().gather(-1, x_safe.clamp(max=Vd - 1)[..., None])[..., 0]
+    return torch.where(x_safe < Vd, q_x, 0.0)
 
 
 def _final_token(

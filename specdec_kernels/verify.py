@@ -21,7 +21,7 @@ try:  # loads the C++ op namespace first, when built
 except ImportError:  # pragma: no cover - _ext is part of the package
     pass
 from . import reference as _ref
-from .reference import _final_token, _outputs, _stop_position, philox_uniforms, verify_reference
+from .reference import _draft_prob_of_drafts, _final_token, _outputs, _stop_position, philox_uniforms, verify_reference
 
 __all__ = ["VerifyOutput", "fused_verify"]
 
@@ -319,12 +319,7 @@ def _verify_untruncated(a: _Args, u: torch.Tensor) -> tuple[torch.Tensor, torch.
     x_safe = torch.where(x_ok, x, 0)
     p_x = e[:, :K].gather(-1, x_safe[..., None])[..., 0] / total[:, :K, 0]  # [B, K]
     draft_probs = a.draft_probs
-    if draft_probs is None:
-        q_x = torch.ones_like(p_x)
-    else:
-        Vd = draft_probs.shape[-1]
-        q_x = draft_probs.float().gather(-1, x_safe.clamp(max=Vd - 1)[..., None])[..., 0]
-        q_x = torch.where(x_safe < Vd, q_x, 0.0)
+    q_x = _draft_prob_of_drafts(draft_probs, x_safe)
     accept = torch.where(greedy[:, None], x == argmax[:, :K], _ref._accept(u[:, :K], p_x, q_x))  # [B, K]
     bad_x = ~x_ok | (~greedy[:, None] & (~torch.isfinite(q_x) | (q_x < 0)))
     j, rejected, bad_row = _stop_position(accept, bad_x, bad_pos, bad_param, kb)
