@@ -87,8 +87,12 @@ def test_target_time_prior_then_one_length_then_line():
     assert rec.target_time(1) == pytest.approx(0.4 / (1 + 3 * r))
     assert rec.target_time(7) == pytest.approx(0.4 * (1 + 6 * r) / (1 + 3 * r))
     _inject(rec, 1, 0.25)  # n = 2: the line through (2, 0.25) and (4, 0.4): 0.1 + 0.075 n
-    assert rec.target_time(1) == pytest.approx(0.175)
+    assert rec.target_time(3) == pytest.approx(0.325)
     assert rec.target_time(9) == pytest.approx(0.775)
+    # below the shortest measured length (n = 2): the prior shape anchored at the line's 0.25,
+    # not the line's 0.175
+    assert rec.target_time(1) == pytest.approx(0.25 / (1 + r))
+    assert rec.target_time(1.5) == pytest.approx(0.25 * (1 + 0.5 * r) / (1 + r))
     assert rec.target_time_samples() == {2: (0.25, 1), 4: (0.4, 1)}
 
 
@@ -157,8 +161,10 @@ def test_finalize_reports_with_the_per_k_cost():
         rec.record_step(k, [0], [k], [n], [n + 1])
         rec.record_times(0.05 * k, k, tt, first_step=i == 0, k=k)
     s = rec.finalize(10.0, 0.1, ["length"], None)
-    # Line through (4, 2.0) and (2, 1.0): T(n) = 0.5 n.  Mean K = 7/3, alpha = 6 / 7.
+    # Line through (4, 2.0) and (2, 1.0): T(n) = 0.5 n; the one-token step below the shortest
+    # measured length n = 2: 1.0 / (1 + r).  Mean K = 7/3, alpha = 6 / 7.
     assert s.alpha == pytest.approx(6 / 7)
     mean_k = 7 / 3
-    expected = predicted_speedup(6 / 7, mean_k, 0.05, 0.5, 0.5 * (mean_k + 1))
+    t_one = 1.0 / (1 + TARGET_SLOPE_PRIOR)
+    expected = predicted_speedup(6 / 7, mean_k, 0.05, t_one, 0.5 * (mean_k + 1))
     assert s.predicted_speedup == pytest.approx(expected)

@@ -277,7 +277,11 @@ class StatsRecorder:
 
         - Measured at two or more lengths: the line a + b * n fitted by least squares to the
           per-length moving averages, each weighted by its number of measurements, with
-          a, b >= 0 (``fit_step_cost``); it interpolates and extrapolates to unmeasured n.
+          a, b >= 0 (``fit_step_cost``); it interpolates, and extrapolates to longer n.  Below
+          the shortest measured length n_lo the prior shape is anchored at the line's value
+          there: a step's cost is flat while it is memory-bound and grows once it is
+          compute-bound, so a line through two longer lengths extrapolates to a far too cheap
+          short step (at batch 2 on a CPU: 16-20 ms for the 27 ms one-token step).
         - Measured at one length n1 only (time t1): the prior shape scaled through it,
           t1 * (1 + r * (n - 1)) / (1 + r * (n1 - 1)) with r = TARGET_SLOPE_PRIOR.
         - Nothing measured: t_target_prior * (1 + r * (n - 1)).
@@ -287,7 +291,11 @@ class StatsRecorder:
         pts = self._target_by_len
         if len(pts) >= 2:
             a, b = fit_step_cost([(m, t, c) for m, (t, c) in pts.items()])
-            t = a + b * n
+            n_lo = min(pts)
+            if n < n_lo:
+                t = (a + b * n_lo) * (1 + r * (n - 1)) / (1 + r * (n_lo - 1))
+            else:
+                t = a + b * n
         elif len(pts) == 1:
             (n1, (t1, _)), = pts.items()
             t = t1 * (1 + r * (n - 1)) / (1 + r * (n1 - 1))
