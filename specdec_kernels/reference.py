@@ -72,6 +72,30 @@ def _uint32_to_uniform(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.float32) * torch.tensor(4.6566127342e-10, dtype=torch.float32)
 
 
+def _philox_r0_host(seed: int, offset: int, counter: int) -> int:
+    """The first output word of ``_philox4x32`` for one (seed, offset, counter), in Python ints:
+    the same uint32 arithmetic without a tensor op per step (for small batches on the host)."""
+    c0, c1, c2, c3 = counter, offset & _MASK32, 0, 0
+    k0, k1 = seed & _MASK32, (seed >> 32) & _MASK32
+    for _ in range(10):
+        pb = c2 * 0xCD9E8D57
+        pa = c0 * 0xD2511F53
+        c0, c1, c2, c3 = ((pb >> 32) & _MASK32) ^ c1 ^ k0, pb & _MASK32, ((pa >> 32) & _MASK32) ^ c3 ^ k1, pa & _MASK32
+        k0 = (k0 + 0x9E3779B9) & _MASK32
+        k1 = (k1 + 0xBB67AE85) & _MASK32
+    return c0
+
+
+def philox_uniforms_host(seed: list, offset: list, num_draft_slots: int) -> torch.Tensor:
+    """``philox_uniforms`` computed in Python ints (seed, offset: lists of B ints in int64 range):
+    the same [B, K+1] fp32 values, for CPU batches small enough that ~360 tensor ops per call
+    cost more than B * (K+1) Philox evaluations on the host."""
+    K1 = num_draft_slots + 1
+    counters = [i + 1 if i < num_draft_slots else 0 for i in range(K1)]
+    r0 = [[_philox_r0_host(s, o, c) for c in counters] for s, o in zip(seed, offset)]
+    return _uint32_to_uniform(torch.tensor(r0, dtype=torch.int64).reshape(len(seed), K1))
+
+
 def philox_uniforms(seed: torch.Tensor, offset: torch.Tensor, num_draft_slots: int) -> torch.Tensor:
     """The uniforms fused_verify draws for (seed, offset): [B, K+1] fp32 in [0, 1).
 
