@@ -657,10 +657,13 @@ def plot(rows, path, pair, dev_name, args):
         ax.set_title("greedy" if t == 0 else f"temperature {t:g}", fontsize=10)
         ax.set_ylim(bottom=0)
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
+    # One legend under the panels (the same lines in each), clear of the data.
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(4, len(labels)), fontsize=7, frameon=False)
     fig.suptitle(f"end to end: {pair}\n{dev_name}, {args.dtype}, {args.max_new_tokens} new tokens, "
                  f"median of {args.repeats}", fontsize=9)
-    fig.tight_layout()
+    n_rows = -(-len(labels) // min(4, max(len(labels), 1)))
+    fig.tight_layout(rect=(0, 0.05 * n_rows + 0.02, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
