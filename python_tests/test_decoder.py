@@ -32,9 +32,11 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 from specdec_kernels import reference
 from specdec_kernels.cli import build_tiny_random_pair, main as cli_main, tiny_char_tokenizer
 from specdec_kernels.decoder import (
+    _PREFILL_GROUP_COST,
     SpeculativeDecoder,
     _draft_key,
     _draft_uniforms,
+    _prefill_groups,
     _sample_inverse_cdf,
     warp_probs,
 )
@@ -393,8 +395,6 @@ SKEWED = [[1, 2], list(range(1, 31)), [3], list(range(2, 14)), list(range(5, 17)
 def test_prefill_groups_are_optimal_partitions():
     """_prefill_groups against brute force over every partition of the rows (not only runs of
     consecutive lengths): same cost; each row with tokens in exactly one group, the others in none."""
-    from specdec_kernels.decoder import _prefill_groups
-
     def partitions(items):
         if not items:
             yield []
@@ -438,8 +438,6 @@ def test_grouped_prefill_caches_and_outputs(pair, temperature):
             dec._prefill(st)
     finally:
         tc.restore()
-    from specdec_kernels.decoder import _PREFILL_GROUP_COST, _prefill_groups
-
     groups = _prefill_groups([len(p) - 1 for p in SKEWED], _PREFILL_GROUP_COST["cpu"])
     assert len(groups) > 1
     assert [tuple(c[0].shape) for c in tc.calls] == [(len(g), max(len(SKEWED[i]) - 1 for i in g)) for g in groups]

@@ -954,7 +954,7 @@ def main(argv=None):
         print("\nend to end: skipped (--e2e-rounds 0)")
 
     info["measured"] = {
-        "conditions": f"CPU ({os.cpu_count()} cores, shared), torch {torch.__version__}, {args.threads} threads, "
+        "conditions": f"CPU ({os.cpu_count()} cores), torch {torch.__version__}, {args.threads} threads, "
                       f"fp32, batch 1, greedy",
         "alpha": alpha, "forward_s": times, "predicted_speedup": pred, "end_to_end": e2e,
     }

@@ -86,7 +86,7 @@ def _philox_r0_host(seed: int, offset: int, counter: int) -> int:
     return c0
 
 
-def philox_uniforms_host(seed: list, offset: list, num_draft_slots: int) -> torch.Tensor:
+def _philox_uniforms_host(seed: list, offset: list, num_draft_slots: int) -> torch.Tensor:
     """``philox_uniforms`` computed in Python ints (seed, offset: lists of B ints in int64 range):
     the same [B, K+1] fp32 values, for CPU batches small enough that ~360 tensor ops per call
     cost more than B * (K+1) Philox evaluations on the host."""
@@ -215,14 +215,7 @@ def verify_reference(
     B, K1, V = target_logits.shape
     K = K1 - 1
     kb = num_draft_tokens.to(torch.int64)  # [B]
-    temp = temperature.float()
-    greedy = temp == 0  # [B]
-    bad_param = ~torch.isfinite(temp) | (temp < 0) | (kb < 0) | (kb > K)
-    if top_k is not None:
-        bad_param |= top_k < 0
-    if top_p is not None:
-        bad_param |= ~(top_p > 0) | (top_p > 1)  # NaN fails the first test
-    inv_t = torch.where(greedy | bad_param, 1.0, 1.0 / temp.masked_fill(temp == 0, 1.0))
+    greedy, bad_param, inv_t = _row_parameters(kb, temperature, top_k, top_p, K)
     per_pos = lambda t: None if t is None else t[:, None].expand(B, K1)  # noqa: E731
     s, keep = warp_logits(target_logits, inv_t[:, None].expand(B, K1), per_pos(top_k), per_pos(top_p))
     # A position is unusable if any logit is NaN or +inf, or if nothing has a finite logit.
@@ -230,14 +223,10 @@ def verify_reference(
     p = _target_probs(s, keep)  # [B, K+1, V]
     argmax = s.argmax(-1)  # [B, K+1]: first index of the maximum
 
-    x = draft_tokens.to(torch.int64)  # [B, K]
-    x_ok = (x >= 0) & (x < V)
-    x_safe = torch.where(x_ok, x, 0)
+    x, x_safe, q_x, bad_x = _drafts(draft_tokens, draft_probs, greedy, V)
     p_x = p[:, :K].gather(-1, x_safe[..., None])[..., 0]  # [B, K]
-    q_x = _draft_prob_of_drafts(draft_probs, x_safe)
     u = uniforms.float()
     accept = torch.where(greedy[:, None], x == argmax[:, :K], _accept(u[:, :K], p_x, q_x))  # [B, K]
-    bad_x = ~x_ok | (~greedy[:, None] & (~torch.isfinite(q_x) | (q_x < 0)))
 
     j, rejected, bad_row = _stop_position(accept, bad_x, bad_pos, bad_param, kb)
 
@@ -247,14 +236,47 @@ def verify_reference(
     return _outputs(x, j, final, bad_row)
 
 
-def _draft_prob_of_drafts(draft_probs: torch.Tensor | None, x_safe: torch.Tensor) -> torch.Tensor:
-    """q_i(x_i) [B, K] fp32: 1 for a deterministic drafter (draft_probs None), 0 for an id past
-    the draft vocabulary Vd (x_safe [B, K] int64 in [0, V))."""
+def _row_parameters(
+    kb: torch.Tensor,  # [B] int64: K_b
+    temperature: torch.Tensor,  # [B]
+    top_k: torch.Tensor | None,  # [B] int
+    top_p: torch.Tensor | None,  # [B] fp32
+    K: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(greedy, bad_param, inv_t), each [B]: temperature 0 (-0.0 too); a parameter out of range;
+    1 / T (1 for greedy and bad rows)."""
+    temp = temperature.float()
+    greedy = temp == 0
+    bad_param = ~torch.isfinite(temp) | (temp < 0) | (kb < 0) | (kb > K)
+    if top_k is not None:
+        bad_param |= top_k < 0
+    if top_p is not None:
+        bad_param |= ~(top_p > 0) | (top_p > 1)  # NaN fails the first test
+    inv_t = torch.where(greedy | bad_param, 1.0, 1.0 / temp.masked_fill(temp == 0, 1.0))
+    return greedy, bad_param, inv_t
+
+
+def _drafts(
+    draft_tokens: torch.Tensor,  # [B, K] int
+    draft_probs: torch.Tensor | None,  # [B, K, Vd] or None
+    greedy: torch.Tensor,  # [B] bool
+    V: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x, x_safe, q_x, bad_x), each [B, K]: the drafts as int64; with ids outside [0, V) replaced
+    by 0; q_i(x_i) (1 for a deterministic drafter, 0 for an id past the draft vocabulary Vd); and
+    whether draft i is unusable (its id out of range, or, for a sampling row, its q not a
+    finite non-negative number)."""
+    x = draft_tokens.to(torch.int64)
+    x_ok = (x >= 0) & (x < V)
+    x_safe = torch.where(x_ok, x, 0)
     if draft_probs is None:
-        return torch.ones(x_safe.shape, dtype=torch.float32, device=x_safe.device)
-    Vd = draft_probs.shape[-1]
-    q_x = draft_probs.float().gather(-1, x_safe.clamp(max=Vd - 1)[..., None])[..., 0]
-    return torch.where(x_safe < Vd, q_x, 0.0)
+        q_x = torch.ones(x.shape, dtype=torch.float32, device=x.device)
+    else:
+        Vd = draft_probs.shape[-1]
+        q_x = draft_probs.float().gather(-1, x_safe.clamp(max=Vd - 1)[..., None])[..., 0]
+        q_x = torch.where(x_safe < Vd, q_x, 0.0)
+    bad_x = ~x_ok | (~greedy[:, None] & (~torch.isfinite(q_x) | (q_x < 0)))
+    return x, x_safe, q_x, bad_x
 
 
 def _final_token(

@@ -21,8 +21,8 @@ try:  # loads the C++ op namespace first, when built
 except ImportError:  # pragma: no cover - _ext is part of the package
     pass
 from . import reference as _ref
-from .reference import (_draft_prob_of_drafts, _final_token, _outputs, _stop_position, philox_uniforms,
-                        philox_uniforms_host, verify_reference)
+from .reference import (_drafts, _final_token, _outputs, _philox_uniforms_host, _row_parameters, _stop_position,
+                        philox_uniforms, verify_reference)
 
 __all__ = ["VerifyOutput", "fused_verify"]
 
@@ -266,12 +266,7 @@ def _verify_greedy(a: _Args) -> tuple[torch.Tensor, torch.Tensor]:
     B, K1, V = logits.shape
     K = K1 - 1
     kb = a.num_draft_tokens.to(torch.int64)
-    temp = a.temperature.float()
-    bad_param = ~torch.isfinite(temp) | (temp < 0) | (kb < 0) | (kb > K)
-    if a.top_k is not None:
-        bad_param |= a.top_k < 0
-    if a.top_p is not None:
-        bad_param |= ~(a.top_p > 0) | (a.top_p > 1)
+    _, bad_param, _ = _row_parameters(kb, a.temperature, a.top_k, a.top_p, K)
     # Maxima and their first indices in the logits' own dtype: a bf16/fp16 -> fp32 conversion
     # is exact and monotone, so both are those of the reference's s = logits.float().
     m, argmax = _max_and_first_argmax(logits.reshape(B * K1, V))
@@ -303,10 +298,7 @@ def _verify_untruncated(a: _Args, u: torch.Tensor) -> tuple[torch.Tensor, torch.
     B, K1, V = logits.shape
     K = K1 - 1
     kb = a.num_draft_tokens.to(torch.int64)
-    temp = a.temperature.float()
-    greedy = temp == 0
-    bad_param = ~torch.isfinite(temp) | (temp < 0) | (kb < 0) | (kb > K)
-    inv_t = torch.where(greedy | bad_param, 1.0, 1.0 / temp.masked_fill(temp == 0, 1.0))
+    greedy, bad_param, inv_t = _row_parameters(kb, a.temperature, None, None, K)
     s = logits.float() * inv_t[:, None].expand(B, K1)[..., None]  # [B, K+1, V], as warp_logits
     m, argmax = _max_and_first_argmax(s.view(B * K1, V))
     m = m.view(B, K1, 1)
@@ -315,22 +307,19 @@ def _verify_untruncated(a: _Args, u: torch.Tensor) -> tuple[torch.Tensor, torch.
     e = torch.exp(s - m)  # [B, K+1, V]
     total = e.sum(-1, keepdim=True)  # [B, K+1, 1]
 
-    x = a.draft_tokens.to(torch.int64)  # [B, K]
-    x_ok = (x >= 0) & (x < V)
-    x_safe = torch.where(x_ok, x, 0)
+    x, x_safe, q_x, bad_x = _drafts(a.draft_tokens, a.draft_probs, greedy, V)
     p_x = e[:, :K].gather(-1, x_safe[..., None])[..., 0] / total[:, :K, 0]  # [B, K]
-    draft_probs = a.draft_probs
-    q_x = _draft_prob_of_drafts(draft_probs, x_safe)
+    # The acceptance rule through the reference module, so that a mutant of it (the tests'
+    # monkeypatched reference._accept) reaches this route too.
     accept = torch.where(greedy[:, None], x == argmax[:, :K], _ref._accept(u[:, :K], p_x, q_x))  # [B, K]
-    bad_x = ~x_ok | (~greedy[:, None] & (~torch.isfinite(q_x) | (q_x < 0)))
     j, rejected, bad_row = _stop_position(accept, bad_x, bad_pos, bad_param, kb)
     p_j = e.gather(1, j[:, None, None].expand(B, 1, V))[:, 0] / total.gather(1, j[:, None, None])[:, 0]  # [B, V]
-    final, bad_row = _final_token(p_j, x_safe, draft_probs, j, rejected, bad_row, greedy, argmax, u[:, K])
+    final, bad_row = _final_token(p_j, x_safe, a.draft_probs, j, rejected, bad_row, greedy, argmax, u[:, K])
     return _outputs(x, j, final, bad_row)
 
 
 # Up to this many Philox evaluations (B * (K+1)) the CPU path draws them in Python ints
-# (``philox_uniforms_host``, about 4 us each) rather than with ~360 elementwise tensor ops
+# (``reference._philox_uniforms_host``, about 4 us each) rather than with ~360 elementwise tensor ops
 # (about 0.5 ms whatever the batch); the two give the same values.
 _HOST_PHILOX_MAX = 128
 
@@ -340,7 +329,7 @@ def _uniforms(a: _Args, K: int) -> torch.Tensor:
         return a.uniforms
     if (a.seed.device.type == "cpu" and not torch.compiler.is_compiling()
             and a.seed.shape[0] * (K + 1) <= _HOST_PHILOX_MAX):
-        return philox_uniforms_host(a.seed.tolist(), a.offset.tolist(), K)
+        return _philox_uniforms_host(a.seed.tolist(), a.offset.tolist(), K)  # CPU: no device sync
     return philox_uniforms(a.seed, a.offset, K)
 
 
