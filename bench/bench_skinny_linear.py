@@ -11,6 +11,7 @@ Two measurements, each provider side by side in one run (speed is the ratio):
 
     python bench/bench_skinny_linear.py --threads 1            # sweep only
     python bench/bench_skinny_linear.py --threads 1 --model    # + the target forward
+    python bench/bench_skinny_linear.py --threads 1 --isa      # + each SIMD path forced
 
 Rows append to bench/results/cpu/bench_skinny_linear.csv (or --csv).
 """
@@ -38,7 +39,19 @@ def target_shapes(layers: int = 30, hidden: int = 576, kv: int = 192, mlp: int =
     return per_layer * layers + [(vocab, hidden)]
 
 
-def run_sweep(rows: list[int], min_time_s: float) -> list[dict]:
+def supported_isas() -> list[str]:
+    """The SIMD paths of skinny_linear this CPU runs (all give the same bits)."""
+    out = []
+    for isa in ("avx2", "avx512"):
+        try:
+            torch.ops.specdec.skinny_linear_isa(torch.ones(1, 8), torch.ones(1, 8), None, isa)
+            out.append(isa)
+        except RuntimeError:
+            pass
+    return out
+
+
+def run_sweep(rows: list[int], min_time_s: float, isas: list[str] = ()) -> list[dict]:
     from specdec_kernels.cpu_linear import skinny_linear
 
     g = torch.Generator().manual_seed(0)
@@ -52,6 +65,9 @@ def run_sweep(rows: list[int], min_time_s: float) -> list[dict]:
             "torch F.linear": lambda: [F.linear(xs[w.shape[1]], w) for w in weights],
             "skinny_linear": lambda: [skinny_linear(xs[w.shape[1]], w) for w in weights],
         }
+        for isa in isas:  # one code path forced, to see where each wins
+            provs[f"skinny {isa}"] = (lambda isa=isa: [torch.ops.specdec.skinny_linear_isa(
+                xs[w.shape[1]], w, None, isa) for w in weights])
         times = {name: harness.time_fn(fn, cpu, min_time_s=min_time_s) for name, fn in provs.items()}
         for name, (med, q20, q80) in times.items():
             out.append({
@@ -60,7 +76,7 @@ def run_sweep(rows: list[int], min_time_s: float) -> list[dict]:
                 "speedup_vs_linear": times["torch F.linear"][0] / med,
                 "vs_own_1_row": None,
             })
-    for name in ("torch F.linear", "skinny_linear"):
+    for name in ("torch F.linear", "skinny_linear", *(f"skinny {isa}" for isa in isas)):
         one = next(r["ms"] for r in out if r["provider"] == name and r["rows"] == rows[0])
         for r in out:
             if r["provider"] == name:
@@ -119,6 +135,8 @@ def main(argv=None) -> int:
     ap.add_argument("--model", action="store_true", help="also time the embedded target's forward")
     ap.add_argument("--reps", type=int, default=5, help="target forwards per provider per round (2 rounds)")
     ap.add_argument("--min-time", type=float, default=1.0, help="seconds per sweep measurement")
+    ap.add_argument("--isa", action="store_true",
+                    help="also time each SIMD path of skinny_linear forced (avx2, avx512 where the CPU has it)")
     ap.add_argument("--csv", default=os.path.join(HERE, "results", "cpu", "bench_skinny_linear.csv"))
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -126,7 +144,7 @@ def main(argv=None) -> int:
     print(" ".join(["python"] + sys.argv))
     cond = {"device": harness.device_name(torch.device("cpu")), "date": harness.now(), **harness.versions()}
     print(cond)
-    results = run_sweep(rows, args.min_time)
+    results = run_sweep(rows, args.min_time, supported_isas() if args.isa else [])
     if args.model:
         results += run_model(rows, args.reps)
     cols = ["bench", "provider", "rows", "ms", "q20_ms", "q80_ms", "GB/s", "vs_own_1_row", "speedup_vs_linear"]

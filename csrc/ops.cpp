@@ -234,9 +234,12 @@ void compact_kv_cpu(
 TORCH_LIBRARY(specdec, m) {
   m.def("compact_kv_(Tensor(a!)[] caches, int src_start, Tensor dst_start, Tensor count) -> ()");
   // y = x @ weight^T (+ bias), fp32 CPU, batch-invariant; see skinny_linear.cpp.  The
-  // _portable variant runs the same arithmetic without AVX2 (tests compare the two).
+  // _portable variant runs the same arithmetic without SIMD (tests compare the paths).
   m.def("skinny_linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
   m.def("skinny_linear_portable(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
+  // One named code path ("auto", "portable", "avx2", "avx512"; AVX-512 is what "auto" picks
+  // where the CPU has it): all give the same bits, the tests check that on every path the CPU has.
+  m.def("skinny_linear_isa(Tensor x, Tensor weight, Tensor? bias, str isa) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(specdec, CPU, m) {

@@ -24,8 +24,14 @@
 // depend on the thread count.  It is not bit-identical to torch.nn.functional.linear (whose
 // summation order is MKL's); the tests bound the difference against a float64 reference.
 //
-// Two code paths with the same arithmetic: AVX2+FMA+F16C (selected at run time) and portable C++
-// (std::fma on 8 explicit lanes).  Both give the same bits.
+// Three code paths with the same arithmetic, selected at run time: AVX-512 (F + DQ), AVX2+FMA+F16C
+// and portable C++ (std::fma on 8 explicit lanes).  All give the same bits.  The AVX-512 path
+// keeps the 8-lane order by putting two weight rows in one 16-lane register (lanes 0-7: row j,
+// lanes 8-15: row j+1, the x row broadcast to both halves), so each FMA instruction does the
+// work of two AVX2 ones and 16 accumulators cover 16 x rows in one pass.  It wins once the FMAs,
+// not the weight stream, set the time: from kMinRowsAvx512 = 9 rows (a batch's verify forward);
+// with fewer rows the AVX2 path's single weight stream is faster.  Since the bits are the same,
+// choosing the path by M keeps every row's result independent of M.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -37,6 +43,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <optional>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -171,7 +179,105 @@ bool cpu_has_avx2_fma() {
                           __builtin_cpu_supports("f16c");
   return has;
 }
+
+// GCC 12's headers implement the 256 -> 512-bit casts and broadcasts with a deliberately
+// undefined upper half, which -Wmaybe-uninitialized reports at every use (a known false positive).
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #endif
+
+// AVX-512: weight rows j0 and j0 + 1 in the low and high 8 lanes of one register.
+__attribute__((target("avx512f,avx512dq,avx2,fma,f16c"))) inline __m512 load8x2(
+    const float* w0, const float* w1) {
+  return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(w0)), _mm256_loadu_ps(w1), 1);
+}
+__attribute__((target("avx512f,avx512dq,avx2,fma,f16c"))) inline __m512 load8x2(
+    const c10::Half* w0, const c10::Half* w1) {
+  const __m256i h = _mm256_inserti128_si256(
+      _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w0))),
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(w1)), 1);
+  return _mm512_cvtph_ps(h);
+}
+
+// One step of 8 lanes over k .. k+7 for two weight rows at once.
+template <int64_t mr, typename WT>
+__attribute__((target("avx512f,avx512dq,avx2,fma,f16c"), always_inline)) inline void step8x2(
+    __m512 (&acc)[mr], const float* x, const WT* w0, const WT* w1, int64_t K, int64_t i0,
+    int64_t k) {
+  const __m512 wv = load8x2(w0 + k, w1 + k);
+  for (int64_t a = 0; a < mr; ++a) {
+    const __m512 xv = _mm512_broadcast_f32x8(_mm256_loadu_ps(x + (i0 + a) * K + k));
+    acc[a] = _mm512_fmadd_ps(xv, wv, acc[a]);
+  }
+}
+
+// y[i, j0] and y[i, j0 + 1] for i in [i0, i0 + mr): per output element exactly the arithmetic
+// of tile_avx2 / tile_portable (8 lanes over k in steps of 8, reduce8, the tail, the bias).
+template <int64_t mr, typename WT>
+__attribute__((target("avx512f,avx512dq,avx2,fma,f16c"))) void tile_avx512(
+    const float* x, const WT* w, const float* bias, float* y,
+    int64_t K, int64_t N, int64_t i0, int64_t j0) {
+  __m512 acc[mr];
+  for (int64_t a = 0; a < mr; ++a) acc[a] = _mm512_setzero_ps();
+  const WT* w0 = w + j0 * K;
+  const WT* w1 = w0 + K;
+  const int64_t K8 = K - K % 8;
+  constexpr int64_t pf = kPrefetchBytes / int64_t{sizeof(WT)};
+  const int64_t K16 = K - K % 16;
+  int64_t k = 0;
+  for (; k < K16; k += 16) {
+    _mm_prefetch(reinterpret_cast<const char*>(w0 + k + pf), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w1 + k + pf), _MM_HINT_T0);
+    step8x2<mr, WT>(acc, x, w0, w1, K, i0, k);
+    step8x2<mr, WT>(acc, x, w0, w1, K, i0, k + 8);
+  }
+  for (; k < K8; k += 8) step8x2<mr, WT>(acc, x, w0, w1, K, i0, k);
+  for (int64_t a = 0; a < mr; ++a) {
+    alignas(64) float lanes[16];
+    _mm512_store_ps(lanes, acc[a]);
+    const float* xr = x + (i0 + a) * K;
+    for (int64_t b = 0; b < 2; ++b) {
+      float s = reduce8(lanes + 8 * b);
+      const WT* wr = b == 0 ? w0 : w1;
+      for (int64_t k = K8; k < K; ++k) s = std::fma(xr[k], to_float(wr[k]), s);
+      if (bias != nullptr) s += bias[j0 + b];
+      y[(i0 + a) * N + j0 + b] = s;
+    }
+  }
+}
+
+bool cpu_has_avx512() {
+  static const bool has = cpu_has_avx2_fma() && __builtin_cpu_supports("avx512f") &&
+                          __builtin_cpu_supports("avx512dq");
+  return has;
+}
+
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
+
+// Up to 16 x rows per pass over a pair of weight rows (16 accumulators of the 32 registers).
+constexpr int64_t kMaxRowsAvx512 = 16;
+
+template <typename WT, int64_t mr = kMaxRowsAvx512>
+void tile_avx512_dispatch(
+    int64_t m, const float* x, const WT* w, const float* bias, float* y,
+    int64_t K, int64_t N, int64_t i0, int64_t j0) {
+  if constexpr (mr >= 1) {
+    if (m == mr) {
+      tile_avx512<mr, WT>(x, w, bias, y, K, N, i0, j0);
+      return;
+    }
+    if constexpr (mr > 1) {
+      tile_avx512_dispatch<WT, mr - 1>(m, x, w, bias, y, K, N, i0, j0);
+    }
+  }
+}
+#endif
+
+// Which code path runs; every path gives the same bits.
+enum class Isa { kPortable, kAvx2, kAvx512 };
 
 // Runs tile<mr, nr> with a run-time mr in [1, 12 / nr] (12 accumulators fit the 16 AVX2
 // registers with the weight and x vectors).
@@ -227,11 +333,60 @@ void run_tiles(
   });
 }
 
+#if SPECDEC_X86
+// All of y on the AVX-512 path: pairs of weight rows split over threads, each pair used by up
+// to 16 x rows per pass; an odd last weight row goes through the AVX2 tile (same bits).
+template <typename WT>
+void run_tiles_avx512(
+    const float* x, const WT* w, const float* bias, float* y, int64_t M, int64_t K, int64_t N) {
+  const int64_t pairs = N / 2;
+  const int64_t grain =
+      std::max<int64_t>(1, kMinWeightBytesPerTask / (2 * K * int64_t{sizeof(WT)}));
+  at::parallel_for(0, pairs + (N % 2), grain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      if (t < pairs) {
+        for (int64_t i0 = 0; i0 < M; i0 += kMaxRowsAvx512) {
+          tile_avx512_dispatch<WT>(std::min(kMaxRowsAvx512, M - i0), x, w, bias, y, K, N, i0, 2 * t);
+        }
+      } else {
+        column_tile<1, WT>(/*avx2=*/true, x, w, bias, y, M, K, N, N - 1);
+      }
+    }
+  });
+}
+#endif
+
+// The paths this CPU supports, for error messages.
+std::string skinny_linear_isas() {
+  std::string out = "portable";
+#if SPECDEC_X86
+  if (cpu_has_avx2_fma()) out += ", avx2";
+  if (cpu_has_avx512()) out += ", avx512";
+#endif
+  return out;
+}
+
+// From this many x rows on, the AVX-512 path is faster than the AVX2 one (FMA-bound); below it
+// the AVX2 path's single weight stream wins (memory-bound).  Measured with
+// bench/bench_skinny_linear.py --isa on a 2-core AMD EPYC Zen 5 VM, 1 thread, the target's
+// layer shapes: AVX-512 / AVX2 time 1.3-1.6x at M = 1-8, 0.93 at M = 9, 0.7 at M = 12-16.
+// Both give the same bits, so switching on M keeps a row's result independent of M.
+constexpr int64_t kMinRowsAvx512 = 9;
+
+// The fastest path this CPU supports for M x rows.
+Isa best_isa(int64_t M) {
+#if SPECDEC_X86
+  if (M >= kMinRowsAvx512 && cpu_has_avx512()) return Isa::kAvx512;
+  if (cpu_has_avx2_fma()) return Isa::kAvx2;
+#endif
+  return Isa::kPortable;
+}
+
 at::Tensor skinny_linear_cpu(
     const at::Tensor& x,                    // [..., K] fp32
     const at::Tensor& weight,               // [N, K] fp32
     const c10::optional<at::Tensor>& bias,  // [N] fp32 or None
-    bool portable) {
+    std::optional<Isa> path) {              // None: the fastest for this CPU and M
   TORCH_CHECK(
       x.scalar_type() == at::kFloat,
       "skinny_linear: x must be float32, got ", x.scalar_type());
@@ -286,14 +441,16 @@ at::Tensor skinny_linear_cpu(
   }
   const float* x_ptr = x_c.const_data_ptr<float>();
 
-  bool avx2 = false;
-#if SPECDEC_X86
-  avx2 = !portable && cpu_has_avx2_fma();
-#endif
-  (void)portable;
+  const Isa isa = path.has_value() ? *path : best_isa(M);
   auto run = [&](auto* w_ptr) {
     using WT = std::remove_const_t<std::remove_pointer_t<decltype(w_ptr)>>;
-    run_tiles<1, WT>(avx2, x_ptr, w_ptr, bias_ptr, y_ptr, M, K, N);
+#if SPECDEC_X86
+    if (isa == Isa::kAvx512) {
+      run_tiles_avx512<WT>(x_ptr, w_ptr, bias_ptr, y_ptr, M, K, N);
+      return;
+    }
+#endif
+    run_tiles<1, WT>(isa == Isa::kAvx2, x_ptr, w_ptr, bias_ptr, y_ptr, M, K, N);
   };
   if (w_c.scalar_type() == at::kHalf) {
     run(w_c.const_data_ptr<c10::Half>());
@@ -305,12 +462,39 @@ at::Tensor skinny_linear_cpu(
 
 at::Tensor skinny_linear(
     const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
-  return skinny_linear_cpu(x, weight, bias, /*portable=*/false);
+  return skinny_linear_cpu(x, weight, bias, std::nullopt);
 }
 
 at::Tensor skinny_linear_portable(
     const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
-  return skinny_linear_cpu(x, weight, bias, /*portable=*/true);
+  return skinny_linear_cpu(x, weight, bias, Isa::kPortable);
+}
+
+// One named path, for tests and benchmarks: "portable", "avx2", "avx512" or "auto".
+at::Tensor skinny_linear_isa(
+    const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+    c10::string_view isa) {
+  Isa chosen;
+  if (isa == "auto") {
+    return skinny_linear_cpu(x, weight, bias, std::nullopt);
+  } else if (isa == "portable") {
+    chosen = Isa::kPortable;
+  } else if (isa == "avx2" || isa == "avx512") {
+    const bool avx512 = isa == "avx512";
+    bool supported = false;
+#if SPECDEC_X86
+    supported = avx512 ? cpu_has_avx512() : cpu_has_avx2_fma();
+#endif
+    TORCH_CHECK(
+        supported, "skinny_linear_isa: isa '", std::string(isa),
+        "' is not supported by this CPU (supported: ", skinny_linear_isas(), ")");
+    chosen = avx512 ? Isa::kAvx512 : Isa::kAvx2;
+  } else {
+    TORCH_CHECK(
+        false, "skinny_linear_isa: isa must be 'auto', 'portable', 'avx2' or 'avx512', got '",
+        std::string(isa), "'");
+  }
+  return skinny_linear_cpu(x, weight, bias, chosen);
 }
 
 }  // namespace
@@ -318,6 +502,7 @@ at::Tensor skinny_linear_portable(
 TORCH_LIBRARY_IMPL(specdec, CPU, m) {
   m.impl("skinny_linear", &skinny_linear);
   m.impl("skinny_linear_portable", &skinny_linear_portable);
+  m.impl("skinny_linear_isa", &skinny_linear_isa);
 }
 
 }  // namespace specdec

@@ -3,7 +3,8 @@
 The kernel sums in fp32 in its own fixed order, so it is compared with the float64 reference
 (``reference.skinny_linear_reference``) under the standard floating-point summation bound
 (stated in ``_bound``), and *bit for bit* with itself where it promises batch invariance:
-a row alone vs. inside any batch, 1 thread vs. 2, the AVX2 path vs. the portable C++ path.
+a row alone vs. inside any batch, 1 thread vs. 2, each SIMD path (AVX2, AVX-512) vs. the portable
+C++ path.
 """
 
 from __future__ import annotations
@@ -95,6 +96,44 @@ def test_thread_count_and_portable_path_give_same_bits():
     assert torch.equal(y1, y2)
     yp = torch.ops.specdec.skinny_linear_portable(x, w, b)
     assert torch.equal(y1, yp)
+
+
+@pytest.mark.parametrize("isa", ["avx2", "avx512"])
+def test_every_simd_path_gives_the_portable_bits(isa):
+    """Each SIMD path (forced through skinny_linear_isa) equals the portable C++ path bit for bit,
+    fp32 and fp16 weights, over row counts on both sides of the AVX-512 switch (9 rows), odd
+    numbers of weight rows (the AVX-512 path pairs them) and every K tail."""
+    try:
+        torch.ops.specdec.skinny_linear_isa(torch.ones(1, 8), torch.ones(1, 8), None, isa)
+    except RuntimeError as e:
+        if "not supported by this CPU" not in str(e):
+            raise
+        pytest.skip(f"this CPU has no {isa} path: {e}")
+    op = torch.ops.specdec.skinny_linear_isa
+    g = torch.Generator().manual_seed(11)
+    for m in (1, 2, 8, 9, 12, 16, 17, 33):
+        for n in (1, 2, 3, 577):
+            for k in (1, 7, 8, 9, 17, 576):
+                x = torch.randn(m, k, generator=g)
+                w = torch.randn(n, k, generator=g)
+                b = torch.randn(n, generator=g) if (m + n) % 2 else None
+                for weight in (w, w.half()):
+                    want = op(x, weight, b, "portable")
+                    assert torch.equal(op(x, weight, b, isa), want), (m, n, k, weight.dtype)
+                    assert torch.equal(op(x, weight, b, "auto"), want), (m, n, k, weight.dtype)
+
+
+def test_isa_names_are_checked():
+    x, w, b = _case(2, 3, 8, bias=False)
+    with pytest.raises(RuntimeError, match="isa must be 'auto', 'portable', 'avx2' or 'avx512', got 'sse'"):
+        torch.ops.specdec.skinny_linear_isa(x, w, b, "sse")
+    assert torch.equal(torch.ops.specdec.skinny_linear_isa(x, w, b, "portable"),
+                       torch.ops.specdec.skinny_linear_portable(x, w, b))
+
+
+def test_opcheck_isa():
+    x, w, b = _case(10, 17, 24, bias=True)
+    torch.library.opcheck(torch.ops.specdec.skinny_linear_isa.default, (x, w, b, "auto"))
 
 
 def test_leading_dims_and_non_contiguous_inputs():

@@ -97,6 +97,11 @@ if HAS_EXT:
         _check(x, weight, bias)
         return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
+    @torch.library.register_fake("specdec::skinny_linear_isa")
+    def _skinny_linear_isa_fake(x: Tensor, weight: Tensor, bias: Optional[Tensor], isa: str) -> Tensor:
+        _check(x, weight, bias)
+        return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
 
 def _exact_fp16_copy(m: nn.Linear) -> Optional[Tensor]:
     """``m.weight`` as fp16 if fp16 holds every value exactly (then the kernel's products are the
