@@ -369,7 +369,7 @@ std::string skinny_linear_isas() {
 // From this many x rows on, the AVX-512 path is faster than the AVX2 one (FMA-bound); below it
 // the AVX2 path's single weight stream wins (memory-bound).  Measured with
 // bench/bench_skinny_linear.py --isa on a 2-core AMD EPYC Zen 5 VM, 1 thread, the target's
-// layer shapes: AVX-512 / AVX2 time 1.3-1.6x at M = 1-8, 0.93 at M = 9, 0.7 at M = 12-16.
+// layer shapes: AVX-512 / AVX2 time 1.3-1.8x at M = 1-5, 0.89 at M = 9, 0.72-0.76 at M = 12-24.
 // Both give the same bits, so switching on M keeps a row's result independent of M.
 constexpr int64_t kMinRowsAvx512 = 9;
 

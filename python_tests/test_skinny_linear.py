@@ -250,6 +250,26 @@ def test_use_skinny_linear_patches_counts_and_restores():
     assert all("forward" not in mod.__dict__ for mod in m.modules())
 
 
+def test_default_max_rows_follows_the_cpu():
+    """Without max_rows the kernel takes inputs of up to default_max_rows() rows: 24 where its
+    AVX-512 path runs (which beats torch's SGEMM up to there), 16 elsewhere."""
+    from specdec_kernels.cpu_linear import AVX512_MAX_ROWS, DEFAULT_MAX_ROWS, default_max_rows
+
+    try:
+        torch.ops.specdec.skinny_linear_isa(torch.ones(1, 8), torch.ones(1, 8), None, "avx512")
+        want = AVX512_MAX_ROWS
+    except RuntimeError:
+        want = DEFAULT_MAX_ROWS
+    assert default_max_rows() == want
+    m = _Tiny()
+    with torch.no_grad(), use_skinny_linear(m) as h:
+        assert h.max_rows == want
+        m(torch.randn(want, 24))
+        assert h.calls == 2
+        m(torch.randn(want + 1, 24))
+        assert h.calls == 2
+
+
 def test_use_skinny_linear_streams_exact_fp16_weights():
     torch.manual_seed(1)
     m = _Tiny()

@@ -21,6 +21,7 @@ wins there) and returns a handle whose ``remove()`` (or ``with`` block) restores
 
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import Optional
 
@@ -31,12 +32,31 @@ from torch import Tensor, nn
 from ._ext import HAS_EXT
 from .reference import skinny_linear_reference
 
-__all__ = ["DEFAULT_MAX_ROWS", "SkinnyLinearHandle", "skinny_linear", "use_skinny_linear"]
+__all__ = ["AVX512_MAX_ROWS", "DEFAULT_MAX_ROWS", "SkinnyLinearHandle", "default_max_rows", "skinny_linear",
+           "use_skinny_linear"]
 
 # Up to this many rows (the product of x's leading dims) the kernel beat torch's linear in
 # bench/bench_skinny_linear.py on the 2-core AVX2 machine (30-50% less time at 2-9 rows, on par
 # at 16, slower at 32); above it torch's SGEMM is used.
 DEFAULT_MAX_ROWS = 16
+# Where the CPU has AVX-512 the kernel takes its AVX-512 path from 9 rows, and stays ahead of
+# torch's SGEMM up to 24 rows (bench/bench_skinny_linear.py --isa, the embedded target's layers,
+# 2-core AMD EPYC Zen 5 VM, 1 thread: 83.8 ms against 96.4 ms at 24 rows, even at 32).
+AVX512_MAX_ROWS = 24
+
+
+@functools.lru_cache(maxsize=None)
+def default_max_rows() -> int:
+    """The row count up to which ``use_skinny_linear`` routes a layer through the kernel by
+    default on this CPU: ``AVX512_MAX_ROWS`` where the kernel's AVX-512 path runs, else
+    ``DEFAULT_MAX_ROWS``."""
+    if not HAS_EXT:
+        return DEFAULT_MAX_ROWS
+    try:
+        torch.ops.specdec.skinny_linear_isa(torch.ones(1, 8), torch.ones(1, 8), None, "avx512")
+    except RuntimeError:
+        return DEFAULT_MAX_ROWS
+    return AVX512_MAX_ROWS
 
 
 def _check(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> None:
@@ -175,10 +195,11 @@ class SkinnyLinearHandle:
         self.remove()
 
 
-def use_skinny_linear(model: nn.Module, max_rows: int = DEFAULT_MAX_ROWS,
+def use_skinny_linear(model: nn.Module, max_rows: Optional[int] = None,
                       fp16_weights: bool = True) -> SkinnyLinearHandle:
     """Route ``model``'s fp32 CPU ``nn.Linear`` layers through ``skinny_linear`` for inputs of at
-    most ``max_rows`` rows (inference only: with grad enabled they keep ``F.linear``).
+    most ``max_rows`` rows (inference only: with grad enabled they keep ``F.linear``); None:
+    ``default_max_rows()``, where the kernel beats torch's linear on this CPU.
 
     fp16_weights: a layer whose fp32 weights fp16 represents exactly (a model saved in fp16 and
     loaded as fp32, like the embedded draft) streams an fp16 copy instead: half the bytes and
@@ -196,6 +217,8 @@ def use_skinny_linear(model: nn.Module, max_rows: int = DEFAULT_MAX_ROWS,
         )
     if not isinstance(model, nn.Module):
         raise TypeError(f"use_skinny_linear: model must be a torch.nn.Module, got {type(model).__name__}")
+    if max_rows is None:
+        max_rows = default_max_rows()
     if not isinstance(max_rows, int) or isinstance(max_rows, bool) or max_rows < 1:
         raise ValueError(f"use_skinny_linear: max_rows must be an int >= 1, got {max_rows!r}")
     mods = [
