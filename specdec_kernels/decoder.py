@@ -405,7 +405,8 @@ class SpeculativeDecoder:
     device, dtype: where and in which dtype to put the models (default: where they are; both
     must be on the same device).
     cpu_linear: how the models' fp32 ``nn.Linear`` layers run on the CPU during ``generate``:
-    ``"skinny"`` routes inputs of at most 16 rows through ``torch.ops.specdec.skinny_linear``
+    ``"skinny"`` routes inputs of at most ``cpu_linear.default_max_rows()`` rows (16; 24 with
+    AVX-512) through ``torch.ops.specdec.skinny_linear``
     (``specdec_kernels.cpu_linear``), which streams the weights once for all K+1 verified
     positions (torch's SGEMM takes 2-3x a decode step there; bench/bench_skinny_linear.py) and
     whose result for a row does not depend on the other rows; ``"torch"`` leaves torch's
