@@ -99,17 +99,26 @@ def greedy_refs(pair):
 
 
 class _CountingForward:
-    """Wraps model.forward; records (input_ids, attention_mask, position_ids) of every call."""
+    """Wraps model.forward; records (input_ids, attention_mask, position_ids) of every call.  A
+    call without an attention mask (the decoder omits it when no column is padding) is recorded
+    with the all-valid mask it stands for, over the cache's columns plus the new ones, and
+    counted in ``unmasked``."""
 
     def __init__(self, model):
         self.model = model
         self.calls = []
+        self.unmasked = 0
         orig = model.forward
 
         @functools.wraps(orig)
         def forward(*args, **kwargs):
-            self.calls.append((kwargs["input_ids"].clone(), kwargs["attention_mask"].clone(),
-                               kwargs["position_ids"].clone()))
+            ids = kwargs["input_ids"]
+            mask = kwargs.get("attention_mask")
+            if mask is None:
+                cache = kwargs.get("cache", kwargs.get("past_key_values"))
+                mask = torch.ones((ids.shape[0], cache.get_seq_length() + ids.shape[1]), dtype=torch.long)
+                self.unmasked += 1
+            self.calls.append((ids.clone(), mask.clone(), kwargs["position_ids"].clone()))
             return orig(*args, **kwargs)
 
         model.forward = forward
@@ -465,6 +474,24 @@ def test_grouped_prefill_caches_and_outputs(pair, temperature):
 # ----------------------------------------------------------------------------------------------
 # 5. Nothing is recomputed: count what each model is fed
 # ----------------------------------------------------------------------------------------------
+
+def test_a_batch_without_padding_runs_without_a_mask(pair, greedy_refs):
+    """One prompt: no cache column is ever padding, so after the prefill the decoder calls both
+    models without an attention mask (their causal mask alone, the same logits), and the output
+    still equals target.generate."""
+    draft, target = pair
+    i = max(range(len(PROMPTS)), key=lambda j: len(PROMPTS[j]))  # a prompt with a prefill
+    dec = SpeculativeDecoder(draft=draft, target=target)
+    tc, dc = _CountingForward(target), _CountingForward(draft)
+    try:
+        res = dec.generate([PROMPTS[i]], max_new_tokens=24, num_draft_tokens=3)
+    finally:
+        tc.restore()
+        dc.restore()
+    assert res.token_ids == [greedy_refs[i]]
+    assert len(tc.calls) > 2 and tc.unmasked == len(tc.calls) - 1  # all but the prefill
+    assert len(dc.calls) > 2 and dc.unmasked == len(dc.calls) - 1
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_each_token_is_fed_once(pair, temperature):
     draft, target = pair
