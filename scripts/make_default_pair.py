@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Rebuild the shipped draft model from scratch and measure the default pair.
 
-    python scripts/make_default_pair.py --threads 2   # the shipped build (about 70 min on 2 CPU cores)
+    python scripts/make_default_pair.py --threads 2   # the shipped build (about 3.5 h on 2 CPU cores)
     python scripts/make_default_pair.py --quick    # a smoke run (a few minutes), writes to a temp dir
     python scripts/make_default_pair.py --eval-only --out specdec_kernels/assets/draft
 
@@ -11,13 +11,15 @@ distilled from the target in five steps:
 
 1. prompts: plain-text openings and chat-template instructions built from the word lists below,
    in three template sets (fixed; a held-out set of topics and the CLI's demo prompts never
-   reach training, and the demo prompts' topics are in no word list);
+   reach training, and the demo prompts' topics are in no word list), and a fourth set of
+   ``--word-prompts`` prompts about single words of the target's vocabulary (thousands of
+   topics; the evaluation prompts' words are left out);
 2. corpus: the target's greedy continuations of every training prompt, plus
    ``--sampled-passes`` continuations *sampled* at temperature 0.8 (other seeds each pass) for
    the first ``--sampled-prompts`` of them (batched, KV-cached ``generate``), with the target's
    top-8 logits at each generated position; cached under ``$SPECDEC_CACHE/distill/`` (the newer
-   parts in chunks of 128 prompts; ``--corpus-only --start-chunk N --stop-chunk M`` fills sampled
-   chunks in a second process beside a plain ``--corpus-only``);
+   parts in chunks of 128 prompts; ``--corpus-only --start-chunk N --stop-chunk M [--part words]``
+   fills sampled (or word-set) chunks in a second process beside a plain ``--corpus-only``);
 3. init: the draft's tied embedding = the target's embedding projected onto its top principal
    directions (SVD of the [V, 576] matrix), so the draft starts with the target's token geometry;
 4. training: cross-entropy on the target's greedy token at every position (on a sampled path
@@ -31,8 +33,9 @@ distilled from the target in five steps:
 
 Everything is seeded; CPU results depend on the thread count (``--threads``: the shipped draft
 was trained with 2; corpus generation is the same with any count).  Time of the shipped build on
-a 2-core AMD EPYC (Zen 5) VM: the corpora 24 min in two processes (about 45 min in one), the
-training 23 min with 2 threads.
+a 2-core AMD EPYC (Zen 5) VM: the corpora (1.34 M target tokens) about 2 h 40 min of one core
+at 140-175 tokens/s (run as two processes: about 1 h 20 min), the training about 38 min with
+2 threads.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ import json
 import math
 import os
 import random
+import re
 import shutil
 import statistics
 import sys
@@ -281,6 +285,39 @@ CHAT_TEMPLATES_C = [
     ("Explain how {} works.", "MECHANISMS"),
     ("Write a poem about {}.", "SUBJECTS"),
 ]
+
+# A fourth set (greedy, chunked): broad topics.  The template sets above cover a few dozen topics
+# each, and the draft's alpha is lowest on topics it never saw (the demo prompts').  Here every
+# prompt is about one word of the target's own vocabulary (a whole-word token, 5-12 letters),
+# in one of the phrasings below, so the corpus spans thousands of topics with no word list or
+# download.  Words of the evaluation prompts (demo and held out) are dropped, so those stay unseen.
+WORD_TEMPLATES = [("plain", "{W} is"), ("plain", "Here are some facts about {w}:"),
+                  ("plain", "The word \"{w}\" means"), ("plain", "In this article, we will discuss {w}."),
+                  ("chat", "Tell me about {w}."), ("chat", "What is {w}?"),
+                  ("chat", "Write a short paragraph about {w}."), ("chat", "Explain {w} in simple terms.")]
+WORD_PROMPTS = 6144  # prompts of the fourth set (one word each)
+
+
+def word_prompts(tokenizer, n: int, seed: int, exclude_texts) -> list:
+    """n prompts (kind, text), one per vocabulary word, in a seeded order and phrasing; words that
+    occur in ``exclude_texts`` (case-insensitive) are left out."""
+    banned = {w.lower() for t in exclude_texts for w in re.findall(r"[A-Za-z]+", t)}
+    vocab = tokenizer.get_vocab()
+    seen, words = set(), []
+    for tok in sorted(vocab):
+        w = tok[1:]  # byte-level BPE: a leading space is "\u0120"
+        if tok.startswith("\u0120") and re.fullmatch(r"[A-Za-z][a-z]{4,11}", w) and w.lower() not in banned \
+                and w.lower() not in seen:
+            seen.add(w.lower())
+            words.append(w.lower() if "\u0120" + w.lower() in vocab else w)  # a proper noun stays capitalised
+    rng = random.Random(seed + 3)
+    rng.shuffle(words)
+    out = []
+    for w in words[:n]:
+        kind, template = WORD_TEMPLATES[rng.randrange(len(WORD_TEMPLATES))]
+        out.append((kind, template.format(w=w, W=w[0].upper() + w[1:])))
+    return out
+
 
 SAMPLED_PROMPTS = 2315  # how many training prompts get sampled continuations as well (all of them)
 
@@ -781,20 +818,24 @@ def main(argv=None):
     ap.add_argument("--gen-batch", type=int, default=32)
     ap.add_argument("--sampled-prompts", type=int, default=SAMPLED_PROMPTS,
                     help=f"training prompts that also get a sampled continuation (default {SAMPLED_PROMPTS}; 0: none)")
-    ap.add_argument("--sampled-passes", type=int, default=2,
-                    help="sampled continuations per sampled prompt, each pass with other seeds (default 2)")
+    ap.add_argument("--sampled-passes", type=int, default=6,
+                    help="sampled continuations per sampled prompt, each pass with other seeds (default 6)")
+    ap.add_argument("--word-prompts", type=int, default=WORD_PROMPTS,
+                    help=f"prompts of the fourth set, one vocabulary word each (default {WORD_PROMPTS}; 0: none)")
     ap.add_argument("--start-chunk", type=int, default=0,
-                    help="with --corpus-only: generate only the sampled chunks from this one on, counted "
-                         "over all passes (for a second process beside a plain --corpus-only)")
+                    help="with --corpus-only: generate only the chunks of --part from this one on (sampled "
+                         "chunks counted over all passes), for a second process beside a plain --corpus-only")
     ap.add_argument("--stop-chunk", type=int, default=None,
-                    help="with --start-chunk: stop before this sampled chunk (counted over all passes)")
+                    help="with --start-chunk: stop before this chunk")
+    ap.add_argument("--part", choices=("sampled", "words"), default="sampled",
+                    help="what --start-chunk/--stop-chunk count: the sampled passes or the word set")
     ap.add_argument("--sample-temperature", type=float, default=0.8,
                     help="temperature of the sampled continuations (default 0.8)")
     ap.add_argument("--chunk", type=int, default=128, help="prompts per cached corpus chunk of the newer parts")
     ap.add_argument("--hidden", type=int, default=192)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--intermediate", type=int, default=768)
-    ap.add_argument("--epochs", type=float, default=4.0)
+    ap.add_argument("--epochs", type=float, default=2.0)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--soft-weight", type=float, default=1.0)
@@ -829,10 +870,12 @@ def main(argv=None):
           f"threads {args.threads}")
 
     train_a, train_b, held_prompts, train_c = build_prompts(args.seed)
+    train_d = word_prompts(tokenizer, args.word_prompts, args.seed,
+                           DEMO_PROMPTS + [text for _, text in held_prompts]) if args.word_prompts else []
     if args.train_prompts:
         train_a, train_b = train_a[:args.train_prompts], train_b[:args.train_prompts // 2]
-        train_c = train_c[:args.train_prompts // 2]
-    train_prompts = train_a + train_b + train_c
+        train_c, train_d = train_c[:args.train_prompts // 2], train_d[:args.train_prompts // 2]
+    train_prompts = train_a + train_b + train_c + train_d
     demo = [("plain", p) for p in DEMO_PROMPTS] + [("chat", p) for p in DEMO_PROMPTS]
     held_prompts = held_prompts[:8 if args.quick else args.eval_held_out]
     eval_prompts = demo + held_prompts
@@ -877,11 +920,20 @@ def main(argv=None):
                                 "train-b")
                 + sampled_corpus()
                 + chunked_corpus(target, tokenizer, train_c, args.new_tokens, args.gen_batch, 8, distill_cache,
-                                 "train-c", chunk=args.chunk))
+                                 "train-c", chunk=args.chunk)
+                + word_corpus())
+
+    def word_corpus(start_chunk=0, stop_chunk=None):
+        return chunked_corpus(target, tokenizer, train_d, args.new_tokens, args.gen_batch, 8, distill_cache,
+                              "train-d", chunk=args.chunk, start_chunk=start_chunk, stop_chunk=stop_chunk)
 
     if args.corpus_only and (args.start_chunk or args.stop_chunk is not None):
-        sampled_corpus()  # a second process filling the later sampled chunks in parallel
-        print(f"sampled chunks [{args.start_chunk}, {args.stop_chunk}) ready ({time.time() - t_start:.0f} s)")
+        # a second process filling some chunks in parallel
+        if args.part == "words":
+            word_corpus(args.start_chunk, args.stop_chunk)
+        else:
+            sampled_corpus()
+        print(f"{args.part} chunks [{args.start_chunk}, {args.stop_chunk}) ready ({time.time() - t_start:.0f} s)")
         return
     if args.corpus_only:
         corpus = train_corpus()
@@ -903,7 +955,8 @@ def main(argv=None):
         draft = draft.to(torch.float16).to(torch.float32)
         info["training"] = {k: getattr(args, k) for k in ("seed", "new_tokens", "hidden", "layers", "intermediate",
                                                           "epochs", "batch", "lr", "soft_weight", "negatives", "emb_lr_scale", "threads",
-                                                          "sampled_prompts", "sampled_passes", "sample_temperature", "chunk")}
+                                                          "sampled_prompts", "sampled_passes", "sample_temperature", "word_prompts",
+                                                          "chunk")}
         info["training"].update(train_prompts=len(train_prompts), train_tokens=n_tok,
                                 wall_s=round(time.time() - t_start))
 
