@@ -39,18 +39,6 @@ def target_shapes(layers: int = 30, hidden: int = 576, kv: int = 192, mlp: int =
     return per_layer * layers + [(vocab, hidden)]
 
 
-def supported_isas() -> list[str]:
-    """The SIMD paths of skinny_linear this CPU runs (all give the same bits)."""
-    out = []
-    for isa in ("avx2", "avx512"):
-        try:
-            torch.ops.specdec.skinny_linear_isa(torch.ones(1, 8), torch.ones(1, 8), None, isa)
-            out.append(isa)
-        except RuntimeError:
-            pass
-    return out
-
-
 def run_sweep(rows: list[int], min_time_s: float, isas: list[str] = ()) -> list[dict]:
     from specdec_kernels.cpu_linear import skinny_linear
 
@@ -144,7 +132,9 @@ def main(argv=None) -> int:
     print(" ".join(["python"] + sys.argv))
     cond = {"device": harness.device_name(torch.device("cpu")), "date": harness.now(), **harness.versions()}
     print(cond)
-    results = run_sweep(rows, args.min_time, supported_isas() if args.isa else [])
+    from specdec_kernels.cpu_linear import supported_isas
+
+    results = run_sweep(rows, args.min_time, list(supported_isas()) if args.isa else [])
     if args.model:
         results += run_model(rows, args.reps)
     cols = ["bench", "provider", "rows", "ms", "q20_ms", "q80_ms", "GB/s", "vs_own_1_row", "speedup_vs_linear"]

@@ -103,12 +103,12 @@ def test_every_simd_path_gives_the_portable_bits(isa):
     """Each SIMD path (forced through skinny_linear_isa) equals the portable C++ path bit for bit,
     fp32 and fp16 weights, over row counts on both sides of the AVX-512 switch (9 rows), odd
     numbers of weight rows (the AVX-512 path pairs them) and every K tail."""
-    try:
-        torch.ops.specdec.skinny_linear_isa(torch.ones(1, 8), torch.ones(1, 8), None, isa)
-    except RuntimeError as e:
-        if "not supported by this CPU" not in str(e):
-            raise
-        pytest.skip(f"this CPU has no {isa} path: {e}")
+    from specdec_kernels.cpu_linear import supported_isas
+
+    if isa not in supported_isas():
+        with pytest.raises(RuntimeError, match=f"isa '{isa}' is not supported by this CPU"):
+            torch.ops.specdec.skinny_linear_isa(torch.ones(1, 8), torch.ones(1, 8), None, isa)
+        pytest.skip(f"this CPU has no {isa} path (it has: {supported_isas()}); refusal checked")
     op = torch.ops.specdec.skinny_linear_isa
     g = torch.Generator().manual_seed(11)
     for m in (1, 2, 8, 9, 12, 16, 17, 33):
@@ -253,13 +253,15 @@ def test_use_skinny_linear_patches_counts_and_restores():
 def test_default_max_rows_follows_the_cpu():
     """Without max_rows the kernel takes inputs of up to default_max_rows() rows: 24 where its
     AVX-512 path runs (which beats torch's SGEMM up to there), 16 elsewhere."""
-    from specdec_kernels.cpu_linear import AVX512_MAX_ROWS, DEFAULT_MAX_ROWS, default_max_rows
+    from specdec_kernels.cpu_linear import AVX512_MAX_ROWS, DEFAULT_MAX_ROWS, default_max_rows, supported_isas
 
-    try:
-        torch.ops.specdec.skinny_linear_isa(torch.ones(1, 8), torch.ones(1, 8), None, "avx512")
-        want = AVX512_MAX_ROWS
-    except RuntimeError:
-        want = DEFAULT_MAX_ROWS
+    # torch's own reading of the CPU, independent of ours: what it can run, we must offer
+    cap = torch.backends.cpu.get_cpu_capability()
+    if cap in ("AVX2", "AVX512"):
+        assert "avx2" in supported_isas(), (cap, supported_isas())
+    if cap == "AVX512":
+        assert "avx512" in supported_isas(), (cap, supported_isas())
+    want = AVX512_MAX_ROWS if "avx512" in supported_isas() else DEFAULT_MAX_ROWS
     assert default_max_rows() == want
     m = _Tiny()
     with torch.no_grad(), use_skinny_linear(m) as h:

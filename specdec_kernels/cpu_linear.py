@@ -33,7 +33,7 @@ from ._ext import HAS_EXT
 from .reference import skinny_linear_reference
 
 __all__ = ["AVX512_MAX_ROWS", "DEFAULT_MAX_ROWS", "SkinnyLinearHandle", "default_max_rows", "skinny_linear",
-           "use_skinny_linear"]
+           "supported_isas", "use_skinny_linear"]
 
 # Up to this many rows (the product of x's leading dims) the kernel beat torch's linear in
 # bench/bench_skinny_linear.py on the 2-core AVX2 machine (30-50% less time at 2-9 rows, on par
@@ -46,17 +46,27 @@ AVX512_MAX_ROWS = 24
 
 
 @functools.lru_cache(maxsize=None)
+def supported_isas() -> tuple:
+    """The SIMD paths of the kernel this CPU runs, of ("avx2", "avx512") (the portable path
+    always runs; all give the same bits); () without the C++ extension.  Asked of the extension
+    itself (``skinny_linear_isa`` refuses a path the CPU lacks), once."""
+    if not HAS_EXT:
+        return ()
+    out = []
+    for isa in ("avx2", "avx512"):
+        try:
+            torch.ops.specdec.skinny_linear_isa(torch.ones(1, 8), torch.ones(1, 8), None, isa)
+        except RuntimeError:
+            continue
+        out.append(isa)
+    return tuple(out)
+
+
 def default_max_rows() -> int:
     """The row count up to which ``use_skinny_linear`` routes a layer through the kernel by
     default on this CPU: ``AVX512_MAX_ROWS`` where the kernel's AVX-512 path runs, else
     ``DEFAULT_MAX_ROWS``."""
-    if not HAS_EXT:
-        return DEFAULT_MAX_ROWS
-    try:
-        torch.ops.specdec.skinny_linear_isa(torch.ones(1, 8), torch.ones(1, 8), None, "avx512")
-    except RuntimeError:
-        return DEFAULT_MAX_ROWS
-    return AVX512_MAX_ROWS
+    return AVX512_MAX_ROWS if "avx512" in supported_isas() else DEFAULT_MAX_ROWS
 
 
 def _check(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> None:

@@ -859,9 +859,10 @@ class SpeculativeDecoder:
             pos = st.ld[:, None]
             new_valid = torch.ones((B, 1), dtype=torch.bool, device=dev)
             pos_last = st.ld
-        mask = torch.arange(st.Td, device=dev)[None, :] < st.ld[:, None]  # [B, Td]
-        # no padding anywhere (every row's cache is full and no row feeds a gap column): no mask
+        # [B, Td] valid columns; None when nothing is padding (every row's cache is full and no
+        # row feeds a gap column), and then none is built
         dense = min(st.ld_host) == st.Td and (not catch_up or all(st.catch_host))
+        mask = None if dense else torch.arange(st.Td, device=dev)[None, :] < st.ld[:, None]
         T = st.Td
         xs, qs = [], []
         for j in range(K):
@@ -871,8 +872,9 @@ class SpeculativeDecoder:
                 new_valid = torch.ones((B, 1), dtype=torch.bool, device=dev)
             if st.context is not None:
                 pos = pos.clamp(max=st.context - 1)  # drafts past a row's budget are discarded anyway
-            mask = torch.cat([mask, new_valid], 1)
-            logits = d.forward(st.dc, ids, None if dense else mask, pos, T, 1)[:, -1]  # [B, Vd]
+            if mask is not None:
+                mask = torch.cat([mask, new_valid], 1)
+            logits = d.forward(st.dc, ids, mask, pos, T, 1)[:, -1]  # [B, Vd]
             T += ids.shape[1]
             if greedy:
                 x = logits.argmax(-1)
@@ -918,10 +920,11 @@ class SpeculativeDecoder:
         pos = st.lt[:, None] + torch.arange(K + 1, device=dev)[None, :]  # [B, K+1]
         if st.context is not None:
             pos = pos.clamp(max=st.context - 1)
-        mask = torch.cat([torch.arange(st.Tt, device=dev)[None, :] < st.lt[:, None],
-                          torch.ones((B, K + 1), dtype=torch.bool, device=dev)], 1)  # [B, Tt+K+1]
-        dense = min(st.lt_host) == st.Tt  # every row's cache is full: no padding mask
-        logits = self._t.forward(st.tc, ids, None if dense else mask, pos, st.Tt, K + 1)  # [B, K+1, V]
+        mask = None  # every row's cache is full: no padding, no mask
+        if min(st.lt_host) < st.Tt:
+            mask = torch.cat([torch.arange(st.Tt, device=dev)[None, :] < st.lt[:, None],
+                              torch.ones((B, K + 1), dtype=torch.bool, device=dev)], 1)  # [B, Tt+K+1]
+        logits = self._t.forward(st.tc, ids, mask, pos, st.Tt, K + 1)  # [B, K+1, V]
         out = fused_verify(logits, X, Q, num_draft_tokens=kb, temperature=st.temperature,
                            top_k=st.top_k, top_p=st.top_p, seed=st.seed, offset=st.step)
         n = out.num_accepted  # [B] int64 in [-1, K_b]
