@@ -23,7 +23,10 @@ distilled from the target in five steps:
 3. init: the draft's tied embedding = the target's embedding projected onto its top principal
    directions (SVD of the [V, 576] matrix), so the draft starts with the target's token geometry;
 4. training: cross-entropy on the target's greedy token at every position (on a sampled path
-   too) plus cross-entropy to the target's top-8 distribution, AdamW, fixed seed;
+   too) plus cross-entropy to the target's top-8 distribution, AdamW, fixed seed; then a second
+   stage (``--more-epochs``): the fp16-rounded result trained further with a fresh optimizer and
+   a lower peak learning rate (``--grow-layers`` can add layers first, each starting as the
+   identity; ``--resume-from DIR`` starts the second stage from a saved first stage);
 5. measurement: alpha at temperature 0 = the fraction of the target's own greedy continuation
    tokens that the draft's argmax matches, teacher-forced (this is exactly the per-token
    acceptance of greedy speculative decoding, Leviathan et al. 2023), on held-out prompts and
@@ -484,6 +487,48 @@ def make_draft(target, hidden: int, layers: int, intermediate: int, seed: int):
     return draft
 
 
+def grow_draft(draft, layers: int, seed: int):
+    """The same draft with ``layers`` decoder layers (>= its own), computing the same function:
+    the new layers are spread between the old ones (evenly, each after an old layer) with their
+    output projections (attention ``o_proj``, MLP ``down_proj``) zeroed, so each starts as the
+    identity on the residual stream; their other weights get the usual random init.  Training
+    then continues from the old draft's function instead of from scratch."""
+    from transformers import LlamaForCausalLM
+
+    old = draft.config.num_hidden_layers
+    if layers < old:
+        raise ValueError(f"grow_draft: layers must be >= the draft's {old}, got {layers}")
+    extra = layers - old
+    # after[i] new layers follow old layer i, spread evenly (4 -> 6: after old 1 and 3)
+    after = [(i + 1) * extra // old - i * extra // old for i in range(old)]
+    cfg = draft.config.__class__.from_dict(draft.config.to_dict())
+    cfg.num_hidden_layers = layers
+    if getattr(cfg, "layer_types", None) is not None:
+        cfg.layer_types = [cfg.layer_types[0]] * layers
+    torch.manual_seed(seed)
+    grown = LlamaForCausalLM(cfg)
+    sd = draft.state_dict()
+    new_sd = grown.state_dict()
+    pos = 0
+    with torch.no_grad():
+        for name, t in sd.items():
+            if not name.startswith("model.layers."):
+                new_sd[name].copy_(t)
+        for i in range(old):
+            prefix = f"model.layers.{i}."
+            for name, t in sd.items():
+                if name.startswith(prefix):
+                    new_sd[f"model.layers.{pos}." + name[len(prefix):]].copy_(t)
+            pos += 1
+            for _ in range(after[i]):
+                for name in ("self_attn.o_proj.weight", "mlp.down_proj.weight"):
+                    new_sd[f"model.layers.{pos}.{name}"].zero_()
+                pos += 1
+    grown.load_state_dict(new_sd)
+    grown.tie_weights()
+    return grown.eval()
+
+
 def _batches(corpus, batch_size: int, rng: random.Random):
     """Length-bucketed batches of corpus indices, shuffled."""
     order = sorted(range(len(corpus)), key=lambda i: len(corpus[i]["prompt"]) + len(corpus[i]["gen"]) + rng.random())
@@ -841,6 +886,16 @@ def main(argv=None):
     ap.add_argument("--soft-weight", type=float, default=1.0)
     ap.add_argument("--negatives", type=int, default=2048, help="sampled negatives per training step")
     ap.add_argument("--emb-lr-scale", type=float, default=3.0, help="embedding lr / lr (0: frozen)")
+    ap.add_argument("--more-epochs", type=float, default=0.0,
+                    help="second stage: train the first stage's (fp16-rounded) draft this many more epochs, "
+                         "fresh optimizer and schedule (0: no second stage)")
+    ap.add_argument("--more-lr", type=float, default=1e-3, help="peak learning rate of the second stage")
+    ap.add_argument("--more-threads", type=int, default=None, help="threads of the second stage (default --threads)")
+    ap.add_argument("--grow-layers", type=int, default=None,
+                    help="grow the draft to this many layers before the second stage (new layers start as the "
+                         "identity; default: keep --layers)")
+    ap.add_argument("--resume-from", type=Path, default=None,
+                    help="skip the first stage: start the second from this draft (a first stage's output)")
     ap.add_argument("--e2e-k", type=int, default=None, help="K of the end-to-end run (default: best simulated)")
     ap.add_argument("--e2e-rounds", type=int, default=2, help="rounds of the end-to-end run (0: skip it)")
     args = ap.parse_args(argv)
@@ -946,19 +1001,45 @@ def main(argv=None):
         corpus = train_corpus()
         n_tok = sum(len(c["gen"]) for c in corpus)
         print(f"train corpus: {len(corpus)} continuations, {n_tok} target tokens ({time.time() - t_start:.0f} s so far)")
-        draft = make_draft(target, args.hidden, args.layers, args.intermediate, args.seed)
-        print(f"draft: hidden {args.hidden}, {args.layers} layers, intermediate {args.intermediate}, "
-              f"{sum(p.numel() for p in draft.parameters()) / 1e6:.2f} M parameters")
-        train_draft(draft, corpus, pad, args.epochs, args.batch, args.lr, args.seed, args.soft_weight,
-                    args.negatives, args.emb_lr_scale, log_every=10 if args.quick else 50, eval_corpus=eval_corpus)
-        # what is shipped is fp16: measure that
-        draft = draft.to(torch.float16).to(torch.float32)
-        info["training"] = {k: getattr(args, k) for k in ("seed", "new_tokens", "hidden", "layers", "intermediate",
-                                                          "epochs", "batch", "lr", "soft_weight", "negatives", "emb_lr_scale", "threads",
-                                                          "sampled_prompts", "sampled_passes", "sample_temperature", "word_prompts",
-                                                          "chunk")}
-        info["training"].update(train_prompts=len(train_prompts), train_tokens=n_tok,
-                                wall_s=round(time.time() - t_start))
+        if args.resume_from is not None:
+            # the first stage's output, saved in fp16 and loaded as fp32: what the second stage
+            # of a full run starts from too (it rounds the first stage's weights to fp16)
+            draft = AutoModelForCausalLM.from_pretrained(str(args.resume_from), local_files_only=True,
+                                                         dtype=torch.float32).eval()
+            prev = json.loads((args.resume_from / "distill_info.json").read_text())["training"]
+            info["training"] = {k: v for k, v in prev.items() if not k.startswith(("more_", "grow_"))}
+            print(f"first stage: resumed from {args.resume_from} ({draft.config.num_hidden_layers} layers)")
+        else:
+            draft = make_draft(target, args.hidden, args.layers, args.intermediate, args.seed)
+            print(f"draft: hidden {args.hidden}, {args.layers} layers, intermediate {args.intermediate}, "
+                  f"{sum(p.numel() for p in draft.parameters()) / 1e6:.2f} M parameters")
+            train_draft(draft, corpus, pad, args.epochs, args.batch, args.lr, args.seed, args.soft_weight,
+                        args.negatives, args.emb_lr_scale, log_every=10 if args.quick else 50,
+                        eval_corpus=eval_corpus)
+            # what is shipped is fp16: measure that (and grow from that)
+            draft = draft.to(torch.float16).to(torch.float32)
+            info["training"] = {k: getattr(args, k) for k in (
+                "seed", "new_tokens", "hidden", "layers", "intermediate", "epochs", "batch", "lr", "soft_weight",
+                "negatives", "emb_lr_scale", "threads", "sampled_prompts", "sampled_passes", "sample_temperature",
+                "word_prompts", "chunk")}
+            info["training"].update(train_prompts=len(train_prompts), train_tokens=n_tok)
+        if args.more_epochs > 0:
+            t_more = time.time()
+            torch.set_num_threads(args.more_threads or args.threads)
+            layers = args.grow_layers or draft.config.num_hidden_layers
+            draft = grow_draft(draft, layers, args.seed + 1)
+            print(f"second stage: {layers} layers ({sum(p.numel() for p in draft.parameters()) / 1e6:.2f} M "
+                  f"parameters), {args.more_epochs} more epochs at lr {args.more_lr}, "
+                  f"{torch.get_num_threads()} threads")
+            train_draft(draft, corpus, pad, args.more_epochs, args.batch, args.more_lr, args.seed + 1,
+                        args.soft_weight, args.negatives, args.emb_lr_scale, log_every=10 if args.quick else 50,
+                        eval_corpus=eval_corpus)
+            draft = draft.to(torch.float16).to(torch.float32)
+            torch.set_num_threads(args.threads)
+            info["training"].update(more_epochs=args.more_epochs, more_lr=args.more_lr,
+                                    more_threads=args.more_threads or args.threads, grow_layers=layers,
+                                    more_wall_s=round(time.time() - t_more))
+        info["training"]["wall_s" if args.resume_from is None else "resumed_wall_s"] = round(time.time() - t_start)
 
     groups = {
         "demo plain": lambda c: c["kind"] == "plain" and c["text"] in DEMO_PROMPTS,
