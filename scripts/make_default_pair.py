@@ -439,7 +439,9 @@ def cached_corpus(target, tokenizer, prompts, new_tokens, batch_size, top_k, cac
     data = generate_corpus(target, tokenizer, prompts, new_tokens, batch_size, top_k,
                            log_every=max(1, len(prompts) // batch_size // 10), temperature=temperature, seed=seed)
     cache.mkdir(parents=True, exist_ok=True)
-    torch.save(data, path)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    torch.save(data, tmp)
+    os.replace(tmp, path)  # a process stopped mid-save leaves no truncated chunk behind
     return data
 
 
