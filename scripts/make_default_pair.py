@@ -44,6 +44,7 @@ stage with 2 threads (2 epochs each).
 from __future__ import annotations
 
 import argparse
+import copy
 import hashlib
 import json
 import math
@@ -503,30 +504,23 @@ def grow_draft(draft, layers: int, seed: int):
     extra = layers - old
     # after[i] new layers follow old layer i, spread evenly (4 -> 6: after old 1 and 3)
     after = [(i + 1) * extra // old - i * extra // old for i in range(old)]
-    cfg = draft.config.__class__.from_dict(draft.config.to_dict())
+    cfg = copy.deepcopy(draft.config)
     cfg.num_hidden_layers = layers
     if getattr(cfg, "layer_types", None) is not None:
         cfg.layer_types = [cfg.layer_types[0]] * layers
     torch.manual_seed(seed)
     grown = LlamaForCausalLM(cfg)
-    sd = draft.state_dict()
-    new_sd = grown.state_dict()
-    pos = 0
     with torch.no_grad():
-        for name, t in sd.items():
-            if not name.startswith("model.layers."):
-                new_sd[name].copy_(t)
-        for i in range(old):
-            prefix = f"model.layers.{i}."
-            for name, t in sd.items():
-                if name.startswith(prefix):
-                    new_sd[f"model.layers.{pos}." + name[len(prefix):]].copy_(t)
-            pos += 1
-            for _ in range(after[i]):
-                for name in ("self_attn.o_proj.weight", "mlp.down_proj.weight"):
-                    new_sd[f"model.layers.{pos}.{name}"].zero_()
-                pos += 1
-    grown.load_state_dict(new_sd)
+        for name in ("embed_tokens", "norm"):
+            getattr(grown.model, name).load_state_dict(getattr(draft.model, name).state_dict())
+        grown.lm_head.load_state_dict(draft.lm_head.state_dict())  # the embedding again when tied
+        slots = iter(grown.model.layers)  # built with their own layer_idx, so the cache numbering holds
+        for layer, n_new in zip(draft.model.layers, after):
+            next(slots).load_state_dict(layer.state_dict())
+            for _ in range(n_new):
+                new = next(slots)
+                new.self_attn.o_proj.weight.zero_()
+                new.mlp.down_proj.weight.zero_()
     grown.tie_weights()
     return grown.eval()
 
@@ -901,6 +895,12 @@ def main(argv=None):
     ap.add_argument("--e2e-k", type=int, default=None, help="K of the end-to-end run (default: best simulated)")
     ap.add_argument("--e2e-rounds", type=int, default=2, help="rounds of the end-to-end run (0: skip it)")
     args = ap.parse_args(argv)
+    if args.more_epochs <= 0 and (args.grow_layers is not None or args.resume_from is not None):
+        ap.error(f"--grow-layers and --resume-from act on the second stage: need --more-epochs > 0, "
+                 f"got {args.more_epochs}")
+    if args.resume_from is not None and not (args.resume_from / "distill_info.json").is_file():
+        ap.error(f"--resume-from: expected a draft directory written by this script (with distill_info.json), "
+                 f"got {args.resume_from}")
 
     torch.set_num_threads(args.threads)
     if args.quick:
