@@ -75,3 +75,25 @@ def test_grow_draft_keeps_the_function(build, old, new, grown_at):
 def test_grow_draft_refuses_fewer_layers(build):
     with pytest.raises(ValueError, match="layers must be >= the draft's 4, got 3"):
         build.grow_draft(_tiny(4), 3, seed=0)
+
+
+def test_stage_history_chains_stages(build):
+    # a draft written before `stages` existed: its second stage as flat more_* keys
+    legacy = dict(seed=0, layers=4, epochs=2.0, lr=3e-3, word_prompts=6144, sampled_prompts=2315, sampled_passes=6,
+                  train_prompts=8459, train_tokens=1335527, wall_s=2370, more_epochs=2.0, more_lr=1e-3,
+                  more_threads=2, grow_layers=4, more_wall_s=2304, resumed_wall_s=2322)
+    hist = build.stage_history(legacy)
+    assert {k: hist[k] for k in ("seed", "epochs", "lr", "word_prompts", "train_tokens", "wall_s")} == dict(
+        seed=0, epochs=2.0, lr=3e-3, word_prompts=6144, train_tokens=1335527, wall_s=2370)
+    assert not any(k.startswith(("more_", "grow_")) or k == "resumed_wall_s" for k in hist)
+    assert hist["stages"] == [dict(epochs=2.0, lr=1e-3, threads=2, layers=4, seed=1, word_prompts=6144,
+                                   sampled_prompts=2315, sampled_passes=6, train_prompts=8459,
+                                   train_tokens=1335527, wall_s=2304)]
+    # a newer record: stages are kept as they are (and copied, not shared)
+    third = dict(epochs=1.5, lr=1e-3, threads=2, layers=4, seed=2, word_prompts=19267, sampled_prompts=2315,
+                 sampled_passes=6, train_prompts=21582, train_tokens=2146640, wall_s=2800)
+    newer = {**hist, "stages": hist["stages"] + [third]}
+    again = build.stage_history(newer)
+    assert again == newer and again["stages"][1] is not third
+    # a first stage alone has no later stages
+    assert build.stage_history(dict(seed=0, epochs=2.0))["stages"] == []

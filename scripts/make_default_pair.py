@@ -26,7 +26,8 @@ distilled from the target in five steps:
    too) plus cross-entropy to the target's top-8 distribution, AdamW, fixed seed; then a second
    stage (``--more-epochs``): the fp16-rounded result trained further with a fresh optimizer and
    a lower peak learning rate (``--grow-layers`` can add layers first, each starting as the
-   identity; ``--resume-from DIR`` starts the second stage from a saved first stage);
+   identity; ``--resume-from DIR`` runs one more stage on a saved draft, on this run's corpus, and
+   keeps its record of the earlier stages);
 5. measurement: alpha at temperature 0 = the fraction of the target's own greedy continuation
    tokens that the draft's argmax matches, teacher-forced (this is exactly the per-token
    acceptance of greedy speculative decoding, Leviathan et al. 2023), on held-out prompts and
@@ -818,6 +819,25 @@ def end_to_end(draft, target, tokenizer, prompts, max_new: int, K: int, rounds: 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 
 
+def stage_history(prev: dict) -> dict:
+    """The ``training`` record of a draft to resume from, made ready for one more stage.
+
+    The first stage's settings stay flat (as a full build writes them); every later stage is an
+    entry of ``stages`` with its own data (word prompts, tokens) and schedule.  Drafts written
+    before ``stages`` existed record their second stage as ``more_*`` keys: converted here.
+    """
+    first = {k: v for k, v in prev.items()
+             if not k.startswith(("more_", "grow_")) and k not in ("stages", "resumed_wall_s")}
+    stages = [dict(s) for s in prev.get("stages", [])]
+    if "more_epochs" in prev and not stages:
+        stages.append(dict(epochs=prev["more_epochs"], lr=prev["more_lr"], threads=prev["more_threads"],
+                           layers=prev.get("grow_layers", prev.get("layers")), seed=prev.get("seed", 0) + 1,
+                           word_prompts=prev.get("word_prompts"), sampled_prompts=prev.get("sampled_prompts"),
+                           sampled_passes=prev.get("sampled_passes"), train_prompts=prev.get("train_prompts"),
+                           train_tokens=prev.get("train_tokens"), wall_s=prev.get("more_wall_s")))
+    return {**first, "stages": stages}
+
+
 def save_draft(draft, target_dir: str, out: Path, info: dict):
     """fp16 weights (half the bytes), config dtype float32 so that ``from_pretrained`` without a
     dtype gives the fast CPU dtype; the target's tokenizer files, copied byte for byte."""
@@ -891,7 +911,8 @@ def main(argv=None):
                     help="grow the draft to this many layers before the second stage (new layers start as the "
                          "identity; default: keep --layers)")
     ap.add_argument("--resume-from", type=Path, default=None,
-                    help="skip the first stage: start the second from this draft (a first stage's output)")
+                    help="skip the first stage: run one more stage (--more-epochs, on this run's corpus) on this "
+                         "draft (written by this script; its record of earlier stages is kept)")
     ap.add_argument("--e2e-k", type=int, default=None, help="K of the end-to-end run (default: best simulated)")
     ap.add_argument("--e2e-rounds", type=int, default=2, help="rounds of the end-to-end run (0: skip it)")
     args = ap.parse_args(argv)
@@ -1009,9 +1030,10 @@ def main(argv=None):
             # of a full run starts from too (it rounds the first stage's weights to fp16)
             draft = AutoModelForCausalLM.from_pretrained(str(args.resume_from), local_files_only=True,
                                                          dtype=torch.float32).eval()
-            prev = json.loads((args.resume_from / "distill_info.json").read_text())["training"]
-            info["training"] = {k: v for k, v in prev.items() if not k.startswith(("more_", "grow_"))}
-            print(f"first stage: resumed from {args.resume_from} ({draft.config.num_hidden_layers} layers)")
+            info["training"] = stage_history(json.loads((args.resume_from / "distill_info.json").read_text())
+                                             ["training"])
+            print(f"resumed from {args.resume_from} ({draft.config.num_hidden_layers} layers, "
+                  f"{1 + len(info['training']['stages'])} stage(s) so far)")
         else:
             draft = make_draft(target, args.hidden, args.layers, args.intermediate, args.seed)
             print(f"draft: hidden {args.hidden}, {args.layers} layers, intermediate {args.intermediate}, "
@@ -1025,7 +1047,8 @@ def main(argv=None):
                 "seed", "new_tokens", "hidden", "layers", "intermediate", "epochs", "batch", "lr", "soft_weight",
                 "negatives", "emb_lr_scale", "threads", "sampled_prompts", "sampled_passes", "sample_temperature",
                 "word_prompts", "chunk")}
-            info["training"].update(train_prompts=len(train_prompts), train_tokens=n_tok)
+            info["training"].update(train_prompts=len(train_prompts), train_tokens=n_tok,
+                                    wall_s=round(time.time() - t_start), stages=[])
         if args.more_epochs > 0:
             t_more = time.time()
             torch.set_num_threads(args.more_threads or args.threads)
@@ -1034,15 +1057,19 @@ def main(argv=None):
             print(f"second stage: {layers} layers ({sum(p.numel() for p in draft.parameters()) / 1e6:.2f} M "
                   f"parameters), {args.more_epochs} more epochs at lr {args.more_lr}, "
                   f"{torch.get_num_threads()} threads")
-            train_draft(draft, corpus, pad, args.more_epochs, args.batch, args.more_lr, args.seed + 1,
+            # stage n (n >= 2) shuffles with seed + n - 1: the second stage of a full build with
+            # seed + 1, a third one resumed from it with seed + 2
+            stage_seed = args.seed + 1 + len(info["training"]["stages"])
+            train_draft(draft, corpus, pad, args.more_epochs, args.batch, args.more_lr, stage_seed,
                         args.soft_weight, args.negatives, args.emb_lr_scale, log_every=10 if args.quick else 50,
                         eval_corpus=eval_corpus)
             draft = draft.to(torch.float16).to(torch.float32)
             torch.set_num_threads(args.threads)
-            info["training"].update(more_epochs=args.more_epochs, more_lr=args.more_lr,
-                                    more_threads=args.more_threads or args.threads, grow_layers=layers,
-                                    more_wall_s=round(time.time() - t_more))
-        info["training"]["wall_s" if args.resume_from is None else "resumed_wall_s"] = round(time.time() - t_start)
+            info["training"]["stages"].append(dict(
+                epochs=args.more_epochs, lr=args.more_lr, threads=args.more_threads or args.threads,
+                layers=layers, seed=stage_seed, word_prompts=args.word_prompts,
+                sampled_prompts=args.sampled_prompts, sampled_passes=args.sampled_passes,
+                train_prompts=len(train_prompts), train_tokens=n_tok, wall_s=round(time.time() - t_more)))
 
     groups = {
         "demo plain": lambda c: c["kind"] == "plain" and c["text"] in DEMO_PROMPTS,
