@@ -99,10 +99,55 @@ def greedy_refs(pair):
 
 
 class _CountingForward:
-    """Wraps model.forward; records (input_ids, attention_mask, position_ids) of every call.  A
-    call without an attention mask (the decoder omits it when no column is padding) is recorded
-    with the all-valid mask it stands for, over the cache's columns plus the new ones, and
-    counted in ``unmasked``."""
+    """Records (input_ids, attention_mask, position_ids) of every forward the decoder runs on one
+    of its models (``which``: "target" or "draft"), at the boundary where it hands them to the
+    model: ``_Runner.forward`` (the model's own forward: the prefill, and the steps when the lean
+    path is off) and ``LeanLlamaStep.step`` (the decode steps of a Llama on the CPU, which
+    test_lean_forward.py proves equal to the model's forward, bit for bit).  A call without an
+    attention mask (the decoder omits it when no column is padding) is recorded with the
+    all-valid mask it stands for, over the cache's columns plus the new ones, and counted in
+    ``unmasked``; ``lean`` counts the calls that took the lean path."""
+
+    def __init__(self, dec, which: str):
+        self.runner = dec._t if which == "target" else dec._d
+        self.calls = []
+        self.unmasked = 0
+        self.lean = 0
+        dec._refresh_lean()  # what generate() does first: the lean step object it will use
+        r = self.runner
+        orig_forward = r.forward
+
+        def record(cache, ids, mask, positions):
+            if mask is None:
+                mask = torch.ones((ids.shape[0], cache.get_seq_length() + ids.shape[1]), dtype=torch.long)
+                self.unmasked += 1
+            self.calls.append((ids.clone(), mask.to(torch.long), positions.clone()))
+
+        def forward(cache, ids, mask, positions, start, keep):
+            record(cache, ids, mask, positions)
+            return orig_forward(cache, ids, mask, positions, start, keep)
+
+        r.forward = forward
+        self.lean_step = r.lean
+        if r.lean is not None:
+            orig_step = r.lean.step
+
+            def step(cache, ids, mask, positions, keep):
+                record(cache, ids, mask, positions)
+                self.lean += 1
+                return orig_step(cache, ids, mask, positions, keep)
+
+            r.lean.step = step
+
+    def restore(self):
+        del self.runner.forward
+        if self.lean_step is not None:
+            del self.lean_step.step
+
+
+class _CountingModelForward:
+    """Wraps model.forward itself; records as ``_CountingForward`` does (for the path without
+    the lean step, where every call reaches the model's forward)."""
 
     def __init__(self, model):
         self.model = model
@@ -441,7 +486,7 @@ def test_grouped_prefill_caches_and_outputs(pair, temperature):
     dec = SpeculativeDecoder(draft=draft, target=target)
     st = dec._start(SKEWED, 12, 3, temperature, None, None, 7, None, False, None, 3, None, False,
                     target_only=False)
-    tc = _CountingForward(target)
+    tc = _CountingForward(dec, "target")
     try:
         with torch.inference_mode():
             dec._prefill(st)
@@ -482,7 +527,7 @@ def test_a_batch_without_padding_runs_without_a_mask(pair, greedy_refs):
     draft, target = pair
     i = max(range(len(PROMPTS)), key=lambda j: len(PROMPTS[j]))  # a prompt with a prefill
     dec = SpeculativeDecoder(draft=draft, target=target)
-    tc, dc = _CountingForward(target), _CountingForward(draft)
+    tc, dc = _CountingForward(dec, "target"), _CountingForward(dec, "draft")
     try:
         res = dec.generate([PROMPTS[i]], max_new_tokens=24, num_draft_tokens=3)
     finally:
@@ -491,17 +536,27 @@ def test_a_batch_without_padding_runs_without_a_mask(pair, greedy_refs):
     assert res.token_ids == [greedy_refs[i]]
     assert len(tc.calls) > 2 and tc.unmasked == len(tc.calls) - 1  # all but the prefill
     assert len(dc.calls) > 2 and dc.unmasked == len(dc.calls) - 1
+    assert tc.lean == len(tc.calls) - 1 and dc.lean == len(dc.calls) - 1  # the steps took the lean path
 
+
+@pytest.mark.parametrize("path", ["lean", "model"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_each_token_is_fed_once(pair, temperature):
+def test_each_token_is_fed_once(pair, temperature, path):
+    """Counted where the decoder hands tokens to each model (path "lean": the default, decode
+    steps through LeanLlamaStep) and at the models' own forward (path "model": lean_forward=False)."""
     draft, target = pair
-    dec = SpeculativeDecoder(draft=draft, target=target)
-    tc, dc = _CountingForward(target), _CountingForward(draft)
+    dec = SpeculativeDecoder(draft=draft, target=target, lean_forward=path == "lean")
+    if path == "lean":
+        tc, dc = _CountingForward(dec, "target"), _CountingForward(dec, "draft")
+    else:
+        tc, dc = _CountingModelForward(target), _CountingModelForward(draft)
     try:
         res = dec.generate(PROMPTS, max_new_tokens=20, num_draft_tokens=4, temperature=temperature, seed=3)
     finally:
         tc.restore()
         dc.restore()
+    if path == "lean":
+        assert tc.lean == len(tc.calls) - 1 and dc.lean == len(dc.calls) - 1  # all but the prefill
     hist = res.stats.history
     lens = {p: len(x) for p, x in enumerate(PROMPTS)}
     P = max(lens.values()) - 1
@@ -669,7 +724,7 @@ def test_text_prompts_and_verbose(tiny):
 def test_bad_generate_arguments(pair, kwargs, exc, match):
     draft, target = pair
     dec = SpeculativeDecoder(draft=draft, target=target)
-    tc, dc = _CountingForward(target), _CountingForward(draft)
+    tc, dc = _CountingForward(dec, "target"), _CountingForward(dec, "draft")
     try:
         with pytest.raises(exc, match=match):
             dec.generate(**kwargs)

@@ -1054,12 +1054,13 @@ def main(argv=None):
             torch.set_num_threads(args.more_threads or args.threads)
             layers = args.grow_layers or draft.config.num_hidden_layers
             draft = grow_draft(draft, layers, args.seed + 1)
-            print(f"second stage: {layers} layers ({sum(p.numel() for p in draft.parameters()) / 1e6:.2f} M "
-                  f"parameters), {args.more_epochs} more epochs at lr {args.more_lr}, "
-                  f"{torch.get_num_threads()} threads")
             # stage n (n >= 2) shuffles with seed + n - 1: the second stage of a full build with
             # seed + 1, a third one resumed from it with seed + 2
-            stage_seed = args.seed + 1 + len(info["training"]["stages"])
+            stage = 2 + len(info["training"]["stages"])
+            stage_seed = args.seed + stage - 1
+            print(f"stage {stage}: {layers} layers ({sum(p.numel() for p in draft.parameters()) / 1e6:.2f} M "
+                  f"parameters), {args.more_epochs} more epochs at lr {args.more_lr}, "
+                  f"{torch.get_num_threads()} threads")
             train_draft(draft, corpus, pad, args.more_epochs, args.batch, args.more_lr, stage_seed,
                         args.soft_weight, args.negatives, args.emb_lr_scale, log_every=10 if args.quick else 50,
                         eval_corpus=eval_corpus)
