@@ -168,14 +168,16 @@ def generation_settings(model, **values):
 
 
 class Bench:
-    def __init__(self, draft, target, tok, device, prompt_ids, max_new, eos_mode, seed, linear="auto"):
+    def __init__(self, draft, target, tok, device, prompt_ids, max_new, eos_mode, seed, linear="auto",
+                 lean_forward=True):
         self.draft, self.target, self.tok, self.device = draft, target, tok, device
         self.prompt_ids = prompt_ids  # list of list of ints
         self.max_new = max_new
         self.seed = seed
         self.batch1_prompts = None  # batch 1 decodes the first N prompts only (None: all)
         self.pad = tok.pad_token_id
-        self.dec = SpeculativeDecoder(draft=draft, target=target, tokenizer=tok, cpu_linear=linear)
+        self.dec = SpeculativeDecoder(draft=draft, target=target, tokenizer=tok, cpu_linear=linear,
+                                      lean_forward=lean_forward)
         # Every method runs the models' linear layers the same way: the decoder's choice
         # ("skinny" on fp32 CPU by default) is applied to the Hugging Face methods too, and
         # target_hf_torch_linear times the target alone with torch's own linear besides.
@@ -378,6 +380,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--linear", choices=["auto", "skinny", "torch"], default="auto",
                     help="how every method runs the linear layers: SpeculativeDecoder's cpu_linear "
                          "(auto: skinny_linear on fp32 CPU)")
+    ap.add_argument("--no-lean-forward", action="store_true",
+                    help="SpeculativeDecoder's decode steps through the models' own forward (default: "
+                         "the lean Llama step where the model qualifies)")
     ap.add_argument("--warmup-tokens", type=int, default=None,
                     help="max_new_tokens of the untimed warm-up run (default: --max-new-tokens)")
     ap.add_argument("--quick", action="store_true", help="smoke run: tiny pair, 8 tokens, 1 repeat")
@@ -403,7 +408,8 @@ def main(argv=None) -> int:
     draft, target, tok, pair = load_pair(args, device, dtype)
     t_load = time.perf_counter() - t_load
     prompt_ids = [list(tok(p)["input_ids"]) for p in prompts]
-    bench = Bench(draft, target, tok, device, prompt_ids, args.max_new_tokens, args.eos, args.seed, args.linear)
+    bench = Bench(draft, target, tok, device, prompt_ids, args.max_new_tokens, args.eos, args.seed, args.linear,
+                  lean_forward=not args.no_lean_forward)
     bench.batch1_prompts = args.batch1_prompts
 
     dev_name, ver, stamp = device_name(device), versions(), now()
@@ -428,6 +434,10 @@ def main(argv=None) -> int:
         f"# linear layers: {bench.linear} for every method (--linear {args.linear})"
         + ("; target_hf_torch_linear: the target alone with torch's linear; speed-ups over the target "
            "are over the faster of target_hf and target_hf_torch_linear" if bench.linear == "skinny" else ""),
+        f"# decode steps of SpeculativeDecoder (specdec and specdec_target_only): "
+        + "; ".join(f"{m}: {'lean Llama step' if why is None else 'its own forward (' + why + ')'}"
+                    for m, why in bench.dec.lean_status().items())
+        + "; Hugging Face methods: the models' own forward",
         "# prefill: SpeculativeDecoder prefills prompts of similar lengths together (one forward per "
         "group), HF generate pads every prompt to the longest; decode_speedup_vs_target_only = specdec's "
         "tokens/s after its prefill over specdec_target_only's (same loop and prefill, no draft)",

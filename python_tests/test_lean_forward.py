@@ -193,3 +193,13 @@ def test_decoder_falls_back_when_a_model_changes():
         handle.remove()
     with pytest.raises(TypeError, match="lean_forward must be a bool, got str"):
         SpeculativeDecoder(copy.deepcopy(target), target, lean_forward="yes")
+
+
+@pytest.mark.parametrize("flag,expected", [([], None), (["--no-lean-forward"], "lean_forward=False")])
+def test_cli_passes_lean_forward(flag, expected):
+    from specdec_kernels.cli import _make_decoder, build_parser
+
+    parser = build_parser()
+    args = parser.parse_args(["generate", "Hi", "--tiny-random"] + flag)
+    # the tiny random pair is two plain Llamas on the CPU: the lean step unless turned off
+    assert _make_decoder(args, parser).lean_status() == {"target": expected, "draft": expected}

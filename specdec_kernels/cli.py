@@ -101,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--cpu-linear", choices=["auto", "skinny", "torch"], default="auto",
                    help="fp32 CPU linear layers: skinny_linear (auto: when the models are fp32 on the "
                         "CPU) or torch's own")
+    g.add_argument("--no-lean-forward", action="store_true",
+                   help="run every decode step through the models' own forward (default: a Llama on the "
+                        "CPU takes the lean step, the same logits with less Python per call)")
     g.add_argument("--baseline", action="store_true",
                    help="first decode with the target alone, to report the measured speed-up")
     g.add_argument("--verbose", action="store_true", help="print every step's drafts and accepted tokens")
@@ -119,7 +122,8 @@ def _make_decoder(args, parser):
         if args.drafter == "prompt_lookup":
             draft = None
         return SpeculativeDecoder(draft=draft, target=target, tokenizer=tokenizer, device=args.device,
-                                  dtype=args.dtype, drafter=args.drafter, cpu_linear=args.cpu_linear)
+                                  dtype=args.dtype, drafter=args.drafter, cpu_linear=args.cpu_linear,
+                              lean_forward=not args.no_lean_forward)
     if args.target is None:
         if args.draft is not None:
             parser.error("--draft needs --target (without both, the embedded default pair is used)")
@@ -132,14 +136,16 @@ def _make_decoder(args, parser):
         if args.drafter == "prompt_lookup":
             draft = None
         return SpeculativeDecoder(draft=draft, target=target, tokenizer=tokenizer, drafter=args.drafter,
-                                  cpu_linear=args.cpu_linear)
+                                  cpu_linear=args.cpu_linear,
+                              lean_forward=not args.no_lean_forward)
     draft = args.draft
     if draft is None and args.drafter != "prompt_lookup":
         parser.error("--draft is required with --target (or --drafter prompt_lookup to draft without a model)")
     if draft is not None and args.drafter == "prompt_lookup":
         parser.error("--drafter prompt_lookup takes no --draft")
     return SpeculativeDecoder(draft=draft, target=args.target, tokenizer=args.tokenizer, device=args.device,
-                              dtype=args.dtype, drafter=args.drafter, cpu_linear=args.cpu_linear)
+                              dtype=args.dtype, drafter=args.drafter, cpu_linear=args.cpu_linear,
+                              lean_forward=not args.no_lean_forward)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
