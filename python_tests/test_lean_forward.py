@@ -203,3 +203,20 @@ def test_cli_passes_lean_forward(flag, expected):
     args = parser.parse_args(["generate", "Hi", "--tiny-random"] + flag)
     # the tiny random pair is two plain Llamas on the CPU: the lean step unless turned off
     assert _make_decoder(args, parser).lean_status() == {"target": expected, "draft": expected}
+
+
+def test_bench_lean_forward_rows():
+    # bench/bench_lean_forward.py's measurement on a tiny model: both providers, every row, the
+    # logits compared (the timing itself is not tested)
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "bench_lean_forward", Path(__file__).resolve().parents[1] / "bench" / "bench_lean_forward.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    rows = mod.run(_llama(4, 2), "tiny", [1, 3], reps=3, ctx=8)
+    assert [(r["provider"], r["new_tokens"]) for r in rows] == [
+        ("model forward", 1), ("lean step", 1), ("model forward", 3), ("lean step", 3)]
+    assert all(r["same_logits"] is True and r["ms"] > 0 and r["q20_ms"] <= r["ms"] <= r["q80_ms"] for r in rows)
+    assert rows[0]["speedup_vs_model_forward"] == 1.0

@@ -1,0 +1,111 @@
+"""Benchmark of the lean Llama decode step (specdec_kernels.lean_forward) against the model's own
+forward, on the embedded pair, side by side in one run (speed is the ratio).
+
+The decode-step forwards of ``SpeculativeDecoder``: the draft's one-token step and the target's
+step over M = 1 (the target alone) and M = K + 1 = 2..5 (a verify) new tokens, after a 64-token
+prompt in the KV cache, batch 1, with the decoder's linear layers (``skinny_linear`` on fp32
+CPU; ``--linear torch`` for torch's).  The two providers alternate call by call, each appending
+to its own copy of the cache, which is cropped back after every call; the logits of the two are
+compared bit for bit before timing.
+
+    python bench/bench_lean_forward.py --threads 1
+
+Rows append to bench/results/cpu/bench_lean_forward.csv (or --csv).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import harness  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def run(model, name: str, rows: list[int], reps: int, ctx: int = 64) -> list[dict]:
+    from specdec_kernels.decoder import _crop_, _new_cache, _Runner
+    from specdec_kernels.lean_forward import LeanLlamaStep
+
+    runner = _Runner(model, name)
+    lean = LeanLlamaStep(model)
+    g = torch.Generator().manual_seed(0)
+    V = runner.vocab_size
+    prompt = torch.randint(0, V, (1, ctx), generator=g)
+    out = []
+    with torch.inference_mode():
+        base = _new_cache(model)
+        runner.forward(base, prompt, None, torch.arange(ctx)[None], 0, 1)
+        caches = {"model forward": base, "lean step": copy.deepcopy(base)}
+        calls = {
+            "model forward": lambda c, x, p, m: runner.forward(c, x, None, p, ctx, m),
+            "lean step": lambda c, x, p, m: lean.step(c, x, None, p, m),
+        }
+        for m in rows:
+            x = torch.randint(0, V, (1, m), generator=g)
+            pos = torch.arange(ctx, ctx + m)[None]
+            res = {}
+            for prov, fn in calls.items():
+                res[prov] = fn(caches[prov], x, pos, m)
+                _crop_(caches[prov], ctx)
+            same = torch.equal(res["model forward"], res["lean step"])
+            times = {prov: [] for prov in calls}
+            for _ in range(reps):
+                for prov, fn in calls.items():
+                    t0 = time.perf_counter()
+                    fn(caches[prov], x, pos, m)
+                    times[prov].append((time.perf_counter() - t0) * 1e3)
+                    _crop_(caches[prov], ctx)
+            med = {}
+            for prov, ts in times.items():
+                ts.sort()
+                med[prov] = ts[len(ts) // 2]
+                out.append({"model": name, "provider": prov, "new_tokens": m, "ms": med[prov],
+                            "q20_ms": ts[len(ts) // 5], "q80_ms": ts[(4 * len(ts)) // 5], "same_logits": same})
+            for r in out[-2:]:
+                r["speedup_vs_model_forward"] = med["model forward"] / r["ms"]
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--reps", type=int, default=60, help="calls per provider per measurement (alternating)")
+    ap.add_argument("--target-rows", default="1,2,3,4,5", help="new tokens per target step (comma-separated)")
+    ap.add_argument("--linear", choices=["skinny", "torch"], default="skinny",
+                    help="the models' linear layers: skinny_linear (the decoder's default on fp32 CPU) or torch's")
+    ap.add_argument("--csv", default=os.path.join(HERE, "results", "cpu", "bench_lean_forward.csv"))
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    print(" ".join(["python"] + sys.argv))
+    cond = {"device": harness.device_name(torch.device("cpu")), "date": harness.now(),
+            "threads": torch.get_num_threads(), "linear": args.linear, **harness.versions()}
+    print(cond)
+    from specdec_kernels.cpu_linear import use_skinny_linear
+    from specdec_kernels.models import default_pair
+
+    draft, target, _ = default_pair()
+    import contextlib
+
+    results = []
+    for name, model, rows in (("draft", draft, [1]),
+                              ("target", target, [int(r) for r in args.target_rows.split(",")])):
+        with use_skinny_linear(model) if args.linear == "skinny" else contextlib.nullcontext():
+            results += run(model, name, rows, args.reps)
+    cols = ["model", "provider", "new_tokens", "ms", "q20_ms", "q80_ms", "speedup_vs_model_forward", "same_logits"]
+    harness.print_table(results, cols)
+    harness.append_csv(args.csv, [{**cond, **{c: r.get(c) for c in cols}} for r in results])
+    if not all(r["same_logits"] for r in results):
+        print("the lean step's logits differ from the model's forward", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
