@@ -8,7 +8,14 @@ CPU; ``--linear torch`` for torch's).  The two providers alternate call by call,
 to its own copy of the cache, which is cropped back after every call; the logits of the two are
 compared bit for bit before timing.
 
+With ``--decoder``, also ``SpeculativeDecoder`` itself with ``lean_forward`` on and off (two
+decoders over the same models), run after run in alternation: greedy, batch 1, the first
+``--prompts`` prompts of bench_e2e.py one after the other, ``--max-new-tokens`` each, at each K
+of ``--ks`` and with the target alone (``generate_target_only``); median tokens/s of
+``--rounds`` runs, the token ids of the two compared.
+
     python bench/bench_lean_forward.py --threads 1
+    python bench/bench_lean_forward.py --threads 1 --decoder
 
 Rows append to bench/results/cpu/bench_lean_forward.csv (or --csv).
 """
@@ -73,6 +80,37 @@ def run(model, name: str, rows: list[int], reps: int, ctx: int = 64) -> list[dic
     return out
 
 
+def run_decoder(draft, target, tok, prompts: list, ks: list, max_new: int, rounds: int) -> list[dict]:
+    from specdec_kernels import SpeculativeDecoder
+
+    decs = {"model forward": SpeculativeDecoder(draft, target, tokenizer=tok, lean_forward=False),
+            "lean step": SpeculativeDecoder(draft, target, tokenizer=tok)}
+    ids = [tok(p)["input_ids"] for p in prompts]
+    out = []
+    for k in ["target alone"] + ks:
+        times = {prov: [] for prov in decs}
+        tokens = {}
+        for _ in range(rounds):
+            for prov, dec in decs.items():
+                t0 = time.perf_counter()
+                res = []
+                for row in ids:  # batch 1, one prompt after the other
+                    if k == "target alone":
+                        r = dec.generate_target_only([row], max_new_tokens=max_new, eos_token_id=[])
+                    else:
+                        r = dec.generate([row], max_new_tokens=max_new, num_draft_tokens=k, eos_token_id=[])
+                    res += r.token_ids
+                times[prov].append(time.perf_counter() - t0)
+                tokens[prov] = res
+        same = tokens["model forward"] == tokens["lean step"]
+        n = sum(len(t) for t in tokens["lean step"])
+        med = {prov: sorted(ts)[len(ts) // 2] for prov, ts in times.items()}
+        for prov in decs:
+            out.append({"model": "decoder", "provider": prov, "k": k, "tokens": n, "tokens_per_s": n / med[prov],
+                        "speedup_vs_model_forward": med["model forward"] / med[prov], "same_ids": same})
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=1)
@@ -80,6 +118,11 @@ def main(argv=None) -> int:
     ap.add_argument("--target-rows", default="1,2,3,4,5", help="new tokens per target step (comma-separated)")
     ap.add_argument("--linear", choices=["skinny", "torch"], default="skinny",
                     help="the models' linear layers: skinny_linear (the decoder's default on fp32 CPU) or torch's")
+    ap.add_argument("--decoder", action="store_true", help="also SpeculativeDecoder with lean_forward on and off")
+    ap.add_argument("--ks", default="1,2,auto", help="with --decoder: K values")
+    ap.add_argument("--prompts", type=int, default=5, help="with --decoder: the first N prompts of bench_e2e.py")
+    ap.add_argument("--max-new-tokens", type=int, default=64, help="with --decoder: tokens per prompt")
+    ap.add_argument("--rounds", type=int, default=3, help="with --decoder: runs per provider (median)")
     ap.add_argument("--csv", default=os.path.join(HERE, "results", "cpu", "bench_lean_forward.csv"))
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -90,7 +133,7 @@ def main(argv=None) -> int:
     from specdec_kernels.cpu_linear import use_skinny_linear
     from specdec_kernels.models import default_pair
 
-    draft, target, _ = default_pair()
+    draft, target, tok = default_pair()
     import contextlib
 
     results = []
@@ -100,9 +143,20 @@ def main(argv=None) -> int:
             results += run(model, name, rows, args.reps)
     cols = ["model", "provider", "new_tokens", "ms", "q20_ms", "q80_ms", "speedup_vs_model_forward", "same_logits"]
     harness.print_table(results, cols)
+    ok = all(r["same_logits"] for r in results)
+    if args.decoder:
+        from bench_e2e import PROMPTS
+
+        ks = [k if k == "auto" else int(k) for k in args.ks.split(",")]
+        dec_rows = run_decoder(draft, target, tok, PROMPTS[: args.prompts], ks, args.max_new_tokens, args.rounds)
+        dcols = ["model", "provider", "k", "tokens", "tokens_per_s", "speedup_vs_model_forward", "same_ids"]
+        harness.print_table(dec_rows, dcols)
+        ok = ok and all(r["same_ids"] for r in dec_rows)
+        cols += ["k", "tokens", "tokens_per_s", "same_ids"]
+        results += dec_rows
     harness.append_csv(args.csv, [{**cond, **{c: r.get(c) for c in cols}} for r in results])
-    if not all(r["same_logits"] for r in results):
-        print("the lean step's logits differ from the model's forward", file=sys.stderr)
+    if not ok:
+        print("the lean step's logits or token ids differ from the model's forward", file=sys.stderr)
         return 1
     return 0
 
