@@ -8,6 +8,7 @@ positions outside the moved ranges are untouched.
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import sys
 import warnings
 from pathlib import Path
@@ -387,9 +388,11 @@ def _tiny_llama_cache(B=3, prompt=7, step=4):
     )
     model = transformers.LlamaForCausalLM(config).eval()
     cache = transformers.DynamicCache(config=config)
+    # transformers 5.24 renamed past_key_values to cache; 5.17 (the GPU image) knows only the old name
+    kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     with torch.no_grad():
-        model(input_ids=torch.randint(0, 64, (B, prompt)), cache=cache, use_cache=True)
-        model(input_ids=torch.randint(0, 64, (B, step)), cache=cache, use_cache=True)  # K + 1 = 4
+        model(input_ids=torch.randint(0, 64, (B, prompt)), use_cache=True, **{kw: cache})
+        model(input_ids=torch.randint(0, 64, (B, step)), use_cache=True, **{kw: cache})  # K + 1 = 4
     return cache
 
 
