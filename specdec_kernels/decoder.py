@@ -441,8 +441,8 @@ class SpeculativeDecoder:
     lean_forward: run the decode steps (the draft's tokens, the target's verify) of a plain
     ``LlamaForCausalLM`` with ``sdpa`` attention on the CPU through
     ``specdec_kernels.lean_forward.LeanLlamaStep``: the model's own modules in the same order,
-    the same bits, without Hugging Face's per-call overhead (about 0.3 ms of a 2 ms draft token
-    and 1.6 ms of a 25 ms target step with the embedded pair).  Checked at each ``generate``;
+    the same bits, without Hugging Face's per-call overhead (about 0.3 ms of a 2.1 ms draft token
+    and 1.4 ms of a 26 ms target step with the embedded pair).  Checked at each ``generate``;
     other models, devices or attention implementations keep their forward
     (``lean_status()`` says which path each model takes and why).
     """
