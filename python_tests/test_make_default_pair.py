@@ -97,3 +97,9 @@ def test_stage_history_chains_stages(build):
     assert again == newer and again["stages"][1] is not third
     # a first stage alone has no later stages
     assert build.stage_history(dict(seed=0, epochs=2.0))["stages"] == []
+
+
+def test_update_info_needs_eval_only(build, capsys):
+    with pytest.raises(SystemExit):
+        build.main(["--update-info"])
+    assert "--update-info writes --eval-only's measurements: it needs --eval-only" in capsys.readouterr().err

@@ -33,9 +33,10 @@ distilled from the target in five steps:
 5. measurement: alpha at temperature 0 = the fraction of the target's own greedy continuation
    tokens that the draft's argmax matches, teacher-forced (this is exactly the per-token
    acceptance of greedy speculative decoding, Leviathan et al. 2023), on held-out prompts and
-   the demo prompts; single-token forward times of both models (median, KV cache, batch 1);
-   the verify-call time of the target for K+1 tokens; and an end-to-end run of a plain greedy
-   speculative loop against the target alone, both KV-cached, with the outputs compared.
+   the demo prompts; single-token forward times of both models and the verify-call time of the
+   target for K+1 tokens (median, KV cache, batch 1), run as ``SpeculativeDecoder`` runs them
+   (its linear layers, the lean Llama step); and an end-to-end run of ``SpeculativeDecoder``
+   against its target-only loop (greedy, batch 1), with the outputs compared.
 
 Everything is seeded; CPU results depend on the thread count (``--threads``: the shipped draft
 was trained with 2; corpus generation is the same with any count).  Time of the shipped build on
@@ -706,116 +707,97 @@ def summarize(corpus, matches, groups):
 
 
 @torch.inference_mode()
+def _decoder_path(target, draft):
+    """A context in which the models' linear layers run as ``SpeculativeDecoder`` runs them
+    (``skinny_linear`` for fp32 CPU models when the C++ extension is built), and a description."""
+    import contextlib
+
+    from specdec_kernels._ext import HAS_EXT
+
+    stack = contextlib.ExitStack()
+    fp32_cpu = all(p.dtype == torch.float32 and p.device.type == "cpu"
+                   for m in (target, draft) for p in m.parameters())
+    if HAS_EXT and fp32_cpu:
+        from specdec_kernels.cpu_linear import use_skinny_linear
+
+        for m in (target, draft):
+            stack.enter_context(use_skinny_linear(m))
+        return stack, "skinny_linear"
+    return stack, "torch linear"
+
+
+@torch.inference_mode()
 def forward_times(target, draft, ctx: int, reps: int, ks=(1, 2, 3, 4, 5, 6, 8, 9)):
-    """Median seconds of one KV-cached forward at batch 1 with ``ctx`` tokens already cached:
-    the draft for 1 token, the target for 1 and for K+1 tokens (a verify call).  The two models
-    are measured interleaved so that load from other processes hits both alike."""
-    from transformers import DynamicCache
+    """Median seconds of one KV-cached decode-step forward at batch 1 with ``ctx`` tokens
+    already cached, the way ``SpeculativeDecoder`` runs it (its linear layers and, where the
+    model qualifies, the lean Llama step): the draft for 1 token, the target for 1 and for K+1
+    tokens (a verify call).  The two models are measured interleaved so that load from other
+    processes hits both alike.  Also returns "path": how they ran."""
+    from specdec_kernels.decoder import _crop_, _new_cache, _Runner
 
     g = torch.Generator().manual_seed(0)
     hi = min(target.config.vocab_size, draft.config.vocab_size)
     prefix = torch.randint(0, hi, (1, ctx), generator=g)
-    caches = {}
+    runners, caches = {}, {}
     for name, m in (("target", target), ("draft", draft)):
-        cache = DynamicCache(config=m.config)
-        m(input_ids=prefix, past_key_values=cache, use_cache=True)
-        caches[name] = cache
+        runners[name] = _Runner(m, name)
+        runners[name].use_lean()
+        caches[name] = _new_cache(m)
+        runners[name].forward(caches[name], prefix, None, torch.arange(ctx)[None], 0, 1)
     times = {"draft_1": [], **{f"target_{k}": [] for k in ks}}
-    for r in range(reps):
-        for name, m, n in [("draft", draft, 1)] + [("target", target, k) for k in ks]:
-            x = torch.randint(0, hi, (1, n), generator=g)
-            t0 = time.perf_counter()
-            m(input_ids=x, past_key_values=caches[name], use_cache=True)
-            times[f"{name}_{n}"].append(time.perf_counter() - t0)
-            caches[name].crop(-n)
-    return {k: statistics.median(v) for k, v in times.items()}
-
-
-@torch.inference_mode()
-def greedy_target_only(target, ids, max_new: int, eos: int):
-    from transformers import DynamicCache
-
-    cache = DynamicCache(config=target.config)
-    logits = target(input_ids=ids, past_key_values=cache, use_cache=True).logits  # [1, T, V]
-    out = [int(logits[0, -1].argmax())]
-    while len(out) < max_new and out[-1] != eos:
-        logits = target(input_ids=torch.tensor([[out[-1]]]), past_key_values=cache, use_cache=True).logits
-        out.append(int(logits[0, -1].argmax()))
+    stack, linear = _decoder_path(target, draft)
+    with stack:
+        for r in range(reps):
+            for name, n in [("draft", 1)] + [("target", k) for k in ks]:
+                x = torch.randint(0, hi, (1, n), generator=g)
+                pos = torch.arange(ctx, ctx + n)[None]
+                t0 = time.perf_counter()
+                runners[name].step(caches[name], x, None, pos, ctx, 1)
+                times[f"{name}_{n}"].append(time.perf_counter() - t0)
+                _crop_(caches[name], ctx)
+    out = {k: statistics.median(v) for k, v in times.items()}
+    steps = {name: "lean step" if r.lean is not None else "model forward" for name, r in runners.items()}
+    out["path"] = f"{linear}; target: {steps['target']}, draft: {steps['draft']}"
     return out
 
 
-@torch.inference_mode()
-def greedy_speculative(draft, target, ids, max_new: int, eos: int, K: int):
-    """A plain greedy speculative loop (batch 1): the draft proposes K tokens, the target scores
-    them in one call, the longest agreeing prefix is kept plus the target's own next token.
-    Both caches are cropped back to the kept tokens.  -> (tokens, target calls)."""
-    from transformers import DynamicCache
-
-    tc, dc = DynamicCache(config=target.config), DynamicCache(config=draft.config)
-    logits = target(input_ids=ids, past_key_values=tc, use_cache=True).logits
-    draft(input_ids=ids, past_key_values=dc, use_cache=True)
-    out = [int(logits[0, -1].argmax())]
-    pending = [out[-1]]  # tokens kept but not yet in the draft's cache
-    calls = 1
-    while len(out) < max_new and out[-1] != eos:
-        k = min(K, max_new - len(out))
-        proposal = []
-        feed = pending
-        for _ in range(k):
-            dl = draft(input_ids=torch.tensor([feed]), past_key_values=dc, use_cache=True).logits
-            proposal.append(int(dl[0, -1].argmax()))
-            feed = [proposal[-1]]
-        # the draft's cache now holds pending + proposal[:-1]
-        tl = target(input_ids=torch.tensor([[out[-1]] + proposal]), past_key_values=tc, use_cache=True).logits
-        best = tl[0].argmax(-1).tolist()  # [k+1] the target's greedy token after each prefix
-        calls += 1
-        a = 0
-        while a < k and proposal[a] == best[a]:
-            a += 1
-        new = proposal[:a] + [best[a]]
-        if eos in new:
-            new = new[:new.index(eos) + 1]
-        tc.crop(-(k - a))  # the target cached out[-1] + proposal; keep out[-1] + proposal[:a]
-        if a < k:
-            dc.crop(-(k - 1 - a))  # the draft cached proposal[:k-1]; keep proposal[:a]
-            pending = [new[-1]]
-        else:
-            pending = [proposal[-1], new[-1]]
-        out.extend(new)
-    return out[:max_new], calls
-
-
 def end_to_end(draft, target, tokenizer, prompts, max_new: int, K: int, rounds: int):
-    """Wall time of the target alone and of speculative decoding on the same prompts, both
-    greedy and KV-cached, alternating so that background load hits both alike."""
-    eos = tokenizer.eos_token_id
+    """Wall time of the target alone (``SpeculativeDecoder.generate_target_only``) and of
+    speculative decoding (``generate``, greedy, K drafts a step) on the same prompts, batch 1,
+    alternating so that background load hits both alike; the token ids compared."""
+    from specdec_kernels import SpeculativeDecoder
+
+    dec = SpeculativeDecoder(draft, target, tokenizer=tokenizer)
     t_base, t_spec, tokens, calls, same = 0.0, 0.0, 0, 0, True
     per_prompt = []
     for r in range(rounds):
         for kind, text in prompts:
-            ids = torch.tensor([encode(tokenizer, kind, text)])
-            runs = [("base", None), ("spec", None)] if r % 2 == 0 else [("spec", None), ("base", None)]
+            ids = [encode(tokenizer, kind, text)]
+            runs = ["base", "spec"] if r % 2 == 0 else ["spec", "base"]
             res = {}
-            for name, _ in runs:
+            for name in runs:
                 t0 = time.perf_counter()
                 if name == "base":
-                    res[name] = (greedy_target_only(target, ids, max_new, eos), 0)
+                    res[name] = dec.generate_target_only(ids, max_new_tokens=max_new)
                 else:
-                    res[name] = greedy_speculative(draft, target, ids, max_new, eos, K)
+                    res[name] = dec.generate(ids, max_new_tokens=max_new, num_draft_tokens=K)
                 res[name + "_t"] = time.perf_counter() - t0
             t_base += res["base_t"]
             t_spec += res["spec_t"]
-            ok = res["base"][0] == res["spec"][0]
+            ok = res["base"].token_ids == res["spec"].token_ids
             same &= ok
-            tokens += len(res["spec"][0])
-            calls += res["spec"][1]
+            n_tok = len(res["spec"].token_ids[0])
+            tokens += n_tok
+            calls += res["spec"].stats.iterations
             if r == 0:
-                per_prompt.append({"kind": kind, "prompt": text, "tokens": len(res["spec"][0]),
-                                   "target_calls": res["spec"][1], "same_output": ok,
+                per_prompt.append({"kind": kind, "prompt": text, "tokens": n_tok,
+                                   "target_calls": res["spec"].stats.iterations, "same_output": ok,
                                    "speedup": res["base_t"] / res["spec_t"]})
     return {"K": K, "max_new_tokens": max_new, "rounds": rounds, "target_alone_s": t_base,
             "speculative_s": t_spec, "speedup": t_base / t_spec, "tokens": tokens,
-            "tokens_per_target_call": tokens / calls, "same_output": same, "per_prompt": per_prompt}
+            "tokens_per_target_call": tokens / calls, "same_output": same, "per_prompt": per_prompt,
+            "method": "SpeculativeDecoder.generate vs generate_target_only, batch 1, greedy",
+            "lean": dec.lean_status()}
 
 
 # -- saving ------------------------------------------------------------------------------------
@@ -870,6 +852,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="a smoke run: few prompts, few steps, temp output dir")
     ap.add_argument("--eval-only", action="store_true", help="measure the draft in --out, train nothing")
+    ap.add_argument("--update-info", action="store_true",
+                    help="with --eval-only: write the measurements into --out's distill_info.json (weights untouched)")
     ap.add_argument("--corpus-only", action="store_true", help="generate (and cache) the corpora, then stop")
     ap.add_argument("--out", type=Path, default=None, help="draft directory (default: the package's assets/draft)")
     ap.add_argument("--threads", type=int, default=1,
@@ -922,6 +906,8 @@ def main(argv=None):
     if args.more_epochs <= 0 and (args.grow_layers is not None or args.resume_from is not None):
         ap.error(f"--grow-layers and --resume-from act on the second stage: need --more-epochs > 0, "
                  f"got {args.more_epochs}")
+    if args.update_info and not args.eval_only:
+        ap.error("--update-info writes --eval-only's measurements: it needs --eval-only")
     if args.resume_from is not None and not (args.resume_from / "distill_info.json").is_file():
         ap.error(f"--resume-from: expected a draft directory written by this script (with distill_info.json), "
                  f"got {args.resume_from}")
@@ -1091,7 +1077,8 @@ def main(argv=None):
               + "  ".join(f"K={k[1:]}: {row[k]['tokens_per_call']:.2f} tok/call" for k in ("K2", "K4", "K6")))
 
     times = forward_times(target, draft, ctx=64, reps=5 if args.quick else 15)
-    print(f"\nforward times at batch 1, 64 cached tokens, fp32, {args.threads} threads (median):")
+    print(f"\nforward times at batch 1, 64 cached tokens, fp32, {args.threads} threads, the decoder's path "
+          f"({times['path']}; median):")
     print(f"  draft 1 token {times['draft_1'] * 1e3:.1f} ms; target 1 token {times['target_1'] * 1e3:.1f} ms "
           f"(ratio {times['target_1'] / times['draft_1']:.1f}x)")
     print("  target verify K+1 tokens: " + ", ".join(f"{k - 1}: {v * 1e3:.0f} ms" for k, v in
@@ -1123,7 +1110,7 @@ def main(argv=None):
 
     info["measured"] = {
         "conditions": f"CPU ({os.cpu_count()} cores), torch {torch.__version__}, {args.threads} threads, "
-                      f"fp32, batch 1, greedy",
+                      f"fp32, batch 1, greedy; forwards as SpeculativeDecoder runs them ({times['path']})",
         "alpha": alpha, "forward_s": times, "predicted_speedup": pred, "end_to_end": e2e,
     }
     info["vocab_fingerprint"] = models.vocab_fingerprint(tokenizer)
@@ -1131,6 +1118,11 @@ def main(argv=None):
     if not args.eval_only:
         save_draft(draft, target_dir, out, info)
         print(f"\ndraft written to {out} ({sum(f.stat().st_size for f in out.iterdir()) / 1e6:.1f} MB)")
+    elif args.update_info:
+        tmp = out / "distill_info.json.tmp"
+        tmp.write_text(json.dumps(info, indent=1, default=float) + "\n")
+        os.replace(tmp, out / "distill_info.json")
+        print(f"\nmeasurements written to {out / 'distill_info.json'}")
     else:
         print(json.dumps(info["measured"], indent=1, default=float)[:2000])
     print(f"total wall time {time.time() - t_start:.0f} s")
