@@ -98,33 +98,39 @@ def greedy_refs(pair):
                                 pad_token_id=0)[0, len(p):].tolist() for p in PROMPTS]
 
 
-class _CountingForward:
-    """Records (input_ids, attention_mask, position_ids) of every forward the decoder runs on one
-    of its models (``which``: "target" or "draft"), at the boundary where it hands them to the
-    model: ``_Runner.forward`` (the model's own forward: the prefill, and the steps when the lean
-    path is off) and ``LeanLlamaStep.step`` (the decode steps of a Llama on the CPU, which
-    test_lean_forward.py proves equal to the model's forward, bit for bit).  A call without an
+class _Recorder:
+    """Records (input_ids, attention_mask, position_ids) of forwards.  A call without an
     attention mask (the decoder omits it when no column is padding) is recorded with the
     all-valid mask it stands for, over the cache's columns plus the new ones, and counted in
-    ``unmasked``; ``lean`` counts the calls that took the lean path."""
+    ``unmasked``."""
 
-    def __init__(self, dec, which: str):
-        self.runner = dec._t if which == "target" else dec._d
+    def __init__(self):
         self.calls = []
         self.unmasked = 0
+
+    def record(self, cache, ids, mask, positions):
+        if mask is None:
+            mask = torch.ones((ids.shape[0], cache.get_seq_length() + ids.shape[1]), dtype=torch.long)
+            self.unmasked += 1
+        self.calls.append((ids.clone(), mask.to(torch.long, copy=True), positions.clone()))
+
+
+class _CountingForward(_Recorder):
+    """Every forward the decoder runs on one of its models (``which``: "target" or "draft"),
+    recorded at the boundary where it hands them to the model: ``_Runner.forward`` (the model's
+    own forward: the prefill, and the steps when the lean path is off) and ``LeanLlamaStep.step``
+    (the decode steps of a Llama on the CPU, which test_lean_forward.py proves equal to the
+    model's forward, bit for bit); ``lean`` counts the calls that took the lean path."""
+
+    def __init__(self, dec, which: str):
+        super().__init__()
+        self.runner = r = dec._t if which == "target" else dec._d
         self.lean = 0
         dec._refresh_lean()  # what generate() does first: the lean step object it will use
-        r = self.runner
         orig_forward = r.forward
 
-        def record(cache, ids, mask, positions):
-            if mask is None:
-                mask = torch.ones((ids.shape[0], cache.get_seq_length() + ids.shape[1]), dtype=torch.long)
-                self.unmasked += 1
-            self.calls.append((ids.clone(), mask.to(torch.long), positions.clone()))
-
         def forward(cache, ids, mask, positions, start, keep):
-            record(cache, ids, mask, positions)
+            self.record(cache, ids, mask, positions)
             return orig_forward(cache, ids, mask, positions, start, keep)
 
         r.forward = forward
@@ -133,7 +139,7 @@ class _CountingForward:
             orig_step = r.lean.step
 
             def step(cache, ids, mask, positions, keep):
-                record(cache, ids, mask, positions)
+                self.record(cache, ids, mask, positions)
                 self.lean += 1
                 return orig_step(cache, ids, mask, positions, keep)
 
@@ -145,25 +151,19 @@ class _CountingForward:
             del self.lean_step.step
 
 
-class _CountingModelForward:
-    """Wraps model.forward itself; records as ``_CountingForward`` does (for the path without
-    the lean step, where every call reaches the model's forward)."""
+class _CountingModelForward(_Recorder):
+    """Wraps model.forward itself (for the path without the lean step, where every call
+    reaches the model's forward)."""
 
     def __init__(self, model):
+        super().__init__()
         self.model = model
-        self.calls = []
-        self.unmasked = 0
         orig = model.forward
 
         @functools.wraps(orig)
         def forward(*args, **kwargs):
-            ids = kwargs["input_ids"]
-            mask = kwargs.get("attention_mask")
-            if mask is None:
-                cache = kwargs.get("cache", kwargs.get("past_key_values"))
-                mask = torch.ones((ids.shape[0], cache.get_seq_length() + ids.shape[1]), dtype=torch.long)
-                self.unmasked += 1
-            self.calls.append((ids.clone(), mask.clone(), kwargs["position_ids"].clone()))
+            self.record(kwargs.get("cache", kwargs.get("past_key_values")), kwargs["input_ids"],
+                        kwargs.get("attention_mask"), kwargs["position_ids"])
             return orig(*args, **kwargs)
 
         model.forward = forward

@@ -144,6 +144,26 @@ def test_unsupported_models_are_named():
         LeanLlamaStep(gpt2)
 
 
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(ids=torch.zeros(3, dtype=torch.long)), r"ids must be a \[B, q >= 1\] tensor, got \(3,\)"),
+    (dict(positions=torch.zeros(2, 2, dtype=torch.long)), r"positions must have the shape of ids \(1, 2\), got \(2, 2\)"),
+    (dict(mask=torch.ones(1, 7)), r"mask must be None or a bool \[B=1, T \+ q\] tensor with T \+ q >= 2, got torch.float32 \(1, 7\)"),
+    (dict(mask=torch.ones(2, 7, dtype=torch.bool)), r"mask must be None or a bool \[B=1, T \+ q\] tensor"),
+    (dict(keep=3), r"keep must be an int in \[1, 2\], got 3"),
+    (dict(keep=0), r"keep must be an int in \[1, 2\], got 0"),
+])
+def test_lean_step_names_a_bad_argument(kwargs, match):
+    model = _llama(4, 2)
+    from specdec_kernels.decoder import _new_cache
+
+    args = dict(cache=_new_cache(model), ids=torch.zeros(1, 2, dtype=torch.long), mask=None,
+                positions=torch.arange(2)[None], keep=1)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match), torch.no_grad():
+        LeanLlamaStep(model).step(**args)
+    assert args["cache"].get_seq_length() == 0  # refused before anything was cached
+
+
 PROMPTS = [[1, 2, 3], [4], [5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17, 18]]
 
 

@@ -707,46 +707,24 @@ def summarize(corpus, matches, groups):
 
 
 @torch.inference_mode()
-def _decoder_path(target, draft):
-    """A context in which the models' linear layers run as ``SpeculativeDecoder`` runs them
-    (``skinny_linear`` for fp32 CPU models when the C++ extension is built), and a description."""
-    import contextlib
-
-    from specdec_kernels._ext import HAS_EXT
-
-    stack = contextlib.ExitStack()
-    fp32_cpu = all(p.dtype == torch.float32 and p.device.type == "cpu"
-                   for m in (target, draft) for p in m.parameters())
-    if HAS_EXT and fp32_cpu:
-        from specdec_kernels.cpu_linear import use_skinny_linear
-
-        for m in (target, draft):
-            stack.enter_context(use_skinny_linear(m))
-        return stack, "skinny_linear"
-    return stack, "torch linear"
-
-
-@torch.inference_mode()
-def forward_times(target, draft, ctx: int, reps: int, ks=(1, 2, 3, 4, 5, 6, 8, 9)):
+def forward_times(dec, ctx: int, reps: int, ks=(1, 2, 3, 4, 5, 6, 8, 9)):
     """Median seconds of one KV-cached decode-step forward at batch 1 with ``ctx`` tokens
-    already cached, the way ``SpeculativeDecoder`` runs it (its linear layers and, where the
-    model qualifies, the lean Llama step): the draft for 1 token, the target for 1 and for K+1
-    tokens (a verify call).  The two models are measured interleaved so that load from other
-    processes hits both alike.  Also returns "path": how they ran."""
-    from specdec_kernels.decoder import _crop_, _new_cache, _Runner
+    already cached, run by the ``SpeculativeDecoder`` ``dec`` (its linear layers and decode-step
+    path: the lean Llama step where the model qualifies): the draft for 1 token, the target for 1
+    and for K+1 tokens (a verify call).  The two models are measured interleaved so that load from
+    other processes hits both alike.  Also returns "path": how they ran."""
+    from specdec_kernels.decoder import _crop_, _new_cache
 
+    runners = {"target": dec._t, "draft": dec._d}
     g = torch.Generator().manual_seed(0)
-    hi = min(target.config.vocab_size, draft.config.vocab_size)
+    hi = min(r.vocab_size for r in runners.values())
     prefix = torch.randint(0, hi, (1, ctx), generator=g)
-    runners, caches = {}, {}
-    for name, m in (("target", target), ("draft", draft)):
-        runners[name] = _Runner(m, name)
-        runners[name].use_lean()
-        caches[name] = _new_cache(m)
-        runners[name].forward(caches[name], prefix, None, torch.arange(ctx)[None], 0, 1)
+    caches = {}
+    for name, r in runners.items():
+        caches[name] = _new_cache(r.model)
+        r.forward(caches[name], prefix, None, torch.arange(ctx)[None], 0, 1)
     times = {"draft_1": [], **{f"target_{k}": [] for k in ks}}
-    stack, linear = _decoder_path(target, draft)
-    with stack:
+    with dec._linear_layers():
         for r in range(reps):
             for name, n in [("draft", 1)] + [("target", k) for k in ks]:
                 x = torch.randint(0, hi, (1, n), generator=g)
@@ -756,18 +734,16 @@ def forward_times(target, draft, ctx: int, reps: int, ks=(1, 2, 3, 4, 5, 6, 8, 9
                 times[f"{name}_{n}"].append(time.perf_counter() - t0)
                 _crop_(caches[name], ctx)
     out = {k: statistics.median(v) for k, v in times.items()}
-    steps = {name: "lean step" if r.lean is not None else "model forward" for name, r in runners.items()}
+    steps = {name: "lean step" if why is None else "model forward" for name, why in dec.lean_status().items()}
+    linear = "skinny_linear" if dec.cpu_linear == "skinny" else "torch linear"
     out["path"] = f"{linear}; target: {steps['target']}, draft: {steps['draft']}"
     return out
 
 
-def end_to_end(draft, target, tokenizer, prompts, max_new: int, K: int, rounds: int):
-    """Wall time of the target alone (``SpeculativeDecoder.generate_target_only``) and of
-    speculative decoding (``generate``, greedy, K drafts a step) on the same prompts, batch 1,
-    alternating so that background load hits both alike; the token ids compared."""
-    from specdec_kernels import SpeculativeDecoder
-
-    dec = SpeculativeDecoder(draft, target, tokenizer=tokenizer)
+def end_to_end(dec, tokenizer, prompts, max_new: int, K: int, rounds: int):
+    """Wall time of the target alone (``dec.generate_target_only``) and of speculative decoding
+    (``dec.generate``, greedy, K drafts a step) on the same prompts, batch 1, alternating so that
+    background load hits both alike; the token ids compared."""
     t_base, t_spec, tokens, calls, same = 0.0, 0.0, 0, 0, True
     per_prompt = []
     for r in range(rounds):
@@ -1076,7 +1052,10 @@ def main(argv=None):
         print(f"  {name:15s} {row['prompts']:4d} prompts {row['tokens']:6d} tokens  alpha {row['alpha']:.3f}  "
               + "  ".join(f"K={k[1:]}: {row[k]['tokens_per_call']:.2f} tok/call" for k in ("K2", "K4", "K6")))
 
-    times = forward_times(target, draft, ctx=64, reps=5 if args.quick else 15)
+    from specdec_kernels import SpeculativeDecoder
+
+    dec = SpeculativeDecoder(draft, target, tokenizer=tokenizer)  # the timings and the end-to-end run
+    times = forward_times(dec, ctx=64, reps=5 if args.quick else 15)
     print(f"\nforward times at batch 1, 64 cached tokens, fp32, {args.threads} threads, the decoder's path "
           f"({times['path']}; median):")
     print(f"  draft 1 token {times['draft_1'] * 1e3:.1f} ms; target 1 token {times['target_1'] * 1e3:.1f} ms "
@@ -1097,7 +1076,7 @@ def main(argv=None):
     e2e = None
     if args.e2e_rounds > 0:
         K = args.e2e_k or max(pred, key=pred.get)
-        e2e = end_to_end(draft, target, tokenizer, demo, max_new=args.eval_new_tokens, K=K, rounds=args.e2e_rounds)
+        e2e = end_to_end(dec, tokenizer, demo, max_new=args.eval_new_tokens, K=K, rounds=args.e2e_rounds)
         print(f"\nend to end, demo prompts (plain + chat), {args.eval_new_tokens} new tokens, K={K}, "
               f"{args.e2e_rounds} rounds: target alone {e2e['target_alone_s']:.1f} s, speculative "
               f"{e2e['speculative_s']:.1f} s -> speed-up {e2e['speedup']:.2f}x; "

@@ -115,6 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _make_decoder(args, parser):
     from .decoder import SpeculativeDecoder, _resolve_dtype
 
+    paths = dict(cpu_linear=args.cpu_linear, lean_forward=not args.no_lean_forward)  # how the models run
     if args.tiny_random:
         if args.draft or args.target:
             parser.error("--tiny-random builds its own models; do not pass --draft/--target with it")
@@ -122,8 +123,7 @@ def _make_decoder(args, parser):
         if args.drafter == "prompt_lookup":
             draft = None
         return SpeculativeDecoder(draft=draft, target=target, tokenizer=tokenizer, device=args.device,
-                                  dtype=args.dtype, drafter=args.drafter, cpu_linear=args.cpu_linear,
-                              lean_forward=not args.no_lean_forward)
+                                  dtype=args.dtype, drafter=args.drafter, **paths)
     if args.target is None:
         if args.draft is not None:
             parser.error("--draft needs --target (without both, the embedded default pair is used)")
@@ -135,17 +135,14 @@ def _make_decoder(args, parser):
             parser.error(f"the embedded default pair is not available: {e}")
         if args.drafter == "prompt_lookup":
             draft = None
-        return SpeculativeDecoder(draft=draft, target=target, tokenizer=tokenizer, drafter=args.drafter,
-                                  cpu_linear=args.cpu_linear,
-                              lean_forward=not args.no_lean_forward)
+        return SpeculativeDecoder(draft=draft, target=target, tokenizer=tokenizer, drafter=args.drafter, **paths)
     draft = args.draft
     if draft is None and args.drafter != "prompt_lookup":
         parser.error("--draft is required with --target (or --drafter prompt_lookup to draft without a model)")
     if draft is not None and args.drafter == "prompt_lookup":
         parser.error("--drafter prompt_lookup takes no --draft")
     return SpeculativeDecoder(draft=draft, target=args.target, tokenizer=args.tokenizer, device=args.device,
-                              dtype=args.dtype, drafter=args.drafter, cpu_linear=args.cpu_linear,
-                              lean_forward=not args.no_lean_forward)
+                              dtype=args.dtype, drafter=args.drafter, **paths)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -107,7 +107,19 @@ class LeanLlamaStep:
         return norm.weight * h.to(input_dtype)
 
     def step(self, cache, ids: Tensor, mask: Optional[Tensor], positions: Tensor, keep: int) -> Tensor:
+        if not isinstance(ids, Tensor) or ids.dim() != 2 or ids.shape[1] < 1:
+            raise ValueError(f"LeanLlamaStep.step: ids must be a [B, q >= 1] tensor, got "
+                             f"{tuple(ids.shape) if isinstance(ids, Tensor) else type(ids).__name__}")
         B, q = ids.shape
+        if not isinstance(positions, Tensor) or positions.shape != ids.shape:
+            raise ValueError(f"LeanLlamaStep.step: positions must have the shape of ids {(B, q)}, got "
+                             f"{tuple(positions.shape) if isinstance(positions, Tensor) else type(positions).__name__}")
+        if mask is not None and (mask.dtype != torch.bool or mask.dim() != 2 or mask.shape[0] != B
+                                 or mask.shape[1] < q):
+            raise ValueError(f"LeanLlamaStep.step: mask must be None or a bool [B={B}, T + q] tensor with "
+                             f"T + q >= {q}, got {mask.dtype} {tuple(mask.shape)}")
+        if not isinstance(keep, int) or not 1 <= keep <= q:
+            raise ValueError(f"LeanLlamaStep.step: keep must be an int in [1, {q}], got {keep!r}")
         base = self.base
         x = base.embed_tokens(ids)
         cos, sin = base.rotary_emb(x, position_ids=positions)
@@ -116,7 +128,7 @@ class LeanLlamaStep:
         if mask is None and q == 1:
             attn_mask = None  # one query, every column valid: what Hugging Face passes too
         else:
-            T = (mask.shape[1] if mask is not None else cache.get_seq_length() + q)
+            T = mask.shape[1] if mask is not None else cache.get_seq_length() + q
             causal = torch.ones((q, q), dtype=torch.bool, device=ids.device).tril_()
             if mask is None:
                 attn_mask = torch.ones((1, 1, q, T), dtype=torch.bool, device=ids.device)
