@@ -103,3 +103,35 @@ def test_update_info_needs_eval_only(build, capsys):
     with pytest.raises(SystemExit):
         build.main(["--update-info"])
     assert "--update-info writes --eval-only's measurements: it needs --eval-only" in capsys.readouterr().err
+
+
+def test_corpus_draft_vocab_and_the_restricted_match(build, tmp_path):
+    """The draft vocabulary is the tokens the target emits most often in the corpus; the alpha the
+    build reports with it is that of the restricted argmax (what the decoder's draft proposes)."""
+    from specdec_kernels import draft_vocab as dv
+
+    g = torch.Generator().manual_seed(2)
+    corpus = []
+    for i in range(6):
+        gen = torch.tensor([5, 5, 7, 11, 5, 7, 3 + i])  # 5 most often, then 7, then 11, then 3..8 once
+        corpus.append({"prompt": torch.randint(0, 97, (4 + i,), generator=g), "gen": gen,
+                       "topk_ids": gen[:, None].to(torch.int32), "topk_logits": torch.zeros(len(gen), 1).half()})
+    assert build.corpus_draft_vocab(corpus, 97, 3).tolist() == [5, 7, 11]
+    assert build.corpus_draft_vocab(corpus, 97, 4).tolist() == [3, 5, 7, 11]  # 3..8 tie at 1 (and 5, 7 more): id 3
+    draft = _tiny(2)
+    vocab = torch.tensor([5, 7, 11])
+    full = build.match_vectors(draft, corpus, pad=0)
+    sub = build.match_vectors(draft, corpus, pad=0, vocab=vocab)
+    with torch.no_grad():
+        for c, f, s in zip(corpus, full, sub):
+            ids = torch.cat([c["prompt"], c["gen"]])[None]
+            logits = draft(ids).logits[0, len(c["prompt"]) - 1:-1]  # the predictions of the gen tokens
+            assert torch.equal(f, logits.argmax(-1) == c["gen"])
+            assert torch.equal(s, vocab[logits[:, vocab].argmax(-1)] == c["gen"])
+    # the draft directory gets the file, with the choice recorded
+    info = {"draft_vocab": {"size": 3, "source": "a test"}}
+    out = tmp_path / "draft"
+    build.save_draft(draft, str(tmp_path / "no-tokenizer"), out, info, vocab)
+    assert dv.load_draft_vocab(out, 97).tolist() == [5, 7, 11]
+    build.save_draft(draft, str(tmp_path / "no-tokenizer"), out, {})  # without one: no file
+    assert not (out / dv.FILE_NAME).exists()

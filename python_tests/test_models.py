@@ -96,3 +96,30 @@ def test_draft_agrees_with_target_greedily(pair):
     assert agreement > MIN_AGREEMENT, (
         f"draft/target greedy agreement on {PROMPT!r} must be > {MIN_AGREEMENT}, got {agreement:.2f} "
         f"over {Tg} tokens")
+
+
+@needs_target
+def test_shipped_draft_vocabulary(pair):
+    """The shipped draft vocabulary loads, is what SpeculativeDecoder's draft proposes by default,
+    holds the demo continuation's tokens the draft gets right, and the restricted draft agrees with
+    the target as often as the full one on the demo prompt."""
+    from specdec_kernels import SpeculativeDecoder
+    from specdec_kernels import draft_vocab as dv
+
+    draft, target, tokenizer = pair
+    vocab = dv.load_draft_vocab(models.default_draft_path(), 49152)
+    assert vocab.numel() == 12288
+    info = json.loads((Path(models.default_draft_path()) / "distill_info.json").read_text())
+    assert info["draft_vocab"]["size"] == 12288
+    dec = SpeculativeDecoder(draft, target, tokenizer=tokenizer)
+    assert torch.equal(dec.draft_vocab, vocab)  # "auto": the file beside the weights
+    ids = tokenizer(PROMPT, return_tensors="pt").input_ids
+    seq = target.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    Tp, Tg = ids.shape[1], seq.shape[1] - ids.shape[1]
+    logits = draft(seq).logits[0, Tp - 1:Tp - 1 + Tg]
+    target_next = seq[0, Tp:]
+    full = logits.argmax(-1) == target_next
+    restricted = vocab[logits[:, vocab].argmax(-1)] == target_next
+    assert torch.equal(full, restricted), (full.tolist(), restricted.tolist())
+    res = dec.generate([PROMPT], max_new_tokens=NEW_TOKENS, num_draft_tokens=2)
+    assert res.token_ids[0] == target_next.tolist()

@@ -104,6 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-lean-forward", action="store_true",
                    help="run every decode step through the models' own forward (default: a Llama on the "
                         "CPU takes the lean step, the same logits with less Python per call)")
+    g.add_argument("--draft-vocab", default="auto", metavar="auto|full|PATH",
+                   help="the tokens the draft may propose: 'auto' (default: the draft_vocab.safetensors "
+                        "shipped in the draft's directory, if any), 'full' (the whole vocabulary) or a file")
     g.add_argument("--baseline", action="store_true",
                    help="first decode with the target alone, to report the measured speed-up")
     g.add_argument("--verbose", action="store_true", help="print every step's drafts and accepted tokens")
@@ -115,7 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
 def _make_decoder(args, parser):
     from .decoder import SpeculativeDecoder, _resolve_dtype
 
-    paths = dict(cpu_linear=args.cpu_linear, lean_forward=not args.no_lean_forward)  # how the models run
+    # how the models run, and what the draft may propose
+    paths = dict(cpu_linear=args.cpu_linear, lean_forward=not args.no_lean_forward,
+                 draft_vocab=None if args.draft_vocab == "full" else args.draft_vocab)
     if args.tiny_random:
         if args.draft or args.target:
             parser.error("--tiny-random builds its own models; do not pass --draft/--target with it")
@@ -148,7 +153,10 @@ def _make_decoder(args, parser):
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    dec = _make_decoder(args, parser)
+    try:
+        dec = _make_decoder(args, parser)
+    except (ValueError, TypeError, FileNotFoundError) as e:
+        parser.error(str(e))
     prompts = list(args.prompts)
     progress = not args.no_progress and len(prompts) * args.max_new_tokens >= 256
     common = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
@@ -164,6 +172,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error(str(e))
     if args.json:
         json.dump({"texts": res.texts, "token_ids": res.token_ids, "finish_reasons": res.finish_reasons,
+                   "draft_vocab_size": None if dec.draft_vocab is None else dec.draft_vocab.numel(),
                    "stats": res.stats.to_dict()}, sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:

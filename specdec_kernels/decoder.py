@@ -262,6 +262,8 @@ class _Runner:
         self.context = getattr(cfg, "max_position_embeddings", None)
         self.lean = None  # a LeanLlamaStep for the decode steps, set by use_lean()
         self.lean_unsupported: Optional[str] = "not requested"
+        self.vocab_rows: Optional[torch.Tensor] = None  # a draft vocabulary [N] on the device, or None
+        self.head: Optional[torch.nn.Linear] = None  # the output layer's vocab_rows rows (lean path)
 
     def use_lean(self) -> None:
         """Run decode steps through ``LeanLlamaStep`` where the model qualifies (else say why)."""
@@ -273,13 +275,32 @@ class _Runner:
         elif self.lean is None:
             self.lean = LeanLlamaStep(self.model)
 
+    def set_vocab(self, rows: Optional[torch.Tensor]) -> None:
+        """Make ``step`` return logits over the token ids ``rows`` [N] only (sorted, on the
+        model's device), or over the whole vocabulary (None).  On the lean path the output layer
+        is applied to those rows only (a copy of them, taken now: call again after the weights
+        change); otherwise the model's logits are gathered."""
+        self.vocab_rows, self.head = rows, None
+        if rows is None or self.lean is None:
+            return
+        out = self.model.lm_head
+        with torch.inference_mode(False), torch.no_grad():  # ordinary tensors: use_skinny_linear versions them
+            head = torch.nn.Linear(out.in_features, rows.numel(), bias=out.bias is not None,
+                                   device=out.weight.device, dtype=out.weight.dtype)
+            head.weight.copy_(out.weight.index_select(0, rows))
+            if out.bias is not None:
+                head.bias.copy_(out.bias.index_select(0, rows))
+        self.head = head.requires_grad_(False)
+
     def step(self, cache, ids: torch.Tensor, mask: Optional[torch.Tensor], positions: torch.Tensor,
              start: int, keep: int) -> torch.Tensor:
         """``forward`` for a decode step (every new position sees a valid cache column): the lean
-        path when it is on, the same bits (see lean_forward)."""
+        path when it is on, the same bits (see lean_forward).  With a vocabulary (``set_vocab``)
+        the logits are those of its tokens only: [B, keep, N]."""
         if self.lean is not None:
-            return self.lean.step(cache, ids, mask, positions, keep)
-        return self.forward(cache, ids, mask, positions, start, keep)
+            return self.lean.step(cache, ids, mask, positions, keep, head=self.head)
+        logits = self.forward(cache, ids, mask, positions, start, keep)
+        return logits if self.vocab_rows is None else logits.index_select(-1, self.vocab_rows)
 
     def forward(self, cache, ids: torch.Tensor, mask: Optional[torch.Tensor], positions: torch.Tensor,
                 start: int, keep: int) -> torch.Tensor:
@@ -445,11 +466,19 @@ class SpeculativeDecoder:
     and 1.4 ms of a 26 ms target step with the embedded pair).  Checked at each ``generate``;
     other models, devices or attention implementations keep their forward
     (``lean_status()`` says which path each model takes and why).
+
+    draft_vocab: the tokens the draft may propose (``specdec_kernels.draft_vocab``): its logits
+    are computed for those rows of its output layer only and its distribution is zero elsewhere
+    (exactness does not depend on the set; the residual covers the rest).  ``"auto"`` (default):
+    the ``draft_vocab.safetensors`` of the local directory the draft was loaded from, if it has
+    one (the embedded draft ships 8,192 tokens), else the whole vocabulary; None: the whole
+    vocabulary; a path (a directory or the file); or the token ids (a 1-D tensor or a list).
+    ``self.draft_vocab`` is what was chosen (sorted int64 ids, or None).
     """
 
     def __init__(self, draft=None, target=None, tokenizer=None, device=None, dtype=None, *,
                  drafter: Optional[str] = None, max_ngram: int = 3, cpu_linear: str = "auto",
-                 lean_forward: bool = True):
+                 lean_forward: bool = True, draft_vocab: Any = "auto"):
         if cpu_linear not in ("auto", "skinny", "torch"):
             raise ValueError(f"cpu_linear must be 'auto', 'skinny' or 'torch', got {cpu_linear!r}")
         if target is None and draft is None and drafter is None:
@@ -508,19 +537,44 @@ class SpeculativeDecoder:
         if not isinstance(lean_forward, bool):
             raise TypeError(f"lean_forward must be a bool, got {type(lean_forward).__name__}")
         self.lean_forward = lean_forward
+        self.draft_vocab = self._resolve_draft_vocab(draft_vocab)
         self._refresh_lean()
         # The draft/target cost ratio before anything is measured: their parameter counts.
         self._t_draft_prior = (max(_num_params(self.draft) / max(_num_params(self.target), 1), 0.02)
                                if self.draft is not None else 0.0)
 
     def _refresh_lean(self) -> None:
-        """Decide the decode-step path of each model again (it may have moved or changed mode)."""
+        """Decide the decode-step path of each model again (it may have moved or changed mode),
+        and take the draft vocabulary's rows of the draft's output layer again (its weights may
+        have changed)."""
         for r in (self._t, self._d):
             if r is not None:
                 if self.lean_forward:
                     r.use_lean()
                 else:
                     r.lean, r.lean_unsupported = None, "lean_forward=False"
+        if self._d is not None:
+            self._d.set_vocab(None if self.draft_vocab is None else self.draft_vocab.to(_device_of(self.draft)))
+
+    def _resolve_draft_vocab(self, spec) -> Optional[torch.Tensor]:
+        import os
+
+        from . import draft_vocab as dv
+
+        if spec is None or (isinstance(spec, str) and spec == "auto" and self._d is None):
+            return None
+        if self._d is None:
+            raise ValueError(f"draft_vocab restricts a draft model's proposals; drafter={self.drafter!r} has "
+                             f"no draft model, got draft_vocab={spec!r}")
+        V = self._d.vocab_size
+        if isinstance(spec, str) and spec == "auto":
+            path = dv.model_directory_vocab(self.draft)
+            ids = None if path is None else dv.load_draft_vocab(path, V)
+        elif isinstance(spec, (str, os.PathLike)):
+            ids = dv.load_draft_vocab(spec, V)
+        else:
+            ids = dv.check_draft_vocab(spec, V)
+        return None if ids is None or ids.numel() == V else ids
 
     def lean_status(self) -> dict:
         """{"target": reason or None, "draft": ...}: None where the decode steps take the lean path."""
@@ -547,7 +601,7 @@ class SpeculativeDecoder:
         if self.cpu_linear == "skinny":
             from .cpu_linear import use_skinny_linear
 
-            for m in (self.target, self.draft):
+            for m in (self.target, self.draft, self._d.head if self._d is not None else None):
                 if m is not None:
                     stack.enter_context(use_skinny_linear(m))
         return stack
@@ -888,8 +942,11 @@ class SpeculativeDecoder:
         return max(min(k, room), 0)
 
     def _draft_with_model(self, st: _State, K: int):
-        """K draft forwards.  Returns (X [B, K] int64, Q [B, K, Vd] fp32 or None, catch-up used)."""
+        """K draft forwards.  Returns (X [B, K] int64, Q [B, K, Vd] fp32 or None, catch-up used).
+        With a draft vocabulary the draft picks among its tokens (logits [B, N]) and Q is zero
+        on the others."""
         d = self._d
+        rows = d.vocab_rows  # [N] or None
         dev = st.device
         B = len(st.rows)
         Vd = d.vocab_size
@@ -922,15 +979,17 @@ class SpeculativeDecoder:
                 pos = pos.clamp(max=st.context - 1)  # drafts past a row's budget are discarded anyway
             if mask is not None:
                 mask = torch.cat([mask, new_valid], 1)
-            logits = d.step(st.dc, ids, mask, pos, T, 1)[:, -1]  # [B, Vd]
+            logits = d.step(st.dc, ids, mask, pos, T, 1)[:, -1]  # [B, Vd], or [B, N] over rows
             T += ids.shape[1]
             if greedy:
                 x = logits.argmax(-1)
             else:
-                q = warp_probs(logits, st.temperature, st.top_k, st.top_p)  # [B, Vd] fp32
+                q = warp_probs(logits, st.temperature, st.top_k, st.top_p)  # [B, Vd] (or [B, N]) fp32
                 x = _sample_inverse_cdf(q, _draft_uniforms(st.key_lo, st.key_hi, st.step, j))
+                if rows is not None:
+                    q = q.new_zeros((B, Vd)).index_copy_(1, rows, q)
                 qs.append(q)
-            xs.append(x)
+            xs.append(x if rows is None else rows[x])
         st.Td = T
         X = torch.stack(xs, 1)  # [B, K]
         Q = torch.stack(qs, 1) if qs else None  # [B, K, Vd]

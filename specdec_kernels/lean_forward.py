@@ -39,10 +39,12 @@ class LeanLlamaStep:
     """The decode-step forward of a ``LlamaForCausalLM`` without Hugging Face's per-call overhead.
 
     ``LeanLlamaStep.unsupported(model)`` is None when the model qualifies, else the reason.
-    ``step(cache, ids, mask, positions, keep)`` appends ``ids`` [B, q] to ``cache`` (a
+    ``step(cache, ids, mask, positions, keep, head=None)`` appends ``ids`` [B, q] to ``cache`` (a
     ``DynamicCache``) and returns the logits of the last ``keep`` positions [B, keep, V]; ``mask``
     is [B, T + q] bool (valid cache columns, then the new ones) or None when no column is padding.
-    Every query position must see at least one valid column (true of decode steps).
+    Every query position must see at least one valid column (true of decode steps).  ``head``:
+    the output layer to apply instead of ``model.lm_head`` (a draft vocabulary's rows of it,
+    ``specdec_kernels.draft_vocab``), giving [B, keep, N].
     """
 
     def __init__(self, model):
@@ -106,7 +108,8 @@ class LeanLlamaStep:
         h = h * torch.rsqrt(variance + norm.variance_epsilon)
         return norm.weight * h.to(input_dtype)
 
-    def step(self, cache, ids: Tensor, mask: Optional[Tensor], positions: Tensor, keep: int) -> Tensor:
+    def step(self, cache, ids: Tensor, mask: Optional[Tensor], positions: Tensor, keep: int,
+             head: Optional[torch.nn.Module] = None) -> Tensor:
         if not isinstance(ids, Tensor) or ids.dim() != 2 or ids.shape[1] < 1:
             raise ValueError(f"LeanLlamaStep.step: ids must be a [B, q >= 1] tensor, got "
                              f"{tuple(ids.shape) if isinstance(ids, Tensor) else type(ids).__name__}")
@@ -153,4 +156,4 @@ class LeanLlamaStep:
             m = layer.mlp
             x = residual + m.down_proj(m.act_fn(m.gate_proj(h)) * m.up_proj(h))
         x = self._rms_norm(base.norm, x[:, -keep:])
-        return self.model.lm_head(x)
+        return (self.model.lm_head if head is None else head)(x)
