@@ -29,7 +29,7 @@
 // keeps the 8-lane order by putting two weight rows in one 16-lane register (lanes 0-7: row j,
 // lanes 8-15: row j+1, the x row broadcast to both halves), so each FMA instruction does the
 // work of two AVX2 ones and 16 accumulators cover 16 x rows in one pass.  It wins once the FMAs,
-// not the weight stream, set the time: from kMinRowsAvx512 = 9 rows (a batch's verify forward);
+// not the weight stream, set the time: from kMinRowsAvx512 = 5 rows (a verify of K >= 4 drafts);
 // with fewer rows the AVX2 path's single weight stream is faster.  Since the bits are the same,
 // choosing the path by M keeps every row's result independent of M.
 #include <ATen/Parallel.h>
@@ -67,8 +67,13 @@ namespace {
 // About 256 KiB of weights per parallel task: small enough to split a 576 x 576 matrix over
 // two threads, large enough that a thread wake-up (~10 us) is not the cost.
 constexpr int64_t kMinWeightBytesPerTask = int64_t{256} * 1024;
-// Software prefetch distance on each weight row (AVX2 path).
-constexpr int64_t kPrefetchBytes = 1024;
+// Software prefetch distance on each weight row (both SIMD paths; past a row's end it reaches
+// into the next rows, which are next in memory).  Measured on the 2-core AMD EPYC Zen 5 VM, 1 thread,
+// the embedded target's layers (538 MB): 1,024 bytes streamed them at 28 GB/s (19.1 ms for one
+// row); 8,192 at 34 GB/s (15.9 ms); 16,384 and 32,768 no better; 512 worse (22 ms).  With many
+// rows (the AVX-512 path at M = 9) it matters more: 42.7 -> 25.8 ms.  A prefetch never changes
+// the arithmetic, so the bits are the same at any distance.
+constexpr int64_t kPrefetchBytes = 8192;
 
 // The 8-lane reduction, written once for both paths: ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7)).
 inline float reduce8(const float* l) {
@@ -369,9 +374,10 @@ std::string skinny_linear_isas() {
 // From this many x rows on, the AVX-512 path is faster than the AVX2 one (FMA-bound); below it
 // the AVX2 path's single weight stream wins (memory-bound).  Measured with
 // bench/bench_skinny_linear.py --isa on a 2-core AMD EPYC Zen 5 VM, 1 thread, the target's
-// layer shapes: AVX-512 / AVX2 time 1.3-1.8x at M = 1-5, 0.89 at M = 9, 0.72-0.76 at M = 12-24.
+// layer shapes, kPrefetchBytes = 8192: AVX-512 / AVX2 time 1.30 at M = 1, 1.06 at 3, 0.99 at 4,
+// 0.92 at 5, 0.73 at 9, 0.70-0.73 at 12-16 (with 1,024-byte prefetches the switch was at 9).
 // Both give the same bits, so switching on M keeps a row's result independent of M.
-constexpr int64_t kMinRowsAvx512 = 9;
+constexpr int64_t kMinRowsAvx512 = 5;
 
 // The fastest path this CPU supports for M x rows.
 Isa best_isa(int64_t M) {
