@@ -268,9 +268,10 @@ class Bench:
                 res = self.dec.generate_target_only(prompts, max_new_tokens=self.max_new, temperature=temperature,
                                                     seed=seeds, eos_token_id=self.dec_eos)
             else:
-                res = self.dec.generate(prompts, max_new_tokens=self.max_new, num_draft_tokens=k,
+                kk, conf = split_k(k)
+                res = self.dec.generate(prompts, max_new_tokens=self.max_new, num_draft_tokens=kk,
                                         temperature=temperature, seed=seeds, eos_token_id=self.dec_eos,
-                                        max_draft_tokens=8)
+                                        max_draft_tokens=8, draft_confidence=conf)
             out_ids.extend(res.token_ids)
             stats.append(res.stats)
         _sync(self.device)
@@ -278,14 +279,21 @@ class Bench:
 
 
 def assistant_config(k) -> Optional[dict]:
-    """The assistant's generation-config fields set for assisted generation at K (None: HF defaults)."""
+    """The assistant's generation-config fields set for assisted generation at K (None: HF defaults).
+    'K@c': K tokens at most, and HF's own confidence stop at c (``assistant_confidence_threshold``:
+    it stops when one draft's probability is below c; ours when the product of them is)."""
+    k, conf = split_k(k)
     if k == "auto":
-        return None
+        return None if conf == 0 else dict(assistant_confidence_threshold=conf)
     return dict(num_assistant_tokens=int(k), num_assistant_tokens_schedule="constant",
-                assistant_confidence_threshold=0.0)
+                assistant_confidence_threshold=conf)
 
 
 def hf_config_text(k) -> str:
+    k, conf = split_k(k)
+    if conf:
+        return (f"num_assistant_tokens={k}, schedule=constant, " if k != "auto" else "defaults but ") + \
+            f"assistant_confidence_threshold={conf} (per draft; ours: draft_confidence={conf}, on the product)"
     if k == "auto":
         return ("transformers defaults: num_assistant_tokens=20, schedule=constant, "
                 "assistant_confidence_threshold=0.4 (no sklearn: fixed)" if not _has_sklearn() else
@@ -343,8 +351,29 @@ def merge_stats(stats: list) -> dict:
 # The benchmark
 # ----------------------------------------------------------------------------------------------
 def _k_list(s: str) -> list:
-    """--ks: comma-separated K values, each parsed like the CLI's -k (a positive int or 'auto')."""
-    return [_k_arg(part.strip()) for part in s.split(",")]
+    """--ks: comma-separated K values, each parsed like the CLI's -k (a positive int or 'auto'),
+    optionally with '@c': the same K with draft_confidence c (e.g. '4@0.3', 'auto@0.3')."""
+    out = []
+    for part in s.split(","):
+        k, _, c = part.strip().partition("@")
+        _k_arg(k)
+        if c:
+            try:
+                conf = float(c)
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"the confidence after '@' must be a float, got {c!r}") from None
+            if not 0.0 < conf < 1.0:
+                raise argparse.ArgumentTypeError(f"the confidence after '@' must be in (0, 1), got {conf}")
+        out.append(part.strip() if c else _k_arg(k))
+    return out
+
+
+def split_k(k):
+    """(K, draft_confidence) of a --ks entry: 4 -> (4, 0.0), '4@0.3' -> (4, 0.3)."""
+    if isinstance(k, str) and "@" in k:
+        kk, c = k.split("@")
+        return _k_arg(kk), float(c)
+    return k, 0.0
 
 
 def _int_list(s: str) -> list:
@@ -429,7 +458,8 @@ def main(argv=None) -> int:
         "# target_hf: target.generate (greedy do_sample=False; T>0: do_sample=True, top_k=0, top_p=1)",
         "# assisted_hf: target.generate(assistant_model=draft); fixed K: " + hf_config_text(1).replace("=1,", "=K,")
         + "; K=auto: " + hf_config_text("auto"),
-        "# specdec: SpeculativeDecoder.generate(num_draft_tokens=K, max_draft_tokens=8); "
+        "# specdec: SpeculativeDecoder.generate(num_draft_tokens=K, max_draft_tokens=8; K@c: and "
+        "draft_confidence=c); "
         "specdec_target_only: its generate_target_only",
         f"# linear layers: {bench.linear} for every method (--linear {args.linear})"
         + ("; target_hf_torch_linear: the target alone with torch's linear; speed-ups over the target "

@@ -20,8 +20,8 @@ SCRIPT = ROOT / "bench" / "bench_e2e.py"
 
 
 def test_bench_e2e_quick(tmp_path):
-    # --ks 1,auto and one thread keep the run short on a shared 2-core machine (about 30 s).
-    cmd = [sys.executable, str(SCRIPT), "--quick", "--out", str(tmp_path), "--threads", "1", "--ks", "1,auto"]
+    # --ks 1,auto@0.3 and one thread keep the run short on a shared 2-core machine (about 30 s).
+    cmd = [sys.executable, str(SCRIPT), "--quick", "--out", str(tmp_path), "--threads", "1", "--ks", "1,auto@0.3"]
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -40,7 +40,7 @@ def test_bench_e2e_quick(tmp_path):
                  ("assisted_hf", "-", "8", t)]  # the batch-8 row that says assisted is batch 1 only
         if HAS_EXT:  # fp32 CPU: every method uses skinny_linear, and the target alone also runs stock
             want += [("target_hf_torch_linear", "-", "1", t), ("target_hf_torch_linear", "-", "8", t)]
-        for k in ("1", "auto"):
+        for k in ("1", "auto@0.3"):
             want += [("assisted_hf", k, "1", t), ("specdec", k, "1", t), ("specdec", k, "8", t)]
     assert got == sorted(want)
 
@@ -77,7 +77,7 @@ def test_bench_e2e_quick(tmp_path):
             else:
                 assert r["speedup_vs_assisted"] == "n/a (batch 1 only)"
         if r["method"] == "assisted_hf":
-            assert "num_assistant_tokens" in r["hf_config"]
+            assert "assistant_confidence_threshold=" + ("0.3" if r["K"] == "auto@0.3" else "0") in r["hf_config"]
 
     text = (tmp_path / "bench_e2e.txt").read_text()
     assert "torch threads: 1" in text
@@ -119,3 +119,29 @@ def test_greedy_mismatch_refuses_the_speedup(capsys):
     out = capsys.readouterr().out
     assert "GREEDY CHECK FAILED (batch 1, temperature 0): specdec K=4 prompt 1 differs" in out
     assert any("specdec K=4 prompt 1" in n for n in notes)
+
+
+def test_k_entries_with_a_confidence():
+    import argparse
+    import importlib.util
+
+    import pytest
+
+    spec = importlib.util.spec_from_file_location("bench_e2e", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    assert mod._k_list("1,4@0.3,auto,auto@0.25") == [1, "4@0.3", "auto", "auto@0.25"]
+    assert [mod.split_k(k) for k in (1, "4@0.3", "auto", "auto@0.25")] == [
+        (1, 0.0), (4, 0.3), ("auto", 0.0), ("auto", 0.25)]
+    assert mod.assistant_config("4@0.3") == dict(num_assistant_tokens=4, num_assistant_tokens_schedule="constant",
+                                                 assistant_confidence_threshold=0.3)
+    assert mod.assistant_config("auto@0.3") == dict(assistant_confidence_threshold=0.3)
+    assert mod.assistant_config("auto") is None
+    for bad, msg in (("4@x", "must be a float, got 'x'"), ("4@1.5", r"must be in \(0, 1\), got 1.5"),
+                     ("0@0.3", "must be a positive int or 'auto', got 0")):
+        with pytest.raises(argparse.ArgumentTypeError, match=msg):
+            mod._k_list(bad)

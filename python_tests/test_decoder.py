@@ -339,6 +339,8 @@ def _chisquare_pvalue(observed: torch.Tensor, probs: torch.Tensor) -> float:
     # a draft vocabulary: the draft never proposes 1, 4 or 7; the residual must supply them
     (1.0, None, None, 2, [0, 2, 3, 5, 6]),
     (0.7, 4, None, 3, [0, 2, 3, 5, 6]),
+    # rows stop drafting on the draft's confidence (different K_b per row)
+    (1.0, None, None, "conf", None),
 ])
 def test_sampling_matches_target_distribution(temperature, top_k, top_p, k, vocab):
     V, N = 8, 4000
@@ -346,10 +348,15 @@ def test_sampling_matches_target_distribution(temperature, top_k, top_p, k, voca
     draft = _perturbed(target, 0.05, seed=1)  # alpha ~ 0.5: rejections, recoveries and bonuses
     prompt = [1, 2, 3]
     dec = SpeculativeDecoder(draft=draft, target=target, draft_vocab=vocab)
+    # "conf": K = 3 with the confidence rule, 4 new tokens (so K is not cut by the budget) of which
+    # the first two are tested
+    conf = dict(num_draft_tokens=3, draft_confidence=0.1) if k == "conf" else dict(num_draft_tokens=k)
     # One batch of N copies of the prompt: row p samples with seed 1000 + p.
-    res = dec.generate([prompt] * N, max_new_tokens=2, num_draft_tokens=k, temperature=temperature,
-                       top_k=top_k, top_p=top_p, seed=1000)
-    toks = torch.tensor(res.token_ids)  # [N, 2]
+    res = dec.generate([prompt] * N, max_new_tokens=4 if k == "conf" else 2, temperature=temperature,
+                       top_k=top_k, top_p=top_p, seed=1000, **conf)
+    if k == "conf":  # in the first step, rows verified 1, 2 and 3 drafts
+        assert set(res.stats.history[0]["num_draft"]) == {1, 2, 3}
+    toks = torch.tensor([t[:2] for t in res.token_ids])  # [N, 2]
     assert toks.shape == (N, 2)
     assert 0.1 < res.stats.alpha < 0.95
     observed = torch.zeros((V, V), dtype=torch.int64)
@@ -903,16 +910,18 @@ VOCAB = [0, 1, 2, 3, 5, 8, 13, 21, 30]  # 9 of the pair's 32 tokens
 
 
 class _DraftRecorder:
-    """Records (X, Q) of every ``_draft_with_model`` call of a decoder."""
+    """Records (X, Q) of every ``_draft_with_model`` call of a decoder, and in ``calls`` its K
+    and the K_b it returned."""
 
     def __init__(self, dec):
-        self.dec, self.out = dec, []
+        self.dec, self.out, self.calls = dec, [], []
         orig = dec._draft_with_model
 
         def wrapped(st, K):
-            X, Q, catch_up = orig(st, K)
+            X, Q, catch_up, kb = orig(st, K)
             self.out.append((X.clone(), None if Q is None else Q.clone()))
-            return X, Q, catch_up
+            self.calls.append((K, None if kb is None else kb.clone()))
+            return X, Q, catch_up, kb
 
         dec._draft_with_model = wrapped
 
@@ -1088,3 +1097,62 @@ def test_cli_draft_vocab(capsys, tmp_path):
     with pytest.raises(SystemExit) as e:
         cli_main(base + ["--draft-vocab", str(tmp_path / "missing")])
     assert e.value.code == 2 and "no draft vocabulary at" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------------------------
+# 8. Stopping drafts on the draft's confidence
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("conf,k", [(0.5, 4), (0.9, 8), (0.3, "auto")])
+def test_draft_confidence_greedy_matches_generate(pair, greedy_refs, conf, k):
+    draft, target = pair
+    dec = SpeculativeDecoder(draft=draft, target=target)
+    rec = _DraftRecorder(dec)
+    res = dec.generate(PROMPTS, max_new_tokens=24, num_draft_tokens=k, draft_confidence=conf)
+    assert res.token_ids == greedy_refs
+    # the rule acted: some row stopped before K, and some step drafted fewer than K for every row
+    assert any((kb < K).any() for K, kb in rec.calls)
+    assert any(X.shape[1] < K for (X, _), (K, _) in zip(rec.out, rec.calls))
+
+
+def test_draft_confidence_rule(pair):
+    """K_b is the first draft at which the product of the drafts' probabilities (under the
+    distribution each was sampled from) falls below the threshold, else K; the drafting stops
+    once every row has stopped."""
+    draft, target = pair
+    dec = SpeculativeDecoder(draft=draft, target=target)
+    rec = _DraftRecorder(dec)
+    res = dec.generate(PROMPTS, max_new_tokens=16, num_draft_tokens=5, temperature=1.0, seed=3, draft_confidence=0.2)
+    assert rec.calls and any((kb < K).any() for K, kb in rec.calls)
+    for h, (K, kb) in zip(res.stats.history, rec.calls):  # the verifier saw each row's K_b (or less: budget)
+        assert all(n <= kb[i].item() for i, n in enumerate(h["num_draft"]))
+    for (X, Q), (K, kb) in zip(rec.out, rec.calls):
+        cum = Q.gather(-1, X[..., None])[..., 0].cumprod(-1)  # [B, K']
+        below = cum < 0.2
+        want = torch.where(below.any(-1), below.int().argmax(-1) + 1, torch.full_like(kb, K)).clamp(max=X.shape[1])
+        assert torch.equal(kb, want)
+        if X.shape[1] < K:
+            assert (kb <= X.shape[1]).all() and below[:, -1].any()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_draft_confidence_batch_invariance(pair, temperature):
+    draft, target = pair
+    dec = SpeculativeDecoder(draft=draft, target=target)
+    kw = dict(max_new_tokens=16, num_draft_tokens=4, temperature=temperature, draft_confidence=0.4)
+    batch = dec.generate(PROMPTS, seed=70, **kw)
+    for i, p in enumerate(PROMPTS):
+        assert dec.generate([p], seed=70 + i, **kw).token_ids[0] == batch.token_ids[i], i
+
+
+def test_draft_confidence_errors(pair):
+    draft, target = pair
+    dec = SpeculativeDecoder(draft=draft, target=target)
+    with pytest.raises(ValueError, match=r"draft_confidence must be in \[0, 1\) \(0 = off\), got 1.0"):
+        dec.generate([[1]], draft_confidence=1.0)
+    with pytest.raises(ValueError, match=r"draft_confidence must be in \[0, 1\) \(0 = off\), got -0.1"):
+        dec.generate([[1]], draft_confidence=-0.1)
+    with pytest.raises(TypeError, match="draft_confidence must be a float, got str"):
+        dec.generate([[1]], draft_confidence="0.5")
+    with pytest.raises(ValueError, match="draft_confidence needs a draft model's probabilities; "
+                                         "drafter='prompt_lookup' has none, got draft_confidence=0.5"):
+        SpeculativeDecoder(target=target).generate([[1]], draft_confidence=0.5)

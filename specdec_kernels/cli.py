@@ -90,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="use a small random-weight Llama pair built in memory (offline smoke test)")
     g.add_argument("-k", "--num-draft-tokens", type=_k_arg, default=4, help="K, or 'auto' (default 4)")
     g.add_argument("--max-draft-tokens", type=int, default=8, help="the largest K 'auto' may pick (default 8)")
+    g.add_argument("--draft-confidence", type=float, default=0.0,
+                   help="a row stops drafting once the product of its drafts' probabilities under the draft "
+                        "falls below this (0 = off, default; the output distribution is unchanged)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-k", type=int, default=None)
     g.add_argument("--top-p", type=float, default=None)
@@ -166,6 +169,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.baseline:
             baseline = dec.generate_target_only(prompts, progress=progress, **common).stats.tokens_per_s
         res = dec.generate(prompts, num_draft_tokens=args.num_draft_tokens, max_draft_tokens=args.max_draft_tokens,
+                           draft_confidence=args.draft_confidence,
                            verbose=(sys.stderr if args.json else True) if args.verbose else False,
                            baseline_tokens_per_s=baseline, progress=progress, **common)
     except (ValueError, TypeError) as e:

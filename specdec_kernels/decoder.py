@@ -410,6 +410,7 @@ class _State:
     Td: int = 0  # draft cache columns
     steps_done: int = 0
     prefill_time: float = 0.0
+    draft_confidence: float = 0.0  # a row stops drafting below this estimate of acceptance (0: off)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -714,6 +715,7 @@ class SpeculativeDecoder:
         *,
         attention_mask: Optional[torch.Tensor] = None,
         max_draft_tokens: int = 8,
+        draft_confidence: float = 0.0,
         eos_token_id: Union[int, Sequence[int], None] = None,
         baseline_tokens_per_s: Optional[float] = None,
         progress: bool = False,
@@ -731,10 +733,17 @@ class SpeculativeDecoder:
         the one that completed it are kept).  Rows also stop at EOS (kept), after
         ``max_new_tokens``, or when the sequence fills the model's context.
         verbose: print each step's drafts and accepted tokens (True: to stdout, or a stream).
+        draft_confidence: a row stops drafting (before K) once the draft's own estimate that all
+        its drafts so far are accepted falls below this: the product of the drafts'
+        probabilities under the draft (at temperature 0, of its unwarped softmax; else of the
+        distribution it sampled from).  The step then verifies fewer drafts for that row, and on
+        the CPU the draft stops as soon as every row has stopped.  0 (default): always K.  The
+        output distribution does not depend on it (the draft side alone decides).
         baseline_tokens_per_s: the target alone's speed, for ``stats.measured_speedup``.
         """
         st = self._start(prompts, max_new_tokens, num_draft_tokens, temperature, top_k, top_p, seed, stop,
-                         verbose, attention_mask, max_draft_tokens, eos_token_id, progress, target_only=False)
+                         verbose, attention_mask, max_draft_tokens, eos_token_id, progress, target_only=False,
+                         draft_confidence=draft_confidence)
         self._refresh_lean()
         with self._linear_layers():
             return self._run(st, baseline_tokens_per_s)
@@ -756,7 +765,8 @@ class SpeculativeDecoder:
 
     # -- the loop -----------------------------------------------------------------------------
     def _start(self, prompts, max_new_tokens, num_draft_tokens, temperature, top_k, top_p, seed, stop,
-               verbose, attention_mask, max_draft_tokens, eos_token_id, progress, target_only) -> _State:
+               verbose, attention_mask, max_draft_tokens, eos_token_id, progress, target_only,
+               draft_confidence: float = 0.0) -> _State:
         """Validate everything, encode, allocate the state (no model work yet)."""
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
             raise TypeError(f"max_new_tokens must be an int, got {type(max_new_tokens).__name__}")
@@ -766,6 +776,13 @@ class SpeculativeDecoder:
             raise TypeError(f"max_draft_tokens must be an int, got {type(max_draft_tokens).__name__}")
         if max_draft_tokens <= 0:
             raise ValueError(f"max_draft_tokens must be > 0, got {max_draft_tokens}")
+        if isinstance(draft_confidence, bool) or not isinstance(draft_confidence, (int, float)):
+            raise TypeError(f"draft_confidence must be a float, got {type(draft_confidence).__name__}")
+        if not 0.0 <= draft_confidence < 1.0:
+            raise ValueError(f"draft_confidence must be in [0, 1) (0 = off), got {draft_confidence}")
+        if draft_confidence > 0 and self.draft is None:
+            raise ValueError(f"draft_confidence needs a draft model's probabilities; drafter={self.drafter!r} "
+                             f"has none, got draft_confidence={draft_confidence}")
         if isinstance(num_draft_tokens, str):
             if num_draft_tokens != "auto":
                 raise ValueError(f"num_draft_tokens must be a positive int or 'auto', got {num_draft_tokens!r}")
@@ -843,7 +860,7 @@ class SpeculativeDecoder:
             top_p=None if top_p is None else float(top_p), eos=self._eos_ids(eos_token_id), stop=list(stop),
             max_new=max_new_tokens, context=context, target_only=target_only,
             recorder=StatsRecorder(k_max, self._t_draft_prior if self.draft is not None else 0.0),
-            clock=_Clock(dev), verbose=verbose, pbar=pbar, device=dev,
+            clock=_Clock(dev), verbose=verbose, pbar=pbar, device=dev, draft_confidence=float(draft_confidence),
         )
         st.seed = torch.tensor(seeds, dtype=torch.int64, device=dev)
         st.key_lo = torch.tensor([k[0] for k in keys], dtype=torch.int64, device=dev)
@@ -942,9 +959,11 @@ class SpeculativeDecoder:
         return max(min(k, room), 0)
 
     def _draft_with_model(self, st: _State, K: int):
-        """K draft forwards.  Returns (X [B, K] int64, Q [B, K, Vd] fp32 or None, catch-up used).
-        With a draft vocabulary the draft picks among its tokens (logits [B, N]) and Q is zero
-        on the others."""
+        """Up to K draft forwards.  Returns (X [B, K'] int64, Q [B, K', Vd] fp32 or None, catch-up
+        used, K_b [B] int64 or None): K' = K unless ``st.draft_confidence`` stopped every row
+        sooner (CPU only; a row's K_b is where it stopped, None when the rule is off).  With a
+        draft vocabulary the draft picks among its tokens (logits [B, N]) and Q is zero on the
+        others."""
         d = self._d
         rows = d.vocab_rows  # [N] or None
         dev = st.device
@@ -970,6 +989,9 @@ class SpeculativeDecoder:
         mask = None if dense else torch.arange(st.Td, device=dev)[None, :] < st.ld[:, None]
         T = st.Td
         xs, qs = [], []
+        conf_min = st.draft_confidence
+        cum = torch.ones(B, dtype=torch.float32, device=dev) if conf_min > 0 else None  # P(all accepted)
+        kb = torch.full((B,), K, dtype=torch.int64, device=dev) if conf_min > 0 else None
         for j in range(K):
             if j > 0:
                 ids = xs[-1][:, None]
@@ -983,17 +1005,25 @@ class SpeculativeDecoder:
             T += ids.shape[1]
             if greedy:
                 x = logits.argmax(-1)
+                if cum is not None:  # the draft's own probability of its argmax
+                    cum = cum * torch.softmax(logits.float(), -1).gather(1, x[:, None])[:, 0]
             else:
                 q = warp_probs(logits, st.temperature, st.top_k, st.top_p)  # [B, Vd] (or [B, N]) fp32
                 x = _sample_inverse_cdf(q, _draft_uniforms(st.key_lo, st.key_hi, st.step, j))
+                if cum is not None:
+                    cum = cum * q.gather(1, x[:, None])[:, 0]
                 if rows is not None:
                     q = q.new_zeros((B, Vd)).index_copy_(1, rows, q)
                 qs.append(q)
             xs.append(x if rows is None else rows[x])
+            if cum is not None:
+                kb = torch.where((cum < conf_min) & (kb == K), j + 1, kb)  # the first draft below stops it
+                if j + 1 < K and dev.type == "cpu" and bool((kb <= j + 1).all()):
+                    break  # every row has stopped (no host sync on other devices: they draft on)
         st.Td = T
-        X = torch.stack(xs, 1)  # [B, K]
-        Q = torch.stack(qs, 1) if qs else None  # [B, K, Vd]
-        return X, Q, catch_up
+        X = torch.stack(xs, 1)  # [B, K']
+        Q = torch.stack(qs, 1) if qs else None  # [B, K', Vd]
+        return X, Q, catch_up, None if kb is None else kb.clamp(max=X.shape[1])
 
     def _step(self, st: _State) -> None:
         from .verify import fused_verify
@@ -1006,9 +1036,11 @@ class SpeculativeDecoder:
         t_a = clock.mark()
         X, Q, catch_up, n_draft_fwd = None, None, False, 0
         if K > 0 and self.draft is not None:
-            X, Q, catch_up = self._draft_with_model(st, K)
-            n_draft_fwd = K
+            X, Q, catch_up, kb_conf = self._draft_with_model(st, K)
+            K = n_draft_fwd = X.shape[1]  # fewer when every row stopped on confidence
             kb = torch.clamp(remaining - 1, max=K)  # [B]
+            if kb_conf is not None:
+                kb = torch.minimum(kb, kb_conf)
         elif K > 0:
             want = [min(K, st.budget_host[p] - len(st.generated[p]) - 1) for p in st.rows]
             props = self.lookup.propose([st.seqs[p] for p in st.rows], want)
