@@ -468,6 +468,9 @@ def main(argv=None) -> int:
         + "; ".join(f"{m}: {'lean Llama step' if why is None else 'its own forward (' + why + ')'}"
                     for m, why in bench.dec.lean_status().items())
         + "; Hugging Face methods: the models' own forward",
+        "# draft vocabulary of SpeculativeDecoder: "
+        + ("the whole vocabulary" if bench.dec.draft_vocab is None else
+           f"{bench.dec.draft_vocab.numel()} tokens (draft_vocab='auto'); HF assisted: the whole vocabulary"),
         "# prefill: SpeculativeDecoder prefills prompts of similar lengths together (one forward per "
         "group), HF generate pads every prompt to the longest; decode_speedup_vs_target_only = specdec's "
         "tokens/s after its prefill over specdec_target_only's (same loop and prefill, no draft)",
