@@ -208,25 +208,36 @@ def _synthetic_times(monkeypatch, slope: float, seen: list):
 
 
 def test_greedy_auto_k_follows_the_verify_cost(pair, greedy_refs, monkeypatch):
-    """K="auto" with a flat verify cost drafts more than with a steep one, and both reproduce
+    """K="auto" with a flat verify cost drafts more than with a steep one; where verifying one
+    draft costs as much as two plain steps it mostly takes K = 0 (the target alone, the draft
+    kept in step), with a step at K >= 1 at least every ZERO_REFRESH + 1; all reproduce
     target.generate exactly; the recorder receives each step's K."""
+    from specdec_kernels.stats import ZERO_REFRESH
+
     draft, target = pair
     dec = SpeculativeDecoder(draft=draft, target=target)
     mean_k = {}
-    for slope in (0.0, 1.0):
+    for slope in (0.0, 0.3, 1.0):
         seen = []
         with monkeypatch.context() as m:
             _synthetic_times(m, slope, seen)
-            res = dec.generate(PROMPTS, max_new_tokens=24, num_draft_tokens="auto", max_draft_tokens=6)
-        assert res.token_ids == greedy_refs, slope
+            res = dec.generate(PROMPTS, max_new_tokens=40, num_draft_tokens="auto", max_draft_tokens=6)
+        assert res.token_ids == [dec.generate_target_only([p], max_new_tokens=40).token_ids[0] for p in PROMPTS]
+        assert [r[:24] for r in res.token_ids] == greedy_refs, slope
         ks = [h["k"] for h in res.stats.history]
         assert [k for k, _ in seen] == ks  # record_times gets the step's own K
         mean_k[slope] = res.stats.mean_num_draft_tokens
-        if slope == 1.0:  # T(K) = 1 + K: K = 1 after the warm-up and the one exploring step
-            assert ks[3:-2] and all(k == 1 for k in ks[3:-2]), ks
-        else:
+        if slope == 0.0:
             assert max(ks) == 6, ks
-    assert mean_k[0.0] > mean_k[1.0] + 2, mean_k
+        elif slope == 0.3:  # T(K) = 1 + 0.3 K: one draft pays (1.6-1.7 tokens for 1.32), K = 0 never wins
+            assert 0 in ks[:4] and ks[4:-2] and all(k >= 1 for k in ks[4:-2]), ks
+        else:  # T(K) = 1 + K: one draft costs a step and returns 0.6-0.7 of a token: K = 0
+            zeros = ks[4:-2]
+            assert zeros.count(0) >= 0.8 * len(zeros) and len(zeros) > ZERO_REFRESH, ks
+            runs = "".join("0" if k == 0 else "x" for k in ks[4:]).split("x")
+            assert max(len(r) for r in runs) <= ZERO_REFRESH and "x" in "".join(
+                "0" if k == 0 else "x" for k in ks[4:]), ks  # refreshed
+    assert mean_k[0.0] > mean_k[0.3] + 2 > mean_k[1.0] + 2, mean_k
 
 
 @pytest.mark.parametrize("k", [1, 3, 8])
@@ -341,6 +352,8 @@ def _chisquare_pvalue(observed: torch.Tensor, probs: torch.Tensor) -> float:
     (0.7, 4, None, 3, [0, 2, 3, 5, 6]),
     # rows stop drafting on the draft's confidence (different K_b per row)
     (1.0, None, None, "conf", None),
+    # "auto" choosing K = 0 (the draft only kept in step), then K = 1 from that cache
+    (1.0, None, None, "zero", None),
 ])
 def test_sampling_matches_target_distribution(temperature, top_k, top_p, k, vocab):
     V, N = 8, 4000
@@ -351,11 +364,24 @@ def test_sampling_matches_target_distribution(temperature, top_k, top_p, k, voca
     # "conf": K = 3 with the confidence rule, 4 new tokens (so K is not cut by the budget) of which
     # the first two are tested
     conf = dict(num_draft_tokens=3, draft_confidence=0.1) if k == "conf" else dict(num_draft_tokens=k)
+    if k == "zero":
+        from specdec_kernels.stats import StatsRecorder
+
+        conf = dict(num_draft_tokens="auto")
+        chosen = iter([0, 1, 1])
+        orig_choose = StatsRecorder.choose_k
+        StatsRecorder.choose_k = lambda self, k_max, allow_zero=False: next(chosen)
     # One batch of N copies of the prompt: row p samples with seed 1000 + p.
-    res = dec.generate([prompt] * N, max_new_tokens=4 if k == "conf" else 2, temperature=temperature,
-                       top_k=top_k, top_p=top_p, seed=1000, **conf)
+    try:
+        res = dec.generate([prompt] * N, max_new_tokens={"conf": 4, "zero": 3}.get(k, 2),
+                           temperature=temperature, top_k=top_k, top_p=top_p, seed=1000, **conf)
+    finally:
+        if k == "zero":
+            StatsRecorder.choose_k = orig_choose
     if k == "conf":  # in the first step, rows verified 1, 2 and 3 drafts
         assert set(res.stats.history[0]["num_draft"]) == {1, 2, 3}
+    if k == "zero":  # a K = 0 step, then one that verified a draft
+        assert [h["k"] for h in res.stats.history][:2] == [0, 1] and res.stats.draft_forwards >= 2
     toks = torch.tensor([t[:2] for t in res.token_ids])  # [N, 2]
     assert toks.shape == (N, 2)
     assert 0.1 < res.stats.alpha < 0.95
@@ -454,6 +480,34 @@ def test_caches_equal_fresh_forward_after_each_step(pair, temperature):
                 _assert_row_cache(st.tc, b, st.lt_host[b], target, seq[: st.lt_host[b]])
                 _assert_row_cache(st.dc, b, st.ld_host[b], draft, seq[: st.ld_host[b]])
     assert caught_up > 0  # the catch-up path was exercised
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_caches_after_steps_without_drafts(pair, temperature):
+    """K = 0 steps chosen by "auto" (the target alone; the draft still takes the step's tokens,
+    catch-up included): after each step both caches equal a fresh forward over the prefix."""
+    draft, target = pair
+    dec = SpeculativeDecoder(draft=draft, target=target)
+    st = dec._start(PROMPTS, 30, "auto", temperature, None, None, 0, None, False, None, 4, None, False,
+                    target_only=False)
+    pattern = iter([4, 0, 0, 3, 0, 4, 0, 2, 0])
+    st.recorder.choose_k = lambda k_max, allow_zero=False: next(pattern)
+    zero_after_catch = 0
+    with torch.inference_mode():
+        dec._prefill(st)
+        for _ in range(9):
+            catch_before = any(st.catch_host)
+            dec._step(st)
+            if st.recorder.stats.history[-1]["k"] == 0:
+                zero_after_catch += int(catch_before)
+                assert not any(st.catch_host)  # a K = 0 step leaves nothing to catch up on
+            for b, p in enumerate(st.rows):
+                seq = st.seqs[p]
+                assert st.lt_host[b] == len(seq) - 1
+                assert st.ld_host[b] == len(seq) - 1 - int(st.catch_host[b])
+                _assert_row_cache(st.tc, b, st.lt_host[b], target, seq[: st.lt_host[b]])
+                _assert_row_cache(st.dc, b, st.ld_host[b], draft, seq[: st.ld_host[b]])
+    assert zero_after_catch > 0  # a K = 0 step fed a row's catch-up token
 
 
 # Prompts whose lengths differ enough for the prefill to run in groups (tokens to cache: 1, 29,

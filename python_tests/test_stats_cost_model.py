@@ -12,6 +12,7 @@ import pytest
 from specdec_kernels.stats import (
     TARGET_SLOPE_PRIOR,
     TIME_EMA,
+    ZERO_REFRESH,
     StatsRecorder,
     choose_num_draft_tokens,
     expected_tokens_per_step,
@@ -141,6 +142,36 @@ def test_exploration_measures_a_second_length():
     assert rec2.choose_k(1) == 1
     _inject(rec, 1, 0.5)  # two lengths: the model decides
     assert rec.choose_k(8) == choose_num_draft_tokens(rec.alpha(), 0.05, lambda k: rec.target_time(k + 1), 8)
+
+
+def test_k_zero_when_verifying_does_not_pay():
+    """allow_zero: K = 0 (rate 1 / (T_draft + T_target(0))) against the best K >= 1, by hand."""
+    def k0_recorder(t1, t2, t3):
+        rec = StatsRecorder(8, 0.05)
+        for _ in range(20):  # one row accepting 1 of 2 drafts: alpha towards 0.5
+            rec.record_step(2, [0], [2], [1], [2])
+        _inject(rec, 1, t2)
+        _inject(rec, 2, t3)
+        return rec, t1
+
+    # a CPU at batch 8: T(0) = 35, T(1) = 58.5, T(2) = 84 (ms), T_draft = 0.05
+    rec, t1 = k0_recorder(35.0, 58.5, 84.0)
+    assert rec.choose_k(8) >= 1  # without allow_zero, never 0
+    assert rec.choose_k(8, allow_zero=True) == 0  # the one-token step is not measured: measure it
+    _inject(rec, 0, t1)
+    a = rec.alpha()
+    best = choose_num_draft_tokens(a, 0.05, lambda k: rec.target_time(k + 1), 8)
+    rate_best = expected_tokens_per_step(a, best) / (best * 0.05 + rec.target_time(best + 1))
+    assert 1 / (0.05 + rec.target_time(1)) > rate_best  # so K = 0 wins ...
+    ks = [rec.choose_k(8, allow_zero=True) for _ in range(2 * ZERO_REFRESH + 2)]
+    # ... ZERO_REFRESH times in a row, then one step at the best K >= 1 (alpha measured again)
+    assert ks == ([0] * ZERO_REFRESH + [best]) * 2
+    # a memory-bound step (batch 1): T(0) = 20.6, T(1) = 22, T(2) = 23.1: K >= 1 wins
+    rec, t1 = k0_recorder(20.6, 22.0, 23.1)
+    assert rec.choose_k(8, allow_zero=True) == 0
+    _inject(rec, 0, t1)
+    assert rec.choose_k(8, allow_zero=True) == choose_num_draft_tokens(
+        rec.alpha(), 0.05, lambda k: rec.target_time(k + 1), 8) >= 1
 
 
 # ----------------------------------------------------------------------------------------------

@@ -950,13 +950,16 @@ class SpeculativeDecoder:
         if dc is not None:
             self._d.forward(dc, ids.clamp(max=self._d.vocab_size - 1), mask, pos, 0, 1)
 
-    def _choose_k(self, st: _State) -> int:
+    def _choose_k(self, st: _State) -> tuple:
+        """(K, sync): K drafts this step; sync: K = 0 was chosen by ``"auto"`` with a draft model,
+        whose cache must still take this step's token."""
         if st.target_only:
-            return 0
-        k = st.recorder.choose_k(st.k_max) if st.k == "auto" else st.k
+            return 0, False
+        auto_zero = st.k == "auto" and self.draft is not None
+        k = st.recorder.choose_k(st.k_max, allow_zero=auto_zero) if st.k == "auto" else st.k
         # Row b drafts K_b = min(K, budget_b - 1): its step emits at most K_b + 1 tokens.
         room = max(st.budget_host[p] - len(st.generated[p]) for p in st.rows) - 1
-        return max(min(k, room), 0)
+        return max(min(k, room), 0), auto_zero and k == 0 and room > 0
 
     def _draft_with_model(self, st: _State, K: int):
         """Up to K draft forwards.  Returns (X [B, K'] int64, Q [B, K', Vd] fp32 or None, catch-up
@@ -1030,17 +1033,25 @@ class SpeculativeDecoder:
 
         dev = st.device
         B = len(st.rows)
-        K = self._choose_k(st)
+        K, sync = self._choose_k(st)
         remaining = st.budget - st.gen  # [B] >= 1 for active rows
         clock = st.clock
         t_a = clock.mark()
         X, Q, catch_up, n_draft_fwd = None, None, False, 0
+        Xd = None  # the draft tokens whose forwards this step fed the draft's cache ([B, Kd])
         if K > 0 and self.draft is not None:
             X, Q, catch_up, kb_conf = self._draft_with_model(st, K)
             K = n_draft_fwd = X.shape[1]  # fewer when every row stopped on confidence
+            Xd = X
             kb = torch.clamp(remaining - 1, max=K)  # [B]
             if kb_conf is not None:
                 kb = torch.minimum(kb, kb_conf)
+        elif sync:
+            # K = 0 ("auto": verifying drafts does not pay): the target alone takes this step,
+            # but the draft still feeds [catch-up, last], so that its cache stays one step behind
+            # the target's, as after any other step; its draft is not verified.
+            Xd, _, catch_up, _ = self._draft_with_model(st, 1)
+            n_draft_fwd = 1
         elif K > 0:
             want = [min(K, st.budget_host[p] - len(st.generated[p]) - 1) for p in st.rows]
             props = self.lookup.propose([st.seqs[p] for p in st.rows], want)
@@ -1081,9 +1092,10 @@ class SpeculativeDecoder:
         st.lt = st.lt + keep_t
         st.Tt += K + 1
         st.lt_host = [a + max(m + 1, 0) for a, m in zip(st.lt_host, n_host)]
-        if st.dc is not None and K > 0:
-            kept = torch.minimum(n + 1, torch.full_like(n, K)).clamp(min=0)  # [B]
-            T0 = st.Td - (K + (1 if catch_up else 0))  # the draft cache's length before this step
+        Kd = 0 if Xd is None else Xd.shape[1]  # draft forwards fed this step (K, or 1 when syncing)
+        if st.dc is not None and Kd > 0:
+            kept = torch.minimum(n + 1, torch.full_like(n, Kd)).clamp(min=0)  # [B]
+            T0 = st.Td - (Kd + (1 if catch_up else 0))  # the draft cache's length before this step
             if catch_up:
                 c = (st.catch >= 0).to(torch.int64)
                 _compact_(st.dc, T0, st.ld, (kept + 1) * c)  # rows that fed [x_K, last, ...]
@@ -1092,10 +1104,10 @@ class SpeculativeDecoder:
             else:
                 _compact_(st.dc, T0, st.ld, kept)
                 st.ld = st.ld + kept
-            st.ld_host = [a + (1 if ch else 0) + min(max(m + 1, 0), K)
+            st.ld_host = [a + (1 if ch else 0) + min(max(m + 1, 0), Kd)
                           for a, ch, m in zip(st.ld_host, st.catch_host, n_host)]
-            st.catch = torch.where(n == K, X[:, K - 1], -1)
-            st.catch_host = [m == K for m in n_host]
+            st.catch = torch.where(n == Kd, Xd[:, Kd - 1], -1)  # never when syncing: n <= 0 < 1
+            st.catch_host = [m == Kd for m in n_host]
         st.last = out.tokens.gather(1, n.clamp(min=0)[:, None])[:, 0]
         st.gen = st.gen + keep_t
         st.step = st.step + 1

@@ -51,6 +51,9 @@ ALPHA_PRIOR_TRIALS = 4.0
 TARGET_SLOPE_PRIOR = 0.1
 # Exponential moving average weight of a new time measurement.
 TIME_EMA = 0.3
+# choose_k(allow_zero=True): after this many K = 0 steps in a row, one step at the best K >= 1,
+# so that alpha (which K = 0 steps do not measure) stays current.
+ZERO_REFRESH = 16
 
 
 def expected_tokens_per_step(alpha: float, k: int) -> float:
@@ -205,6 +208,7 @@ class StatsRecorder:
         self._last_k: Optional[int] = None
         self._measured_draft = 0
         self._measured_target = 0
+        self._zero_run = 0  # K = 0 choices in a row
 
     # -- recording -------------------------------------------------------------------------
     def record_step(self, k: int, rows: list, num_draft: list, accepted: list, emitted: list) -> None:
@@ -303,17 +307,35 @@ class StatsRecorder:
             t = self._t_target_prior * (1 + r * (n - 1))
         return max(t, 1e-12)
 
-    def choose_k(self, k_max: int) -> int:
+    def choose_k(self, k_max: int, allow_zero: bool = False) -> int:
         """The K in 1..k_max maximising E(K) / (K * T_draft + T_target(K)).
 
         Exploration: while the target has been measured at one verified length only, the line
         cannot be fitted, so the chooser picks a K at another length (K = 1 if it measured
         K >= 2, else min(k_max, 4)) for one step; the prior shape decides until then.
+
+        allow_zero: K = 0 may win too, a step that verifies no draft (rate 1 / (T_draft +
+        T_target(0)): the decoder still runs one draft forward to keep the draft's cache in step).
+        Where verifying costs more than it returns (a CPU at batch 8) that is the target alone.
+        The one-token step is measured first (one K = 0 step once two other lengths are); K = 0
+        is chosen only while it beats the best K >= 1, and after ``ZERO_REFRESH`` in a row one
+        step takes that K, so that alpha is measured again.
         """
         if len(self._target_by_len) == 1 and k_max >= 2:
             (n1,) = self._target_by_len
             return 1 if n1 - 1 >= 2 else min(k_max, 4)
-        return choose_num_draft_tokens(self.alpha(), self._t_draft, lambda k: self.target_time(k + 1), k_max)
+        k = choose_num_draft_tokens(self.alpha(), self._t_draft, lambda k: self.target_time(k + 1), k_max)
+        if not allow_zero or len(self._target_by_len) < 2:
+            return k
+        if 1 not in self._target_by_len:
+            return 0  # measure the one-token step once
+        rate_k = expected_tokens_per_step(self.alpha(), k) / (k * self._t_draft + self.target_time(k + 1))
+        rate_0 = 1.0 / (self._t_draft + self.target_time(1))
+        if rate_0 > rate_k and self._zero_run < ZERO_REFRESH:
+            self._zero_run += 1
+            return 0
+        self._zero_run = 0
+        return k
 
     # -- final -----------------------------------------------------------------------------
     def finalize(self, total_time_s: float, prefill_time_s: float, finish_reasons: list,
