@@ -317,9 +317,12 @@ class StatsRecorder:
         allow_zero: K = 0 may win too, a step that verifies no draft (rate 1 / (T_draft +
         T_target(0)): the decoder still runs one draft forward to keep the draft's cache in step).
         Where verifying costs more than it returns (a CPU at batch 8) that is the target alone.
-        The one-token step is measured first (one K = 0 step once two other lengths are); K = 0
-        is chosen only while it beats the best K >= 1, and after ``ZERO_REFRESH`` in a row one
-        step takes that K, so that alpha is measured again.
+        Before the one-token step is measured, K = 0 is tried once only if it would win with the
+        line through the measured lengths extrapolated down to one token (cheaper than the
+        real step where that is memory-bound, so a K = 0 that would lose even then is never
+        tried: it costs a step's worth of drafts at batch 1).  K = 0 is chosen only while it beats
+        the best K >= 1, and after ``ZERO_REFRESH`` in a row one step takes that K, so that alpha
+        is measured again.
         """
         if len(self._target_by_len) == 1 and k_max >= 2:
             (n1,) = self._target_by_len
@@ -327,9 +330,10 @@ class StatsRecorder:
         k = choose_num_draft_tokens(self.alpha(), self._t_draft, lambda k: self.target_time(k + 1), k_max)
         if not allow_zero or len(self._target_by_len) < 2:
             return k
-        if 1 not in self._target_by_len:
-            return 0  # measure the one-token step once
         rate_k = expected_tokens_per_step(self.alpha(), k) / (k * self._t_draft + self.target_time(k + 1))
+        if 1 not in self._target_by_len:  # not measured: try it once if even the optimistic line says so
+            a, b = fit_step_cost([(m, t, c) for m, (t, c) in self._target_by_len.items()])
+            return 0 if 1.0 / (self._t_draft + max(a + b, 1e-12)) > rate_k else k
         rate_0 = 1.0 / (self._t_draft + self.target_time(1))
         if rate_0 > rate_k and self._zero_run < ZERO_REFRESH:
             self._zero_run += 1
