@@ -1131,6 +1131,11 @@ def test_frequent_tokens_and_the_file():
     assert dv.frequent_tokens(counts, 1).tolist() == [2]  # 9 at ids 2 and 5: the lower id first
     assert dv.frequent_tokens(counts, 3).tolist() == [0, 2, 5]  # then 5 at ids 0 and 3: id 0
     assert dv.frequent_tokens(counts, 6).tolist() == list(range(6))
+    for bad in (0, 2.5, True):
+        with pytest.raises(ValueError, match=f"vocab_size must be an int >= 1, got {bad!r}"):
+            dv.check_draft_vocab([1], bad)
+        with pytest.raises(ValueError, match=f"vocab_size must be an int >= 1, got {bad!r}"):
+            dv.save_draft_vocab(".", [1], bad)
     with pytest.raises(ValueError, match=r"n must be an int in \[1, 6\], got 7"):
         dv.frequent_tokens(counts, 7)
     with pytest.raises(ValueError, match="counts must be a 1-D integer tensor"):

@@ -34,6 +34,8 @@ FILE_NAME = "draft_vocab.safetensors"
 def check_draft_vocab(token_ids: Union[Tensor, Sequence[int]], vocab_size: int, name: str = "draft_vocab") -> Tensor:
     """``token_ids`` as a sorted int64 CPU tensor, after checking it: 1-D, integer, non-empty,
     unique, every id in [0, vocab_size).  A ``ValueError`` or ``TypeError`` names what is wrong."""
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
+        raise ValueError(f"vocab_size must be an int >= 1, got {vocab_size!r}")
     if isinstance(token_ids, Tensor):
         t = token_ids.detach()
     elif isinstance(token_ids, (list, tuple)) and all(isinstance(v, int) and not isinstance(v, bool)
