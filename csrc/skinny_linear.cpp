@@ -58,12 +58,17 @@
 namespace specdec {
 namespace {
 
-// Tiles: nr weight rows x mr x rows, mr * nr <= 12 accumulators.  We run nr = 1: one weight row
-// at a time, used by up to 12 x rows while it is in registers (one pass over the weights for
-// M <= 12, a single prefetched stream).  Measured on the AVX2 EPYC (bench_skinny_linear.py),
-// that beat 2, 4 or 8 weight rows per tile at every M from 1 to 16 (fewer concurrent streams
-// for the prefetcher), and beat MKL's GEMV at M = 1.  The tile shape never changes the
-// arithmetic of an output element.
+// Tiles: nr weight rows x mr x rows, mr * nr <= 12 accumulators.  fp32 weights run nr = 1: one
+// weight row at a time, used by up to 12 x rows while it is in registers (one pass over the
+// weights for M <= 12, a single prefetched stream).  Measured on the AVX2 EPYC
+// (bench_skinny_linear.py), that beat 2, 4 or 8 weight rows per tile at every M from 1 to 16
+// (fewer concurrent streams for the prefetcher), and beat MKL's GEMV at M = 1; on the Zen 5 VM
+// too (the target's layers, one row: 15.1 ms with nr = 1, 18-20 ms with 2 or 4).  fp16 weights
+// (the embedded draft) with M <= 3 run nr = 4, and nr = 2 at M = 4: each weight row is a chain of
+// K / 8 dependent FMAs, and with half the bytes per FMA that chain, not the memory, sets the
+// time, so four independent chains side by side go faster (Zen 5, 1 thread, the draft's
+// 12,288 x 192 output layer: 194 -> 106 us from cache, 207 -> 159 us from memory; its 768 x 192
+// layers 13 -> 7 us).  The tile shape never changes the arithmetic of an output element.
 // About 256 KiB of weights per parallel task: small enough to split a 576 x 576 matrix over
 // two threads, large enough that a thread wake-up (~10 us) is not the cost.
 constexpr int64_t kMinWeightBytesPerTask = int64_t{256} * 1024;
@@ -456,7 +461,21 @@ at::Tensor skinny_linear_cpu(
       return;
     }
 #endif
-    run_tiles<1, WT>(isa == Isa::kAvx2, x_ptr, w_ptr, bias_ptr, y_ptr, M, K, N);
+    const bool avx2 = isa == Isa::kAvx2;
+    if constexpr (std::is_same_v<WT, c10::Half>) {
+      // fp16 weights: half the bytes per FMA, so one weight row's chain of dependent FMAs (K / 8
+      // of them, 4 cycles each) and not the memory sets the time; tiles of several weight rows
+      // run independent chains side by side (the Tiles note above).
+      if (M <= 3) {
+        run_tiles<4, WT>(avx2, x_ptr, w_ptr, bias_ptr, y_ptr, M, K, N);
+        return;
+      }
+      if (M == 4) {
+        run_tiles<2, WT>(avx2, x_ptr, w_ptr, bias_ptr, y_ptr, M, K, N);
+        return;
+      }
+    }
+    run_tiles<1, WT>(avx2, x_ptr, w_ptr, bias_ptr, y_ptr, M, K, N);
   };
   if (w_c.scalar_type() == at::kHalf) {
     run(w_c.const_data_ptr<c10::Half>());

@@ -101,7 +101,8 @@ def test_thread_count_and_portable_path_give_same_bits():
 @pytest.mark.parametrize("isa", ["avx2", "avx512"])
 def test_every_simd_path_gives_the_portable_bits(isa):
     """Each SIMD path (forced through skinny_linear_isa) equals the portable C++ path bit for bit,
-    fp32 and fp16 weights, over row counts on both sides of the AVX-512 switch (5 rows), odd
+    fp32 and fp16 weights, over row counts on both sides of the AVX-512 switch (5 rows) and of the
+    fp16 tiles of 4 and 2 weight rows (M <= 3, M = 4), odd
     numbers of weight rows (the AVX-512 path pairs them) and every K tail."""
     from specdec_kernels.cpu_linear import supported_isas
 
@@ -111,7 +112,7 @@ def test_every_simd_path_gives_the_portable_bits(isa):
         pytest.skip(f"this CPU has no {isa} path (it has: {supported_isas()}); refusal checked")
     op = torch.ops.specdec.skinny_linear_isa
     g = torch.Generator().manual_seed(11)
-    for m in (1, 2, 4, 5, 8, 9, 12, 16, 17, 33):
+    for m in (1, 2, 3, 4, 5, 8, 9, 12, 16, 17, 33):
         for n in (1, 2, 3, 577):
             for k in (1, 7, 8, 9, 17, 576):
                 x = torch.randn(m, k, generator=g)
@@ -205,7 +206,7 @@ def test_torch_compile_fullgraph_matches_eager():
     assert torch.equal(compiled(x, w, b), f(x, w, b))
 
 
-@pytest.mark.parametrize("m", [1, 4, 7, 13])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 7, 13])
 @pytest.mark.parametrize("k", [9, 576])
 def test_fp16_weights_give_the_fp32_bits_when_exact(m, k):
     """fp16 weights are widened exactly, so on fp16-representable weights the result is the fp32
