@@ -13,6 +13,7 @@ ids with the lean path on and off, and the models it must refuse.
 from __future__ import annotations
 
 import copy
+import inspect
 
 import pytest
 import torch
@@ -90,6 +91,35 @@ CASES = [  # (lens, P, q, gap)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_lean_step_equals_the_models_forward(lens, P, q, gap, heads, kv_heads, dtype):
     _compare(_llama(heads, kv_heads, dtype=dtype), lens, P, q, gap)
+
+
+@pytest.mark.parametrize("lens,P,q,gap", CASES)
+def test_lean_step_embeds_and_hidden_states(lens, P, q, gap):
+    """``embeds`` (the model's inputs_embeds) and ``return_hidden`` (the final norm's output, what
+    lm_head reads): the bits of the model's decoder forward, the cache too."""
+    model = _llama(4, 2)
+    cache, valid = _prefill(model, lens, P)
+    B = len(lens)
+    g = torch.Generator().manual_seed(6)
+    embeds = torch.randn(B, q, 32, generator=g)
+    pos = torch.tensor(lens)[:, None] + torch.arange(q)[None, :]
+    new_valid = torch.ones((B, q), dtype=torch.bool)
+    if gap:
+        new_valid[0, 0] = False
+    mask = torch.cat([valid, new_valid], 1)
+    mask = None if bool(mask.all()) else mask
+    c_ref, c_lean = copy.deepcopy(cache), copy.deepcopy(cache)
+    kw = "cache" if "cache" in inspect.signature(model.model.forward).parameters else "past_key_values"
+    with torch.no_grad():
+        h_ref = model.model(inputs_embeds=embeds, position_ids=pos, use_cache=True,
+                            attention_mask=None if mask is None else mask.long(), **{kw: c_ref}).last_hidden_state
+        logits, h = LeanLlamaStep(model).step(c_lean, None, mask, pos, q, embeds=embeds, return_hidden=True)
+        assert torch.equal(logits, model.lm_head(h_ref))
+    assert torch.equal(h, h_ref)
+    for a, b in zip(c_ref.layers, c_lean.layers):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+    with pytest.raises(ValueError, match=r"embeds must be a \[B, q >= 1, H\] tensor given instead of ids"):
+        LeanLlamaStep(model).step(c_lean, torch.zeros(B, q, dtype=torch.long), mask, pos, q, embeds=embeds)
 
 
 @pytest.mark.skipif(not HAS_EXT, reason="needs the C++ extension: pip install --no-build-isolation -e .")

@@ -84,8 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--draft", help="draft model name or path")
     g.add_argument("--target", help="target model name or path")
     g.add_argument("--tokenizer", help="tokenizer name or path (default: the target's)")
-    g.add_argument("--drafter", choices=["model", "prompt_lookup"], default=None,
-                   help="'prompt_lookup' drafts by n-gram lookup without a draft model")
+    g.add_argument("--drafter", choices=["model", "prompt_lookup", "feature"], default=None,
+                   help="'prompt_lookup' drafts by n-gram lookup without a draft model; 'feature': a draft that "
+                        "reads the target's hidden states (--draft: its directory; default with the embedded "
+                        "target: the embedded one)")
     g.add_argument("--tiny-random", action="store_true",
                    help="use a small random-weight Llama pair built in memory (offline smoke test)")
     g.add_argument("-k", "--num-draft-tokens", type=_k_arg, default=4, help="K, or 'auto' (default 4)")
@@ -127,6 +129,8 @@ def _make_decoder(args, parser):
     if args.tiny_random:
         if args.draft or args.target:
             parser.error("--tiny-random builds its own models; do not pass --draft/--target with it")
+        if args.drafter == "feature":
+            parser.error("--tiny-random has no feature draft; use --drafter model or prompt_lookup with it")
         draft, target, tokenizer = build_tiny_random_pair(seed=0)
         if args.drafter == "prompt_lookup":
             draft = None
@@ -143,6 +147,10 @@ def _make_decoder(args, parser):
             parser.error(f"the embedded default pair is not available: {e}")
         if args.drafter == "prompt_lookup":
             draft = None
+        elif args.drafter == "feature":
+            from .feature_draft import default_feature_draft_path
+
+            draft = default_feature_draft_path()
         return SpeculativeDecoder(draft=draft, target=target, tokenizer=tokenizer, drafter=args.drafter, **paths)
     draft = args.draft
     if draft is None and args.drafter != "prompt_lookup":

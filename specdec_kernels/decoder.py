@@ -51,7 +51,7 @@ from .stats import DecodingStats, StatsRecorder
 
 __all__ = ["SpeculativeDecoder", "GenerationResult", "warp_probs"]
 
-_DRAFTERS = ("model", "prompt_lookup")
+_DRAFTERS = ("model", "prompt_lookup", "feature")
 _MASK32 = 0xFFFFFFFF
 _MASK64 = 0xFFFFFFFFFFFFFFFF
 
@@ -302,6 +302,30 @@ class _Runner:
         logits = self.forward(cache, ids, mask, positions, start, keep)
         return logits if self.vocab_rows is None else logits.index_select(-1, self.vocab_rows)
 
+    def step_hidden(self, cache, ids: torch.Tensor, mask: Optional[torch.Tensor], positions: torch.Tensor,
+                    start: int, keep: int) -> tuple:
+        """``step`` that also returns the final norm's output at those positions [B, keep, H]
+        (what a feature draft reads); the logits are the same bits as ``step``'s."""
+        if self.lean is not None:
+            return self.lean.step(cache, ids, mask, positions, keep, head=self.head, return_hidden=True)
+        h = self.forward_hidden(cache, ids, mask, positions, start)[:, -keep:]
+        logits = self.model.get_output_embeddings()(h)
+        return (logits if self.vocab_rows is None else logits.index_select(-1, self.vocab_rows)), h
+
+    def forward_hidden(self, cache, ids: torch.Tensor, mask: Optional[torch.Tensor], positions: torch.Tensor,
+                       start: int) -> torch.Tensor:
+        """``forward`` through the model's decoder only: its last hidden states [B, q, H] (the
+        final norm's output; ``LlamaForCausalLM`` applies ``lm_head`` to exactly these)."""
+        q = ids.shape[1]
+        kwargs = {self.cache_kw: cache, "use_cache": True, "position_ids": positions}
+        if mask is not None:
+            kwargs["attention_mask"] = mask.to(torch.long)
+        if self.has_cache_position:
+            kwargs["cache_position"] = torch.arange(start, start + q, device=ids.device)
+        decoder = self.model.get_decoder()
+        kwargs[_decoder_cache_kw(decoder)] = kwargs.pop(self.cache_kw)
+        return decoder(input_ids=ids, **kwargs).last_hidden_state
+
     def forward(self, cache, ids: torch.Tensor, mask: Optional[torch.Tensor], positions: torch.Tensor,
                 start: int, keep: int) -> torch.Tensor:
         """Append ids [B, q] at cache column ``start``; mask [B, start + q] bool (valid columns),
@@ -319,6 +343,65 @@ class _Runner:
             kwargs["logits_to_keep"] = keep
         out = self.model(input_ids=ids, **kwargs)
         return out.logits[:, -keep:]
+
+
+def _decoder_cache_kw(decoder) -> str:
+    """The cache keyword of a decoder's forward (transformers 5 renamed past_key_values)."""
+    return "cache" if "cache" in inspect.signature(decoder.forward).parameters else "past_key_values"
+
+
+class _FeatureRunner:
+    """A feature draft (``specdec_kernels.feature_draft``) with the target's embedding and the
+    draft vocabulary's rows of the target's output layer."""
+
+    def __init__(self, fd, target):
+        self.fd = fd
+        self.model = fd.lm  # what LeanLlamaStep and the cache run
+        self.name = "draft"
+        self.embed = target.get_input_embeddings()
+        self.out = target.get_output_embeddings()
+        self.vocab_size = int(self.embed.num_embeddings)
+        self.cache_kw = _decoder_cache_kw(fd.lm.model)
+        self.context = getattr(fd.config, "max_position_embeddings", None)
+        self.lean = None
+        self.lean_unsupported: Optional[str] = "not requested"
+        self.vocab_rows: Optional[torch.Tensor] = None
+        self.head: Optional[torch.nn.Linear] = None
+
+    def use_lean(self) -> None:
+        from .lean_forward import LeanLlamaStep
+
+        self.lean_unsupported = LeanLlamaStep.unsupported(self.model)
+        if self.lean_unsupported is not None:
+            self.lean = None
+        elif self.lean is None:
+            self.lean = LeanLlamaStep(self.model)
+
+    def set_vocab(self, rows: Optional[torch.Tensor]) -> None:
+        """The draft's output layer: the target's, restricted to ``rows`` (a copy taken now)."""
+        self.vocab_rows = rows
+        out = self.out
+        n = out.weight.shape[0] if rows is None else rows.numel()
+        with torch.inference_mode(False), torch.no_grad():
+            head = torch.nn.Linear(out.in_features, n, bias=out.bias is not None,
+                                   device=out.weight.device, dtype=out.weight.dtype)
+            head.weight.copy_(out.weight if rows is None else out.weight.index_select(0, rows))
+            if out.bias is not None:
+                head.bias.copy_(out.bias if rows is None else out.bias.index_select(0, rows))
+        self.head = head.requires_grad_(False)
+
+    def step(self, cache, tokens: torch.Tensor, feats: torch.Tensor, mask: Optional[torch.Tensor],
+             positions: torch.Tensor, keep: int, model_path: bool = False) -> torch.Tensor:
+        """Append the pairs (tokens [B, q], feats [B, q, H]) to ``cache``; the predicted
+        features f^ of the last ``keep`` positions [B, keep, H].  ``model_path``: through the
+        model's forward even where the lean step would do (the prefill)."""
+        x = self.fd.inputs(self.embed(tokens), feats)
+        if self.lean is not None and not model_path:
+            return self.lean.step(cache, None, mask, positions, keep, embeds=x, return_hidden=True)[1]
+        out = self.model.model(inputs_embeds=x, position_ids=positions, use_cache=True,
+                               attention_mask=None if mask is None else mask.to(torch.long),
+                               **{self.cache_kw: cache})
+        return out.last_hidden_state[:, -keep:]
 
 
 def _device_of(model) -> torch.device:
@@ -411,6 +494,13 @@ class _State:
     steps_done: int = 0
     prefill_time: float = 0.0
     draft_confidence: float = 0.0  # a row stops drafting below this estimate of acceptance (0: off)
+    # a feature draft's pending pairs: (the target's feature at column c - 1, the token at column c)
+    # for the columns c the target has made true and the draft has not taken yet
+    pend_tok: torch.Tensor = None  # [B, C] int64
+    pend_feat: torch.Tensor = None  # [B, C, H]
+    pend_cnt: torch.Tensor = None  # [B] int64 in [1, C]
+    pend_cnt_host: list = field(default_factory=list)
+    block_start: int = 0  # the draft cache column where this step's pending pairs went
 
 
 # ----------------------------------------------------------------------------------------------
@@ -482,11 +572,15 @@ class SpeculativeDecoder:
                  lean_forward: bool = True, draft_vocab: Any = "auto"):
         if cpu_linear not in ("auto", "skinny", "torch"):
             raise ValueError(f"cpu_linear must be 'auto', 'skinny' or 'torch', got {cpu_linear!r}")
-        if target is None and draft is None and drafter is None:
+        if target is None and draft is None and drafter in (None, "feature"):
             from .models import default_pair  # the embedded default pair, offline
 
             draft, target, default_tokenizer = default_pair(device=device, dtype=_resolve_dtype(dtype))
             tokenizer = default_tokenizer if tokenizer is None else tokenizer
+            if drafter == "feature":  # the embedded target's feature draft instead of its draft model
+                from .feature_draft import default_feature_draft_path
+
+                draft = default_feature_draft_path()
         if target is None:
             raise TypeError("target must be a model name/path or a PreTrainedModel, got None "
                             "(pass neither draft nor target for the embedded default pair)")
@@ -499,6 +593,19 @@ class SpeculativeDecoder:
         if drafter == "prompt_lookup" and draft is not None:
             raise ValueError(f"drafter='prompt_lookup' takes no draft model, got draft={type(draft).__name__}")
         dtype = _resolve_dtype(dtype)
+        self.feature = None  # a FeatureDraft (drafter="feature")
+        feature_vocab = None
+        if drafter == "feature":
+            import os
+
+            from .feature_draft import FeatureDraft, load_feature_draft
+
+            if isinstance(draft, (str, os.PathLike)):
+                draft, feature_vocab = load_feature_draft(draft, dtype=dtype or torch.float32)
+            elif not isinstance(draft, FeatureDraft):
+                raise TypeError(f"drafter='feature' needs a FeatureDraft or the directory of one "
+                                f"(specdec_kernels.feature_draft), got draft={type(draft).__name__}")
+            self.feature, draft = draft.eval(), None
         self.drafter = drafter
         self.lookup = PromptLookupDrafter(max_ngram=max_ngram) if drafter == "prompt_lookup" else None
 
@@ -526,12 +633,20 @@ class SpeculativeDecoder:
         if draft is not None and _device_of(draft) != _device_of(target):
             raise ValueError(f"draft and target must be on the same device, got draft on {_device_of(draft)} "
                              f"and target on {_device_of(target)} (pass device=...)")
+        if self.feature is not None:
+            self.feature.check_target(target)
+            if dtype is not None:
+                self.feature.to(dtype)
+            self.feature.to(_device_of(target))  # it runs on the target's features, where they are
         self.device = _device_of(target)
         self.target = target.eval()
         self.draft = draft.eval() if draft is not None else None
         self.cpu_linear = self._resolve_cpu_linear(cpu_linear)
         self._t = _Runner(self.target, "target")
         self._d = _Runner(self.draft, "draft") if draft is not None else None
+        if self.feature is not None:
+            self._d = _FeatureRunner(self.feature, self.target)
+        self._feature_vocab = feature_vocab
         if self._d is not None and self._d.vocab_size > self._t.vocab_size:
             raise ValueError(f"the draft vocabulary must not exceed the target's: draft vocab_size = "
                              f"{self._d.vocab_size}, target vocab_size = {self._t.vocab_size}")
@@ -541,8 +656,9 @@ class SpeculativeDecoder:
         self.draft_vocab = self._resolve_draft_vocab(draft_vocab)
         self._refresh_lean()
         # The draft/target cost ratio before anything is measured: their parameter counts.
-        self._t_draft_prior = (max(_num_params(self.draft) / max(_num_params(self.target), 1), 0.02)
-                               if self.draft is not None else 0.0)
+        drafting = self.draft if self.draft is not None else self.feature
+        self._t_draft_prior = (max(_num_params(drafting) / max(_num_params(self.target), 1), 0.02)
+                               if drafting is not None else 0.0)
 
     def _refresh_lean(self) -> None:
         """Decide the decode-step path of each model again (it may have moved or changed mode),
@@ -555,7 +671,7 @@ class SpeculativeDecoder:
                 else:
                     r.lean, r.lean_unsupported = None, "lean_forward=False"
         if self._d is not None:
-            self._d.set_vocab(None if self.draft_vocab is None else self.draft_vocab.to(_device_of(self.draft)))
+            self._d.set_vocab(None if self.draft_vocab is None else self.draft_vocab.to(self.device))
 
     def _resolve_draft_vocab(self, spec) -> Optional[torch.Tensor]:
         import os
@@ -568,7 +684,9 @@ class SpeculativeDecoder:
             raise ValueError(f"draft_vocab restricts a draft model's proposals; drafter={self.drafter!r} has "
                              f"no draft model, got draft_vocab={spec!r}")
         V = self._d.vocab_size
-        if isinstance(spec, str) and spec == "auto":
+        if isinstance(spec, str) and spec == "auto" and self.feature is not None:
+            ids = self._feature_vocab  # the one saved with the feature draft, if any
+        elif isinstance(spec, str) and spec == "auto":
             path = dv.model_directory_vocab(self.draft)
             ids = None if path is None else dv.load_draft_vocab(path, V)
         elif isinstance(spec, (str, os.PathLike)):
@@ -585,7 +703,7 @@ class SpeculativeDecoder:
         from ._ext import HAS_EXT
 
         fp32_cpu = self.device.type == "cpu" and all(
-            p.dtype == torch.float32 for m in (self.target, self.draft) if m is not None
+            p.dtype == torch.float32 for m in (self.target, self.draft, self.feature) if m is not None
             for p in m.parameters())
         if mode == "skinny" and not (HAS_EXT and self.device.type == "cpu"):
             raise ValueError("cpu_linear='skinny' needs the models on the CPU and the C++ extension "
@@ -602,7 +720,7 @@ class SpeculativeDecoder:
         if self.cpu_linear == "skinny":
             from .cpu_linear import use_skinny_linear
 
-            for m in (self.target, self.draft, self._d.head if self._d is not None else None):
+            for m in (self.target, self.draft, self.feature, self._d.head if self._d is not None else None):
                 if m is not None:
                     stack.enter_context(use_skinny_linear(m))
         return stack
@@ -780,7 +898,7 @@ class SpeculativeDecoder:
             raise TypeError(f"draft_confidence must be a float, got {type(draft_confidence).__name__}")
         if not 0.0 <= draft_confidence < 1.0:
             raise ValueError(f"draft_confidence must be in [0, 1) (0 = off), got {draft_confidence}")
-        if draft_confidence > 0 and self.draft is None:
+        if draft_confidence > 0 and self._d is None:
             raise ValueError(f"draft_confidence needs a draft model's probabilities; drafter={self.drafter!r} "
                              f"has none, got draft_confidence={draft_confidence}")
         if isinstance(num_draft_tokens, str):
@@ -859,7 +977,7 @@ class SpeculativeDecoder:
             k=num_draft_tokens, k_max=k_max, temperature=float(temperature), top_k=top_k,
             top_p=None if top_p is None else float(top_p), eos=self._eos_ids(eos_token_id), stop=list(stop),
             max_new=max_new_tokens, context=context, target_only=target_only,
-            recorder=StatsRecorder(k_max, self._t_draft_prior if self.draft is not None else 0.0),
+            recorder=StatsRecorder(k_max, self._t_draft_prior if self._d is not None else 0.0),
             clock=_Clock(dev), verbose=verbose, pbar=pbar, device=dev, draft_confidence=float(draft_confidence),
         )
         st.seed = torch.tensor(seeds, dtype=torch.int64, device=dev)
@@ -870,7 +988,7 @@ class SpeculativeDecoder:
         st.budget = torch.tensor(budgets, dtype=torch.int64, device=dev)
         st.budget_host = budgets
         st.tc = _new_cache(self.target)
-        st.dc = _new_cache(self.draft) if (self.draft is not None and not target_only) else None
+        st.dc = _new_cache(self._d.model) if (self._d is not None and not target_only) else None
         # Rows with no budget (prompt already fills the context) finish before any work.
         for i, b in enumerate(budgets):
             if b <= 0:
@@ -888,7 +1006,7 @@ class SpeculativeDecoder:
         if st.pbar is not None:
             st.pbar.close()
         stats = st.recorder.finalize(total, st.prefill_time, st.finish, baseline_tokens_per_s,
-                                     draft_is_free=self.draft is None)
+                                     draft_is_free=self._d is None)
         texts = None
         if self.tokenizer is not None:
             texts = [self.tokenizer.decode(g, skip_special_tokens=True) for g in st.generated]
@@ -907,6 +1025,14 @@ class SpeculativeDecoder:
         st.ld = st.lt.clone()
         st.catch = torch.full((B,), -1, dtype=torch.int64, device=dev)
         st.catch_host = [False] * B
+        if self.feature is not None and st.dc is not None:
+            # the first pending pair: (the target's feature at the prompt's second-to-last token,
+            # or 0 for a one-token prompt, as at column 0; the last token), filled in by the prefill
+            st.pend_tok = st.last[:, None]
+            st.pend_feat = torch.zeros((B, 1, self.feature.hidden_size), dtype=self.feature.fc.weight.dtype,
+                                       device=dev)
+            st.pend_cnt = torch.ones(B, dtype=torch.int64, device=dev)
+            st.pend_cnt_host = [1] * B
         groups = _prefill_groups(st.lt_host, _PREFILL_GROUP_COST.get(dev.type, _PREFILL_GROUP_COST["other"]))
         if P > 0 and len(groups) == 1:
             # One forward over all rows (right-padded to P).  A row whose prompt is one token has
@@ -946,6 +1072,16 @@ class SpeculativeDecoder:
         lt = torch.tensor([max(st.lt_host[i], 1) for i in rows], dtype=torch.int64, device=dev)
         mask = torch.arange(P, device=dev)[None, :] < lt[:, None]  # [n, P]
         pos = torch.arange(P, device=dev)[None, :].expand(n, P)
+        if self.feature is not None and dc is not None:
+            # the target's features h; the draft's column t takes (h[t - 1], x_t), h[-1] = 0
+            h = self._t.forward_hidden(tc, ids, mask, pos, 0)  # [n, P, H]
+            feats = torch.cat([torch.zeros_like(h[:, :1]), h[:, :-1]], 1).to(st.pend_feat.dtype)
+            self._d.step(dc, ids, feats, mask, pos, 1, model_path=True)
+            idx = torch.tensor(rows, dtype=torch.int64, device=dev)
+            last_col = (lt - 1)[:, None, None].expand(n, 1, h.shape[-1])
+            has = torch.tensor([st.lt_host[i] > 0 for i in rows], device=dev)[:, None]  # else f = 0
+            st.pend_feat[idx, 0] = torch.where(has, h.gather(1, last_col)[:, 0], 0).to(st.pend_feat.dtype)
+            return
         self._t.forward(tc, ids, mask, pos, 0, 1)
         if dc is not None:
             self._d.forward(dc, ids.clamp(max=self._d.vocab_size - 1), mask, pos, 0, 1)
@@ -1028,6 +1164,69 @@ class SpeculativeDecoder:
         Q = torch.stack(qs, 1) if qs else None  # [B, K', Vd]
         return X, Q, catch_up, None if kb is None else kb.clamp(max=X.shape[1])
 
+    def _draft_with_features(self, st: _State, K: int):
+        """The feature draft: first the pending pairs (what the last verify made true, with the
+        target's features), whose last output gives the first draft; then K - 1 pairs of its own
+        (its predicted feature, its draft).  Returns (X [B, K'] int64, Q [B, K', Vd] or None,
+        K_b [B] or None) as ``_draft_with_model`` does; with K = 0 it only takes the pairs."""
+        f = self._d
+        rows = f.vocab_rows
+        dev = st.device
+        B = len(st.rows)
+        Vd = f.vocab_size
+        greedy = st.temperature == 0
+        C = max(st.pend_cnt_host)
+        cnt = st.pend_cnt
+        pos = st.ld[:, None] + torch.arange(C, device=dev)[None, :]  # the draft's column = the target's
+        if st.context is not None:
+            pos = pos.clamp(max=st.context - 1)
+        dense = min(st.ld_host) == st.Td and min(st.pend_cnt_host) == C
+        mask = None
+        if not dense:
+            mask = torch.cat([torch.arange(st.Td, device=dev)[None, :] < st.ld[:, None],
+                              torch.arange(C, device=dev)[None, :] < cnt[:, None]], 1)  # [B, Td + C]
+        st.block_start = st.Td
+        h = f.step(st.dc, st.pend_tok[:, :C], st.pend_feat[:, :C], mask, pos, C)  # [B, C, H]
+        fh = h.gather(1, (cnt - 1)[:, None, None].expand(B, 1, h.shape[-1]))[:, 0]  # [B, H]: each row's last
+        T = st.Td + C
+        xs, qs = [], []
+        conf_min = st.draft_confidence
+        cum = torch.ones(B, dtype=torch.float32, device=dev) if conf_min > 0 else None
+        kb = torch.full((B,), K, dtype=torch.int64, device=dev) if conf_min > 0 else None
+        for j in range(K):
+            if j > 0:  # the pair (f^, x_j) at column ld + cnt + j - 1
+                p = (st.ld + cnt + (j - 1))[:, None]
+                if st.context is not None:
+                    p = p.clamp(max=st.context - 1)
+                if mask is not None:
+                    mask = torch.cat([mask, torch.ones((B, 1), dtype=torch.bool, device=dev)], 1)
+                fh = f.step(st.dc, xs[-1][:, None], fh[:, None], mask, p, 1)[:, -1]
+                T += 1
+            logits = f.head(fh)  # [B, N] over the draft vocabulary (or [B, V])
+            if greedy:
+                x = logits.argmax(-1)
+                if cum is not None:
+                    cum = cum * torch.softmax(logits.float(), -1).gather(1, x[:, None])[:, 0]
+            else:
+                q = warp_probs(logits, st.temperature, st.top_k, st.top_p)
+                x = _sample_inverse_cdf(q, _draft_uniforms(st.key_lo, st.key_hi, st.step, j))
+                if cum is not None:
+                    cum = cum * q.gather(1, x[:, None])[:, 0]
+                if rows is not None:
+                    q = q.new_zeros((B, Vd)).index_copy_(1, rows, q)
+                qs.append(q)
+            xs.append(x if rows is None else rows[x])
+            if cum is not None:
+                kb = torch.where((cum < conf_min) & (kb == K), j + 1, kb)
+                if j + 1 < K and dev.type == "cpu" and bool((kb <= j + 1).all()):
+                    break
+        st.Td = T
+        if not xs:
+            return None, None, None
+        X = torch.stack(xs, 1)
+        Q = torch.stack(qs, 1) if qs else None
+        return X, Q, None if kb is None else kb.clamp(max=X.shape[1])
+
     def _step(self, st: _State) -> None:
         from .verify import fused_verify
 
@@ -1039,7 +1238,16 @@ class SpeculativeDecoder:
         t_a = clock.mark()
         X, Q, catch_up, n_draft_fwd = None, None, False, 0
         Xd = None  # the draft tokens whose forwards this step fed the draft's cache ([B, Kd])
-        if K > 0 and self.draft is not None:
+        if st.pend_tok is not None:  # a feature draft (not the target-only baseline)
+            X, Q, kb_conf = self._draft_with_features(st, K)
+            if X is not None:
+                K = n_draft_fwd = X.shape[1]
+                kb = torch.clamp(remaining - 1, max=K)
+                if kb_conf is not None:
+                    kb = torch.minimum(kb, kb_conf)
+            else:
+                n_draft_fwd = 1  # the pending pairs only
+        elif K > 0 and self.draft is not None:
             X, Q, catch_up, kb_conf = self._draft_with_model(st, K)
             K = n_draft_fwd = X.shape[1]  # fewer when every row stopped on confidence
             Xd = X
@@ -1074,7 +1282,10 @@ class SpeculativeDecoder:
         if min(st.lt_host) < st.Tt:
             mask = torch.cat([torch.arange(st.Tt, device=dev)[None, :] < st.lt[:, None],
                               torch.ones((B, K + 1), dtype=torch.bool, device=dev)], 1)  # [B, Tt+K+1]
-        logits = self._t.step(st.tc, ids, mask, pos, st.Tt, K + 1)  # [B, K+1, V]
+        if st.pend_tok is not None:
+            logits, feats = self._t.step_hidden(st.tc, ids, mask, pos, st.Tt, K + 1)  # + [B, K+1, H]
+        else:
+            logits = self._t.step(st.tc, ids, mask, pos, st.Tt, K + 1)  # [B, K+1, V]
         out = fused_verify(logits, X, Q, num_draft_tokens=kb, temperature=st.temperature,
                            top_k=st.top_k, top_p=st.top_p, seed=st.seed, offset=st.step)
         n = out.num_accepted  # [B] int64 in [-1, K_b]
@@ -1108,6 +1319,17 @@ class SpeculativeDecoder:
                           for a, ch, m in zip(st.ld_host, st.catch_host, n_host)]
             st.catch = torch.where(n == Kd, Xd[:, Kd - 1], -1)  # never when syncing: n <= 0 < 1
             st.catch_host = [m == Kd for m in n_host]
+        if st.pend_tok is not None:
+            # The feature draft keeps the pending pairs it took this step (true ones) and drops
+            # its chain; the next pending pairs are (feature at column lt + j, token at lt + j + 1)
+            # for j = 0 .. n_b: the accepted drafts and the target's own token.
+            _compact_(st.dc, st.block_start, st.ld, st.pend_cnt)
+            st.ld = st.ld + st.pend_cnt
+            st.ld_host = [a + c for a, c in zip(st.ld_host, st.pend_cnt_host)]
+            st.pend_tok = out.tokens[:, : K + 1].clamp(min=0)  # past n_b: a filler (masked), not an id
+            st.pend_feat = feats.to(st.pend_feat.dtype)
+            st.pend_cnt = (n + 1).clamp(min=1)
+            st.pend_cnt_host = [max(m + 1, 1) for m in n_host]
         st.last = out.tokens.gather(1, n.clamp(min=0)[:, None])[:, 0]
         st.gen = st.gen + keep_t
         st.step = st.step + 1
@@ -1188,6 +1410,10 @@ class SpeculativeDecoder:
         st.lt_host = [st.lt_host[i] for i in keep] if st.lt_host else st.lt_host
         st.ld_host = [st.ld_host[i] for i in keep] if st.ld_host else st.ld_host
         st.catch_host = [st.catch_host[i] for i in keep] if st.catch_host else st.catch_host
+        if st.pend_tok is not None:
+            st.pend_tok, st.pend_feat, st.pend_cnt = (t.index_select(0, idx) for t in (st.pend_tok, st.pend_feat,
+                                                                                     st.pend_cnt))
+            st.pend_cnt_host = [st.pend_cnt_host[i] for i in keep]
         if st.lt_host:  # after the prefill: slice the caches (the caller crops them)
             st.tc.batch_select_indices(idx)
             if st.dc is not None:

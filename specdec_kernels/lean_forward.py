@@ -44,7 +44,10 @@ class LeanLlamaStep:
     is [B, T + q] bool (valid cache columns, then the new ones) or None when no column is padding.
     Every query position must see at least one valid column (true of decode steps).  ``head``:
     the output layer to apply instead of ``model.lm_head`` (a draft vocabulary's rows of it,
-    ``specdec_kernels.draft_vocab``), giving [B, keep, N].
+    ``specdec_kernels.draft_vocab``), giving [B, keep, N].  ``embeds`` [B, q, H]: the input
+    vectors, given instead of ``ids`` (what ``inputs_embeds`` is to the model's forward);
+    ``return_hidden``: return (logits, the final norm's output at those positions [B, keep, H]),
+    the hidden states the model's ``lm_head`` reads.
     """
 
     def __init__(self, model):
@@ -108,8 +111,15 @@ class LeanLlamaStep:
         h = h * torch.rsqrt(variance + norm.variance_epsilon)
         return norm.weight * h.to(input_dtype)
 
-    def step(self, cache, ids: Tensor, mask: Optional[Tensor], positions: Tensor, keep: int,
-             head: Optional[torch.nn.Module] = None) -> Tensor:
+    def step(self, cache, ids: Optional[Tensor], mask: Optional[Tensor], positions: Tensor, keep: int,
+             head: Optional[torch.nn.Module] = None, embeds: Optional[Tensor] = None,
+             return_hidden: bool = False):
+        if embeds is not None:
+            if ids is not None or not isinstance(embeds, Tensor) or embeds.dim() != 3 or embeds.shape[1] < 1:
+                raise ValueError(f"LeanLlamaStep.step: embeds must be a [B, q >= 1, H] tensor given instead of ids, "
+                                 f"got embeds {tuple(embeds.shape) if isinstance(embeds, Tensor) else type(embeds).__name__}"
+                                 f" and ids {None if ids is None else tuple(ids.shape)}")
+            ids = embeds[..., 0]  # [B, q]: the shape checks below
         if not isinstance(ids, Tensor) or ids.dim() != 2 or ids.shape[1] < 1:
             raise ValueError(f"LeanLlamaStep.step: ids must be a [B, q >= 1] tensor, got "
                              f"{tuple(ids.shape) if isinstance(ids, Tensor) else type(ids).__name__}")
@@ -124,7 +134,7 @@ class LeanLlamaStep:
         if not isinstance(keep, int) or not 1 <= keep <= q:
             raise ValueError(f"LeanLlamaStep.step: keep must be an int in [1, {q}], got {keep!r}")
         base = self.base
-        x = base.embed_tokens(ids)
+        x = base.embed_tokens(ids) if embeds is None else embeds
         cos, sin = base.rotary_emb(x, position_ids=positions)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         rot = self._rotate_half
@@ -156,4 +166,5 @@ class LeanLlamaStep:
             m = layer.mlp
             x = residual + m.down_proj(m.act_fn(m.gate_proj(h)) * m.up_proj(h))
         x = self._rms_norm(base.norm, x[:, -keep:])
-        return (self.model.lm_head if head is None else head)(x)
+        logits = (self.model.lm_head if head is None else head)(x)
+        return (logits, x) if return_hidden else logits

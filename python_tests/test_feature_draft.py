@@ -1,0 +1,320 @@
+"""Tests of the feature draft (``specdec_kernels.feature_draft``, ``drafter="feature"``): a draft
+that reads the target's hidden states, on a small random-weight Llama target (CPU, fp32) with a
+feature draft fitted to it here in a few seconds (so that drafts are accepted often enough to
+exercise ragged acceptance).
+
+What is checked: greedy output equals ``target.generate`` (batch 1, a ragged batch with a
+one-token prompt, K in {1, 3, 8, "auto"}; lean and model paths); sampling is exact (chi-square on
+the joint distribution of the first two tokens, with and without a draft vocabulary); batch
+invariance; after every step the draft's cache equals a fresh forward of the draft over the true
+(feature, token) pairs of each row and the target's cache a fresh forward over the row; the
+target's logits with features are the bits of those without; save/load; every refusal.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+from specdec_kernels.decoder import SpeculativeDecoder
+from specdec_kernels.feature_draft import (
+    FeatureDraft,
+    load_feature_draft,
+    save_feature_draft,
+    target_identity,
+)
+
+from test_decoder import (  # noqa: F401  (fixtures and helpers shared with the decoder's tests)
+    CACHE_ATOL,
+    CACHE_RTOL,
+    PROMPTS,
+    SIGNIFICANCE,
+    _assert_row_cache,
+    _chisquare_pvalue,
+    _first_two_joint,
+    _llama,
+    _one_thread,
+)
+
+
+def _feature_draft(target, seed: int = 0, intermediate: int = 64) -> FeatureDraft:
+    tc = target.config
+    cfg = LlamaConfig(vocab_size=1, hidden_size=tc.hidden_size, intermediate_size=intermediate, num_hidden_layers=1,
+                      num_attention_heads=tc.num_attention_heads, num_key_value_heads=tc.num_key_value_heads,
+                      max_position_embeddings=tc.max_position_embeddings, rms_norm_eps=tc.rms_norm_eps,
+                      bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return FeatureDraft(cfg, target_identity(target)).eval()
+
+
+def _pairs(target, ids: torch.Tensor):
+    """(embeddings [B, T, H], features [B, T, H], the target's final hidden states h [B, T, H]):
+    column t holds (h[t - 1], x_t), h[-1] = 0."""
+    with torch.inference_mode():
+        h = target.model(input_ids=ids).last_hidden_state
+    feats = torch.cat([torch.zeros_like(h[:, :1]), h[:, :-1]], 1)
+    return target.get_input_embeddings()(ids).detach(), feats, h
+
+
+def _fit(fd: FeatureDraft, target, steps: int = 200, seed: int = 0) -> FeatureDraft:
+    """Teach fd to predict the target's next feature and greedy token on the target's greedy
+    continuations of 128 random 4-token prompts (a few seconds at these sizes)."""
+    g = torch.Generator().manual_seed(seed)
+    V = target.config.vocab_size
+    with torch.no_grad():
+        ids = torch.randint(0, V, (128, 4), generator=g)
+        seqs = target.generate(ids, do_sample=False, max_new_tokens=24, pad_token_id=None)
+    emb, feats, h = (t.clone() for t in _pairs(target, seqs))
+    with torch.no_grad():
+        greedy = target.lm_head(h).argmax(-1)  # the target's greedy token after each column
+    head = target.lm_head.weight.detach().clone()
+    fd.train()
+    opt = torch.optim.Adam(fd.parameters(), lr=1e-2)
+    pos = torch.arange(seqs.shape[1])[None].expand(seqs.shape[0], -1)
+    for _ in range(steps):
+        out = fd(emb, feats, pos)
+        loss = torch.nn.functional.smooth_l1_loss(out, h) + torch.nn.functional.cross_entropy(
+            (out @ head.T).flatten(0, 1), greedy.flatten())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return fd.eval().requires_grad_(False)
+
+
+def _damped_llama(V: int, hidden: int, init: float, seed: int, max_pos: int = 128) -> LlamaForCausalLM:
+    """A random target whose attention outputs are scaled by 0.1: the context still matters, but
+    little enough that a feature draft learns to predict it in a hundred steps (alpha ~0.65
+    greedy; an undamped random target's features take far longer to learn)."""
+    target = _llama(V, hidden, 2, init, seed=seed, max_pos=max_pos)
+    with torch.no_grad():
+        for layer in target.model.layers:
+            layer.self_attn.o_proj.weight.mul_(0.1)
+    return target
+
+
+@pytest.fixture(scope="module")
+def fpair():
+    """A V = 32 target and a feature draft fitted to it."""
+    target = _damped_llama(32, 32, 0.2, seed=0)
+    return _fit(_feature_draft(target), target, steps=100), target
+
+
+@pytest.fixture(scope="module")
+def fgreedy_refs(fpair):
+    _, target = fpair
+    with torch.inference_mode():
+        return [target.generate(torch.tensor([p]), do_sample=False, max_new_tokens=24,
+                                pad_token_id=0)[0, len(p):].tolist() for p in PROMPTS]
+
+
+# ----------------------------------------------------------------------------------------------
+# Greedy equals target.generate
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("k", [1, 3, 8, "auto"])
+@pytest.mark.parametrize("lean", [True, False])
+def test_feature_greedy_matches_generate_ragged_batch(fpair, fgreedy_refs, k, lean):
+    fd, target = fpair
+    dec = SpeculativeDecoder(draft=fd, target=target, drafter="feature", lean_forward=lean)
+    assert dec.lean_status() == ({"target": None, "draft": None} if lean else
+                                 {"target": "lean_forward=False", "draft": "lean_forward=False"})
+    res = dec.generate(PROMPTS, max_new_tokens=24, num_draft_tokens=k, max_draft_tokens=6)
+    assert res.token_ids == fgreedy_refs
+    s = res.stats
+    assert 0.4 < s.alpha < 0.95, s.alpha  # the fitted draft is useful, not perfect
+    assert any(len(set(h["accepted"])) > 1 for h in s.history)  # ragged acceptance happened
+    assert s.generated_tokens == 24 * len(PROMPTS)
+
+
+def test_feature_greedy_matches_generate_batch1(fpair, fgreedy_refs):
+    fd, target = fpair
+    dec = SpeculativeDecoder(draft=fd, target=target, drafter="feature")
+    for p, ref in zip(PROMPTS, fgreedy_refs):
+        assert dec.generate([p], max_new_tokens=24, num_draft_tokens=3).token_ids[0] == ref
+
+
+def test_an_untrained_feature_draft_is_still_exact(fpair, fgreedy_refs):
+    _, target = fpair
+    dec = SpeculativeDecoder(draft=_feature_draft(target, seed=5), target=target, drafter="feature")
+    res = dec.generate(PROMPTS, max_new_tokens=24, num_draft_tokens=2)
+    assert res.token_ids == fgreedy_refs
+    assert res.stats.alpha < 0.3
+
+
+# ----------------------------------------------------------------------------------------------
+# Sampling is exact
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("temperature,top_k,k,vocab", [
+    (1.0, None, 2, None),
+    (0.7, 4, 3, None),
+    (1.0, None, 2, [0, 2, 3, 5, 6]),  # the draft never proposes 1, 4 or 7
+])
+def test_feature_sampling_matches_target_distribution(temperature, top_k, k, vocab):
+    V, N = 8, 4000
+    target = _damped_llama(V, 16, 0.3, seed=0, max_pos=64)
+    fd = _fit(_feature_draft(target, intermediate=32), target, steps=100)
+    prompt = [1, 2, 3]
+    dec = SpeculativeDecoder(draft=fd, target=target, drafter="feature", draft_vocab=vocab)
+    res = dec.generate([prompt] * N, max_new_tokens=2, num_draft_tokens=k, temperature=temperature,
+                       top_k=top_k, seed=1000)
+    assert 0.1 < res.stats.alpha < 0.95, res.stats.alpha
+    toks = torch.tensor([t[:2] for t in res.token_ids])
+    observed = torch.zeros((V, V), dtype=torch.int64)
+    observed.index_put_((toks[:, 0], toks[:, 1]), torch.ones(N, dtype=torch.int64), accumulate=True)
+    joint = _first_two_joint(target, prompt, temperature, top_k, None)
+    assert observed[joint == 0].sum() == 0
+    if vocab is not None:  # tokens the draft cannot propose are emitted (from the residual)
+        outside = torch.ones(V, dtype=torch.bool)
+        outside[vocab] = False
+        assert observed.sum(1)[outside].sum() > 0
+    assert _chisquare_pvalue(observed.sum(1), joint.sum(1)) > SIGNIFICANCE
+    assert _chisquare_pvalue(observed, joint) > SIGNIFICANCE
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_feature_row_equals_prompt_decoded_alone(fpair, temperature):
+    fd, target = fpair
+    dec = SpeculativeDecoder(draft=fd, target=target, drafter="feature")
+    kw = dict(max_new_tokens=16, num_draft_tokens=3, temperature=temperature, top_k=20 if temperature else None)
+    batch = dec.generate(PROMPTS, seed=50, **kw)
+    for i, p in enumerate(PROMPTS):
+        assert dec.generate([p], seed=50 + i, **kw).token_ids[0] == batch.token_ids[i], i
+    if temperature:
+        assert dec.generate(PROMPTS, seed=51, **kw).token_ids != batch.token_ids
+
+
+def test_feature_lean_and_model_paths_sample_alike(fpair):
+    fd, target = fpair
+    kw = dict(max_new_tokens=12, num_draft_tokens=3, temperature=1.0, seed=9)
+    a = SpeculativeDecoder(draft=fd, target=target, drafter="feature").generate(PROMPTS, **kw)
+    b = SpeculativeDecoder(draft=fd, target=target, drafter="feature", lean_forward=False).generate(PROMPTS, **kw)
+    assert a.token_ids == b.token_ids
+
+
+# ----------------------------------------------------------------------------------------------
+# Caches
+# ----------------------------------------------------------------------------------------------
+def _assert_draft_row_cache(dc, b: int, length: int, fd, target, ids: list):
+    """Row b's first ``length`` draft-cache columns = a fresh draft forward over the true pairs."""
+    assert len(ids) == length
+    emb, feats, _ = _pairs(target, torch.tensor([ids]))
+    ref = DynamicCache(config=fd.lm.config)
+    with torch.inference_mode():
+        fd(emb, feats, torch.arange(length)[None], ref)
+    for layer, ref_layer in zip(dc.layers, ref.layers):
+        torch.testing.assert_close(layer.keys[b, :, :length], ref_layer.keys[0], atol=CACHE_ATOL, rtol=CACHE_RTOL)
+        torch.testing.assert_close(layer.values[b, :, :length], ref_layer.values[0], atol=CACHE_ATOL,
+                                   rtol=CACHE_RTOL)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_feature_caches_equal_fresh_forward_after_each_step(fpair, temperature):
+    fd, target = fpair
+    dec = SpeculativeDecoder(draft=fd, target=target, drafter="feature")
+    st = dec._start(PROMPTS, 30, 4, temperature, None, None, 0, None, False, None, 4, None, False,
+                    target_only=False)
+    counts = set()
+    with torch.inference_mode():
+        dec._prefill(st)
+        for _ in range(6):
+            dec._step(st)
+            counts.update(st.pend_cnt_host)
+            for b, p in enumerate(st.rows):
+                seq = st.seqs[p]
+                # the target holds every token but the newest; the draft the same columns less
+                # the pending pairs, which are the row's newest tokens with the target's features
+                _assert_row_cache(st.tc, b, st.lt_host[b], target, seq[:-1])
+                ld, c = st.ld_host[b], st.pend_cnt_host[b]
+                assert ld + c == len(seq)
+                _assert_draft_row_cache(st.dc, b, ld, fd, target, seq[:ld])
+                assert st.pend_tok[b, :c].tolist() == seq[ld:]
+                _, feats, _ = _pairs(target, torch.tensor([seq]))
+                torch.testing.assert_close(st.pend_feat[b, :c], feats[0, ld:], atol=CACHE_ATOL, rtol=CACHE_RTOL)
+    assert len(counts) > 1  # rows had different numbers of pending pairs
+
+
+def test_feature_draft_is_fed_each_true_pair_once(fpair):
+    """The draft's forwards take every (feature, token) pair once, plus K - 1 pairs of its own per
+    step; nothing is fed twice."""
+    fd, target = fpair
+    dec = SpeculativeDecoder(draft=fd, target=target, drafter="feature")
+    fed = []
+    orig = dec._d.step
+
+    def counting(cache, tokens, feats, mask, positions, keep, model_path=False):
+        valid = tokens.numel() if mask is None else int(mask[:, -tokens.shape[1]:].sum())
+        fed.append((tokens.shape[1], valid))
+        return orig(cache, tokens, feats, mask, positions, keep, model_path)
+
+    dec._d.step = counting
+    prompt = [5, 6, 7, 8, 9, 10, 11]
+    res = dec.generate([prompt], max_new_tokens=20, num_draft_tokens=3)
+    s = res.stats
+    total = sum(v for _, v in fed)
+    # prefill: 6 pairs; each step: its pending pairs (emitted by the previous step, or the prompt's
+    # last token) + K - 1 chain pairs; the last step's emitted tokens are never fed
+    last_emitted = s.history[-1]["accepted"][0] + 1
+    chain = sum(max(h["k"] - 1, 0) for h in s.history)  # K - 1 per step (K shrinks near the budget)
+    assert chain >= 2 * (s.iterations - 3)
+    assert total == 6 + (len(prompt) - 6) + (s.generated_tokens - last_emitted) + chain
+    assert len(fed) == 1 + s.iterations + chain  # the prefill, one block per step, the chain's
+
+
+# ----------------------------------------------------------------------------------------------
+# The target's features, save/load, refusals
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("lean", [True, False])
+def test_step_hidden_logits_are_the_step_bits(fpair, lean):
+    from specdec_kernels.decoder import _new_cache, _Runner
+
+    _, target = fpair
+    r = _Runner(target, "target")
+    if lean:
+        r.use_lean()
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    pos = torch.arange(5)[None]
+    with torch.inference_mode():
+        c1, c2 = _new_cache(target), _new_cache(target)
+        r.forward(c1, ids[:, :3], None, pos[:, :3], 0, 1)
+        r.forward(c2, ids[:, :3], None, pos[:, :3], 0, 1)
+        a = r.step(c1, ids[:, 3:], None, pos[:, 3:], 3, 2)
+        b, h = r.step_hidden(c2, ids[:, 3:], None, pos[:, 3:], 3, 2)
+        full = target.model(input_ids=ids).last_hidden_state[:, 3:]
+        assert torch.equal(target.lm_head(h), b)
+    assert torch.equal(a, b)
+    torch.testing.assert_close(h, full, atol=1e-5, rtol=1e-4)
+
+
+def test_save_and_load_roundtrip(fpair, tmp_path):
+    fd, target = fpair
+    save_feature_draft(fd, tmp_path / "fd", vocab=torch.tensor([0, 3, 5]), dtype=torch.float32)
+    fd2, vocab = load_feature_draft(tmp_path / "fd")
+    assert vocab.tolist() == [0, 3, 5]
+    saved = [k for k in fd.state_dict() if not k.startswith(("lm.lm_head.", "lm.model.embed_tokens."))]
+    assert len(saved) == 11  # fc, 9 in the layer, the norm
+    for k in saved:
+        assert torch.equal(fd.state_dict()[k], fd2.state_dict()[k]), k
+    dec = SpeculativeDecoder(draft=str(tmp_path / "fd"), target=target, drafter="feature")
+    assert dec.draft_vocab.tolist() == [0, 3, 5]
+    assert SpeculativeDecoder(draft=str(tmp_path / "fd"), target=target, drafter="feature",
+                              draft_vocab=None).draft_vocab is None
+
+
+def test_feature_draft_refusals(fpair, tmp_path):
+    fd, target = fpair
+    with pytest.raises(TypeError, match="drafter='feature' needs a FeatureDraft or the directory of one"):
+        SpeculativeDecoder(draft=copy.deepcopy(target), target=target, drafter="feature")
+    other = _damped_llama(32, 32, 0.2, seed=7)
+    with pytest.raises(ValueError, match="the target is not the one it was trained for"):
+        SpeculativeDecoder(draft=fd, target=other, drafter="feature")
+    wide = _damped_llama(32, 48, 0.2, seed=0)
+    with pytest.raises(ValueError, match="the target's hidden_size must be 32"):
+        SpeculativeDecoder(draft=fd, target=wide, drafter="feature")
+    with pytest.raises(FileNotFoundError, match="must hold feature_draft.json and model.safetensors"):
+        load_feature_draft(tmp_path / "missing")
+    dec = SpeculativeDecoder(draft=fd, target=target, drafter="feature")
+    with pytest.raises(ValueError, match="draft_confidence must be in"):
+        dec.generate([[1, 2]], max_new_tokens=2, draft_confidence=1.5)

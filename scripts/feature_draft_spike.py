@@ -1,0 +1,375 @@
+"""Spike: would a draft that reads the target's hidden state (EAGLE, Li et al. 2024) reach a
+higher acceptance than the shipped standalone draft?  An experiment, not part of the package:
+nothing in ``specdec_kernels`` uses its output yet.
+
+The draft: one Llama decoder layer at the target's width (576) over
+``fc(concat(embed(x_{t+1}), f_t))``, where ``f_t`` is the target's final hidden state (after
+its final norm, what its output layer reads) at position t and ``embed`` the target's own
+(frozen) embedding; a final RMSNorm gives ``f^_{t+1}``, and the target's own output layer,
+restricted to the shipped draft vocabulary (12,288 tokens), gives the draft's logits.  Trained
+on the target's sampled corpus of ``make_default_pair.py`` (its cached chunks) to regress
+``f_{t+1}`` (smooth L1) and to predict the target's greedy token (cross-entropy), with noise on
+the input features (EAGLE-1's recipe: the chain feeds the draft its own predictions).
+
+Measured by simulation on the evaluation corpus (the target's greedy continuations of the 70
+evaluation prompts): per start position, the draft runs a chain of K steps (the first from the
+true feature, the next ones from its own predicted features) and the run of tokens equal to the
+target's greedy ones is counted; greedy speculative decoding is then replayed as in
+``make_default_pair.simulate_greedy``.
+
+    python scripts/feature_draft_spike.py extract --chunks 40 --threads 2
+    python scripts/feature_draft_spike.py train --epochs 2 --threads 2
+    python scripts/feature_draft_spike.py eval --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import math
+import os
+import random
+import re
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+from specdec_kernels import models  # noqa: E402
+
+CACHE = Path(os.environ.get("SPECDEC_FEATURE_SPIKE_DIR", Path.home() / ".cache" / "specdec_kernels" / "feature_spike"))
+DISTILL = models.cache_dir() / "distill"
+
+
+def load_target():
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(models.default_target_path(), local_files_only=True,
+                                                  dtype=torch.float32)
+    return target.eval()
+
+
+def sampled_chunks(n: int) -> list:
+    """The first n chunks of the distillation corpus (the largest file per chunk index)."""
+    best = {}
+    for f in glob.glob(str(DISTILL / "corpus-sampled-*.pt")):
+        m = re.match(r"corpus-sampled-(p\d+-)?(\d+)-", os.path.basename(f))
+        key = (int(m.group(2)), m.group(1) or "")
+        if key not in best or os.path.getsize(f) > os.path.getsize(best[key]):
+            best[key] = f
+    return [best[k] for k in sorted(best)[:n]]
+
+
+def eval_corpus():
+    files = sorted(glob.glob(str(DISTILL / "corpus-eval-*.pt")), key=os.path.getsize)
+    return torch.load(files[-1])  # the 70-prompt evaluation corpus
+
+
+@torch.inference_mode()
+def features(target, items, batch_tokens: int = 4096) -> list:
+    """Per item: the target's final hidden states [L, 576] (fp16) over prompt + gen."""
+    seqs = [torch.cat([c["prompt"], c["gen"]]) for c in items]
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
+    out = [None] * len(seqs)
+    s = 0
+    while s < len(order):
+        L = len(seqs[order[s]])
+        e = s + 1
+        while e < len(order) and (e - s + 1) * len(seqs[order[e]]) <= batch_tokens:
+            e += 1
+        idx = order[s:e]
+        T = max(len(seqs[i]) for i in idx)
+        ids = torch.zeros((len(idx), T), dtype=torch.long)
+        mask = torch.zeros((len(idx), T), dtype=torch.long)
+        for b, i in enumerate(idx):
+            ids[b, :len(seqs[i])] = seqs[i]
+            mask[b, :len(seqs[i])] = 1
+        h = target.model(input_ids=ids, attention_mask=mask).last_hidden_state
+        for b, i in enumerate(idx):
+            out[i] = h[b, :len(seqs[i])].half().clone()
+        s = e
+    return out
+
+
+def cmd_extract(args):
+    target = load_target()
+    CACHE.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    tokens = 0
+    for f in sampled_chunks(args.chunks) + ["eval"]:
+        name = "eval" if f == "eval" else os.path.basename(f).replace("corpus-", "feat-")
+        path = CACHE / name
+        if path.is_file():
+            continue
+        items = eval_corpus() if f == "eval" else torch.load(f)
+        feats = features(target, items)
+        torch.save({"items": items, "feats": feats}, path)
+        tokens += sum(len(x) for x in feats)
+        print(f"{name}: {len(items)} items, {tokens} tokens so far, {time.time() - t0:.0f} s "
+              f"({tokens / (time.time() - t0):.0f} tok/s)", flush=True)
+
+
+class FeatureDraft(nn.Module):
+    """fc(concat(embed(token), feature)) -> one Llama decoder layer -> RMSNorm -> f^."""
+
+    def __init__(self, tc, intermediate: int = 768):
+        super().__init__()
+        from transformers import LlamaConfig
+        from transformers.models.llama.modeling_llama import LlamaModel
+
+        H = tc.hidden_size
+        cfg = LlamaConfig(vocab_size=8, hidden_size=H, intermediate_size=intermediate,
+                          num_hidden_layers=1, num_attention_heads=tc.num_attention_heads,
+                          num_key_value_heads=tc.num_key_value_heads, head_dim=H // tc.num_attention_heads,
+                          max_position_embeddings=tc.max_position_embeddings, rms_norm_eps=tc.rms_norm_eps,
+                          rope_parameters=dict(tc.rope_parameters), pad_token_id=None, bos_token_id=None,
+                          eos_token_id=None)
+        cfg._attn_implementation = "sdpa"
+        self.cfg = cfg
+        self.fc = nn.Linear(2 * H, H, bias=False)
+        self.body = LlamaModel(cfg)
+
+    def forward(self, emb, feat, positions, cache=None):
+        h = self.fc(torch.cat([emb, feat], dim=-1))
+        return self.body(inputs_embeds=h, position_ids=positions, past_key_values=cache,
+                         use_cache=cache is not None).last_hidden_state
+
+
+def draft_vocab():
+    from specdec_kernels.draft_vocab import load_draft_vocab
+
+    return load_draft_vocab(Path(models.default_draft_path()) / "draft_vocab.safetensors", 49152)
+
+
+def load_feature_files(n: int):
+    files = sorted((p for p in CACHE.glob("feat-sampled-*.pt")), key=lambda p: p.stat().st_mtime)
+    data = []
+    for p in files[:n]:
+        d = torch.load(p)
+        for c, f in zip(d["items"], d["feats"]):
+            data.append((torch.cat([c["prompt"], c["gen"]]), f, len(c["prompt"]), c["topk_ids"][:, 0].long()))
+    return data
+
+
+def batch(data, idx, emb_w):
+    """Column t of a sequence holds the pair (f_{t-1}, x_t) at position t (f_{-1} = 0), as the
+    target's column t holds x_t: its output predicts f_t and the token x_{t+1}.
+    -> emb [B,T,H], feat [B,T,H], next feature f_t [B,T,H], labels [B,T] (the target's greedy
+    token after column t where it is known, else -100), valid [B,T]."""
+    L = max(len(data[i][0]) for i in idx)
+    B = len(idx)
+    H = emb_w.shape[1]
+    toks = torch.zeros((B, L), dtype=torch.long)
+    feat = torch.zeros((B, L, H))
+    nxt = torch.zeros((B, L, H))
+    labels = torch.full((B, L), -100, dtype=torch.long)
+    valid = torch.zeros((B, L), dtype=torch.bool)
+    for b, i in enumerate(idx):
+        ids, f, tp, greedy = data[i]
+        n = len(ids)
+        toks[b, :n] = ids
+        feat[b, 1:n] = f[:-1].float()
+        nxt[b, :n] = f.float()
+        valid[b, :n] = True
+        g = torch.arange(n) + 1 - tp  # column t predicts the token at index t + 1 = gen index t + 1 - tp
+        ok = (g >= 0) & (g < len(greedy))
+        labels[b, :n][ok] = greedy[g[ok]]
+    return emb_w[toks], feat, nxt, labels, valid
+
+
+def cmd_train(args):
+    torch.manual_seed(0)
+    target = load_target()
+    emb_w = target.get_input_embeddings().weight.detach()
+    vocab = draft_vocab()
+    head = target.lm_head.weight.detach()[vocab]  # [Vd, H]
+    remap = torch.full((emb_w.shape[0],), -100, dtype=torch.long)
+    remap[vocab] = torch.arange(len(vocab))
+    data = load_feature_files(args.files)
+    ntok = sum(len(d[0]) for d in data)
+    print(f"{len(data)} sequences, {ntok} tokens", flush=True)
+    model = FeatureDraft(target.config, args.intermediate)
+    with torch.no_grad():
+        model.body.norm.weight.copy_(target.model.norm.weight)  # the target's feature scale
+    fscale = float(torch.cat([d[1][:64].float() for d in data[:200]]).std())
+    print(f"feature std {fscale:.3f}", flush=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
+    rng = random.Random(0)
+    order = sorted(range(len(data)), key=lambda i: len(data[i][0]) + rng.random())
+    batches = [order[i:i + args.batch] for i in range(0, len(order), args.batch)]
+    total = int(len(batches) * args.epochs)
+    step = 0
+    t0 = time.time()
+    model.train()
+    while step < total:
+        rng.shuffle(batches)
+        for idx in batches:
+            if step >= total:
+                break
+            lr = args.lr * min(1.0, (step + 1) / 50) * 0.5 * (1 + math.cos(math.pi * step / total))
+            for g in opt.param_groups:
+                g["lr"] = lr
+            emb, feat, nxt, labels, valid = batch(data, idx, emb_w)
+            feat_in = feat + (torch.rand_like(feat) - 0.5) * (2 * args.noise * fscale)
+            pos = torch.arange(emb.shape[1])[None].expand(emb.shape[0], -1)
+            out = model(emb, feat_in, pos)
+            reg = F.smooth_l1_loss(out[valid] / fscale, nxt[valid] / fscale)
+            lab = remap[labels.clamp(min=0)]
+            lab[labels < 0] = -100
+            sel = lab >= 0
+            logits = out[sel] @ head.T
+            ce = F.cross_entropy(logits, lab[sel])
+            loss = args.reg_weight * reg + ce
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            step += 1
+            if step % args.log_every == 0 or step == total:
+                acc = (logits.argmax(-1) == lab[sel]).float().mean()
+                print(f"step {step}/{total} lr {lr:.2e} reg {reg.item():.4f} ce {ce.item():.3f} "
+                      f"acc {acc.item():.3f} {time.time() - t0:.0f} s", flush=True)
+    torch.save(model.state_dict(), CACHE / args.weights)
+    print(f"saved {CACHE / args.weights}")
+
+
+@torch.inference_mode()
+def cmd_eval(args):
+    from transformers import DynamicCache
+
+    target = load_target()
+    emb_w = target.get_input_embeddings().weight.detach()
+    vocab = draft_vocab()
+    head = target.lm_head.weight.detach()[vocab]
+    sd = torch.load(CACHE / args.weights)
+    model = FeatureDraft(target.config, sd["body.layers.0.mlp.gate_proj.weight"].shape[0])
+    model.load_state_dict(sd)
+    model.eval()
+    d = torch.load(CACHE / "eval")
+    sys.path.insert(0, str(HERE))
+    from make_default_pair import DEMO_PROMPTS, simulate_greedy
+
+    Kmax = args.kmax
+    groups = {"all": [], "demo plain": [], "demo chat": [], "held plain": [], "held chat": []}
+    if args.shipped:  # the shipped standalone draft, replayed the same way (its chain = teacher forcing)
+        from make_default_pair import match_vectors
+        from transformers import AutoModelForCausalLM
+
+        draft = AutoModelForCausalLM.from_pretrained(models.default_draft_path(), local_files_only=True,
+                                                     dtype=torch.float32).eval()
+        pad = target.config.eos_token_id if isinstance(target.config.eos_token_id, int) else 0
+        for c, m in zip(d["items"], match_vectors(draft, d["items"], pad, vocab=vocab)):
+            runs = []
+            for p in range(len(m)):
+                r = 0
+                while r < Kmax and p + r < len(m) and bool(m[p + r]):
+                    r += 1
+                runs.append(r)
+            demo = c["text"] in DEMO_PROMPTS
+            for name in ("all", f"{'demo' if demo else 'held'} {c['kind']}"):
+                groups[name].append(runs)
+    for c, f in zip(d["items"], d["feats"]) if not args.shipped else []:
+        ids = torch.cat([c["prompt"], c["gen"]])
+        tp, tg = len(c["prompt"]), len(c["gen"])
+        f = f.float()
+        # runs[p] = how many of the drafts from start p (target just emitted gen[p - 1] or, at p = 0,
+        # the prompt's last token is the newest) match gen[p], gen[p+1], ... (at most Kmax)
+        runs = []
+        for p in range(tg):
+            n = tp - 1 + p  # column of the newest token (the target just emitted it): pair (f_{n-1}, x_n)
+            cache = DynamicCache()
+            feats = torch.cat([torch.zeros(1, f.shape[1]), f[:n]])  # f_{-1} = 0, f_0 .. f_{n-1}
+            out = model(emb_w[ids[:n + 1]][None], feats[None], torch.arange(n + 1)[None], cache)
+            fh = out[0, -1]
+            run = 0
+            for j in range(Kmax):
+                if p + j >= tg:
+                    break
+                guess = vocab[(fh @ head.T).argmax()]
+                if int(guess) != int(c["gen"][p + j]):
+                    break
+                run += 1
+                if j + 1 == Kmax or p + j + 1 >= tg:
+                    break
+                out = model(emb_w[guess][None, None], fh[None, None], torch.tensor([[n + j + 1]]), cache)
+                fh = out[0, -1]
+            runs.append(run)
+        kind = c["kind"]
+        demo = c["text"] in DEMO_PROMPTS
+        for name in ("all", f"{'demo' if demo else 'held'} {kind}"):
+            groups[name].append(runs)
+    for name, items in groups.items():
+        n = sum(len(r) for r in items)
+        first = sum(x > 0 for runs in items for x in runs) / max(1, n)
+        line = [f"{name:10s} items {len(items):3d} tokens {n:5d}", f"step-1 match {first:.3f}"]
+        for K in range(1, Kmax + 1):
+            calls = drafted = acc = 0
+            for runs in items:  # replay greedy decoding: from p, min(run, K) accepted + the target's token
+                p = 0
+                while p < len(runs):
+                    k = min(K, len(runs) - p)
+                    a = min(runs[p], k)
+                    calls, drafted, acc, p = calls + 1, drafted + k, acc + a, p + a + 1
+            line.append(f"K={K}: {n / max(1, calls):.2f} tok/call, accepted {acc / max(1, drafted):.3f}")
+        print(" | ".join(line), flush=True)
+
+
+def cmd_export(args):
+    """The spike's weights -> specdec_kernels.feature_draft's format (fp16) in --out."""
+    from specdec_kernels.feature_draft import FeatureDraft as PackagedDraft, save_feature_draft, target_identity
+
+    target = load_target()
+    sd = torch.load(CACHE / args.weights)
+    spike = FeatureDraft(target.config, sd["body.layers.0.mlp.gate_proj.weight"].shape[0])
+    spike.load_state_dict(sd)
+    cfg = spike.cfg
+    cfg.vocab_size = 1
+    fd = PackagedDraft(cfg, target_identity(target))
+    new = {"fc.weight": sd["fc.weight"]}
+    for k, v in sd.items():
+        if k.startswith("body.") and not k.startswith("body.embed_tokens."):
+            new["lm.model." + k[len("body."):]] = v
+    missing, unexpected = fd.load_state_dict(new, strict=False)
+    assert not unexpected and all(k.startswith(("lm.lm_head.", "lm.model.embed_tokens.")) for k in missing), (missing, unexpected)
+    print(save_feature_draft(fd, args.out, vocab=draft_vocab()))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    e = sub.add_parser("extract")
+    e.add_argument("--chunks", type=int, default=40)
+    t = sub.add_parser("train")
+    t.add_argument("--files", type=int, default=40)
+    t.add_argument("--epochs", type=float, default=2.0)
+    t.add_argument("--batch", type=int, default=16)
+    t.add_argument("--lr", type=float, default=1e-3)
+    t.add_argument("--noise", type=float, default=0.1)
+    t.add_argument("--reg-weight", type=float, default=1.0)
+    t.add_argument("--log-every", type=int, default=50)
+    t.add_argument("--intermediate", type=int, default=768)
+    v = sub.add_parser("eval")
+    v.add_argument("--kmax", type=int, default=4)
+    v.add_argument("--shipped", action="store_true", help="replay the shipped standalone draft instead")
+    for p in (t, v):
+        p.add_argument("--weights", default="feature_draft.pt")
+    for p in (e, t, v):
+        p.add_argument("--threads", type=int, default=2)
+    x = sub.add_parser("export")
+    x.add_argument("--out", required=True)
+    x.add_argument("--weights", default="feature_draft.pt")
+    x.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    {"extract": cmd_extract, "train": cmd_train, "eval": cmd_eval, "export": cmd_export}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    main()
