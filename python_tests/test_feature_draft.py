@@ -14,6 +14,7 @@ target's logits with features are the bits of those without; save/load; every re
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -318,3 +319,42 @@ def test_feature_draft_refusals(fpair, tmp_path):
     dec = SpeculativeDecoder(draft=fd, target=target, drafter="feature")
     with pytest.raises(ValueError, match="draft_confidence must be in"):
         dec.generate([[1, 2]], max_new_tokens=2, draft_confidence=1.5)
+
+
+def test_cli_feature_drafter(capsys, tmp_path):
+    """``specdec generate --drafter feature --draft DIR --target DIR``: the same text as the target
+    alone (greedy); --tiny-random has no feature draft and says so."""
+    import json
+
+    from specdec_kernels.cli import build_tiny_random_pair, main as cli_main
+
+    _, target, tok = build_tiny_random_pair(seed=0)
+    target.save_pretrained(tmp_path / "target")
+    tok.save_pretrained(tmp_path / "target")
+    fd = _fit(_feature_draft(target, intermediate=32), target, steps=30)
+    save_feature_draft(fd, tmp_path / "fd", dtype=torch.float32)
+    args = ["generate", "hello", "--target", str(tmp_path / "target"), "--json", "--max-new-tokens", "8"]
+    assert cli_main(args + ["--drafter", "feature", "--draft", str(tmp_path / "fd"), "-k", "2"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["stats"]["drafted_tokens"] > 0
+    with torch.inference_mode():
+        ids = tok(["hello"], return_tensors="pt").input_ids
+        ref = target.generate(ids, do_sample=False, max_new_tokens=8, pad_token_id=0)[0, ids.shape[1]:].tolist()
+    assert got["token_ids"][0] == ref
+    with pytest.raises(SystemExit) as e:
+        cli_main(["generate", "hello", "--tiny-random", "--drafter", "feature"])
+    assert e.value.code == 2 and "--tiny-random has no feature draft" in capsys.readouterr().err
+
+
+def test_no_feature_draft_ships_and_that_is_said(capsys):
+    """None is embedded (the one trained so far proposes worse than the draft model): asking for
+    the embedded one says so and what to pass, before loading any model."""
+    from specdec_kernels.cli import main as cli_main
+    from specdec_kernels.feature_draft import default_feature_draft_path
+
+    assert not os.path.isdir(default_feature_draft_path())
+    with pytest.raises(FileNotFoundError, match="no feature draft ships with the package"):
+        SpeculativeDecoder(drafter="feature")
+    with pytest.raises(SystemExit) as e:
+        cli_main(["generate", "hello", "--drafter", "feature"])
+    assert e.value.code == 2 and "pass --draft DIR" in capsys.readouterr().err

@@ -198,6 +198,9 @@ def cmd_train(args):
     model = FeatureDraft(target.config, args.intermediate)
     with torch.no_grad():
         model.body.norm.weight.copy_(target.model.norm.weight)  # the target's feature scale
+    if args.init:
+        model.load_state_dict(torch.load(CACHE / args.init))
+        print(f"from {CACHE / args.init}", flush=True)
     fscale = float(torch.cat([d[1][:64].float() for d in data[:200]]).std())
     print(f"feature std {fscale:.3f}", flush=True)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
@@ -219,14 +222,39 @@ def cmd_train(args):
             emb, feat, nxt, labels, valid = batch(data, idx, emb_w)
             feat_in = feat + (torch.rand_like(feat) - 0.5) * (2 * args.noise * fscale)
             pos = torch.arange(emb.shape[1])[None].expand(emb.shape[0], -1)
-            out = model(emb, feat_in, pos)
-            reg = F.smooth_l1_loss(out[valid] / fscale, nxt[valid] / fscale)
             lab = remap[labels.clamp(min=0)]
             lab[labels < 0] = -100
             sel = lab >= 0
+            if args.unroll:
+                # Training-time test: a second pass in which column c takes the first pass's
+                # prediction f^_{c-1} as its feature and attends to the true columns < c and to
+                # itself: exactly the draft's second chain step at inference.
+                L = emb.shape[1]
+                with torch.no_grad():
+                    out0 = model(emb, feat_in, pos)
+                f1 = torch.zeros_like(feat)
+                f1[:, 1:] = out0[:, :-1]
+                idx = torch.arange(L)
+                top = torch.cat([idx[:, None] >= idx[None, :], torch.zeros(L, L, dtype=torch.bool)], 1)
+                bot = torch.cat([idx[:, None] > idx[None, :], torch.eye(L, dtype=torch.bool)], 1)
+                mask4 = torch.cat([top, bot], 0)[None, None].expand(emb.shape[0], 1, 2 * L, 2 * L)
+                h = model.fc(torch.cat([torch.cat([emb, emb], 1), torch.cat([feat_in, f1], 1)], -1))
+                both = model.body(inputs_embeds=h, position_ids=torch.cat([pos, pos], 1),
+                                  attention_mask=mask4).last_hidden_state
+                out, out1 = both[:, :L], both[:, L:]
+                v1 = valid.clone()
+                v1[:, 0] = False
+                sel1 = sel.clone()
+                sel1[:, 0] = False
+                reg1 = F.smooth_l1_loss(out1[v1] / fscale, nxt[v1] / fscale)
+                ce1 = F.cross_entropy(out1[sel1] @ head.T, lab[sel1])
+            else:
+                out = model(emb, feat_in, pos)
+                reg1 = ce1 = torch.zeros(())
+            reg = F.smooth_l1_loss(out[valid] / fscale, nxt[valid] / fscale)
             logits = out[sel] @ head.T
             ce = F.cross_entropy(logits, lab[sel])
-            loss = args.reg_weight * reg + ce
+            loss = args.reg_weight * (reg + reg1) + ce + ce1
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -234,7 +262,7 @@ def cmd_train(args):
             step += 1
             if step % args.log_every == 0 or step == total:
                 acc = (logits.argmax(-1) == lab[sel]).float().mean()
-                print(f"step {step}/{total} lr {lr:.2e} reg {reg.item():.4f} ce {ce.item():.3f} "
+                print(f"step {step}/{total} lr {lr:.2e} reg {reg.item():.4f} ce {ce.item():.3f} ce2 {ce1.item():.3f} "
                       f"acc {acc.item():.3f} {time.time() - t0:.0f} s", flush=True)
     torch.save(model.state_dict(), CACHE / args.weights)
     print(f"saved {CACHE / args.weights}")
@@ -355,6 +383,8 @@ def main(argv=None):
     t.add_argument("--reg-weight", type=float, default=1.0)
     t.add_argument("--log-every", type=int, default=50)
     t.add_argument("--intermediate", type=int, default=768)
+    t.add_argument("--init", default=None, help="start from these weights (a file in the cache)")
+    t.add_argument("--unroll", action="store_true", help="also train the second chain step on its own predictions")
     v = sub.add_parser("eval")
     v.add_argument("--kmax", type=int, default=4)
     v.add_argument("--shipped", action="store_true", help="replay the shipped standalone draft instead")

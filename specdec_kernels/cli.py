@@ -148,9 +148,14 @@ def _make_decoder(args, parser):
         if args.drafter == "prompt_lookup":
             draft = None
         elif args.drafter == "feature":
+            import os
+
             from .feature_draft import default_feature_draft_path
 
             draft = default_feature_draft_path()
+            if not os.path.isdir(draft):
+                parser.error("--drafter feature: no feature draft ships with the package (docs/feature_draft.md); "
+                             "pass --draft DIR (and --target), one trained by scripts/feature_draft_spike.py")
         return SpeculativeDecoder(draft=draft, target=target, tokenizer=tokenizer, drafter=args.drafter, **paths)
     draft = args.draft
     if draft is None and args.drafter != "prompt_lookup":

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -378,7 +379,9 @@ class _FeatureRunner:
             self.lean = LeanLlamaStep(self.model)
 
     def set_vocab(self, rows: Optional[torch.Tensor]) -> None:
-        """The draft's output layer: the target's, restricted to ``rows`` (a copy taken now)."""
+        """The draft's output layer: the target's, restricted to ``rows`` (a copy taken now),
+        fp32 weights rounded to fp16 values (a draft may compute anything, the verifier uses the
+        target's own logits; ``skinny_linear`` then streams half the bytes on the CPU)."""
         self.vocab_rows = rows
         out = self.out
         n = out.weight.shape[0] if rows is None else rows.numel()
@@ -386,6 +389,8 @@ class _FeatureRunner:
             head = torch.nn.Linear(out.in_features, n, bias=out.bias is not None,
                                    device=out.weight.device, dtype=out.weight.dtype)
             head.weight.copy_(out.weight if rows is None else out.weight.index_select(0, rows))
+            if head.weight.dtype == torch.float32:
+                head.weight.copy_(head.weight.half().float())
             if out.bias is not None:
                 head.bias.copy_(out.bias if rows is None else out.bias.index_select(0, rows))
         self.head = head.requires_grad_(False)
@@ -534,7 +539,9 @@ class SpeculativeDecoder:
 
     draft, target: a model name/path (loaded with ``AutoModelForCausalLM``) or a model; with
     neither (and no drafter), the embedded default pair of ``specdec_kernels.models``.
-    ``draft=None`` drafts by prompt lookup (``drafter="prompt_lookup"``).  The two must share
+    ``draft=None`` drafts by prompt lookup (``drafter="prompt_lookup"``); ``drafter="feature"``
+    takes a ``specdec_kernels.feature_draft.FeatureDraft`` (or its directory) as ``draft``: a draft
+    that reads the target's hidden states, trained for that target.  The two must share
     a vocabulary (the target's may be padded beyond the draft's); when both tokenizers are
     known their vocabularies must be equal.  tokenizer: a tokenizer or path (default: the
     target's, when the target is given by path); without one, prompts must be token ids.
@@ -581,6 +588,11 @@ class SpeculativeDecoder:
                 from .feature_draft import default_feature_draft_path
 
                 draft = default_feature_draft_path()
+                if not os.path.isdir(draft):
+                    raise FileNotFoundError(
+                        "no feature draft ships with the package (docs/feature_draft.md: the one trained so far "
+                        "proposes worse than the embedded draft model); pass draft=DIR, one trained by "
+                        "scripts/feature_draft_spike.py")
         if target is None:
             raise TypeError("target must be a model name/path or a PreTrainedModel, got None "
                             "(pass neither draft nor target for the embedded default pair)")
@@ -596,8 +608,6 @@ class SpeculativeDecoder:
         self.feature = None  # a FeatureDraft (drafter="feature")
         feature_vocab = None
         if drafter == "feature":
-            import os
-
             from .feature_draft import FeatureDraft, load_feature_draft
 
             if isinstance(draft, (str, os.PathLike)):
@@ -674,8 +684,6 @@ class SpeculativeDecoder:
             self._d.set_vocab(None if self.draft_vocab is None else self.draft_vocab.to(self.device))
 
     def _resolve_draft_vocab(self, spec) -> Optional[torch.Tensor]:
-        import os
-
         from . import draft_vocab as dv
 
         if spec is None or (isinstance(spec, str) and spec == "auto" and self._d is None):
