@@ -12,6 +12,7 @@ Two measurements, each provider side by side in one run (speed is the ratio):
     python bench/bench_skinny_linear.py --threads 1            # sweep only
     python bench/bench_skinny_linear.py --threads 1 --model    # + the target forward
     python bench/bench_skinny_linear.py --threads 1 --isa      # + each SIMD path forced
+    python bench/bench_skinny_linear.py --threads 1 --rows 1,2,3,4 --draft-fp16   # the draft's fp16 tiles
 
 Rows append to bench/results/cpu/bench_skinny_linear.csv (or --csv).
 """
@@ -72,6 +73,42 @@ def run_sweep(rows: list[int], min_time_s: float, isas: list[str] = ()) -> list[
     return out
 
 
+def draft_fp16_shapes() -> list[tuple[int, int]]:
+    """The embedded draft's layer shapes (hidden 192, MLP 768) and its 12,288-row output layer."""
+    return [(192, 192), (768, 192), (192, 768), (12288, 192)]
+
+
+def run_draft_fp16(rows: list[int], reps: int) -> list[dict]:
+    """fp16 weights (the embedded draft's, streamed as fp16): the default tiles (4 weight rows for
+    M <= 3, 2 at M = 4) against tiles of one weight row (``avx2_1row``, the same bits), per layer
+    shape, hot in cache and after a 64 MB stream (as after a target step); medians of ``reps``
+    calls, the two alternating."""
+    g = torch.Generator().manual_seed(0)
+    flush = torch.empty(64 * 1024 * 1024 // 4)
+    op = torch.ops.specdec.skinny_linear_isa
+    out = []
+    for n, k in draft_fp16_shapes():
+        w = (torch.randn(n, k, generator=g) * 0.02).half()
+        for m in rows:
+            x = torch.randn(m, k, generator=g)
+            assert torch.equal(op(x, w, None, "auto"), op(x, w, None, "avx2_1row"))
+            for cold in (False, True):
+                ts = {"auto": [], "avx2_1row": []}
+                for _ in range(reps):
+                    for isa in ts:
+                        if cold:
+                            flush.add_(1.0)
+                        t0 = time.perf_counter()
+                        op(x, w, None, isa)
+                        ts[isa].append((time.perf_counter() - t0) * 1e6)
+                med = {isa: sorted(v)[len(v) // 2] for isa, v in ts.items()}
+                for isa in ts:
+                    out.append({"bench": f"draft fp16 {n}x{k} {'after 64 MB' if cold else 'hot'}",
+                                "provider": "skinny " + isa, "rows": m, "ms": med[isa] / 1e3,
+                                "speedup_vs_one_row": med["avx2_1row"] / med[isa]})
+    return out
+
+
 def run_model(rows: list[int], reps: int) -> list[dict]:
     from specdec_kernels.cpu_linear import use_skinny_linear
     from specdec_kernels.models import default_pair
@@ -125,6 +162,8 @@ def main(argv=None) -> int:
     ap.add_argument("--min-time", type=float, default=1.0, help="seconds per sweep measurement")
     ap.add_argument("--isa", action="store_true",
                     help="also time each SIMD path of skinny_linear forced (avx2, avx512 where the CPU has it)")
+    ap.add_argument("--draft-fp16", action="store_true",
+                    help="only the embedded draft's fp16 layer shapes: the default tiles against one-row tiles")
     ap.add_argument("--csv", default=os.path.join(HERE, "results", "cpu", "bench_skinny_linear.csv"))
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -134,6 +173,13 @@ def main(argv=None) -> int:
     print(cond)
     from specdec_kernels.cpu_linear import supported_isas
 
+    if args.draft_fp16:
+        results = run_draft_fp16(rows, max(args.reps, 200))
+        cols = ["bench", "provider", "rows", "ms", "speedup_vs_one_row"]
+        harness.print_table(results, cols)
+        harness.append_csv(args.csv.replace(".csv", "_draft_fp16.csv"),
+                           [{**cond, **{c: r.get(c) for c in cols}} for r in results])
+        return 0
     results = run_sweep(rows, args.min_time, list(supported_isas()) if args.isa else [])
     if args.model:
         results += run_model(rows, args.reps)

@@ -66,9 +66,11 @@ namespace {
 // too (the target's layers, one row: 15.1 ms with nr = 1, 18-20 ms with 2 or 4).  fp16 weights
 // (the embedded draft) with M <= 3 run nr = 4, and nr = 2 at M = 4: each weight row is a chain of
 // K / 8 dependent FMAs, and with half the bytes per FMA that chain, not the memory, sets the
-// time, so four independent chains side by side go faster (Zen 5, 1 thread, the draft's
-// 12,288 x 192 output layer: 194 -> 106 us from cache, 207 -> 159 us from memory; its 768 x 192
-// layers 13 -> 7 us).  The tile shape never changes the arithmetic of an output element.
+// time, so four independent chains side by side go faster (Zen 5 VM, 1 thread,
+// bench_skinny_linear.py --draft-fp16, the embedded draft's 12,288 x 192 output layer: one row
+// 201 -> 98 us from cache, 217 -> 145 us after a 64 MB stream; 2 rows 259 -> 136 us; 4 rows
+// (nr = 2) 359 -> 274 us; its 192 x 768 layer, one row, 12.4 -> 6.1 us).  The tile shape never
+// changes the arithmetic of an output element.
 // About 256 KiB of weights per parallel task: small enough to split a 576 x 576 matrix over
 // two threads, large enough that a thread wake-up (~10 us) is not the cost.
 constexpr int64_t kMinWeightBytesPerTask = int64_t{256} * 1024;
@@ -397,7 +399,8 @@ at::Tensor skinny_linear_cpu(
     const at::Tensor& x,                    // [..., K] fp32
     const at::Tensor& weight,               // [N, K] fp32
     const c10::optional<at::Tensor>& bias,  // [N] fp32 or None
-    std::optional<Isa> path) {              // None: the fastest for this CPU and M
+    std::optional<Isa> path,                // None: the fastest for this CPU and M
+    bool one_row_tiles = false) {           // fp16 weights too in tiles of 1 weight row (benchmarks)
   TORCH_CHECK(
       x.scalar_type() == at::kFloat,
       "skinny_linear: x must be float32, got ", x.scalar_type());
@@ -462,7 +465,7 @@ at::Tensor skinny_linear_cpu(
     }
 #endif
     const bool avx2 = isa == Isa::kAvx2;
-    if constexpr (std::is_same_v<WT, c10::Half>) {
+    if (std::is_same_v<WT, c10::Half> && !one_row_tiles) {
       // fp16 weights: half the bytes per FMA, so one weight row's chain of dependent FMAs (K / 8
       // of them, 4 cycles each) and not the memory sets the time; tiles of several weight rows
       // run independent chains side by side (the Tiles note above).
@@ -495,7 +498,9 @@ at::Tensor skinny_linear_portable(
   return skinny_linear_cpu(x, weight, bias, Isa::kPortable);
 }
 
-// One named path, for tests and benchmarks: "portable", "avx2", "avx512" or "auto".
+// One named path, for tests and benchmarks: "portable", "avx2", "avx512", "auto", or
+// "avx2_1row": the AVX2 path with fp16 weights in tiles of one weight row, as before the fp16
+// tiles of 4 (the same bits; to compare the two side by side).
 at::Tensor skinny_linear_isa(
     const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
     c10::string_view isa) {
@@ -504,7 +509,7 @@ at::Tensor skinny_linear_isa(
     return skinny_linear_cpu(x, weight, bias, std::nullopt);
   } else if (isa == "portable") {
     chosen = Isa::kPortable;
-  } else if (isa == "avx2" || isa == "avx512") {
+  } else if (isa == "avx2" || isa == "avx512" || isa == "avx2_1row") {
     const bool avx512 = isa == "avx512";
     bool supported = false;
 #if SPECDEC_X86
@@ -516,10 +521,10 @@ at::Tensor skinny_linear_isa(
     chosen = avx512 ? Isa::kAvx512 : Isa::kAvx2;
   } else {
     TORCH_CHECK(
-        false, "skinny_linear_isa: isa must be 'auto', 'portable', 'avx2' or 'avx512', got '",
+        false, "skinny_linear_isa: isa must be 'auto', 'portable', 'avx2', 'avx2_1row' or 'avx512', got '",
         std::string(isa), "'");
   }
-  return skinny_linear_cpu(x, weight, bias, chosen);
+  return skinny_linear_cpu(x, weight, bias, chosen, isa == "avx2_1row");
 }
 
 }  // namespace

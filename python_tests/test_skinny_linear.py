@@ -98,15 +98,15 @@ def test_thread_count_and_portable_path_give_same_bits():
     assert torch.equal(y1, yp)
 
 
-@pytest.mark.parametrize("isa", ["avx2", "avx512"])
+@pytest.mark.parametrize("isa", ["avx2", "avx2_1row", "avx512"])
 def test_every_simd_path_gives_the_portable_bits(isa):
     """Each SIMD path (forced through skinny_linear_isa) equals the portable C++ path bit for bit,
     fp32 and fp16 weights, over row counts on both sides of the AVX-512 switch (5 rows) and of the
-    fp16 tiles of 4 and 2 weight rows (M <= 3, M = 4), odd
+    fp16 tiles of 4 and 2 weight rows (M <= 3, M = 4; ``avx2_1row`` forces one-row tiles), odd
     numbers of weight rows (the AVX-512 path pairs them) and every K tail."""
     from specdec_kernels.cpu_linear import supported_isas
 
-    if isa not in supported_isas():
+    if isa.split("_")[0] not in supported_isas():  # avx2_1row: the AVX2 path, one-row fp16 tiles
         with pytest.raises(RuntimeError, match=f"isa '{isa}' is not supported by this CPU"):
             torch.ops.specdec.skinny_linear_isa(torch.ones(1, 8), torch.ones(1, 8), None, isa)
         pytest.skip(f"this CPU has no {isa} path (it has: {supported_isas()}); refusal checked")
@@ -126,7 +126,7 @@ def test_every_simd_path_gives_the_portable_bits(isa):
 
 def test_isa_names_are_checked():
     x, w, b = _case(2, 3, 8, bias=False)
-    with pytest.raises(RuntimeError, match="isa must be 'auto', 'portable', 'avx2' or 'avx512', got 'sse'"):
+    with pytest.raises(RuntimeError, match="isa must be 'auto', 'portable', 'avx2', 'avx2_1row' or 'avx512', got 'sse'"):
         torch.ops.specdec.skinny_linear_isa(x, w, b, "sse")
     assert torch.equal(torch.ops.specdec.skinny_linear_isa(x, w, b, "portable"),
                        torch.ops.specdec.skinny_linear_portable(x, w, b))
