@@ -80,7 +80,6 @@ def features(target, items, batch_tokens: int = 4096) -> list:
     out = [None] * len(seqs)
     s = 0
     while s < len(order):
-        L = len(seqs[order[s]])
         e = s + 1
         while e < len(order) and (e - s + 1) * len(seqs[order[e]]) <= batch_tokens:
             e += 1
@@ -282,7 +281,7 @@ def cmd_eval(args):
     model.eval()
     d = torch.load(CACHE / "eval")
     sys.path.insert(0, str(HERE))
-    from make_default_pair import DEMO_PROMPTS, simulate_greedy
+    from make_default_pair import DEMO_PROMPTS
 
     Kmax = args.kmax
     groups = {"all": [], "demo plain": [], "demo chat": [], "held plain": [], "held chat": []}

@@ -369,14 +369,7 @@ class _FeatureRunner:
         self.vocab_rows: Optional[torch.Tensor] = None
         self.head: Optional[torch.nn.Linear] = None
 
-    def use_lean(self) -> None:
-        from .lean_forward import LeanLlamaStep
-
-        self.lean_unsupported = LeanLlamaStep.unsupported(self.model)
-        if self.lean_unsupported is not None:
-            self.lean = None
-        elif self.lean is None:
-            self.lean = LeanLlamaStep(self.model)
+    use_lean = _Runner.use_lean  # its layers are a LlamaForCausalLM's (fd.lm)
 
     def set_vocab(self, rows: Optional[torch.Tensor]) -> None:
         """The draft's output layer: the target's, restricted to ``rows`` (a copy taken now),
@@ -506,6 +499,49 @@ class _State:
     pend_cnt: torch.Tensor = None  # [B] int64 in [1, C]
     pend_cnt_host: list = field(default_factory=list)
     block_start: int = 0  # the draft cache column where this step's pending pairs went
+
+
+class _Drafts:
+    """A step's drafts as they are picked: each position's token ids [B] (full-vocabulary ids),
+    when sampling the distribution each was drawn from (zero outside a draft vocabulary), and,
+    under ``draft_confidence``, the running product of their probabilities and each row's K_b."""
+
+    def __init__(self, st: "_State", K: int, rows: Optional[torch.Tensor], Vd: int):
+        self.st, self.K, self.rows, self.Vd = st, K, rows, Vd
+        B, dev = len(st.rows), st.device
+        self.xs: list = []
+        self.qs: list = []
+        on = st.draft_confidence > 0
+        self.cum = torch.ones(B, dtype=torch.float32, device=dev) if on else None  # P(all accepted)
+        self.kb = torch.full((B,), K, dtype=torch.int64, device=dev) if on else None
+
+    def add(self, logits: torch.Tensor, j: int) -> bool:
+        """Pick draft j from ``logits`` [B, Vd] (or [B, N] over the draft vocabulary).  True when
+        every row has stopped on its confidence (checked on the CPU only: no host sync elsewhere)."""
+        st, rows = self.st, self.rows
+        if st.temperature == 0:
+            x = logits.argmax(-1)
+            if self.cum is not None:  # the draft's own probability of its argmax
+                self.cum = self.cum * torch.softmax(logits.float(), -1).gather(1, x[:, None])[:, 0]
+        else:
+            q = warp_probs(logits, st.temperature, st.top_k, st.top_p)  # [B, Vd] (or [B, N]) fp32
+            x = _sample_inverse_cdf(q, _draft_uniforms(st.key_lo, st.key_hi, st.step, j))
+            if self.cum is not None:
+                self.cum = self.cum * q.gather(1, x[:, None])[:, 0]
+            if rows is not None:
+                q = q.new_zeros((q.shape[0], self.Vd)).index_copy_(1, rows, q)
+            self.qs.append(q)
+        self.xs.append(x if rows is None else rows[x])
+        if self.cum is None:
+            return False
+        self.kb = torch.where((self.cum < st.draft_confidence) & (self.kb == self.K), j + 1, self.kb)
+        return j + 1 < self.K and st.device.type == "cpu" and bool((self.kb <= j + 1).all())
+
+    def result(self) -> tuple:
+        """(X [B, K'] int64, Q [B, K', Vd] or None, K_b [B] or None)."""
+        X = torch.stack(self.xs, 1)
+        Q = torch.stack(self.qs, 1) if self.qs else None
+        return X, Q, None if self.kb is None else self.kb.clamp(max=X.shape[1])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1116,7 +1152,6 @@ class SpeculativeDecoder:
         dev = st.device
         B = len(st.rows)
         Vd = d.vocab_size
-        greedy = st.temperature == 0
         last = st.last.clamp(max=Vd - 1)  # a padded-vocabulary target token the draft cannot embed
         catch_up = any(st.catch_host)
         if catch_up:
@@ -1135,13 +1170,10 @@ class SpeculativeDecoder:
         dense = min(st.ld_host) == st.Td and (not catch_up or all(st.catch_host))
         mask = None if dense else torch.arange(st.Td, device=dev)[None, :] < st.ld[:, None]
         T = st.Td
-        xs, qs = [], []
-        conf_min = st.draft_confidence
-        cum = torch.ones(B, dtype=torch.float32, device=dev) if conf_min > 0 else None  # P(all accepted)
-        kb = torch.full((B,), K, dtype=torch.int64, device=dev) if conf_min > 0 else None
+        picks = _Drafts(st, K, rows, Vd)
         for j in range(K):
             if j > 0:
-                ids = xs[-1][:, None]
+                ids = picks.xs[-1][:, None]
                 pos = (pos_last + j)[:, None]
                 new_valid = torch.ones((B, 1), dtype=torch.bool, device=dev)
             if st.context is not None:
@@ -1150,27 +1182,11 @@ class SpeculativeDecoder:
                 mask = torch.cat([mask, new_valid], 1)
             logits = d.step(st.dc, ids, mask, pos, T, 1)[:, -1]  # [B, Vd], or [B, N] over rows
             T += ids.shape[1]
-            if greedy:
-                x = logits.argmax(-1)
-                if cum is not None:  # the draft's own probability of its argmax
-                    cum = cum * torch.softmax(logits.float(), -1).gather(1, x[:, None])[:, 0]
-            else:
-                q = warp_probs(logits, st.temperature, st.top_k, st.top_p)  # [B, Vd] (or [B, N]) fp32
-                x = _sample_inverse_cdf(q, _draft_uniforms(st.key_lo, st.key_hi, st.step, j))
-                if cum is not None:
-                    cum = cum * q.gather(1, x[:, None])[:, 0]
-                if rows is not None:
-                    q = q.new_zeros((B, Vd)).index_copy_(1, rows, q)
-                qs.append(q)
-            xs.append(x if rows is None else rows[x])
-            if cum is not None:
-                kb = torch.where((cum < conf_min) & (kb == K), j + 1, kb)  # the first draft below stops it
-                if j + 1 < K and dev.type == "cpu" and bool((kb <= j + 1).all()):
-                    break  # every row has stopped (no host sync on other devices: they draft on)
+            if picks.add(logits, j):
+                break  # every row has stopped on its confidence
         st.Td = T
-        X = torch.stack(xs, 1)  # [B, K']
-        Q = torch.stack(qs, 1) if qs else None  # [B, K', Vd]
-        return X, Q, catch_up, None if kb is None else kb.clamp(max=X.shape[1])
+        X, Q, kb = picks.result()
+        return X, Q, catch_up, kb
 
     def _draft_with_features(self, st: _State, K: int):
         """The feature draft: first the pending pairs (what the last verify made true, with the
@@ -1182,7 +1198,6 @@ class SpeculativeDecoder:
         dev = st.device
         B = len(st.rows)
         Vd = f.vocab_size
-        greedy = st.temperature == 0
         C = max(st.pend_cnt_host)
         cnt = st.pend_cnt
         pos = st.ld[:, None] + torch.arange(C, device=dev)[None, :]  # the draft's column = the target's
@@ -1197,10 +1212,7 @@ class SpeculativeDecoder:
         h = f.step(st.dc, st.pend_tok[:, :C], st.pend_feat[:, :C], mask, pos, C)  # [B, C, H]
         fh = h.gather(1, (cnt - 1)[:, None, None].expand(B, 1, h.shape[-1]))[:, 0]  # [B, H]: each row's last
         T = st.Td + C
-        xs, qs = [], []
-        conf_min = st.draft_confidence
-        cum = torch.ones(B, dtype=torch.float32, device=dev) if conf_min > 0 else None
-        kb = torch.full((B,), K, dtype=torch.int64, device=dev) if conf_min > 0 else None
+        picks = _Drafts(st, K, rows, Vd)
         for j in range(K):
             if j > 0:  # the pair (f^, x_j) at column ld + cnt + j - 1
                 p = (st.ld + cnt + (j - 1))[:, None]
@@ -1208,32 +1220,12 @@ class SpeculativeDecoder:
                     p = p.clamp(max=st.context - 1)
                 if mask is not None:
                     mask = torch.cat([mask, torch.ones((B, 1), dtype=torch.bool, device=dev)], 1)
-                fh = f.step(st.dc, xs[-1][:, None], fh[:, None], mask, p, 1)[:, -1]
+                fh = f.step(st.dc, picks.xs[-1][:, None], fh[:, None], mask, p, 1)[:, -1]
                 T += 1
-            logits = f.head(fh)  # [B, N] over the draft vocabulary (or [B, V])
-            if greedy:
-                x = logits.argmax(-1)
-                if cum is not None:
-                    cum = cum * torch.softmax(logits.float(), -1).gather(1, x[:, None])[:, 0]
-            else:
-                q = warp_probs(logits, st.temperature, st.top_k, st.top_p)
-                x = _sample_inverse_cdf(q, _draft_uniforms(st.key_lo, st.key_hi, st.step, j))
-                if cum is not None:
-                    cum = cum * q.gather(1, x[:, None])[:, 0]
-                if rows is not None:
-                    q = q.new_zeros((B, Vd)).index_copy_(1, rows, q)
-                qs.append(q)
-            xs.append(x if rows is None else rows[x])
-            if cum is not None:
-                kb = torch.where((cum < conf_min) & (kb == K), j + 1, kb)
-                if j + 1 < K and dev.type == "cpu" and bool((kb <= j + 1).all()):
-                    break
+            if picks.add(f.head(fh), j):  # logits [B, N] over the draft vocabulary (or [B, V])
+                break
         st.Td = T
-        if not xs:
-            return None, None, None
-        X = torch.stack(xs, 1)
-        Q = torch.stack(qs, 1) if qs else None
-        return X, Q, None if kb is None else kb.clamp(max=X.shape[1])
+        return picks.result() if picks.xs else (None, None, None)
 
     def _step(self, st: _State) -> None:
         from .verify import fused_verify
