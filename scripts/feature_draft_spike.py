@@ -1,6 +1,7 @@
 """Spike: would a draft that reads the target's hidden state (EAGLE, Li et al. 2024) reach a
-higher acceptance than the shipped standalone draft?  An experiment, not part of the package:
-nothing in ``specdec_kernels`` uses its output yet.
+higher acceptance than the shipped standalone draft?  An experiment: it trains, replays and
+exports a ``specdec_kernels.feature_draft.FeatureDraft`` for the embedded target (used with
+``SpeculativeDecoder(drafter="feature", draft=DIR)``); none ships yet.
 
 The draft: one Llama decoder layer at the target's width (576) over
 ``fc(concat(embed(x_{t+1}), f_t))``, where ``f_t`` is the target's final hidden state (after
@@ -18,8 +19,14 @@ target's greedy ones is counted; greedy speculative decoding is then replayed as
 ``make_default_pair.simulate_greedy``.
 
     python scripts/feature_draft_spike.py extract --chunks 40 --threads 2
-    python scripts/feature_draft_spike.py train --epochs 2 --threads 2
-    python scripts/feature_draft_spike.py eval --threads 2
+    python scripts/feature_draft_spike.py train --files 40 --epochs 4 --weights fd768.pt
+    python scripts/feature_draft_spike.py train --files 100 --epochs 1.5 --lr 5e-4 --init fd768.pt --unroll \
+        --weights fd768u.pt         # + EAGLE-3's training-time test for the second chain step
+    python scripts/feature_draft_spike.py eval --weights fd768u.pt [--shipped]   # replay (--shipped: the draft model)
+    python scripts/feature_draft_spike.py export --weights fd768u.pt --out DIR   # for drafter="feature"
+
+Features and weights are cached in ``$SPECDEC_FEATURE_SPIKE_DIR`` (default
+``~/.cache/specdec_kernels/feature_spike``).  The figures are in docs/feature_draft.md.
 """
 
 from __future__ import annotations
