@@ -63,12 +63,17 @@ def load_target():
     return target.eval()
 
 
-def sampled_chunks(n: int) -> list:
-    """The first n chunks of the distillation corpus (the largest file per chunk index)."""
+def sampled_chunks(n: int, part: str = "sampled") -> list:
+    """The first n chunks of a part of the distillation corpus ("sampled": the target's sampled
+    continuations; "train": its greedy ones), the largest file per chunk."""
     best = {}
-    for f in glob.glob(str(DISTILL / "corpus-sampled-*.pt")):
-        m = re.match(r"corpus-sampled-(p\d+-)?(\d+)-", os.path.basename(f))
-        key = (int(m.group(2)), m.group(1) or "")
+    for f in glob.glob(str(DISTILL / f"corpus-{part}*.pt")):
+        m = re.match(rf"corpus-{part}-?([a-z]*\d*-)??(\d*)-?[0-9a-f]{{16}}\.pt$", os.path.basename(f))
+        if m is None:
+            continue
+        name = os.path.basename(f)[: -len("-0123456789abcdef.pt")]
+        num = re.search(r"(\d+)$", name)
+        key = (int(num.group(1)) if num else -1, name)
         if key not in best or os.path.getsize(f) > os.path.getsize(best[key]):
             best[key] = f
     return [best[k] for k in sorted(best)[:n]]
@@ -109,7 +114,7 @@ def cmd_extract(args):
     CACHE.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     tokens = 0
-    for f in sampled_chunks(args.chunks) + ["eval"]:
+    for f in sampled_chunks(args.chunks, args.part) + ["eval"]:
         name = "eval" if f == "eval" else os.path.basename(f).replace("corpus-", "feat-")
         path = CACHE / name
         if path.is_file():
@@ -155,7 +160,7 @@ def draft_vocab():
 
 
 def load_feature_files(n: int):
-    files = sorted((p for p in CACHE.glob("feat-sampled-*.pt")), key=lambda p: p.stat().st_mtime)
+    files = sorted((p for p in CACHE.glob("feat-*.pt")), key=lambda p: p.stat().st_mtime)
     data = []
     for p in files[:n]:
         d = torch.load(p)
@@ -380,6 +385,7 @@ def main(argv=None):
     sub = ap.add_subparsers(dest="cmd", required=True)
     e = sub.add_parser("extract")
     e.add_argument("--chunks", type=int, default=40)
+    e.add_argument("--part", choices=["sampled", "train"], default="sampled")
     t = sub.add_parser("train")
     t.add_argument("--files", type=int, default=40)
     t.add_argument("--epochs", type=float, default=2.0)
