@@ -626,8 +626,8 @@ class SpeculativeDecoder:
                 draft = default_feature_draft_path()
                 if not os.path.isdir(draft):
                     raise FileNotFoundError(
-                        "no feature draft ships with the package (docs/feature_draft.md: the one trained so far "
-                        "proposes worse than the embedded draft model); pass draft=DIR, one trained by "
+                        "no feature draft ships with the package (docs/feature_draft.md: the best one trained so "
+                        "far is slower than the embedded draft model); pass draft=DIR, one trained by "
                         "scripts/feature_draft_spike.py")
         if target is None:
             raise TypeError("target must be a model name/path or a PreTrainedModel, got None "
