@@ -358,3 +358,20 @@ def test_no_feature_draft_ships_and_that_is_said(capsys):
     with pytest.raises(SystemExit) as e:
         cli_main(["generate", "hello", "--drafter", "feature"])
     assert e.value.code == 2 and "pass --draft DIR" in capsys.readouterr().err
+
+
+def test_feature_head_is_kept_until_the_target_changes(fpair):
+    """The draft's output layer (the target's rows, fp16-rounded) is copied once and reused by
+    later calls, and copied again when the target's output layer is changed in place."""
+    fd, target = fpair
+    target = copy.deepcopy(target)
+    dec = SpeculativeDecoder(draft=fd, target=target, drafter="feature", draft_vocab=[1, 5, 9])
+    head = dec._d.head
+    dec.generate([[1, 2, 3]], max_new_tokens=3)
+    assert dec._d.head is head
+    assert torch.equal(head.weight, target.lm_head.weight[[1, 5, 9]].half().float())
+    with torch.no_grad():
+        target.lm_head.weight.mul_(2.0)
+    dec.generate([[1, 2, 3]], max_new_tokens=3)
+    assert dec._d.head is not head
+    assert torch.equal(dec._d.head.weight, target.lm_head.weight[[1, 5, 9]].half().float())
