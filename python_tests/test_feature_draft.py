@@ -347,7 +347,7 @@ def test_cli_feature_drafter(capsys, tmp_path):
 
 
 def test_no_feature_draft_ships_and_that_is_said(capsys):
-    """None is embedded (the best one trained so far is slower than the draft model): asking for
+    """None is embedded (the best one trained so far is no faster than the draft model): asking for
     the embedded one says so and what to pass, before loading any model."""
     from specdec_kernels.cli import main as cli_main
     from specdec_kernels.feature_draft import default_feature_draft_path

@@ -634,7 +634,7 @@ class SpeculativeDecoder:
                 if not os.path.isdir(draft):
                     raise FileNotFoundError(
                         "no feature draft ships with the package (docs/feature_draft.md: the best one trained so "
-                        "far is slower than the embedded draft model); pass draft=DIR, one trained by "
+                        "far is no faster than the embedded draft model); pass draft=DIR, one trained by "
                         "scripts/feature_draft_spike.py")
         if target is None:
             raise TypeError("target must be a model name/path or a PreTrainedModel, got None "
