@@ -448,13 +448,17 @@ def _fresh_cache(model, ids: list) -> DynamicCache:
     return cache
 
 
-def _assert_row_cache(cache, b: int, length: int, model, ids: list):
-    assert len(ids) == length
-    ref = _fresh_cache(model, ids)
+def _assert_row_equals(cache, b: int, length: int, ref) -> None:
+    """Row b's first ``length`` columns of every layer of ``cache`` = the one row of ``ref``."""
     for layer, ref_layer in zip(cache.layers, ref.layers):
         torch.testing.assert_close(layer.keys[b, :, :length], ref_layer.keys[0], atol=CACHE_ATOL, rtol=CACHE_RTOL)
         torch.testing.assert_close(layer.values[b, :, :length], ref_layer.values[0], atol=CACHE_ATOL,
                                    rtol=CACHE_RTOL)
+
+
+def _assert_row_cache(cache, b: int, length: int, model, ids: list):
+    assert len(ids) == length
+    _assert_row_equals(cache, b, length, _fresh_cache(model, ids))
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])

@@ -34,6 +34,7 @@ from test_decoder import (  # noqa: F401  (fixtures and helpers shared with the 
     PROMPTS,
     SIGNIFICANCE,
     _assert_row_cache,
+    _assert_row_equals,
     _chisquare_pvalue,
     _first_two_joint,
     _llama,
@@ -205,10 +206,7 @@ def _assert_draft_row_cache(dc, b: int, length: int, fd, target, ids: list):
     ref = DynamicCache(config=fd.lm.config)
     with torch.inference_mode():
         fd(emb, feats, torch.arange(length)[None], ref)
-    for layer, ref_layer in zip(dc.layers, ref.layers):
-        torch.testing.assert_close(layer.keys[b, :, :length], ref_layer.keys[0], atol=CACHE_ATOL, rtol=CACHE_RTOL)
-        torch.testing.assert_close(layer.values[b, :, :length], ref_layer.values[0], atol=CACHE_ATOL,
-                                   rtol=CACHE_RTOL)
+    _assert_row_equals(dc, b, length, ref)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
@@ -316,6 +314,16 @@ def test_feature_draft_refusals(fpair, tmp_path):
         SpeculativeDecoder(draft=fd, target=wide, drafter="feature")
     with pytest.raises(FileNotFoundError, match="must hold feature_draft.json and model.safetensors"):
         load_feature_draft(tmp_path / "missing")
+    with pytest.raises(ValueError, match="config.hidden_size must be the target's 48"):
+        FeatureDraft(fd.config, target_identity(wide))
+    with pytest.raises(ValueError, match="target must be target_identity"):
+        FeatureDraft(fd.config, {"hidden_size": 32})
+    with pytest.raises(TypeError, match="config must be a LlamaConfig, got dict"):
+        FeatureDraft({}, target_identity(target))
+    with pytest.raises(ValueError, match=r"embeds and feats must both be \[B, q, H=32\], got \(1, 2, 32\) and \(1, 3, 32\)"):
+        fd.inputs(torch.zeros(1, 2, 32), torch.zeros(1, 3, 32))
+    with pytest.raises(TypeError, match="save_feature_draft: draft must be a FeatureDraft, got LlamaForCausalLM"):
+        save_feature_draft(target, tmp_path / "x")
     dec = SpeculativeDecoder(draft=fd, target=target, drafter="feature")
     with pytest.raises(ValueError, match="draft_confidence must be in"):
         dec.generate([[1, 2]], max_new_tokens=2, draft_confidence=1.5)

@@ -42,7 +42,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
 HERE = Path(__file__).resolve().parent
@@ -127,30 +126,29 @@ def cmd_extract(args):
               f"({tokens / (time.time() - t0):.0f} tok/s)", flush=True)
 
 
-class FeatureDraft(nn.Module):
-    """fc(concat(embed(token), feature)) -> one Llama decoder layer -> RMSNorm -> f^."""
+def new_draft(target, intermediate: int = 768):
+    """A fresh ``specdec_kernels.feature_draft.FeatureDraft`` for ``target``: one Llama layer at
+    its width (its heads, RoPE and norm epsilon) with an MLP of ``intermediate``."""
+    from transformers import LlamaConfig
 
-    def __init__(self, tc, intermediate: int = 768):
-        super().__init__()
-        from transformers import LlamaConfig
-        from transformers.models.llama.modeling_llama import LlamaModel
+    from specdec_kernels.feature_draft import FeatureDraft, target_identity
 
-        H = tc.hidden_size
-        cfg = LlamaConfig(vocab_size=8, hidden_size=H, intermediate_size=intermediate,
-                          num_hidden_layers=1, num_attention_heads=tc.num_attention_heads,
-                          num_key_value_heads=tc.num_key_value_heads, head_dim=H // tc.num_attention_heads,
-                          max_position_embeddings=tc.max_position_embeddings, rms_norm_eps=tc.rms_norm_eps,
-                          rope_parameters=dict(tc.rope_parameters), pad_token_id=None, bos_token_id=None,
-                          eos_token_id=None)
-        cfg._attn_implementation = "sdpa"
-        self.cfg = cfg
-        self.fc = nn.Linear(2 * H, H, bias=False)
-        self.body = LlamaModel(cfg)
+    tc = target.config
+    H = tc.hidden_size
+    cfg = LlamaConfig(vocab_size=1, hidden_size=H, intermediate_size=intermediate,
+                      num_hidden_layers=1, num_attention_heads=tc.num_attention_heads,
+                      num_key_value_heads=tc.num_key_value_heads, head_dim=H // tc.num_attention_heads,
+                      max_position_embeddings=tc.max_position_embeddings, rms_norm_eps=tc.rms_norm_eps,
+                      rope_parameters=dict(tc.rope_parameters), pad_token_id=None, bos_token_id=None,
+                      eos_token_id=None)
+    return FeatureDraft(cfg, target_identity(target))
 
-    def forward(self, emb, feat, positions, cache=None):
-        h = self.fc(torch.cat([emb, feat], dim=-1))
-        return self.body(inputs_embeds=h, position_ids=positions, past_key_values=cache,
-                         use_cache=cache is not None).last_hidden_state
+
+def load_draft(target, weights: str):
+    sd = torch.load(CACHE / weights)
+    model = new_draft(target, sd["lm.model.layers.0.mlp.gate_proj.weight"].shape[0])
+    model.load_state_dict(sd)
+    return model
 
 
 def draft_vocab():
@@ -206,9 +204,9 @@ def cmd_train(args):
     data = load_feature_files(args.files)
     ntok = sum(len(d[0]) for d in data)
     print(f"{len(data)} sequences, {ntok} tokens", flush=True)
-    model = FeatureDraft(target.config, args.intermediate)
+    model = new_draft(target, args.intermediate)
     with torch.no_grad():
-        model.body.norm.weight.copy_(target.model.norm.weight)  # the target's feature scale
+        model.lm.model.norm.weight.copy_(target.model.norm.weight)  # the target's feature scale
     if args.init:
         model.load_state_dict(torch.load(CACHE / args.init))
         print(f"from {CACHE / args.init}", flush=True)
@@ -250,7 +248,7 @@ def cmd_train(args):
                 bot = torch.cat([idx[:, None] > idx[None, :], torch.eye(L, dtype=torch.bool)], 1)
                 mask4 = torch.cat([top, bot], 0)[None, None].expand(emb.shape[0], 1, 2 * L, 2 * L)
                 h = model.fc(torch.cat([torch.cat([emb, emb], 1), torch.cat([feat_in, f1], 1)], -1))
-                both = model.body(inputs_embeds=h, position_ids=torch.cat([pos, pos], 1),
+                both = model.lm.model(inputs_embeds=h, position_ids=torch.cat([pos, pos], 1),
                                   attention_mask=mask4).last_hidden_state
                 out, out1 = both[:, :L], both[:, L:]
                 v1 = valid.clone()
@@ -287,9 +285,7 @@ def cmd_eval(args):
     emb_w = target.get_input_embeddings().weight.detach()
     vocab = draft_vocab()
     head = target.lm_head.weight.detach()[vocab]
-    sd = torch.load(CACHE / args.weights)
-    model = FeatureDraft(target.config, sd["body.layers.0.mlp.gate_proj.weight"].shape[0])
-    model.load_state_dict(sd)
+    model = load_draft(target, args.weights)
     model.eval()
     d = torch.load(CACHE / "eval")
     sys.path.insert(0, str(HERE))
@@ -361,23 +357,10 @@ def cmd_eval(args):
 
 
 def cmd_export(args):
-    """The spike's weights -> specdec_kernels.feature_draft's format (fp16) in --out."""
-    from specdec_kernels.feature_draft import FeatureDraft as PackagedDraft, save_feature_draft, target_identity
+    """Trained weights -> the directory format of specdec_kernels.feature_draft (fp16) in --out."""
+    from specdec_kernels.feature_draft import save_feature_draft
 
-    target = load_target()
-    sd = torch.load(CACHE / args.weights)
-    spike = FeatureDraft(target.config, sd["body.layers.0.mlp.gate_proj.weight"].shape[0])
-    spike.load_state_dict(sd)
-    cfg = spike.cfg
-    cfg.vocab_size = 1
-    fd = PackagedDraft(cfg, target_identity(target))
-    new = {"fc.weight": sd["fc.weight"]}
-    for k, v in sd.items():
-        if k.startswith("body.") and not k.startswith("body.embed_tokens."):
-            new["lm.model." + k[len("body."):]] = v
-    missing, unexpected = fd.load_state_dict(new, strict=False)
-    assert not unexpected and all(k.startswith(("lm.lm_head.", "lm.model.embed_tokens.")) for k in missing), (missing, unexpected)
-    print(save_feature_draft(fd, args.out, vocab=draft_vocab()))
+    print(save_feature_draft(load_draft(load_target(), args.weights), args.out, vocab=draft_vocab()))
 
 
 def main(argv=None):

@@ -247,6 +247,12 @@ def _stack_caches_(cache, parts: list, B: int, P: int) -> None:
         cache.update(keys, values, li)
 
 
+def _cache_kw(module) -> str:
+    """The cache keyword of a module's forward: transformers 5 renamed past_key_values to cache
+    (the old name is deprecated)."""
+    return "cache" if "cache" in inspect.signature(module.forward).parameters else "past_key_values"
+
+
 class _Runner:
     """One model with its forward's calling convention, resolved once."""
 
@@ -254,8 +260,7 @@ class _Runner:
         self.model = model
         self.name = name
         params = inspect.signature(model.forward).parameters
-        # transformers 5 renamed past_key_values to cache (the old name is deprecated).
-        self.cache_kw = "cache" if "cache" in params else "past_key_values"
+        self.cache_kw = _cache_kw(model)
         self.has_cache_position = "cache_position" in params
         self.has_logits_to_keep = "logits_to_keep" in params
         cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
@@ -324,7 +329,7 @@ class _Runner:
         if self.has_cache_position:
             kwargs["cache_position"] = torch.arange(start, start + q, device=ids.device)
         decoder = self.model.get_decoder()
-        kwargs[_decoder_cache_kw(decoder)] = kwargs.pop(self.cache_kw)
+        kwargs[_cache_kw(decoder)] = kwargs.pop(self.cache_kw)
         return decoder(input_ids=ids, **kwargs).last_hidden_state
 
     def forward(self, cache, ids: torch.Tensor, mask: Optional[torch.Tensor], positions: torch.Tensor,
@@ -346,11 +351,6 @@ class _Runner:
         return out.logits[:, -keep:]
 
 
-def _decoder_cache_kw(decoder) -> str:
-    """The cache keyword of a decoder's forward (transformers 5 renamed past_key_values)."""
-    return "cache" if "cache" in inspect.signature(decoder.forward).parameters else "past_key_values"
-
-
 class _FeatureRunner:
     """A feature draft (``specdec_kernels.feature_draft``) with the target's embedding and the
     draft vocabulary's rows of the target's output layer."""
@@ -362,7 +362,6 @@ class _FeatureRunner:
         self.embed = target.get_input_embeddings()
         self.out = target.get_output_embeddings()
         self.vocab_size = int(self.embed.num_embeddings)
-        self.cache_kw = _decoder_cache_kw(fd.lm.model)
         self.context = getattr(fd.config, "max_position_embeddings", None)
         self.lean = None
         self.lean_unsupported: Optional[str] = "not requested"
@@ -400,13 +399,11 @@ class _FeatureRunner:
         """Append the pairs (tokens [B, q], feats [B, q, H]) to ``cache``; the predicted
         features f^ of the last ``keep`` positions [B, keep, H].  ``model_path``: through the
         model's forward even where the lean step would do (the prefill)."""
-        x = self.fd.inputs(self.embed(tokens), feats)
         if self.lean is not None and not model_path:
+            x = self.fd.inputs(self.embed(tokens), feats)
             return self.lean.step(cache, None, mask, positions, keep, embeds=x, return_hidden=True)[1]
-        out = self.model.model(inputs_embeds=x, position_ids=positions, use_cache=True,
-                               attention_mask=None if mask is None else mask.to(torch.long),
-                               **{self.cache_kw: cache})
-        return out.last_hidden_state[:, -keep:]
+        return self.fd(self.embed(tokens), feats, positions, cache,
+                       None if mask is None else mask.to(torch.long))[:, -keep:]
 
 
 def _device_of(model) -> torch.device:

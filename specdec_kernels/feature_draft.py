@@ -66,8 +66,17 @@ class FeatureDraft(nn.Module):
 
     def __init__(self, config, target: dict):
         super().__init__()
-        from transformers import LlamaForCausalLM
+        from transformers import LlamaConfig, LlamaForCausalLM
 
+        if not isinstance(config, LlamaConfig):
+            raise TypeError(f"FeatureDraft: config must be a LlamaConfig, got {type(config).__name__}")
+        keys = ("hidden_size", "vocab_size", "norm_weight", "embedding_sample")
+        if not isinstance(target, dict) or any(k not in target for k in keys):
+            raise ValueError(f"FeatureDraft: target must be target_identity(the target), a dict with {keys}, got "
+                             f"{sorted(target) if isinstance(target, dict) else type(target).__name__}")
+        if int(config.hidden_size) != int(target["hidden_size"]):
+            raise ValueError(f"FeatureDraft: config.hidden_size must be the target's {target['hidden_size']}, "
+                             f"got {config.hidden_size}")
         if getattr(config, "_attn_implementation", None) is None:
             config._attn_implementation = "sdpa"
         self.config = config
@@ -81,11 +90,18 @@ class FeatureDraft(nn.Module):
         return int(self.config.hidden_size)
 
     def inputs(self, embeds: Tensor, feats: Tensor) -> Tensor:
+        """fc(concat(embeds, feats)): both [B, q, H]."""
+        H = self.hidden_size
+        if embeds.shape != feats.shape or embeds.shape[-1] != H:
+            raise ValueError(f"FeatureDraft: embeds and feats must both be [B, q, H={H}], got "
+                             f"{tuple(embeds.shape)} and {tuple(feats.shape)}")
         return self.fc(torch.cat([embeds, feats.to(embeds.dtype)], dim=-1))
 
     def forward(self, embeds: Tensor, feats: Tensor, positions: Tensor, cache=None,
                 attention_mask: Optional[Tensor] = None) -> Tensor:
-        kw = {"cache" if _new_cache_kw(self.lm.model) else "past_key_values": cache}
+        from .decoder import _cache_kw
+
+        kw = {_cache_kw(self.lm.model): cache}
         out = self.lm.model(inputs_embeds=self.inputs(embeds, feats), position_ids=positions,
                             attention_mask=attention_mask, use_cache=cache is not None, **kw)
         return out.last_hidden_state
@@ -108,12 +124,6 @@ class FeatureDraft(nn.Module):
                 err = float((got - ref).abs().max()) if got.shape == ref.shape else float("nan")
                 raise ValueError(f"feature draft: the target is not the one it was trained for (its {what} "
                                  f"differs by up to {err:.3g})")
-
-
-def _new_cache_kw(module) -> bool:
-    import inspect
-
-    return "cache" in inspect.signature(module.forward).parameters
 
 
 def _embedding_sample(target) -> Tensor:
@@ -139,6 +149,8 @@ def save_feature_draft(draft: FeatureDraft, directory, vocab: Optional[Tensor] =
 
     from .draft_vocab import save_draft_vocab
 
+    if not isinstance(draft, FeatureDraft):
+        raise TypeError(f"save_feature_draft: draft must be a FeatureDraft, got {type(draft).__name__}")
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     cfg = {"layers": draft.config.to_dict(), "target": draft.target, "format": 1}
