@@ -114,7 +114,7 @@ def test_every_simd_path_gives_the_portable_bits(isa):
     g = torch.Generator().manual_seed(11)
     for m in (1, 2, 3, 4, 5, 8, 9, 12, 16, 17, 33):
         for n in (1, 2, 3, 577):
-            for k in (1, 7, 8, 9, 17, 576):
+            for k in (1, 7, 8, 9, 17, 24, 45, 576):
                 x = torch.randn(m, k, generator=g)
                 w = torch.randn(n, k, generator=g)
                 b = torch.randn(n, generator=g) if (m + n) % 2 else None
