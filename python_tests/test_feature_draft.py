@@ -302,6 +302,26 @@ def test_save_and_load_roundtrip(fpair, tmp_path):
                               draft_vocab=None).draft_vocab is None
 
 
+def test_models_loaded_under_inference_mode(fpair, fgreedy_refs, tmp_path):
+    """A target and a feature draft made under ``torch.inference_mode`` (inference tensors, no
+    version counter) decode as the others do: the draft's output-layer copy is re-taken each call,
+    and it follows an in-place change of the target's output layer made there."""
+    fd, target = fpair
+    save_feature_draft(fd, tmp_path / "fd", dtype=torch.float32)
+    with torch.inference_mode():
+        target_i = copy.deepcopy(target)
+        for p in target_i.parameters():
+            p.data = p.data.clone()  # inference tensors
+        assert target_i.lm_head.weight.is_inference()
+        dec = SpeculativeDecoder(draft=str(tmp_path / "fd"), target=target_i, drafter="feature")
+        for _ in range(2):
+            res = dec.generate([PROMPTS[0]], max_new_tokens=24, num_draft_tokens=3)
+            assert res.token_ids[0] == fgreedy_refs[0]
+        target_i.lm_head.weight.mul_(2.0)
+        dec.generate([PROMPTS[0]], max_new_tokens=2, num_draft_tokens=1)
+        assert torch.equal(dec._d.head.weight, target_i.lm_head.weight.half().float())
+
+
 def test_feature_draft_refusals(fpair, tmp_path):
     fd, target = fpair
     with pytest.raises(TypeError, match="drafter='feature' needs a FeatureDraft or the directory of one"):

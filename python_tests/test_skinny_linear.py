@@ -294,6 +294,28 @@ def test_use_skinny_linear_streams_exact_fp16_weights():
     assert torch.equal(y16, y32)
 
 
+def test_use_skinny_linear_takes_inference_tensors():
+    """Weights made under inference mode (a model loaded there) have no version counter: the fp16
+    copy is then re-checked on every patch instead of cached, and a later in-place change (in
+    inference mode) is seen."""
+    torch.manual_seed(2)
+    with torch.inference_mode():
+        m = _Tiny()
+        assert m.a.weight.is_inference()
+        m.a.weight.copy_(m.a.weight.half().float())
+        x = torch.randn(5, 24)
+        with use_skinny_linear(m, fp16_weights=False):
+            want, _ = m(x)
+        for _ in range(2):
+            with use_skinny_linear(m) as h:
+                assert h.fp16 == [m.a]
+                got, _ = m(x)
+            assert torch.equal(got, want)
+        m.a.weight.add_(1e-4)  # no version counter to see this: the check is redone
+        with use_skinny_linear(m) as h:
+            assert h.fp16 == []
+
+
 def test_use_skinny_linear_keeps_autograd_path():
     m = _Tiny()
     x = torch.randn(3, 24, requires_grad=True)

@@ -139,14 +139,23 @@ def _exact_fp16_copy(m: nn.Linear) -> Optional[Tensor]:
     the weight is the same tensor at the same version, so a model patched for every
     ``generate`` pays the check once."""
     w = m.weight
+    version = tensor_version(w)
     cached = m.__dict__.get("_specdec_fp16")
-    if cached is not None and cached[0]() is w and cached[1] == w._version:
+    if version is not None and cached is not None and cached[0]() is w and cached[1] == version:
         return cached[2]
     w16 = w.detach().to(torch.float16)
     if not torch.equal(w16.float(), w.detach()):
         w16 = None
-    m.__dict__["_specdec_fp16"] = (weakref.ref(w), w._version, w16)
+    if version is not None:  # an inference tensor has no version counter: checked on every call
+        m.__dict__["_specdec_fp16"] = (weakref.ref(w), version, w16)
     return w16
+
+
+def tensor_version(t: Tensor) -> Optional[int]:
+    """``t._version`` (bumped by every in-place update), or None for an inference tensor (one
+    made under ``torch.inference_mode``, e.g. a model loaded there), which has no version counter:
+    a copy of it cannot be known to be current, so callers re-make it."""
+    return None if t.is_inference() else t._version
 
 
 def _make_forward(m: nn.Linear, max_rows: int, calls: list, w16: Optional[Tensor]):

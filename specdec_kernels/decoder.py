@@ -377,10 +377,15 @@ class _FeatureRunner:
         self.vocab_rows = rows
         out = self.out
         # The copy (40-50 ms for 12,288 x 576 on the CPU) is kept while the rows and the target's
-        # weights are unchanged (same storage, same version counter: an in-place update bumps it).
-        key = (None if rows is None else rows.tolist(), out.weight.data_ptr(), out.weight._version,
-               None if out.bias is None else (out.bias.data_ptr(), out.bias._version))
-        if self.head is not None and getattr(self, "_head_key", None) == key:
+        # weights are unchanged (same storage, same version counter: an in-place update bumps it;
+        # weights made under inference mode have no counter, so their copy is taken every call).
+        from .cpu_linear import tensor_version
+
+        versions = (tensor_version(out.weight), None if out.bias is None else tensor_version(out.bias))
+        key = (None if rows is None else rows.tolist(), out.weight.data_ptr(), versions[0],
+               None if out.bias is None else (out.bias.data_ptr(), versions[1]))
+        if (self.head is not None and getattr(self, "_head_key", None) == key
+                and versions[0] is not None and (out.bias is None or versions[1] is not None)):
             return
         self._head_key = key
         n = out.weight.shape[0] if rows is None else rows.numel()
