@@ -114,7 +114,7 @@ setup(
     description="Fused kernels for exact speculative decoding",
     packages=find_packages(exclude=("python_tests", "python_tests.*", "bench", "bench.*")),
     # The embedded default draft (weights, config, tokenizer) ships inside the package.
-    package_data={"specdec_kernels": ["assets/draft/*"]},
+    package_data={"specdec_kernels": ["assets/draft/*", "assets/feature_draft/*"]},
     python_requires=">=3.10",
     install_requires=[
         "torch>=2.11",

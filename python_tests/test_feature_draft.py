@@ -374,18 +374,25 @@ def test_cli_feature_drafter(capsys, tmp_path):
     assert e.value.code == 2 and "--tiny-random has no feature draft" in capsys.readouterr().err
 
 
-def test_no_feature_draft_ships_and_that_is_said(capsys):
-    """None is embedded (the best one trained so far is no faster than the draft model): asking for
-    the embedded one says so and what to pass, before loading any model."""
+def test_missing_embedded_feature_draft_is_said(capsys, monkeypatch, tmp_path):
+    """An install without the embedded feature draft's files: asking for it names the missing
+    directory and what to pass instead, before loading any model."""
+    from specdec_kernels import feature_draft, models
     from specdec_kernels.cli import main as cli_main
-    from specdec_kernels.feature_draft import default_feature_draft_path
 
-    assert not os.path.isdir(default_feature_draft_path())
-    with pytest.raises(FileNotFoundError, match="no feature draft ships with the package"):
+    missing = str(tmp_path / "no_feature_draft")
+    monkeypatch.setattr(feature_draft, "default_feature_draft_path", lambda: missing)
+
+    def no_pair(*a, **k):
+        raise AssertionError("the default pair was loaded before the feature draft's directory was checked")
+
+    monkeypatch.setattr(models, "default_pair", no_pair)
+    with pytest.raises(FileNotFoundError, match=f"the embedded feature draft is missing \\({missing}\\).*draft=DIR"):
         SpeculativeDecoder(drafter="feature")
     with pytest.raises(SystemExit) as e:
         cli_main(["generate", "hello", "--drafter", "feature"])
-    assert e.value.code == 2 and "pass --draft DIR" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and missing in err and "pass --draft DIR" in err
 
 
 def test_feature_head_is_kept_until_the_target_changes(fpair):

@@ -141,6 +141,15 @@ def _make_decoder(args, parser):
             parser.error("--draft needs --target (without both, the embedded default pair is used)")
         from .models import default_pair
 
+        if args.drafter == "feature":
+            import os
+
+            from .feature_draft import default_feature_draft_path
+
+            feature_dir = default_feature_draft_path()
+            if not os.path.isdir(feature_dir):  # an install without the package's assets
+                parser.error(f"--drafter feature: the embedded feature draft is missing ({feature_dir}); reinstall "
+                             "specdec-kernels or pass --draft DIR (and --target)")
         try:
             draft, target, tokenizer = default_pair(device=args.device, dtype=_resolve_dtype(args.dtype))
         except (FileNotFoundError, ImportError) as e:
@@ -148,14 +157,7 @@ def _make_decoder(args, parser):
         if args.drafter == "prompt_lookup":
             draft = None
         elif args.drafter == "feature":
-            import os
-
-            from .feature_draft import default_feature_draft_path
-
-            draft = default_feature_draft_path()
-            if not os.path.isdir(draft):
-                parser.error("--drafter feature: no feature draft ships with the package (docs/feature_draft.md); "
-                             "pass --draft DIR (and --target), one trained by scripts/feature_draft_spike.py")
+            draft = feature_dir
         return SpeculativeDecoder(draft=draft, target=target, tokenizer=tokenizer, drafter=args.drafter, **paths)
     draft = args.draft
     if draft is None and args.drafter != "prompt_lookup":

@@ -586,7 +586,8 @@ class SpeculativeDecoder:
     neither (and no drafter), the embedded default pair of ``specdec_kernels.models``.
     ``draft=None`` drafts by prompt lookup (``drafter="prompt_lookup"``); ``drafter="feature"``
     takes a ``specdec_kernels.feature_draft.FeatureDraft`` (or its directory) as ``draft``: a draft
-    that reads the target's hidden states, trained for that target.  The two must share
+    that reads the target's hidden states, trained for that target (with neither draft nor
+    target: the embedded target with its embedded feature draft).  The two must share
     a vocabulary (the target's may be padded beyond the draft's); when both tokenizers are
     known their vocabularies must be equal.  tokenizer: a tokenizer or path (default: the
     target's, when the target is given by path); without one, prompts must be token ids.
@@ -627,17 +628,18 @@ class SpeculativeDecoder:
         if target is None and draft is None and drafter in (None, "feature"):
             from .models import default_pair  # the embedded default pair, offline
 
-            draft, target, default_tokenizer = default_pair(device=device, dtype=_resolve_dtype(dtype))
-            tokenizer = default_tokenizer if tokenizer is None else tokenizer
             if drafter == "feature":  # the embedded target's feature draft instead of its draft model
                 from .feature_draft import default_feature_draft_path
 
-                draft = default_feature_draft_path()
-                if not os.path.isdir(draft):
+                feature_dir = default_feature_draft_path()
+                if not os.path.isdir(feature_dir):  # an install without the package's assets
                     raise FileNotFoundError(
-                        "no feature draft ships with the package (docs/feature_draft.md: the best one trained so "
-                        "far is no faster than the embedded draft model); pass draft=DIR, one trained by "
-                        "scripts/feature_draft_spike.py")
+                        f"the embedded feature draft is missing ({feature_dir}); reinstall specdec-kernels or "
+                        "pass draft=DIR, one trained by scripts/feature_draft_spike.py")
+            draft, target, default_tokenizer = default_pair(device=device, dtype=_resolve_dtype(dtype))
+            tokenizer = default_tokenizer if tokenizer is None else tokenizer
+            if drafter == "feature":
+                draft = feature_dir
         if target is None:
             raise TypeError("target must be a model name/path or a PreTrainedModel, got None "
                             "(pass neither draft nor target for the embedded default pair)")
