@@ -1,7 +1,9 @@
 """Spike: would a draft that reads the target's hidden state (EAGLE, Li et al. 2024) reach a
 higher acceptance than the shipped standalone draft?  An experiment: it trains, replays and
 exports a ``specdec_kernels.feature_draft.FeatureDraft`` for the embedded target (used with
-``SpeculativeDecoder(drafter="feature", draft=DIR)``); none ships yet.
+``SpeculativeDecoder(drafter="feature", draft=DIR)``).  The shipped one
+(``specdec_kernels/assets/feature_draft/``) is the sixth run of the sequence in
+docs/feature_draft.md, exported there.
 
 The draft: one Llama decoder layer at the target's width (576) over
 ``fc(concat(embed(x_{t+1}), f_t))``, where ``f_t`` is the target's final hidden state (after
@@ -24,6 +26,8 @@ target's greedy ones is counted; greedy speculative decoding is then replayed as
         --weights fd768u.pt         # + EAGLE-3's training-time test for the second chain step
     python scripts/feature_draft_spike.py eval --weights fd768u.pt [--shipped]   # replay (--shipped: the draft model)
     python scripts/feature_draft_spike.py export --weights fd768u.pt --out DIR   # for drafter="feature"
+
+(The commands that made the shipped one, with their times, are in docs/feature_draft.md.)
 
 Features and weights are cached in ``$SPECDEC_FEATURE_SPIKE_DIR`` (default
 ``~/.cache/specdec_kernels/feature_spike``).  The figures are in docs/feature_draft.md.
