@@ -11,6 +11,9 @@ On the same prompts, seeds, max_new_tokens, dtype and device, for one draft/targ
                        assistant_confidence_threshold=0 (no early stop, so every step drafts K).
                        K="auto": transformers' own default dynamic schedule, untouched.
   specdec              ``SpeculativeDecoder.generate`` with K in --ks (fixed K or "auto")
+  specdec_feature      the same with ``drafter="feature"`` (a draft that reads the target's hidden
+                       states; the embedded one, or --feature-draft DIR) at K in --feature-ks
+                       (none by default; plotted at the K values --ks shares)
   specdec_target_only  ``SpeculativeDecoder.generate_target_only``: the decoder's own loop with
                        no drafts, which separates the loop's overhead from speculation
 
@@ -35,6 +38,7 @@ prompt by prompt.  Where they do not, the differing prompts are printed and no s
 reported for that (batch, K) configuration: its speed-up cells read REFUSED.
 
     python bench/bench_e2e.py                                  # the embedded pair
+    python bench/bench_e2e.py --ks 2,auto --feature-ks 2,auto  # + its feature draft
     python bench/bench_e2e.py --draft D --target T --out bench/results/gpu
     python bench/bench_e2e.py --quick --out /tmp/e2e           # smoke run, tiny random pair
 """
@@ -48,7 +52,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -89,6 +93,7 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
           "float16": torch.float16, "fp16": torch.float16}
 NA_BATCH = "n/a (batch 1 only)"
 REFUSED = "REFUSED"
+SPECDEC = ("specdec", "specdec_feature")  # the speculative methods (a draft model; the feature draft)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -189,6 +194,12 @@ class Bench:
         self.ignore_eos = eos_mode == "ignore"
         # SpeculativeDecoder: an empty EOS set never stops a row; None uses the model's EOS.
         self.dec_eos = [] if self.ignore_eos else None
+        self.fdec = None  # SpeculativeDecoder(drafter="feature"), when a feature draft is benchmarked
+
+    def use_feature_draft(self, directory, linear="auto", lean_forward=True) -> None:
+        """Also benchmark the feature draft in ``directory`` (trained for this target)."""
+        self.fdec = SpeculativeDecoder(draft=str(directory), target=self.target, tokenizer=self.tok,
+                                       drafter="feature", cpu_linear=linear, lean_forward=lean_forward)
 
     # -- Hugging Face -------------------------------------------------------------------------
     def _hf_kwargs(self, temperature: float) -> dict:
@@ -257,7 +268,8 @@ class Bench:
         return ids.to(self.device), mask.to(self.device)
 
     # -- SpeculativeDecoder --------------------------------------------------------------------
-    def specdec(self, batch: int, temperature: float, k, target_only: bool = False) -> RunOut:
+    def specdec(self, batch: int, temperature: float, k, target_only: bool = False, feature: bool = False) -> RunOut:
+        dec = self.fdec if feature else self.dec
         out_ids, stats = [], []
         _sync(self.device)
         t0 = time.perf_counter()
@@ -269,7 +281,7 @@ class Bench:
                                                     seed=seeds, eos_token_id=self.dec_eos)
             else:
                 kk, conf = split_k(k)
-                res = self.dec.generate(prompts, max_new_tokens=self.max_new, num_draft_tokens=kk,
+                res = dec.generate(prompts, max_new_tokens=self.max_new, num_draft_tokens=kk,
                                         temperature=temperature, seed=seeds, eos_token_id=self.dec_eos,
                                         max_draft_tokens=8, draft_confidence=conf)
             out_ids.extend(res.token_ids)
@@ -403,6 +415,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--target", help="target model path (with --draft)")
     ap.add_argument("--tokenizer", help="tokenizer path (default: the target's)")
     ap.add_argument("--tiny-random", action="store_true", help="the in-memory random tiny pair (smoke run)")
+    ap.add_argument("--feature-ks", type=_k_list, default=[],
+                    help="also time SpeculativeDecoder with the feature draft (drafter='feature') at these K, "
+                         "e.g. 2,auto (method specdec_feature)")
+    ap.add_argument("--feature-draft", default=None,
+                    help="the feature draft's directory (default with the embedded pair: the embedded one)")
     ap.add_argument("--eos", choices=["ignore", "stop"], default="ignore",
                     help="ignore: every row generates max_new_tokens (default); stop: rows end at EOS")
     ap.add_argument("--seed", type=int, default=0, help="prompt p uses seed + p")
@@ -440,6 +457,18 @@ def main(argv=None) -> int:
     bench = Bench(draft, target, tok, device, prompt_ids, args.max_new_tokens, args.eos, args.seed, args.linear,
                   lean_forward=not args.no_lean_forward)
     bench.batch1_prompts = args.batch1_prompts
+    if args.feature_ks:
+        fdir = args.feature_draft
+        if fdir is None:
+            if args.tiny_random or args.draft or args.target:
+                raise SystemExit("--feature-ks with --tiny-random or --draft/--target needs --feature-draft DIR "
+                                 "(a feature draft trained for that target)")
+            from specdec_kernels.feature_draft import default_feature_draft_path
+
+            fdir = default_feature_draft_path()
+        bench.use_feature_draft(fdir, args.linear, lean_forward=not args.no_lean_forward)
+    elif args.feature_draft:
+        raise SystemExit("--feature-draft needs --feature-ks (the K values to time it at)")
 
     dev_name, ver, stamp = device_name(device), versions(), now()
     header = [
@@ -460,7 +489,9 @@ def main(argv=None) -> int:
         + "; K=auto: " + hf_config_text("auto"),
         "# specdec: SpeculativeDecoder.generate(num_draft_tokens=K, max_draft_tokens=8; K@c: and "
         "draft_confidence=c); "
-        "specdec_target_only: its generate_target_only",
+        "specdec_target_only: its generate_target_only"
+        + (f"; specdec_feature: the same with drafter='feature', the feature draft {args.feature_draft or 'embedded'}"
+           if args.feature_ks else ""),
         f"# linear layers: {bench.linear} for every method (--linear {args.linear})"
         + ("; target_hf_torch_linear: the target alone with torch's linear; speed-ups over the target "
            "are over the faster of target_hf and target_hf_torch_linear" if bench.linear == "skinny" else ""),
@@ -481,7 +512,8 @@ def main(argv=None) -> int:
     rows, notes = [], []
     for temperature in args.temperatures:
         for batch in batches:
-            r, n = run_config(bench, batch, temperature, args.ks, args.repeats, args.warmup_tokens)
+            r, n = run_config(bench, batch, temperature, args.ks, args.repeats, args.warmup_tokens,
+                              feature_ks=args.feature_ks)
             rows += r
             notes += n
     for r in rows:
@@ -508,7 +540,7 @@ def main(argv=None) -> int:
 
 
 def run_config(bench: Bench, batch: int, temperature: float, ks: list, repeats: int,
-               warmup_tokens: Optional[int] = None):
+               warmup_tokens: Optional[int] = None, feature_ks: Sequence = ()):
     """All methods at one (batch, temperature): rows and printed notes."""
     greedy = temperature == 0
     label = f"batch {batch}, temperature {temperature:g}"
@@ -520,6 +552,8 @@ def run_config(bench: Bench, batch: int, temperature: float, ks: list, repeats: 
             methods[("assisted_hf", k)] = (lambda k=k: bench.hf(batch, temperature, assistant_config(k)))
     for k in ks:
         methods[("specdec", k)] = (lambda k=k: bench.specdec(batch, temperature, k))
+    for k in feature_ks:
+        methods[("specdec_feature", k)] = (lambda k=k: bench.specdec(batch, temperature, k, feature=True))
     methods[("specdec_target_only", "-")] = lambda: bench.specdec(batch, temperature, None, target_only=True)
 
     t0 = time.perf_counter()
@@ -626,7 +660,7 @@ def run_config(bench: Bench, batch: int, temperature: float, ks: list, repeats: 
     # E(mean K) * T_1 / (mean K * T_draft + T_verify).
     t1 = next((r.get("target_ms_per_step") for r in rows if r["method"] == "specdec_target_only"), None)
     for r in rows:
-        if (r["method"] == "specdec" and t1 and r.get("target_ms_per_step") and r.get("alpha") is not None
+        if (r["method"] in SPECDEC and t1 and r.get("target_ms_per_step") and r.get("alpha") is not None
                 and r.get("mean_k")):
             r["predicted_speedup_t1"] = predicted_speedup(r["alpha"], r["mean_k"], r.get("draft_ms_per_forward") or 0.0,
                                                           t1, r["target_ms_per_step"])
@@ -637,9 +671,9 @@ def run_config(bench: Bench, batch: int, temperature: float, ks: list, repeats: 
     if to is not None and to.get("prefill_s") is not None and to["seconds"] > to["prefill_s"]:
         to_decode = to["tokens"] / (to["seconds"] - to["prefill_s"])
         for r in rows:
-            if r["method"] == "specdec" and r.get("prefill_s") is not None and r["seconds"] > r["prefill_s"]:
+            if r["method"] in SPECDEC and r.get("prefill_s") is not None and r["seconds"] > r["prefill_s"]:
                 r["decode_speedup_vs_target_only"] = r["tokens"] / (r["seconds"] - r["prefill_s"]) / to_decode
-                if r["K"] in refused_ks or ("specdec", r["K"]) in failed:
+                if r["K"] in refused_ks or (r["method"], r["K"]) in failed:
                     r["decode_speedup_vs_target_only"] = REFUSED
     if batch != 1:  # transformers' assisted generation refuses batches: say so in the table
         rows.insert(1, dict(method="assisted_hf", K="-", batch=batch, temperature=temperature, tokens=None,
@@ -679,6 +713,9 @@ def plot(rows, path, pair, dev_name, args):
 
             ys = [tps("specdec", k) for k in ks]
             ax.plot(x, ys, marker="o", color=c, label=f"SpeculativeDecoder, batch {b}")
+            yf = [tps("specdec_feature", k) for k in ks]
+            if any(v is not None for v in yf):
+                ax.plot(x, yf, marker="s", color=c, linestyle="--", label=f"SpeculativeDecoder, feature draft, batch {b}")
             base = tps("target_hf", "-")
             if base:
                 ax.axhline(base, color=c, linestyle="--", linewidth=1.2, label=f"target alone (HF), batch {b}")

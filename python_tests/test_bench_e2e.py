@@ -130,10 +130,16 @@ def test_k_entries_with_a_confidence():
     spec = importlib.util.spec_from_file_location("bench_e2e", SCRIPT)
     mod = importlib.util.module_from_spec(spec)
     sys.path.insert(0, str(SCRIPT.parent))
+    saved = sys.modules.get(spec.name)
+    sys.modules[spec.name] = mod  # its dataclasses look their module up there
     try:
         spec.loader.exec_module(mod)
     finally:
         sys.path.remove(str(SCRIPT.parent))
+        if saved is None:
+            del sys.modules[spec.name]
+        else:
+            sys.modules[spec.name] = saved
     assert mod._k_list("1,4@0.3,auto,auto@0.25") == [1, "4@0.3", "auto", "auto@0.25"]
     assert [mod.split_k(k) for k in (1, "4@0.3", "auto", "auto@0.25")] == [
         (1, 0.0), (4, 0.3), ("auto", 0.0), ("auto", 0.25)]
@@ -145,3 +151,36 @@ def test_k_entries_with_a_confidence():
                      ("0@0.3", "must be a positive int or 'auto', got 0")):
         with pytest.raises(argparse.ArgumentTypeError, match=msg):
             mod._k_list(bad)
+
+
+def test_bench_e2e_quick_feature_draft(tmp_path):
+    """--feature-ks times the feature drafter beside the others (here an untrained feature draft
+    for the tiny pair's target: rarely accepted, still exact, so the greedy check passes)."""
+    import torch
+
+    from specdec_kernels.cli import build_tiny_random_pair
+    from specdec_kernels.feature_draft import FeatureDraft, save_feature_draft, target_identity
+    from transformers import LlamaConfig
+
+    _, target, _ = build_tiny_random_pair(seed=0)
+    tc = target.config
+    cfg = LlamaConfig(vocab_size=1, hidden_size=tc.hidden_size, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=tc.num_attention_heads, num_key_value_heads=tc.num_key_value_heads,
+                      max_position_embeddings=tc.max_position_embeddings)
+    torch.manual_seed(0)
+    save_feature_draft(FeatureDraft(cfg, target_identity(target)), tmp_path / "fd", dtype=torch.float32)
+    cmd = [sys.executable, str(SCRIPT), "--quick", "--out", str(tmp_path), "--threads", "1", "--ks", "1",
+           "--batch", "1", "--temperatures", "0", "--feature-ks", "1,auto", "--feature-draft", str(tmp_path / "fd")]
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    with open(tmp_path / "bench_e2e.csv", newline="") as f:
+        rows = {(row["method"], row["K"]): row for row in csv.DictReader(f)}
+    for k in ("1", "auto"):
+        row = rows[("specdec_feature", k)]
+        assert row["greedy_check"] == "pass" and int(row["tokens"]) == 64, row
+        assert float(row["speedup_vs_target"]) > 0 and row["decode_speedup_vs_target_only"], row
+    assert "specdec_feature" in (tmp_path / "bench_e2e.txt").read_text()
+    bad = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--out", str(tmp_path), "--feature-ks", "1"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "needs --feature-draft DIR" in bad.stderr, bad.stderr[-2000:]
