@@ -700,7 +700,7 @@ def plot(rows, path, pair, dev_name, args):
     temps = sorted({r["temperature"] for r in rows})
     ks = [str(k) for k in args.ks]
     x = list(range(len(ks)))
-    fig, axes = plt.subplots(1, len(temps), figsize=(6 * len(temps), 4.2), squeeze=False)
+    fig, axes = plt.subplots(1, len(temps), figsize=(max(6 * len(temps), 10), 4.2), squeeze=False)  # room for the legend
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for ax, t in zip(axes[0], temps):
         for ci, b in enumerate(sorted({r["batch"] for r in rows})):
