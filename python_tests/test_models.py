@@ -173,3 +173,29 @@ def test_shipped_feature_draft(pair):
     res = dec.generate([PROMPT], max_new_tokens=NEW_TOKENS, num_draft_tokens=2)
     assert res.token_ids[0] == target_next.tolist()
     assert res.stats.accepted_tokens > 0
+
+
+@needs_target
+def test_feature_and_lookup_drafters_do_not_load_the_draft_model(monkeypatch, capsys):
+    """Without a draft model in use (the embedded feature draft, prompt lookup), the embedded pair
+    is loaded without its draft model; default_pair(with_draft=False) gives (None, target, tok)."""
+    from specdec_kernels import SpeculativeDecoder
+    from specdec_kernels.cli import main as cli_main
+
+    none, target, tok = models.default_pair(with_draft=False)
+    assert none is None and target.config.vocab_size == len(tok) == 49152
+    calls = []
+    real = models.default_pair
+
+    def spy(*a, **k):
+        calls.append(k.get("with_draft", True))
+        return real(*a, **k)
+
+    monkeypatch.setattr(models, "default_pair", spy)
+    dec = SpeculativeDecoder(drafter="feature")
+    assert calls == [False] and dec.draft is None and dec.feature is not None
+    assert cli_main(["generate", PROMPT, "--drafter", "prompt_lookup", "--max-new-tokens", "2", "--json"]) == 0
+    assert cli_main(["generate", PROMPT, "--drafter", "feature", "--max-new-tokens", "2", "--json"]) == 0
+    assert cli_main(["generate", PROMPT, "--max-new-tokens", "2", "--json"]) == 0
+    assert calls == [False, False, False, True]
+    capsys.readouterr()

@@ -151,7 +151,8 @@ def _make_decoder(args, parser):
                 parser.error(f"--drafter feature: the embedded feature draft is missing ({feature_dir}); reinstall "
                              "specdec-kernels or pass --draft DIR (and --target)")
         try:
-            draft, target, tokenizer = default_pair(device=args.device, dtype=_resolve_dtype(args.dtype))
+            draft, target, tokenizer = default_pair(device=args.device, dtype=_resolve_dtype(args.dtype),
+                                                    with_draft=args.drafter in (None, "model"))
         except (FileNotFoundError, ImportError) as e:
             parser.error(f"the embedded default pair is not available: {e}")
         if args.drafter == "prompt_lookup":

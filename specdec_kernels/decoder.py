@@ -636,7 +636,8 @@ class SpeculativeDecoder:
                     raise FileNotFoundError(
                         f"the embedded feature draft is missing ({feature_dir}); reinstall specdec-kernels or "
                         "pass draft=DIR, one trained by scripts/feature_draft_spike.py")
-            draft, target, default_tokenizer = default_pair(device=device, dtype=_resolve_dtype(dtype))
+            draft, target, default_tokenizer = default_pair(device=device, dtype=_resolve_dtype(dtype),
+                                                            with_draft=drafter != "feature")
             tokenizer = default_tokenizer if tokenizer is None else tokenizer
             if drafter == "feature":
                 draft = feature_dir

