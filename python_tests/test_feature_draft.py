@@ -334,6 +334,8 @@ def test_feature_draft_refusals(fpair, tmp_path):
         SpeculativeDecoder(draft=fd, target=wide, drafter="feature")
     with pytest.raises(FileNotFoundError, match="must hold feature_draft.json and model.safetensors"):
         load_feature_draft(tmp_path / "missing")
+    with pytest.raises(TypeError, match="dtype must be a floating torch.dtype, got 'float16'"):
+        load_feature_draft(tmp_path / "missing", dtype="float16")
     with pytest.raises(ValueError, match="config.hidden_size must be the target's 48"):
         FeatureDraft(fd.config, target_identity(wide))
     with pytest.raises(ValueError, match="target must be target_identity"):

@@ -182,6 +182,8 @@ def test_feature_and_lookup_drafters_do_not_load_the_draft_model(monkeypatch, ca
     from specdec_kernels import SpeculativeDecoder
     from specdec_kernels.cli import main as cli_main
 
+    with pytest.raises(TypeError, match="with_draft must be a bool, got str"):
+        models.default_pair(with_draft="no")
     none, target, tok = models.default_pair(with_draft=False)
     assert none is None and target.config.vocab_size == len(tok) == 49152
     calls = []

@@ -139,7 +139,7 @@ def _exact_fp16_copy(m: nn.Linear) -> Optional[Tensor]:
     the weight is the same tensor at the same version, so a model patched for every
     ``generate`` pays the check once."""
     w = m.weight
-    version = tensor_version(w)
+    version = _tensor_version(w)
     cached = m.__dict__.get("_specdec_fp16")
     if version is not None and cached is not None and cached[0]() is w and cached[1] == version:
         return cached[2]
@@ -151,7 +151,7 @@ def _exact_fp16_copy(m: nn.Linear) -> Optional[Tensor]:
     return w16
 
 
-def tensor_version(t: Tensor) -> Optional[int]:
+def _tensor_version(t: Tensor) -> Optional[int]:
     """``t._version`` (bumped by every in-place update), or None for an inference tensor (one
     made under ``torch.inference_mode``, e.g. a model loaded there), which has no version counter:
     a copy of it cannot be known to be current, so callers re-make it."""

@@ -253,6 +253,23 @@ def _cache_kw(module) -> str:
     return "cache" if "cache" in inspect.signature(module.forward).parameters else "past_key_values"
 
 
+def _output_rows(out: torch.nn.Module, rows: Optional[torch.Tensor], fp16_values: bool = False) -> torch.nn.Linear:
+    """A copy of the output layer ``out`` restricted to the token ids ``rows`` (all of them when
+    None), as ordinary tensors (``use_skinny_linear`` versions them), without grad.
+    ``fp16_values``: fp32 weights rounded to fp16 values (``skinny_linear`` then streams half the
+    bytes on the CPU)."""
+    n = out.weight.shape[0] if rows is None else rows.numel()
+    with torch.inference_mode(False), torch.no_grad():
+        head = torch.nn.Linear(out.in_features, n, bias=out.bias is not None,
+                               device=out.weight.device, dtype=out.weight.dtype)
+        head.weight.copy_(out.weight if rows is None else out.weight.index_select(0, rows))
+        if fp16_values and head.weight.dtype == torch.float32:
+            head.weight.copy_(head.weight.half().float())
+        if out.bias is not None:
+            head.bias.copy_(out.bias if rows is None else out.bias.index_select(0, rows))
+    return head.requires_grad_(False)
+
+
 class _Runner:
     """One model with its forward's calling convention, resolved once."""
 
@@ -289,14 +306,7 @@ class _Runner:
         self.vocab_rows, self.head = rows, None
         if rows is None or self.lean is None:
             return
-        out = self.model.lm_head
-        with torch.inference_mode(False), torch.no_grad():  # ordinary tensors: use_skinny_linear versions them
-            head = torch.nn.Linear(out.in_features, rows.numel(), bias=out.bias is not None,
-                                   device=out.weight.device, dtype=out.weight.dtype)
-            head.weight.copy_(out.weight.index_select(0, rows))
-            if out.bias is not None:
-                head.bias.copy_(out.bias.index_select(0, rows))
-        self.head = head.requires_grad_(False)
+        self.head = _output_rows(self.model.lm_head, rows)
 
     def step(self, cache, ids: torch.Tensor, mask: Optional[torch.Tensor], positions: torch.Tensor,
              start: int, keep: int) -> torch.Tensor:
@@ -379,25 +389,17 @@ class _FeatureRunner:
         # The copy (40-50 ms for 12,288 x 576 on the CPU) is kept while the rows and the target's
         # weights are unchanged (same storage, same version counter: an in-place update bumps it;
         # weights made under inference mode have no counter, so their copy is taken every call).
-        from .cpu_linear import tensor_version
+        from .cpu_linear import _tensor_version
 
-        versions = (tensor_version(out.weight), None if out.bias is None else tensor_version(out.bias))
-        key = (None if rows is None else rows.tolist(), out.weight.data_ptr(), versions[0],
-               None if out.bias is None else (out.bias.data_ptr(), versions[1]))
-        if (self.head is not None and getattr(self, "_head_key", None) == key
-                and versions[0] is not None and (out.bias is None or versions[1] is not None)):
+        params = [out.weight] + ([] if out.bias is None else [out.bias])
+        versions = [_tensor_version(t) for t in params]
+        key = None
+        if None not in versions:
+            key = (None if rows is None else rows.tolist(), [t.data_ptr() for t in params], versions)
+        if key is not None and self.head is not None and key == getattr(self, "_head_key", None):
             return
         self._head_key = key
-        n = out.weight.shape[0] if rows is None else rows.numel()
-        with torch.inference_mode(False), torch.no_grad():
-            head = torch.nn.Linear(out.in_features, n, bias=out.bias is not None,
-                                   device=out.weight.device, dtype=out.weight.dtype)
-            head.weight.copy_(out.weight if rows is None else out.weight.index_select(0, rows))
-            if head.weight.dtype == torch.float32:
-                head.weight.copy_(head.weight.half().float())
-            if out.bias is not None:
-                head.bias.copy_(out.bias if rows is None else out.bias.index_select(0, rows))
-        self.head = head.requires_grad_(False)
+        self.head = _output_rows(out, rows, fp16_values=True)
 
     def step(self, cache, tokens: torch.Tensor, feats: torch.Tensor, mask: Optional[torch.Tensor],
              positions: torch.Tensor, keep: int, model_path: bool = False) -> torch.Tensor:
@@ -1250,22 +1252,14 @@ class SpeculativeDecoder:
         t_a = clock.mark()
         X, Q, catch_up, n_draft_fwd = None, None, False, 0
         Xd = None  # the draft tokens whose forwards this step fed the draft's cache ([B, Kd])
+        drafted = False  # X came from a draft network (the draft model or the feature draft)
         if st.pend_tok is not None:  # a feature draft (not the target-only baseline)
             X, Q, kb_conf = self._draft_with_features(st, K)
-            if X is not None:
-                K = n_draft_fwd = X.shape[1]
-                kb = torch.clamp(remaining - 1, max=K)
-                if kb_conf is not None:
-                    kb = torch.minimum(kb, kb_conf)
-            else:
-                n_draft_fwd = 1  # the pending pairs only
+            drafted = X is not None
+            n_draft_fwd = X.shape[1] if drafted else 1  # without drafts: the pending pairs only
         elif K > 0 and self.draft is not None:
             X, Q, catch_up, kb_conf = self._draft_with_model(st, K)
-            K = n_draft_fwd = X.shape[1]  # fewer when every row stopped on confidence
-            Xd = X
-            kb = torch.clamp(remaining - 1, max=K)  # [B]
-            if kb_conf is not None:
-                kb = torch.minimum(kb, kb_conf)
+            drafted, n_draft_fwd, Xd = True, X.shape[1], X
         elif sync:
             # K = 0 ("auto": verifying drafts does not pay): the target alone takes this step,
             # but the draft still feeds [catch-up, last], so that its cache stays one step behind
@@ -1279,6 +1273,11 @@ class SpeculativeDecoder:
             kb_host = [len(x) for x in props]
             X = torch.tensor([x + [0] * (K - len(x)) for x in props], dtype=torch.int64).reshape(B, K).to(dev)
             kb = torch.tensor(kb_host, dtype=torch.int64, device=dev)
+        if drafted:
+            K = X.shape[1]  # fewer when every row stopped on confidence
+            kb = torch.clamp(remaining - 1, max=K)  # [B]
+            if kb_conf is not None:
+                kb = torch.minimum(kb, kb_conf)
         if X is None:
             K = 0
             X = torch.zeros((B, 0), dtype=torch.int64, device=dev)

@@ -173,6 +173,8 @@ def load_feature_draft(directory, dtype: torch.dtype = torch.float32, device=Non
 
     from .draft_vocab import load_draft_vocab
 
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"load_feature_draft: dtype must be a floating torch.dtype, got {dtype!r}")
     d = Path(directory)
     if not (d / _CONFIG).is_file() or not (d / _WEIGHTS).is_file():
         raise FileNotFoundError(f"feature draft: {d} must hold {_CONFIG} and {_WEIGHTS}")

@@ -172,6 +172,8 @@ def default_pair(device=None, dtype=None, with_draft: bool = True):
     dtype = torch.float32 if dtype is None else dtype
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype or None, got {type(dtype).__name__}")
+    if not isinstance(with_draft, bool):
+        raise TypeError(f"with_draft must be a bool, got {type(with_draft).__name__}")
     draft_dir = default_draft_path()
     if not (Path(draft_dir) / "config.json").is_file():
         raise FileNotFoundError(f"the shipped draft is missing: no config.json in {draft_dir} "
