@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One prepared run on a GPU machine: build with CUDA, the whole test suite on CUDA (the Triton
-# kernel for real, not interpreted), bench_verify on a reduced grid, bench_e2e on a random-weight
-# pair of the embedded pair's shapes (the target's GGUF does not travel; acceptance figures come
-# from CPU runs). Works offline from a fresh copy of the repository; aims at < 8 minutes on an H200.
+# kernel for real, not interpreted; the decoder's CUDA paths in test_decoder_devices.py),
+# bench_verify on a reduced grid, bench_e2e on random-weight models of the embedded pair's and
+# feature draft's shapes (the target's GGUF does not travel; acceptance figures come from CPU
+# runs). Works offline from a fresh copy of the repository; aims at < 8 minutes on an H200.
 #
 #   bash bench/gpu_check.sh [OUT_DIR]      # default: $OUT, else bench/results/gpu-<date>
 #
@@ -47,10 +48,11 @@ stamp "bench_verify (gpu grid)"
 timeout 180 $PY bench/bench_verify.py --grid gpu --out "$OUT_DIR"
 verify_rc=$?
 
-stamp "bench_e2e (random weights of the default pair's shapes, fp32)"
+stamp "bench_e2e (random weights of the default pair's and feature draft's shapes, fp32)"
 PAIR=$(mktemp -d)
 $PY bench/random_pair.py "$PAIR" && \
-timeout 150 $PY bench/bench_e2e.py --draft "$PAIR/draft" --target "$PAIR/target" --tokenizer "$PAIR/target" \
+timeout 180 $PY bench/bench_e2e.py --draft "$PAIR/draft" --target "$PAIR/target" --tokenizer "$PAIR/target" \
+    --feature-draft "$PAIR/feature_draft" --feature-ks 2,4 \
     --device cuda --dtype fp32 --out "$OUT_DIR" --repeats 2 --max-new-tokens 64
 e2e_rc=$?
 

@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from specdec_kernels._ext import HAS_EXT
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -125,8 +127,6 @@ def test_k_entries_with_a_confidence():
     import argparse
     import importlib.util
 
-    import pytest
-
     spec = importlib.util.spec_from_file_location("bench_e2e", SCRIPT)
     mod = importlib.util.module_from_spec(spec)
     sys.path.insert(0, str(SCRIPT.parent))
@@ -184,3 +184,36 @@ def test_bench_e2e_quick_feature_draft(tmp_path):
     bad = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--out", str(tmp_path), "--feature-ks", "1"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert bad.returncode != 0 and "needs --feature-draft DIR" in bad.stderr, bad.stderr[-2000:]
+
+
+def test_random_pair_writes_a_feature_draft_for_its_target(tmp_path):
+    """bench/random_pair.py's feature draft (what bench/gpu_check.sh times on the GPU): the
+    shipped one's layer shape and draft vocabulary, random weights, accepted by the random target
+    it was made for and refused by another."""
+    import importlib.util
+    import json
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from specdec_kernels.draft_vocab import load_draft_vocab
+    from specdec_kernels.feature_draft import default_feature_draft_path, load_feature_draft
+
+    spec = importlib.util.spec_from_file_location("random_pair", ROOT / "bench" / "random_pair.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    shape = dict(mod.SMOLLM2_135M, num_hidden_layers=1, intermediate_size=64)  # the target's width and vocabulary
+    torch.manual_seed(0)
+    target = LlamaForCausalLM(LlamaConfig(**shape, initializer_range=0.2)).eval()
+    mod.write_feature_draft(str(tmp_path / "fd"), target)
+    fd, vocab = load_feature_draft(tmp_path / "fd")
+    fd.check_target(target)
+    shipped = Path(default_feature_draft_path())
+    layers = json.loads((shipped / "feature_draft.json").read_text())["layers"]
+    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads"):
+        assert getattr(fd.config, key) == layers[key], key
+    assert torch.equal(vocab, load_draft_vocab(shipped / "draft_vocab.safetensors", 49152))
+    torch.manual_seed(1)
+    other = LlamaForCausalLM(LlamaConfig(**shape, initializer_range=0.2)).eval()
+    with pytest.raises(ValueError, match="not the one it was trained for"):
+        fd.check_target(other)

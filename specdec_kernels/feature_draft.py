@@ -17,7 +17,7 @@ whatever the draft predicts; the draft only changes how many tokens each target 
 
 A feature draft belongs to the target it was trained on: it stores that target's final-norm
 weight and refuses another target (``check_target``).  The embedded one
-(``specdec_kernels/assets/feature_draft``) was trained by ``scripts/make_feature_draft.py`` for
+(``specdec_kernels/assets/feature_draft``) was trained by ``scripts/feature_draft_spike.py`` for
 SmolLM2-135M-Instruct.
 
 Files: ``feature_draft.json`` (the layer's Llama configuration, the target's identity),
