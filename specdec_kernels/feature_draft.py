@@ -99,7 +99,7 @@ class FeatureDraft(nn.Module):
 
     def forward(self, embeds: Tensor, feats: Tensor, positions: Tensor, cache=None,
                 attention_mask: Optional[Tensor] = None) -> Tensor:
-        from .decoder import _cache_kw
+        from .runners import _cache_kw
 
         kw = {_cache_kw(self.lm.model): cache}
         out = self.lm.model(inputs_embeds=self.inputs(embeds, feats), position_ids=positions,

@@ -1,0 +1,182 @@
+"""How ``SpeculativeDecoder`` runs each of its networks, resolved once per model.
+
+``_Runner``: a Hugging Face causal LM (the target, or a draft model) with its forward's calling
+convention (the cache keyword, ``cache_position``, ``logits_to_keep``), its lean decode step
+(``LeanLlamaStep``) where the model qualifies, and its draft vocabulary (the output layer's
+rows for those tokens).  ``_FeatureRunner``: a feature draft (``specdec_kernels.feature_draft``)
+with the target's embedding and the draft vocabulary's rows of the target's output layer.
+Both return the same bits on the lean path as through the model's own forward (tested in
+test_lean_forward.py and test_feature_draft.py).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Optional
+
+import torch
+
+def _cache_kw(module) -> str:
+    """The cache keyword of a module's forward: transformers 5 renamed past_key_values to cache
+    (the old name is deprecated)."""
+    return "cache" if "cache" in inspect.signature(module.forward).parameters else "past_key_values"
+
+
+def _output_rows(out: torch.nn.Module, rows: Optional[torch.Tensor], fp16_values: bool = False) -> torch.nn.Linear:
+    """A copy of the output layer ``out`` restricted to the token ids ``rows`` (all of them when
+    None), as ordinary tensors (``use_skinny_linear`` versions them), without grad.
+    ``fp16_values``: fp32 weights rounded to fp16 values (``skinny_linear`` then streams half the
+    bytes on the CPU)."""
+    n = out.weight.shape[0] if rows is None else rows.numel()
+    with torch.inference_mode(False), torch.no_grad():
+        head = torch.nn.Linear(out.in_features, n, bias=out.bias is not None,
+                               device=out.weight.device, dtype=out.weight.dtype)
+        head.weight.copy_(out.weight if rows is None else out.weight.index_select(0, rows))
+        if fp16_values and head.weight.dtype == torch.float32:
+            head.weight.copy_(head.weight.half().float())
+        if out.bias is not None:
+            head.bias.copy_(out.bias if rows is None else out.bias.index_select(0, rows))
+    return head.requires_grad_(False)
+
+
+class _Runner:
+    """One model with its forward's calling convention, resolved once."""
+
+    def __init__(self, model, name: str):
+        self.model = model
+        self.name = name
+        params = inspect.signature(model.forward).parameters
+        self.cache_kw = _cache_kw(model)
+        self.has_cache_position = "cache_position" in params
+        self.has_logits_to_keep = "logits_to_keep" in params
+        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self.vocab_size = int(cfg.vocab_size)
+        self.context = getattr(cfg, "max_position_embeddings", None)
+        self.lean = None  # a LeanLlamaStep for the decode steps, set by use_lean()
+        self.lean_unsupported: Optional[str] = "not requested"
+        self.vocab_rows: Optional[torch.Tensor] = None  # a draft vocabulary [N] on the device, or None
+        self.head: Optional[torch.nn.Linear] = None  # the output layer's vocab_rows rows (lean path)
+
+    def use_lean(self) -> None:
+        """Run decode steps through ``LeanLlamaStep`` where the model qualifies (else say why)."""
+        from .lean_forward import LeanLlamaStep
+
+        self.lean_unsupported = LeanLlamaStep.unsupported(self.model)
+        if self.lean_unsupported is not None:
+            self.lean = None
+        elif self.lean is None:
+            self.lean = LeanLlamaStep(self.model)
+
+    def set_vocab(self, rows: Optional[torch.Tensor]) -> None:
+        """Make ``step`` return logits over the token ids ``rows`` [N] only (sorted, on the
+        model's device), or over the whole vocabulary (None).  On the lean path the output layer
+        is applied to those rows only (a copy of them, taken now: call again after the weights
+        change); otherwise the model's logits are gathered."""
+        self.vocab_rows, self.head = rows, None
+        if rows is None or self.lean is None:
+            return
+        self.head = _output_rows(self.model.lm_head, rows)
+
+    def step(self, cache, ids: torch.Tensor, mask: Optional[torch.Tensor], positions: torch.Tensor,
+             start: int, keep: int) -> torch.Tensor:
+        """``forward`` for a decode step (every new position sees a valid cache column): the lean
+        path when it is on, the same bits (see lean_forward).  With a vocabulary (``set_vocab``)
+        the logits are those of its tokens only: [B, keep, N]."""
+        if self.lean is not None:
+            return self.lean.step(cache, ids, mask, positions, keep, head=self.head)
+        logits = self.forward(cache, ids, mask, positions, start, keep)
+        return logits if self.vocab_rows is None else logits.index_select(-1, self.vocab_rows)
+
+    def step_hidden(self, cache, ids: torch.Tensor, mask: Optional[torch.Tensor], positions: torch.Tensor,
+                    start: int, keep: int) -> tuple:
+        """``step`` that also returns the final norm's output at those positions [B, keep, H]
+        (what a feature draft reads); the logits are the same bits as ``step``'s."""
+        if self.lean is not None:
+            return self.lean.step(cache, ids, mask, positions, keep, head=self.head, return_hidden=True)
+        h = self.forward_hidden(cache, ids, mask, positions, start)[:, -keep:]
+        logits = self.model.get_output_embeddings()(h)
+        return (logits if self.vocab_rows is None else logits.index_select(-1, self.vocab_rows)), h
+
+    def forward_hidden(self, cache, ids: torch.Tensor, mask: Optional[torch.Tensor], positions: torch.Tensor,
+                       start: int) -> torch.Tensor:
+        """``forward`` through the model's decoder only: its last hidden states [B, q, H] (the
+        final norm's output; ``LlamaForCausalLM`` applies ``lm_head`` to exactly these)."""
+        q = ids.shape[1]
+        kwargs = {self.cache_kw: cache, "use_cache": True, "position_ids": positions}
+        if mask is not None:
+            kwargs["attention_mask"] = mask.to(torch.long)
+        if self.has_cache_position:
+            kwargs["cache_position"] = torch.arange(start, start + q, device=ids.device)
+        decoder = self.model.get_decoder()
+        kwargs[_cache_kw(decoder)] = kwargs.pop(self.cache_kw)
+        return decoder(input_ids=ids, **kwargs).last_hidden_state
+
+    def forward(self, cache, ids: torch.Tensor, mask: Optional[torch.Tensor], positions: torch.Tensor,
+                start: int, keep: int) -> torch.Tensor:
+        """Append ids [B, q] at cache column ``start``; mask [B, start + q] bool (valid columns),
+        or None when every column is valid (the model then builds only its causal mask: the same
+        logits, bit for bit, without the padding-mask work, 0.5-0.7 ms of a 25 ms step of the
+        embedded target on CPU); positions [B, q].  Returns the logits of the last ``keep``
+        columns [B, keep, V]."""
+        q = ids.shape[1]
+        kwargs = {self.cache_kw: cache, "use_cache": True, "position_ids": positions}
+        if mask is not None:
+            kwargs["attention_mask"] = mask.to(torch.long)
+        if self.has_cache_position:  # models that index the cache by it (column, not position)
+            kwargs["cache_position"] = torch.arange(start, start + q, device=ids.device)
+        if self.has_logits_to_keep:
+            kwargs["logits_to_keep"] = keep
+        out = self.model(input_ids=ids, **kwargs)
+        return out.logits[:, -keep:]
+
+
+class _FeatureRunner:
+    """A feature draft (``specdec_kernels.feature_draft``) with the target's embedding and the
+    draft vocabulary's rows of the target's output layer."""
+
+    def __init__(self, fd, target):
+        self.fd = fd
+        self.model = fd.lm  # what LeanLlamaStep and the cache run
+        self.name = "draft"
+        self.embed = target.get_input_embeddings()
+        self.out = target.get_output_embeddings()
+        self.vocab_size = int(self.embed.num_embeddings)
+        self.context = getattr(fd.config, "max_position_embeddings", None)
+        self.lean = None
+        self.lean_unsupported: Optional[str] = "not requested"
+        self.vocab_rows: Optional[torch.Tensor] = None
+        self.head: Optional[torch.nn.Linear] = None
+
+    use_lean = _Runner.use_lean  # its layers are a LlamaForCausalLM's (fd.lm)
+
+    def set_vocab(self, rows: Optional[torch.Tensor]) -> None:
+        """The draft's output layer: the target's, restricted to ``rows`` (a copy taken now),
+        fp32 weights rounded to fp16 values (a draft may compute anything, the verifier uses the
+        target's own logits; ``skinny_linear`` then streams half the bytes on the CPU)."""
+        self.vocab_rows = rows
+        out = self.out
+        # The copy (40-50 ms for 12,288 x 576 on the CPU) is kept while the rows and the target's
+        # weights are unchanged (same storage, same version counter: an in-place update bumps it;
+        # weights made under inference mode have no counter, so their copy is taken every call).
+        from .cpu_linear import _tensor_version
+
+        params = [out.weight] + ([] if out.bias is None else [out.bias])
+        versions = [_tensor_version(t) for t in params]
+        key = None
+        if None not in versions:
+            key = (None if rows is None else rows.tolist(), [t.data_ptr() for t in params], versions)
+        if key is not None and self.head is not None and key == getattr(self, "_head_key", None):
+            return
+        self._head_key = key
+        self.head = _output_rows(out, rows, fp16_values=True)
+
+    def step(self, cache, tokens: torch.Tensor, feats: torch.Tensor, mask: Optional[torch.Tensor],
+             positions: torch.Tensor, keep: int, model_path: bool = False) -> torch.Tensor:
+        """Append the pairs (tokens [B, q], feats [B, q, H]) to ``cache``; the predicted
+        features f^ of the last ``keep`` positions [B, keep, H].  ``model_path``: through the
+        model's forward even where the lean step would do (the prefill)."""
+        if self.lean is not None and not model_path:
+            x = self.fd.inputs(self.embed(tokens), feats)
+            return self.lean.step(cache, None, mask, positions, keep, embeds=x, return_hidden=True)[1]
+        return self.fd(self.embed(tokens), feats, positions, cache,
+                       None if mask is None else mask.to(torch.long))[:, -keep:]
