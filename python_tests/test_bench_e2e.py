@@ -217,3 +217,34 @@ def test_random_pair_writes_a_feature_draft_for_its_target(tmp_path):
     other = LlamaForCausalLM(LlamaConfig(**shape, initializer_range=0.2)).eval()
     with pytest.raises(ValueError, match="not the one it was trained for"):
         fd.check_target(other)
+
+
+def test_demo_alpha_counts_as_generate_does(tmp_path):
+    """bench/demo_alpha.py on the tiny pair: its reached-draft count reproduces stats.alpha
+    prompt by prompt, and a set's alpha is its pooled accepted / reached."""
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location("demo_alpha", ROOT / "bench" / "demo_alpha.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = mod.main(["--tiny-random", "--drafters", "model", "--kinds", "plain", "--ks", "1,3",
+                    "--max-new-tokens", "12", "--json", str(tmp_path / "a.json")])
+    assert json.loads((tmp_path / "a.json").read_text()) == json.loads(json.dumps(out))
+    assert [(r["k"], r["kind"], r["drafter"]) for r in out["sets"]] == [(1, "plain", "model"), (3, "plain", "model")]
+    for r in out["sets"]:
+        assert 0 < r["accepted"] < r["reached"] and r["alpha"] == r["accepted"] / r["reached"], r
+    from specdec_kernels import SpeculativeDecoder
+    from specdec_kernels.cli import build_tiny_random_pair
+
+    draft, target, tok = build_tiny_random_pair(seed=0)
+    dec = SpeculativeDecoder(draft=draft, target=target, tokenizer=tok)
+    checked = 0
+    for p in ("The capital of France is", "Once upon a time"):
+        s = dec.generate([tok(p)["input_ids"]], max_new_tokens=16, num_draft_tokens=3).stats
+        if s.alpha:
+            assert mod._reached(s) == round(s.accepted_tokens / s.alpha) and s.accepted_tokens / mod._reached(s) == s.alpha
+            checked += 1
+    assert checked
+    with pytest.raises(SystemExit):
+        mod.main(["--tiny-random", "--drafters", "bogus"])
