@@ -63,8 +63,8 @@ def write_feature_draft(path: str, target) -> None:
     fd = FeatureDraft(cfg, target_identity(target))
     vocab = load_draft_vocab(os.path.join(FEATURE_ASSETS, "draft_vocab.safetensors"), target.config.vocab_size)
     save_feature_draft(fd, path, vocab)
-    print(f"wrote {path}: {sum(p.numel() for n, p in fd.named_parameters() if not n.startswith(('lm.lm_head', 'lm.model.embed'))) / 1e6:.1f}M parameters, "
-          f"{len(vocab)} draft tokens")
+    n = sum(p.numel() for name, p in fd.named_parameters() if not name.startswith(("lm.lm_head", "lm.model.embed")))
+    print(f"wrote {path}: {n / 1e6:.1f}M parameters, {len(vocab)} draft tokens")
 
 
 if __name__ == "__main__":
