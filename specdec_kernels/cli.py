@@ -142,14 +142,12 @@ def _make_decoder(args, parser):
         from .models import default_pair
 
         if args.drafter == "feature":
-            import os
+            from .feature_draft import embedded_feature_draft_dir
 
-            from .feature_draft import default_feature_draft_path
-
-            feature_dir = default_feature_draft_path()
-            if not os.path.isdir(feature_dir):  # an install without the package's assets
-                parser.error(f"--drafter feature: the embedded feature draft is missing ({feature_dir}); reinstall "
-                             "specdec-kernels or pass --draft DIR (and --target)")
+            try:
+                feature_dir = embedded_feature_draft_dir()
+            except FileNotFoundError as e:
+                parser.error(f"--drafter feature: {e} (here: pass --draft DIR and --target)")
         try:
             draft, target, tokenizer = default_pair(device=args.device, dtype=_resolve_dtype(args.dtype),
                                                     with_draft=args.drafter in (None, "model"))

@@ -465,13 +465,9 @@ class SpeculativeDecoder:
             from .models import default_pair  # the embedded default pair, offline
 
             if drafter == "feature":  # the embedded target's feature draft instead of its draft model
-                from .feature_draft import default_feature_draft_path
+                from .feature_draft import embedded_feature_draft_dir
 
-                feature_dir = default_feature_draft_path()
-                if not os.path.isdir(feature_dir):  # an install without the package's assets
-                    raise FileNotFoundError(
-                        f"the embedded feature draft is missing ({feature_dir}); reinstall specdec-kernels or "
-                        "pass draft=DIR, one trained by scripts/feature_draft_spike.py")
+                feature_dir = embedded_feature_draft_dir()
             draft, target, default_tokenizer = default_pair(device=device, dtype=_resolve_dtype(dtype),
                                                             with_draft=drafter != "feature")
             tokenizer = default_tokenizer if tokenizer is None else tokenizer

@@ -33,7 +33,8 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-__all__ = ["FeatureDraft", "load_feature_draft", "save_feature_draft", "default_feature_draft_path"]
+__all__ = ["FeatureDraft", "load_feature_draft", "save_feature_draft", "default_feature_draft_path",
+           "embedded_feature_draft_dir"]
 
 _CONFIG = "feature_draft.json"
 _WEIGHTS = "model.safetensors"
@@ -42,6 +43,16 @@ _VOCAB = "draft_vocab.safetensors"
 
 def default_feature_draft_path() -> str:
     return str(Path(__file__).resolve().parent / "assets" / "feature_draft")
+
+
+def embedded_feature_draft_dir() -> str:
+    """The embedded feature draft's directory; ``FileNotFoundError`` naming it when an install
+    lacks the package's assets (checked before any model is loaded)."""
+    d = default_feature_draft_path()
+    if not Path(d).is_dir():
+        raise FileNotFoundError(f"the embedded feature draft is missing ({d}); reinstall specdec-kernels or "
+                                "pass draft=DIR, one trained by scripts/feature_draft_spike.py")
+    return d
 
 
 def _target_parts(target):
