@@ -80,7 +80,7 @@ def draft_fp16_shapes() -> list[tuple[int, int]]:
 
 def run_draft_fp16(rows: list[int], reps: int) -> list[dict]:
     """fp16 weights (the embedded draft's, streamed as fp16): the default tiles (4 weight rows for
-    M <= 3, 2 at M = 4) against tiles of one weight row (``avx2_1row``, the same bits), per layer
+    M = 1, 2 for M = 2-6) against tiles of one weight row (``avx2_1row``, the same bits), per layer
     shape, hot in cache and after a 64 MB stream (as after a target step); medians of ``reps``
     calls, the two alternating."""
     g = torch.Generator().manual_seed(0)

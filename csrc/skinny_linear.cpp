@@ -17,21 +17,29 @@
 // the FMAs, sets the time.
 //
 // Batch invariance: y[i, j] is computed by the same sequence of floating-point operations
-// whatever M is and wherever row i sits in x: 8 lane accumulators over k = 0, 8, 16, ... with
-// fused multiply-adds, a fixed pairwise reduction of the 8 lanes, then the k tail (K % 8) with
-// fused multiply-adds in order, then + bias[j].  So a row's logits are bit-identical whether the
-// target sees it alone (a decode step) or among K+1 verified positions, and the result does not
-// depend on the thread count.  It is not bit-identical to torch.nn.functional.linear (whose
-// summation order is MKL's); the tests bound the difference against a float64 reference.
+// whatever M is and wherever row i sits in x: 16 lane accumulators over k = 0, 16, 32, ... with
+// fused multiply-adds (lane l takes k = l, l + 16, ...), a fixed pairwise reduction of the 16
+// lanes (reduce16), then the k tail (K % 16) with fused multiply-adds in order, then + bias[j].
+// So a row's logits are bit-identical whether the target sees it alone (a decode step) or among
+// K+1 verified positions, and the result does not depend on the thread count.  It is not
+// bit-identical to torch.nn.functional.linear (whose summation order is MKL's); the tests bound
+// the difference against a float64 reference.
 //
-// Three code paths with the same arithmetic, selected at run time: AVX-512 (F + DQ), AVX2+FMA+F16C
-// and portable C++ (std::fma on 8 explicit lanes).  All give the same bits.  The AVX-512 path
-// keeps the 8-lane order by putting two weight rows in one 16-lane register (lanes 0-7: row j,
-// lanes 8-15: row j+1, the x row broadcast to both halves), so each FMA instruction does the
-// work of two AVX2 ones and 16 accumulators cover 16 x rows in one pass.  It wins once the FMAs,
-// not the weight stream, set the time: from kMinRowsAvx512 = 5 rows (a verify of K >= 4 drafts);
-// with fewer rows the AVX2 path's single weight stream is faster.  Since the bits are the same,
-// choosing the path by M keeps every row's result independent of M.
+// Why 16 lanes and not 8: each lane is a chain of K / 16 dependent FMAs.  With 8 lanes (one AVX2
+// register per weight row, this kernel's first order) the chain was K / 8 FMAs long, and
+// with 3 x rows the loop over one weight row grew too long for out-of-order execution to start
+// the next row's chain while the last ones finished: on the Zen 5 VM (1 thread, the target's 211
+// matrices, 538 MB) 3 rows took 16.9 ms against 14.9 for one, where the stream alone allows
+// about 13.4 ms (torch.sum over as many bytes).  Two registers per weight row (lanes 0-7 and
+// 8-15) halve the chain: 3 rows 15.0 ms, one row 14.5 (bench_skinny_linear.py).
+//
+// Three code paths with the same arithmetic, selected at run time: AVX-512 (F), AVX2+FMA+F16C
+// and portable C++ (std::fma on 16 explicit lanes).  All give the same bits.  The AVX-512 path
+// holds a weight row's 16 lanes in one register, so each FMA instruction does the work of two
+// AVX2 ones and up to 16 x rows share one pass.  It wins once the FMAs, not the weight stream,
+// set the time: from kMinRowsAvx512 x rows (a verify of several drafts); with fewer rows the
+// AVX2 path is as fast or faster.  Since the bits are the same, choosing the path by M keeps every
+// row's result independent of M.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -58,19 +66,15 @@
 namespace specdec {
 namespace {
 
-// Tiles: nr weight rows x mr x rows, mr * nr <= 12 accumulators.  fp32 weights run nr = 1: one
-// weight row at a time, used by up to 12 x rows while it is in registers (one pass over the
-// weights for M <= 12, a single prefetched stream).  Measured on the AVX2 EPYC
-// (bench_skinny_linear.py), that beat 2, 4 or 8 weight rows per tile at every M from 1 to 16
-// (fewer concurrent streams for the prefetcher), and beat MKL's GEMV at M = 1; on the Zen 5 VM
-// too (the target's layers, one row: 15.1 ms with nr = 1, 18-20 ms with 2 or 4).  fp16 weights
-// (the embedded draft) with M <= 3 run nr = 4, and nr = 2 at M = 4: each weight row is a chain of
-// K / 8 dependent FMAs, and with half the bytes per FMA that chain, not the memory, sets the
-// time, so four independent chains side by side go faster (Zen 5 VM, 1 thread,
-// bench_skinny_linear.py --draft-fp16, the embedded draft's 12,288 x 192 output layer: one row
-// 201 -> 98 us from cache, 217 -> 145 us after a 64 MB stream; 2 rows 259 -> 136 us; 4 rows
-// (nr = 2) 359 -> 274 us; its 192 x 768 layer, one row, 12.4 -> 6.1 us).  The tile shape never
-// changes the arithmetic of an output element.
+// Tiles: nr weight rows x mr x rows, two AVX2 accumulators (16 lanes) per pair, mr * nr <= 6.
+// fp32 weights run nr = 1: one weight row at a time, used by up to 6 x rows while it is in
+// registers (one pass over the weights for M <= 6 on the AVX2 path; a single prefetched
+// stream).  Measured on the AVX2 EPYC (bench_skinny_linear.py), that beat 2, 4
+// or 8 weight rows per tile at every M from 1 to 16 (fewer concurrent streams for the
+// prefetcher); on the Zen 5 VM too.  fp16 weights (the embedded drafts) carry half the bytes per
+// FMA, so there one weight row's chain of K / 16 dependent FMAs, not the memory, can set the
+// time, and tiles of several weight rows run independent chains side by side (see
+// fp16_tile_rows below).  The tile shape never changes the arithmetic of an output element.
 // About 256 KiB of weights per parallel task: small enough to split a 576 x 576 matrix over
 // two threads, large enough that a thread wake-up (~10 us) is not the cost.
 constexpr int64_t kMinWeightBytesPerTask = int64_t{256} * 1024;
@@ -81,51 +85,57 @@ constexpr int64_t kMinWeightBytesPerTask = int64_t{256} * 1024;
 // rows (the AVX-512 path at M = 9) it matters more: 42.7 -> 25.8 ms.  A prefetch never changes
 // the arithmetic, so the bits are the same at any distance.
 constexpr int64_t kPrefetchBytes = 8192;
+// Lanes per output element (the arithmetic above).
+constexpr int64_t kLanes = 16;
 
-// The 8-lane reduction, written once for both paths: ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7)).
-inline float reduce8(const float* l) {
-  const float t0 = l[0] + l[4];
-  const float t1 = l[1] + l[5];
-  const float t2 = l[2] + l[6];
-  const float t3 = l[3] + l[7];
-  return (t0 + t2) + (t1 + t3);
+// The 16-lane reduction, written once for every path:
+// t[i] = l[i] + l[i + 8] (i < 8), then ((t0 + t4) + (t2 + t6)) + ((t1 + t5) + (t3 + t7)).
+inline float reduce16(const float* l) {
+  float t[8];
+  for (int i = 0; i < 8; ++i) t[i] = l[i] + l[i + 8];
+  return ((t[0] + t[4]) + (t[2] + t[6])) + ((t[1] + t[5]) + (t[3] + t[7]));
 }
 
-// y[i, j] for i in [i0, i0 + mr), j in [j0, j0 + nr): portable path.
 // Weights are fp32, or fp16 widened exactly to fp32 as they are loaded (half the bytes to
 // stream; use_skinny_linear picks fp16 only for weights that fp16 holds exactly, so both give
 // the same bits).
 inline float to_float(float v) { return v; }
 inline float to_float(c10::Half v) { return static_cast<float>(v); }
 
+// The end of one output element, the same on every path: reduce the 16 lanes, the k tail
+// (K % 16) in order with fused multiply-adds, the bias.
+template <typename WT>
+inline float finish(const float* lanes, const float* xr, const WT* wr, int64_t K16, int64_t K,
+                    const float* bias, int64_t j) {
+  float s = reduce16(lanes);
+  for (int64_t k = K16; k < K; ++k) s = std::fma(xr[k], to_float(wr[k]), s);
+  if (bias != nullptr) s += bias[j];
+  return s;
+}
+
+// y[i, j] for i in [i0, i0 + mr), j in [j0, j0 + nr): portable path.
 template <int64_t mr, int64_t nr, typename WT>
 void tile_portable(
     const float* x, const WT* w, const float* bias, float* y,
     int64_t K, int64_t N, int64_t i0, int64_t j0) {
-  float acc[mr][nr][8];
+  float acc[mr][nr][kLanes];
   for (int64_t a = 0; a < mr; ++a)
     for (int64_t b = 0; b < nr; ++b)
-      for (int l = 0; l < 8; ++l) acc[a][b][l] = 0.0f;
-  const int64_t K8 = K - K % 8;
-  for (int64_t k = 0; k < K8; k += 8) {
+      for (int l = 0; l < kLanes; ++l) acc[a][b][l] = 0.0f;
+  const int64_t K16 = K - K % kLanes;
+  for (int64_t k = 0; k < K16; k += kLanes) {
     for (int64_t a = 0; a < mr; ++a) {
       const float* xr = x + (i0 + a) * K + k;
       for (int64_t b = 0; b < nr; ++b) {
         const WT* wr = w + (j0 + b) * K + k;
-        for (int l = 0; l < 8; ++l) acc[a][b][l] = std::fma(xr[l], to_float(wr[l]), acc[a][b][l]);
+        for (int l = 0; l < kLanes; ++l) acc[a][b][l] = std::fma(xr[l], to_float(wr[l]), acc[a][b][l]);
       }
     }
   }
-  for (int64_t a = 0; a < mr; ++a) {
-    for (int64_t b = 0; b < nr; ++b) {
-      float s = reduce8(acc[a][b]);
-      const float* xr = x + (i0 + a) * K;
-      const WT* wr = w + (j0 + b) * K;
-      for (int64_t k = K8; k < K; ++k) s = std::fma(xr[k], to_float(wr[k]), s);
-      if (bias != nullptr) s += bias[j0 + b];
-      y[(i0 + a) * N + j0 + b] = s;
-    }
-  }
+  for (int64_t a = 0; a < mr; ++a)
+    for (int64_t b = 0; b < nr; ++b)
+      y[(i0 + a) * N + j0 + b] =
+          finish(acc[a][b], x + (i0 + a) * K, w + (j0 + b) * K, K16, K, bias, j0 + b);
 }
 
 #if SPECDEC_X86
@@ -136,16 +146,40 @@ __attribute__((target("avx2,fma,f16c"))) inline __m256 load8(const c10::Half* w)
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
 }
 
-// One step of 8 lanes over k .. k+7: the same per-lane order as the portable path.
+// reduce16 in registers, the same adds in the same order (IEEE addition is exact to reorder only
+// between its two operands, which is all this does): t = lo + hi is t[i] = l[i] + l[i + 8];
+// u[i] = t[i] + t[i + 4]; v[0] = u[0] + u[2], v[1] = u[1] + u[3]; v[0] + v[1].
+__attribute__((target("avx2,fma,f16c"))) inline float reduce16(__m256 lo, __m256 hi) {
+  const __m256 t = _mm256_add_ps(lo, hi);
+  const __m128 u = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+  const __m128 v = _mm_add_ps(u, _mm_movehl_ps(u, u));
+  return _mm_cvtss_f32(_mm_add_ss(v, _mm_movehdup_ps(v)));
+}
+
+// The end of one output element from its lanes in registers (see finish).
+template <typename WT>
+__attribute__((target("avx2,fma,f16c"))) inline float finish(
+    __m256 lo, __m256 hi, const float* xr, const WT* wr, int64_t K16, int64_t K,
+    const float* bias, int64_t j) {
+  float s = reduce16(lo, hi);
+  for (int64_t k = K16; k < K; ++k) s = std::fma(xr[k], to_float(wr[k]), s);
+  if (bias != nullptr) s += bias[j];
+  return s;
+}
+
+// Half h (lanes 8h .. 8h + 7) of one 16-lane step at k: the same per-lane order as the portable
+// path.  The two halves go to separate registers, so each weight row runs two independent
+// chains; one half at a time keeps the live registers at 2 * mr * nr accumulators + nr weights + 1.
 template <int64_t mr, int64_t nr, typename WT>
-__attribute__((target("avx2,fma,f16c"), always_inline)) inline void step8(
-    __m256 (&acc)[mr][nr], const float* x, const WT* w, int64_t K, int64_t i0, int64_t j0,
-    int64_t k) {
+__attribute__((target("avx2,fma,f16c"), always_inline)) inline void half_step(
+    __m256 (&acc)[mr][nr][2], const float* x, const WT* w, int64_t K, int64_t i0, int64_t j0,
+    int64_t k, int h) {
   __m256 wv[nr];
-  for (int64_t b = 0; b < nr; ++b) wv[b] = load8(w + (j0 + b) * K + k);
+  for (int64_t b = 0; b < nr; ++b) wv[b] = load8(w + (j0 + b) * K + k + 8 * h);
   for (int64_t a = 0; a < mr; ++a) {
-    const __m256 xv = _mm256_loadu_ps(x + (i0 + a) * K + k);
-    for (int64_t b = 0; b < nr; ++b) acc[a][b] = _mm256_fmadd_ps(xv, wv[b], acc[a][b]);
+    __m256 xv = _mm256_loadu_ps(x + (i0 + a) * K + k + 8 * h);
+    if constexpr (nr > 1) asm("" : "+x"(xv));  // one load of x for all nr rows (tile_avx512)
+    for (int64_t b = 0; b < nr; ++b) acc[a][b][h] = _mm256_fmadd_ps(xv, wv[b], acc[a][b][h]);
   }
 }
 
@@ -153,35 +187,26 @@ template <int64_t mr, int64_t nr, typename WT>
 __attribute__((target("avx2,fma,f16c"))) void tile_avx2(
     const float* x, const WT* w, const float* bias, float* y,
     int64_t K, int64_t N, int64_t i0, int64_t j0) {
-  __m256 acc[mr][nr];
+  __m256 acc[mr][nr][2];
   for (int64_t a = 0; a < mr; ++a)
-    for (int64_t b = 0; b < nr; ++b) acc[a][b] = _mm256_setzero_ps();
-  const int64_t K8 = K - K % 8;
-  const int64_t K16 = K - K % 16;
+    for (int64_t b = 0; b < nr; ++b) acc[a][b][0] = acc[a][b][1] = _mm256_setzero_ps();
+  const int64_t K16 = K - K % kLanes;
   // With many x rows the loop body is long, so out-of-order execution alone keeps few weight
   // cache lines in flight; prefetching kPrefetchBytes ahead on every weight row keeps the
   // memory stream busy while the FMAs run (past a row's end it fetches the next tile's rows,
   // which are next in memory).
   constexpr int64_t pf = kPrefetchBytes / int64_t{sizeof(WT)};
-  int64_t k = 0;
-  for (; k < K16; k += 16) {
+  for (int64_t k = 0; k < K16; k += kLanes) {
     for (int64_t b = 0; b < nr; ++b) {
       _mm_prefetch(reinterpret_cast<const char*>(w + (j0 + b) * K + k + pf), _MM_HINT_T0);
     }
-    step8<mr, nr, WT>(acc, x, w, K, i0, j0, k);
-    step8<mr, nr, WT>(acc, x, w, K, i0, j0, k + 8);
+    half_step<mr, nr, WT>(acc, x, w, K, i0, j0, k, 0);
+    half_step<mr, nr, WT>(acc, x, w, K, i0, j0, k, 1);
   }
-  for (; k < K8; k += 8) step8<mr, nr, WT>(acc, x, w, K, i0, j0, k);
   for (int64_t a = 0; a < mr; ++a) {
     for (int64_t b = 0; b < nr; ++b) {
-      alignas(32) float lanes[8];
-      _mm256_store_ps(lanes, acc[a][b]);
-      float s = reduce8(lanes);
-      const float* xr = x + (i0 + a) * K;
-      const WT* wr = w + (j0 + b) * K;
-      for (int64_t k = K8; k < K; ++k) s = std::fma(xr[k], to_float(wr[k]), s);
-      if (bias != nullptr) s += bias[j0 + b];
-      y[(i0 + a) * N + j0 + b] = s;
+      y[(i0 + a) * N + j0 + b] = finish(acc[a][b][0], acc[a][b][1], x + (i0 + a) * K,
+                                        w + (j0 + b) * K, K16, K, bias, j0 + b);
     }
   }
 }
@@ -192,97 +217,71 @@ bool cpu_has_avx2_fma() {
   return has;
 }
 
-// GCC 12's headers implement the 256 -> 512-bit casts and broadcasts with a deliberately
-// undefined upper half, which -Wmaybe-uninitialized reports at every use (a known false positive).
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#endif
-
-// AVX-512: weight rows j0 and j0 + 1 in the low and high 8 lanes of one register.
-__attribute__((target("avx512f,avx512dq,avx2,fma,f16c"))) inline __m512 load8x2(
-    const float* w0, const float* w1) {
-  return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(w0)), _mm256_loadu_ps(w1), 1);
+// AVX-512: a weight row's 16 lanes in one register.
+__attribute__((target("avx512f,avx2,fma,f16c"))) inline __m512 load16(const float* w) {
+  return _mm512_loadu_ps(w);
 }
-__attribute__((target("avx512f,avx512dq,avx2,fma,f16c"))) inline __m512 load8x2(
-    const c10::Half* w0, const c10::Half* w1) {
-  const __m256i h = _mm256_inserti128_si256(
-      _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w0))),
-      _mm_loadu_si128(reinterpret_cast<const __m128i*>(w1)), 1);
-  return _mm512_cvtph_ps(h);
+__attribute__((target("avx512f,avx2,fma,f16c"))) inline __m512 load16(const c10::Half* w) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
 }
 
-// One step of 8 lanes over k .. k+7 for two weight rows at once.
-template <int64_t mr, typename WT>
-__attribute__((target("avx512f,avx512dq,avx2,fma,f16c"), always_inline)) inline void step8x2(
-    __m512 (&acc)[mr], const float* x, const WT* w0, const WT* w1, int64_t K, int64_t i0,
-    int64_t k) {
-  const __m512 wv = load8x2(w0 + k, w1 + k);
-  for (int64_t a = 0; a < mr; ++a) {
-    const __m512 xv = _mm512_broadcast_f32x8(_mm256_loadu_ps(x + (i0 + a) * K + k));
-    acc[a] = _mm512_fmadd_ps(xv, wv, acc[a]);
-  }
-}
-
-// y[i, j0] and y[i, j0 + 1] for i in [i0, i0 + mr): per output element exactly the arithmetic
-// of tile_avx2 / tile_portable (8 lanes over k in steps of 8, reduce8, the tail, the bias).
-template <int64_t mr, typename WT>
-__attribute__((target("avx512f,avx512dq,avx2,fma,f16c"))) void tile_avx512(
+// y[i, j] for i in [i0, i0 + mr), j in [j0, j0 + nr): per output element exactly the arithmetic
+// of tile_avx2 / tile_portable (16 lanes over k in steps of 16, reduce16, the tail, the bias).
+template <int64_t mr, int64_t nr, typename WT>
+__attribute__((target("avx512f,avx2,fma,f16c"))) void tile_avx512(
     const float* x, const WT* w, const float* bias, float* y,
     int64_t K, int64_t N, int64_t i0, int64_t j0) {
-  __m512 acc[mr];
-  for (int64_t a = 0; a < mr; ++a) acc[a] = _mm512_setzero_ps();
-  const WT* w0 = w + j0 * K;
-  const WT* w1 = w0 + K;
-  const int64_t K8 = K - K % 8;
+  __m512 acc[mr][nr];
+  for (int64_t a = 0; a < mr; ++a)
+    for (int64_t b = 0; b < nr; ++b) acc[a][b] = _mm512_setzero_ps();
+  const int64_t K16 = K - K % kLanes;
   constexpr int64_t pf = kPrefetchBytes / int64_t{sizeof(WT)};
-  const int64_t K16 = K - K % 16;
-  int64_t k = 0;
-  for (; k < K16; k += 16) {
-    _mm_prefetch(reinterpret_cast<const char*>(w0 + k + pf), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(w1 + k + pf), _MM_HINT_T0);
-    step8x2<mr, WT>(acc, x, w0, w1, K, i0, k);
-    step8x2<mr, WT>(acc, x, w0, w1, K, i0, k + 8);
+  for (int64_t k = 0; k < K16; k += kLanes) {
+    __m512 wv[nr];
+    for (int64_t b = 0; b < nr; ++b) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + (j0 + b) * K + k + pf), _MM_HINT_T0);
+      wv[b] = load16(w + (j0 + b) * K + k);
+    }
+    for (int64_t a = 0; a < mr; ++a) {
+      __m512 xv = _mm512_loadu_ps(x + (i0 + a) * K + k);
+      // Load x once into a register for all nr weight rows: without this GCC folds the load
+      // into each FMA, and nr loads of x per weight vector made 9 rows 20% slower.
+      if constexpr (nr > 1) asm("" : "+v"(xv));
+      for (int64_t b = 0; b < nr; ++b) acc[a][b] = _mm512_fmadd_ps(xv, wv[b], acc[a][b]);
+    }
   }
-  for (; k < K8; k += 8) step8x2<mr, WT>(acc, x, w0, w1, K, i0, k);
   for (int64_t a = 0; a < mr; ++a) {
-    alignas(64) float lanes[16];
-    _mm512_store_ps(lanes, acc[a]);
-    const float* xr = x + (i0 + a) * K;
-    for (int64_t b = 0; b < 2; ++b) {
-      float s = reduce8(lanes + 8 * b);
-      const WT* wr = b == 0 ? w0 : w1;
-      for (int64_t k = K8; k < K; ++k) s = std::fma(xr[k], to_float(wr[k]), s);
-      if (bias != nullptr) s += bias[j0 + b];
-      y[(i0 + a) * N + j0 + b] = s;
+    for (int64_t b = 0; b < nr; ++b) {
+      const __m512 v = acc[a][b];
+      y[(i0 + a) * N + j0 + b] = finish(
+          _mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)),
+          x + (i0 + a) * K, w + (j0 + b) * K, K16, K, bias, j0 + b);
     }
   }
 }
 
 bool cpu_has_avx512() {
-  static const bool has = cpu_has_avx2_fma() && __builtin_cpu_supports("avx512f") &&
-                          __builtin_cpu_supports("avx512dq");
+  static const bool has = cpu_has_avx2_fma() && __builtin_cpu_supports("avx512f");
   return has;
 }
 
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic pop
-#endif
+// Weight rows per AVX-512 tile, and x rows per pass over them (24 accumulators, 2 weights and
+// one x vector of the 32 registers).  Two weight rows share each x load (the Zen 5 VM, the
+// target's matrices: with one weight row per tile 9 x rows took 29.4 ms, with two 21.7 ms).
+constexpr int64_t kAvx512TileRows = 2;
+constexpr int64_t kMaxRowsAvx512 = 12;
 
-// Up to 16 x rows per pass over a pair of weight rows (16 accumulators of the 32 registers).
-constexpr int64_t kMaxRowsAvx512 = 16;
-
-template <typename WT, int64_t mr = kMaxRowsAvx512>
+template <int64_t nr, typename WT, int64_t mr = kMaxRowsAvx512>
 void tile_avx512_dispatch(
     int64_t m, const float* x, const WT* w, const float* bias, float* y,
     int64_t K, int64_t N, int64_t i0, int64_t j0) {
   if constexpr (mr >= 1) {
     if (m == mr) {
-      tile_avx512<mr, WT>(x, w, bias, y, K, N, i0, j0);
+      tile_avx512<mr, nr, WT>(x, w, bias, y, K, N, i0, j0);
       return;
     }
     if constexpr (mr > 1) {
-      tile_avx512_dispatch<WT, mr - 1>(m, x, w, bias, y, K, N, i0, j0);
+      tile_avx512_dispatch<nr, WT, mr - 1>(m, x, w, bias, y, K, N, i0, j0);
     }
   }
 }
@@ -291,9 +290,12 @@ void tile_avx512_dispatch(
 // Which code path runs; every path gives the same bits.
 enum class Isa { kPortable, kAvx2, kAvx512 };
 
-// Runs tile<mr, nr> with a run-time mr in [1, 12 / nr] (12 accumulators fit the 16 AVX2
-// registers with the weight and x vectors).
-template <int64_t nr, typename WT, int64_t mr = 12 / nr>
+// Accumulator pairs per AVX2 tile: mr * nr <= 6, so 12 accumulators, nr weights and one x
+// vector fit the 16 AVX2 registers.
+constexpr int64_t kAvx2Pairs = 6;
+
+// Runs tile<mr, nr> with a run-time mr in [1, kAvx2Pairs / nr].
+template <int64_t nr, typename WT, int64_t mr = kAvx2Pairs / nr>
 void tile_dispatch(
     bool avx2, int64_t m, const float* x, const WT* w, const float* bias, float* y,
     int64_t K, int64_t N, int64_t i0, int64_t j0) {
@@ -314,13 +316,13 @@ void tile_dispatch(
   }
 }
 
-// All M rows of y for weight rows [j0, j0 + nr).  With M <= 12 / nr the weight tile is read
-// from memory in one pass while every x row uses it; for more rows it is re-read from L1.
+// All M rows of y for weight rows [j0, j0 + nr).  With M <= kAvx2Pairs / nr the weight tile is
+// read from memory in one pass while every x row uses it; for more rows it is re-read from L1.
 template <int64_t nr, typename WT>
 void column_tile(
     bool avx2, const float* x, const WT* w, const float* bias, float* y,
     int64_t M, int64_t K, int64_t N, int64_t j0) {
-  constexpr int64_t max_mr = 12 / nr;
+  constexpr int64_t max_mr = kAvx2Pairs / nr;
   for (int64_t i0 = 0; i0 < M; i0 += max_mr) {
     tile_dispatch<nr, WT>(avx2, std::min(max_mr, M - i0), x, w, bias, y, K, N, i0, j0);
   }
@@ -346,27 +348,41 @@ void run_tiles(
 }
 
 #if SPECDEC_X86
-// All of y on the AVX-512 path: pairs of weight rows split over threads, each pair used by up
-// to 16 x rows per pass; an odd last weight row goes through the AVX2 tile (same bits).
-template <typename WT>
+// All of y on the AVX-512 path: tiles of nr weight rows split over threads, each used by up to
+// kMaxRowsAvx512 x rows per pass; the last N % nr weight rows in tiles of one.
+template <int64_t nr, typename WT>
 void run_tiles_avx512(
     const float* x, const WT* w, const float* bias, float* y, int64_t M, int64_t K, int64_t N) {
-  const int64_t pairs = N / 2;
+  const int64_t tiles = N / nr;
   const int64_t grain =
-      std::max<int64_t>(1, kMinWeightBytesPerTask / (2 * K * int64_t{sizeof(WT)}));
-  at::parallel_for(0, pairs + (N % 2), grain, [&](int64_t begin, int64_t end) {
+      std::max<int64_t>(1, kMinWeightBytesPerTask / (nr * K * int64_t{sizeof(WT)}));
+  at::parallel_for(0, tiles + (N % nr != 0), grain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      if (t < pairs) {
-        for (int64_t i0 = 0; i0 < M; i0 += kMaxRowsAvx512) {
-          tile_avx512_dispatch<WT>(std::min(kMaxRowsAvx512, M - i0), x, w, bias, y, K, N, i0, 2 * t);
+      for (int64_t i0 = 0; i0 < M; i0 += kMaxRowsAvx512) {
+        const int64_t m = std::min(kMaxRowsAvx512, M - i0);
+        if (t < tiles) {
+          tile_avx512_dispatch<nr, WT>(m, x, w, bias, y, K, N, i0, t * nr);
+        } else {
+          for (int64_t j = tiles * nr; j < N; ++j) tile_avx512_dispatch<1, WT>(m, x, w, bias, y, K, N, i0, j);
         }
-      } else {
-        column_tile<1, WT>(/*avx2=*/true, x, w, bias, y, M, K, N, N - 1);
       }
     }
   });
 }
 #endif
+
+// Weight rows per AVX2 tile for fp16 weights and M x rows (kAvx2Pairs / nr x rows per pass).
+// Measured against the 8-lane kernel (tiles of 4 weight rows for M <= 3, 2 at M = 4, the AVX-512
+// path from 5), both built side by side, 1 thread, the Zen 5 VM, all layers of the draft model
+// (hidden 192) / of the feature draft (hidden 576) but their output layers, hot in cache, us:
+// M = 1 31 / 104 against 34 / 116; 2 45 / 145 against 42 / 139; 3 51 / 173 against 70 / 303;
+// 4 70 / 256 against 72 / 279; 5 79 / 292 against 76 / 272; 6 86 / 319 against 89 / 313.  One-row
+// tiles at M = 5-6 were 10-25% slower, tiles of 4 at M = 2 (two passes) 10-20% slower.
+int64_t fp16_tile_rows(int64_t M) {
+  if (M == 1) return 4;
+  if (M <= 6) return 2;
+  return 1;
+}
 
 // The paths this CPU supports, for error messages.
 std::string skinny_linear_isas() {
@@ -384,7 +400,7 @@ std::string skinny_linear_isas() {
 // layer shapes, kPrefetchBytes = 8192: AVX-512 / AVX2 time 1.30 at M = 1, 1.06 at 3, 0.99 at 4,
 // 0.92 at 5, 0.73 at 9, 0.70-0.73 at 12-16 (with 1,024-byte prefetches the switch was at 9).
 // Both give the same bits, so switching on M keeps a row's result independent of M.
-constexpr int64_t kMinRowsAvx512 = 5;
+constexpr int64_t kMinRowsAvx512 = 7;
 
 // The fastest path this CPU supports for M x rows.
 Isa best_isa(int64_t M) {
@@ -460,22 +476,24 @@ at::Tensor skinny_linear_cpu(
     using WT = std::remove_const_t<std::remove_pointer_t<decltype(w_ptr)>>;
 #if SPECDEC_X86
     if (isa == Isa::kAvx512) {
-      run_tiles_avx512<WT>(x_ptr, w_ptr, bias_ptr, y_ptr, M, K, N);
+      run_tiles_avx512<kAvx512TileRows, WT>(x_ptr, w_ptr, bias_ptr, y_ptr, M, K, N);
       return;
     }
 #endif
     const bool avx2 = isa == Isa::kAvx2;
     if (std::is_same_v<WT, c10::Half> && !one_row_tiles) {
-      // fp16 weights: half the bytes per FMA, so one weight row's chain of dependent FMAs (K / 8
-      // of them, 4 cycles each) and not the memory sets the time; tiles of several weight rows
-      // run independent chains side by side (the Tiles note above).
-      if (M <= 3) {
-        run_tiles<4, WT>(avx2, x_ptr, w_ptr, bias_ptr, y_ptr, M, K, N);
-        return;
-      }
-      if (M == 4) {
-        run_tiles<2, WT>(avx2, x_ptr, w_ptr, bias_ptr, y_ptr, M, K, N);
-        return;
+      // fp16 weights: half the bytes per FMA, so one weight row's chains of dependent FMAs
+      // (K / 16 each), not the memory, can set the time; tiles of several weight rows run
+      // independent chains side by side (fp16_tile_rows).
+      switch (fp16_tile_rows(M)) {
+        case 4:
+          run_tiles<4, WT>(avx2, x_ptr, w_ptr, bias_ptr, y_ptr, M, K, N);
+          return;
+        case 2:
+          run_tiles<2, WT>(avx2, x_ptr, w_ptr, bias_ptr, y_ptr, M, K, N);
+          return;
+        default:
+          break;
       }
     }
     run_tiles<1, WT>(avx2, x_ptr, w_ptr, bias_ptr, y_ptr, M, K, N);
