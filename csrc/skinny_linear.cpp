@@ -395,11 +395,11 @@ std::string skinny_linear_isas() {
 }
 
 // From this many x rows on, the AVX-512 path is faster than the AVX2 one (FMA-bound); below it
-// the AVX2 path's single weight stream wins (memory-bound).  Measured with
+// the AVX2 path wins (memory-bound, one weight stream per tile).  Measured with
 // bench/bench_skinny_linear.py --isa on a 2-core AMD EPYC Zen 5 VM, 1 thread, the target's
-// layer shapes, kPrefetchBytes = 8192: AVX-512 / AVX2 time 1.30 at M = 1, 1.06 at 3, 0.99 at 4,
-// 0.92 at 5, 0.73 at 9, 0.70-0.73 at 12-16 (with 1,024-byte prefetches the switch was at 9).
-// Both give the same bits, so switching on M keeps a row's result independent of M.
+// layers (2026-12-01): AVX-512 / AVX2 time 1.21 at M = 1, 1.27 at 3, 1.20 at 5, 1.06 at 6, 0.90
+// at 7, 0.68 at 9, 0.58-0.59 at 12-16.  Both give the same bits, so switching on M keeps a row's
+// result independent of M.
 constexpr int64_t kMinRowsAvx512 = 7;
 
 // The fastest path this CPU supports for M x rows.
