@@ -59,6 +59,20 @@ def _use_cuda() -> bool:
     return torch_has_cuda and CUDA_HOME is not None
 
 
+def _openmp_flags() -> list[str]:
+    """``-fopenmp`` where torch's own intra-op threads are OpenMP's (its Linux wheels).
+    ``at::parallel_for`` is a header template: compiled without OpenMP it runs the whole range on
+    the calling thread, so without this flag ``skinny_linear`` ignored ``torch.set_num_threads``.
+    The extension then needs libgomp.so.1, which torch has already loaded (its wheel ships one);
+    the same soname binds to that one copy, so there is one OpenMP runtime in the process.
+    ``SPECDEC_OPENMP=0`` builds without it (one thread)."""
+    if _env_flag("SPECDEC_OPENMP") == "0":
+        return []
+    if "OpenMP" not in torch.__config__.parallel_info().split("ATen parallel backend:")[-1]:
+        return []
+    return ["-fopenmp"]
+
+
 def _extensions() -> list:
     debug = _env_flag("DEBUG") == "1"
     use_cuda = _use_cuda()
@@ -68,8 +82,8 @@ def _extensions() -> list:
     # and warn under -std=c++17).
 
     sources = sorted(glob.glob(os.path.join(CSRC, "*.cpp"), root_dir=HERE))
-    extra_compile_args: dict[str, list[str]] = {"cxx": list(opt)}
-    extra_link_args = ["-g"] if debug else []
+    extra_compile_args: dict[str, list[str]] = {"cxx": list(opt) + _openmp_flags()}
+    extra_link_args = (["-g"] if debug else []) + _openmp_flags()
     if use_cuda:
         sources += sorted(glob.glob(os.path.join(CSRC, "*.cu"), root_dir=HERE))
         extra_compile_args["nvcc"] = opt + (["-lineinfo"] if debug else [])

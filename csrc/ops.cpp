@@ -229,9 +229,21 @@ void compact_kv_cpu(
   });
 }
 
+// Whether this build's at::parallel_for runs on torch's intra-op threads.  It is a header
+// template: where torch's threads are OpenMP's, a file compiled without -fopenmp gets the serial
+// fallback and runs every range on the calling thread (setup.py passes the flag; a test asks).
+bool intra_op_parallel() {
+#ifdef INTRA_OP_PARALLEL
+  return true;
+#else
+  return false;
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY(specdec, m) {
+  m.def("intra_op_parallel() -> bool", &intra_op_parallel);
   m.def("compact_kv_(Tensor(a!)[] caches, int src_start, Tensor dst_start, Tensor count) -> ()");
   // y = x @ weight^T (+ bias), fp32 CPU, batch-invariant; see skinny_linear.cpp.  The
   // _portable variant runs the same arithmetic without SIMD (tests compare the paths).

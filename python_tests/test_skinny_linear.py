@@ -98,6 +98,15 @@ def test_thread_count_and_portable_path_give_same_bits():
     assert torch.equal(y1, yp)
 
 
+def test_the_extension_runs_on_torchs_threads():
+    """``at::parallel_for`` is a header template: compiled without the OpenMP that torch's
+    threads use, it runs everything on the calling thread, and the kernels ignored
+    ``torch.set_num_threads`` (as they did until setup.py passed -fopenmp)."""
+    assert torch.ops.specdec.intra_op_parallel(), (
+        "specdec_kernels._C was built without torch's intra-op parallelism (at::parallel_for is "
+        f"serial); torch: {torch.__config__.parallel_info().splitlines()[-1]}")
+
+
 @pytest.mark.parametrize("isa", ["avx2", "avx2_1row", "avx512"])
 def test_every_simd_path_gives_the_portable_bits(isa):
     """Each SIMD path (forced through skinny_linear_isa) equals the portable C++ path bit for bit,
