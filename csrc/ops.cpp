@@ -11,6 +11,7 @@
 #include <Python.h>
 
 #include <ATen/MemoryOverlap.h>
+#include "parallel.h"
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
@@ -196,7 +197,7 @@ void compact_kv_cpu(
   const int64_t grain = std::max<int64_t>(1, kMinBytesPerTask / bytes_per_task);
 
   // One task per (cache, row): they touch disjoint memory (checked above), so no locking.
-  at::parallel_for(0, tasks, grain, [&](int64_t begin, int64_t end) {
+  specdec::parallel_for(0, tasks, grain, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task % B;
       const int64_t n = cnt[b];

@@ -40,6 +40,7 @@
 // set the time: from kMinRowsAvx512 x rows (a verify of several drafts); with fewer rows the
 // AVX2 path is as fast or faster.  Since the bits are the same, choosing the path by M keeps every
 // row's result independent of M.
+#include "parallel.h"
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -336,7 +337,7 @@ void run_tiles(
   const int64_t tiles = N / nr;
   const int64_t grain =
       std::max<int64_t>(1, kMinWeightBytesPerTask / (nr * K * int64_t{sizeof(WT)}));
-  at::parallel_for(0, tiles + (N % nr != 0), grain, [&](int64_t begin, int64_t end) {
+  specdec::parallel_for(0, tiles + (N % nr != 0), grain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       if (t < tiles) {
         column_tile<nr, WT>(avx2, x, w, bias, y, M, K, N, t * nr);
@@ -356,7 +357,7 @@ void run_tiles_avx512(
   const int64_t tiles = N / nr;
   const int64_t grain =
       std::max<int64_t>(1, kMinWeightBytesPerTask / (nr * K * int64_t{sizeof(WT)}));
-  at::parallel_for(0, tiles + (N % nr != 0), grain, [&](int64_t begin, int64_t end) {
+  specdec::parallel_for(0, tiles + (N % nr != 0), grain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       for (int64_t i0 = 0; i0 < M; i0 += kMaxRowsAvx512) {
         const int64_t m = std::min(kMaxRowsAvx512, M - i0);
