@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import glob
 import os
+import sys
 
 import torch
 from setuptools import find_packages, setup
@@ -65,9 +66,9 @@ def _openmp_flags() -> list[str]:
     the calling thread, so without this flag ``skinny_linear`` ignored ``torch.set_num_threads``.
     The extension then needs libgomp.so.1, which torch has already loaded (its wheel ships one);
     the same soname binds to that one copy, so there is one OpenMP runtime in the process.
-    ``SPECDEC_OPENMP=0`` builds without it (one thread)."""
-    if _env_flag("SPECDEC_OPENMP") == "0":
-        return []
+    ``SPECDEC_OPENMP=0`` builds without it (one thread); only on Linux (gcc, torch's wheels)."""
+    if _env_flag("SPECDEC_OPENMP") == "0" or not sys.platform.startswith("linux"):
+        return []  # elsewhere (Apple's clang has no -fopenmp) the loops stay on one thread
     if "OpenMP" not in torch.__config__.parallel_info().split("ATen parallel backend:")[-1]:
         return []
     return ["-fopenmp"]
