@@ -33,6 +33,7 @@ from test_decoder import (  # noqa: F401  (fixtures and helpers shared with the 
     CACHE_RTOL,
     PROMPTS,
     SIGNIFICANCE,
+    SKEWED,
     _assert_row_cache,
     _assert_row_equals,
     _chisquare_pvalue,
@@ -233,6 +234,46 @@ def test_feature_caches_equal_fresh_forward_after_each_step(fpair, temperature):
                 _, feats, _ = _pairs(target, torch.tensor([seq]))
                 torch.testing.assert_close(st.pend_feat[b, :c], feats[0, ld:], atol=CACHE_ATOL, rtol=CACHE_RTOL)
     assert len(counts) > 1  # rows had different numbers of pending pairs
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_feature_grouped_prefill(fpair, temperature):
+    """Prompts of very different lengths, so that the prefill runs one forward per group and
+    stacks the groups' caches (it crashed with the feature draft: the groups' draft caches were
+    made for a draft model that is None here): both caches equal fresh forwards after the prefill
+    and after each step, each row's pending pairs hold its last token with the target's feature,
+    every row equals its prompt decoded alone, and greedy equals target.generate."""
+    from specdec_kernels.decoder import _PREFILL_GROUP_COST, _prefill_groups
+
+    fd, target = fpair
+    assert len(_prefill_groups([len(p) - 1 for p in SKEWED], _PREFILL_GROUP_COST["cpu"])) > 1
+    dec = SpeculativeDecoder(draft=fd, target=target, drafter="feature")
+    st = dec._start(SKEWED, 12, 3, temperature, None, None, 7, None, False, None, 3, None, False,
+                    target_only=False)
+    with torch.inference_mode():
+        dec._prefill(st)
+        for step in range(5):
+            for b, p in enumerate(st.rows):
+                seq = st.seqs[p]
+                ld, c = st.ld_host[b], st.pend_cnt_host[b]
+                assert ld + c == len(seq)
+                assert st.pend_tok[b, :c].tolist() == seq[ld:]
+                if ld > 0:  # (a one-token prompt caches nothing at first; its first feature is 0)
+                    _assert_row_cache(st.tc, b, st.lt_host[b], target, seq[: st.lt_host[b]])
+                    _assert_draft_row_cache(st.dc, b, ld, fd, target, seq[:ld])
+                    _, feats, _ = _pairs(target, torch.tensor([seq]))
+                    torch.testing.assert_close(st.pend_feat[b, :c], feats[0, ld:], atol=CACHE_ATOL,
+                                               rtol=CACHE_RTOL)
+            if step < 4:
+                dec._step(st)
+    kw = dict(max_new_tokens=12, num_draft_tokens=3, temperature=temperature)
+    batch = dec.generate(SKEWED, seed=7, **kw)
+    for i, p in enumerate(SKEWED):
+        assert dec.generate([p], seed=7 + i, **kw).token_ids[0] == batch.token_ids[i], i
+        if temperature == 0:
+            with torch.inference_mode():
+                ref = target.generate(torch.tensor([p]), do_sample=False, max_new_tokens=12, pad_token_id=0)
+            assert batch.token_ids[i] == ref[0, len(p):].tolist(), i
 
 
 def test_feature_draft_is_fed_each_true_pair_once(fpair):

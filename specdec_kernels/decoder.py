@@ -936,7 +936,7 @@ class SpeculativeDecoder:
             for g in groups:
                 Pg = max(st.lt_host[i] for i in g)
                 tc = _new_cache(self.target)
-                dc = _new_cache(self.draft) if st.dc is not None else None
+                dc = _new_cache(self._d.model) if st.dc is not None else None
                 self._prefill_rows(st, g, Pg, tc, dc)
                 parts.append((torch.tensor(g, dtype=torch.int64, device=dev), tc, dc))
             _stack_caches_(st.tc, [(g, tc) for g, tc, _ in parts], B, P)
