@@ -40,6 +40,7 @@ from test_decoder import (  # noqa: F401  (fixtures and helpers shared with the 
     _first_two_joint,
     _llama,
     _one_thread,
+    _synthetic_times,
 )
 
 
@@ -274,6 +275,57 @@ def test_feature_grouped_prefill(fpair, temperature):
             with torch.inference_mode():
                 ref = target.generate(torch.tensor([p]), do_sample=False, max_new_tokens=12, pad_token_id=0)
             assert batch.token_ids[i] == ref[0, len(p):].tolist(), i
+
+
+def test_feature_auto_takes_steps_without_drafts(fpair, fgreedy_refs, monkeypatch):
+    """Where verifying a draft costs more than it returns (a synthetic target step of 1 + K),
+    "auto" takes K = 0 steps with a feature draft too (the target alone; the draft still takes
+    the pending pairs), mostly, with a K >= 1 step at least every ZERO_REFRESH + 1; where drafts
+    pay (1 + 0.3 K) it never does; greedy equals target.generate either way."""
+    from specdec_kernels.stats import ZERO_REFRESH
+
+    fd, target = fpair
+    dec = SpeculativeDecoder(draft=fd, target=target, drafter="feature")
+    for slope in (0.3, 1.0):
+        with monkeypatch.context() as m:
+            _synthetic_times(m, slope, [])
+            res = dec.generate(PROMPTS, max_new_tokens=24, num_draft_tokens="auto", max_draft_tokens=6)
+        assert res.token_ids == fgreedy_refs, slope
+        ks = [h["k"] for h in res.stats.history]
+        if slope == 0.3:
+            assert ks[:-2] and all(k >= 1 for k in ks[:-2]), ks
+        else:
+            zeros = ks[4:-2]
+            assert zeros.count(0) >= 0.8 * len(zeros) and len(zeros) > ZERO_REFRESH, ks
+            assert max(len(r) for r in "".join("0" if k == 0 else "x" for k in ks[4:]).split("x")) <= ZERO_REFRESH
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_feature_caches_after_steps_without_drafts(fpair, temperature):
+    """K = 0 steps chosen by "auto" between steps with drafts: after each, both caches equal fresh
+    forwards and the pending pairs are the row's newest tokens with the target's features."""
+    fd, target = fpair
+    dec = SpeculativeDecoder(draft=fd, target=target, drafter="feature")
+    st = dec._start(PROMPTS, 30, "auto", temperature, None, None, 0, None, False, None, 4, None, False,
+                    target_only=False)
+    pattern = iter([4, 0, 0, 3, 0, 4, 0, 2, 0])
+    st.recorder.choose_k = lambda k_max, allow_zero=False: next(pattern)
+    ks = []
+    with torch.inference_mode():
+        dec._prefill(st)
+        for _ in range(9):
+            dec._step(st)
+            ks.append(st.recorder.stats.history[-1]["k"])
+            for b, p in enumerate(st.rows):
+                seq = st.seqs[p]
+                _assert_row_cache(st.tc, b, st.lt_host[b], target, seq[:-1])
+                ld, c = st.ld_host[b], st.pend_cnt_host[b]
+                assert ld + c == len(seq)
+                _assert_draft_row_cache(st.dc, b, ld, fd, target, seq[:ld])
+                assert st.pend_tok[b, :c].tolist() == seq[ld:]
+                _, feats, _ = _pairs(target, torch.tensor([seq]))
+                torch.testing.assert_close(st.pend_feat[b, :c], feats[0, ld:], atol=CACHE_ATOL, rtol=CACHE_RTOL)
+    assert ks == [4, 0, 0, 3, 0, 4, 0, 2, 0], ks
 
 
 def test_feature_draft_is_fed_each_true_pair_once(fpair):

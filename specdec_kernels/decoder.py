@@ -976,14 +976,16 @@ class SpeculativeDecoder:
 
     def _choose_k(self, st: _State) -> tuple:
         """(K, sync): K drafts this step; sync: K = 0 was chosen by ``"auto"`` with a draft model,
-        whose cache must still take this step's token."""
+        whose cache must still take this step's token.  A feature draft may take K = 0 from
+        ``"auto"`` as well: such a step still feeds it the pending pairs (_draft_with_features),
+        so it needs no sync."""
         if st.target_only:
             return 0, False
-        auto_zero = st.k == "auto" and self.draft is not None
+        auto_zero = st.k == "auto" and (self.draft is not None or self.feature is not None)
         k = st.recorder.choose_k(st.k_max, allow_zero=auto_zero) if st.k == "auto" else st.k
         # Row b drafts K_b = min(K, budget_b - 1): its step emits at most K_b + 1 tokens.
         room = max(st.budget_host[p] - len(st.generated[p]) for p in st.rows) - 1
-        return max(min(k, room), 0), auto_zero and k == 0 and room > 0
+        return max(min(k, room), 0), auto_zero and self.draft is not None and k == 0 and room > 0
 
     def _draft_with_model(self, st: _State, K: int):
         """Up to K draft forwards.  Returns (X [B, K'] int64, Q [B, K', Vd] fp32 or None, catch-up
