@@ -211,6 +211,24 @@ def _assert_draft_row_cache(dc, b: int, length: int, fd, target, ids: list):
     _assert_row_equals(dc, b, length, ref)
 
 
+def _assert_feature_state(st, fd, target):
+    """Every row: the target's cache holds every token but the newest, the draft's the same columns
+    less the pending pairs, which are the row's newest tokens with the target's features (a
+    one-token prompt caches nothing at first, and its first feature is 0)."""
+    for b, p in enumerate(st.rows):
+        seq = st.seqs[p]
+        ld, c = st.ld_host[b], st.pend_cnt_host[b]
+        assert ld + c == len(seq)
+        assert st.pend_tok[b, :c].tolist() == seq[ld:]
+        if ld == 0:
+            continue
+        _assert_row_cache(st.tc, b, st.lt_host[b], target, seq[: st.lt_host[b]])
+        assert st.lt_host[b] == len(seq) - 1
+        _assert_draft_row_cache(st.dc, b, ld, fd, target, seq[:ld])
+        _, feats, _ = _pairs(target, torch.tensor([seq]))
+        torch.testing.assert_close(st.pend_feat[b, :c], feats[0, ld:], atol=CACHE_ATOL, rtol=CACHE_RTOL)
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_feature_caches_equal_fresh_forward_after_each_step(fpair, temperature):
     fd, target = fpair
@@ -223,17 +241,7 @@ def test_feature_caches_equal_fresh_forward_after_each_step(fpair, temperature):
         for _ in range(6):
             dec._step(st)
             counts.update(st.pend_cnt_host)
-            for b, p in enumerate(st.rows):
-                seq = st.seqs[p]
-                # the target holds every token but the newest; the draft the same columns less
-                # the pending pairs, which are the row's newest tokens with the target's features
-                _assert_row_cache(st.tc, b, st.lt_host[b], target, seq[:-1])
-                ld, c = st.ld_host[b], st.pend_cnt_host[b]
-                assert ld + c == len(seq)
-                _assert_draft_row_cache(st.dc, b, ld, fd, target, seq[:ld])
-                assert st.pend_tok[b, :c].tolist() == seq[ld:]
-                _, feats, _ = _pairs(target, torch.tensor([seq]))
-                torch.testing.assert_close(st.pend_feat[b, :c], feats[0, ld:], atol=CACHE_ATOL, rtol=CACHE_RTOL)
+            _assert_feature_state(st, fd, target)
     assert len(counts) > 1  # rows had different numbers of pending pairs
 
 
@@ -254,17 +262,7 @@ def test_feature_grouped_prefill(fpair, temperature):
     with torch.inference_mode():
         dec._prefill(st)
         for step in range(5):
-            for b, p in enumerate(st.rows):
-                seq = st.seqs[p]
-                ld, c = st.ld_host[b], st.pend_cnt_host[b]
-                assert ld + c == len(seq)
-                assert st.pend_tok[b, :c].tolist() == seq[ld:]
-                if ld > 0:  # (a one-token prompt caches nothing at first; its first feature is 0)
-                    _assert_row_cache(st.tc, b, st.lt_host[b], target, seq[: st.lt_host[b]])
-                    _assert_draft_row_cache(st.dc, b, ld, fd, target, seq[:ld])
-                    _, feats, _ = _pairs(target, torch.tensor([seq]))
-                    torch.testing.assert_close(st.pend_feat[b, :c], feats[0, ld:], atol=CACHE_ATOL,
-                                               rtol=CACHE_RTOL)
+            _assert_feature_state(st, fd, target)
             if step < 4:
                 dec._step(st)
     kw = dict(max_new_tokens=12, num_draft_tokens=3, temperature=temperature)
@@ -316,15 +314,7 @@ def test_feature_caches_after_steps_without_drafts(fpair, temperature):
         for _ in range(9):
             dec._step(st)
             ks.append(st.recorder.stats.history[-1]["k"])
-            for b, p in enumerate(st.rows):
-                seq = st.seqs[p]
-                _assert_row_cache(st.tc, b, st.lt_host[b], target, seq[:-1])
-                ld, c = st.ld_host[b], st.pend_cnt_host[b]
-                assert ld + c == len(seq)
-                _assert_draft_row_cache(st.dc, b, ld, fd, target, seq[:ld])
-                assert st.pend_tok[b, :c].tolist() == seq[ld:]
-                _, feats, _ = _pairs(target, torch.tensor([seq]))
-                torch.testing.assert_close(st.pend_feat[b, :c], feats[0, ld:], atol=CACHE_ATOL, rtol=CACHE_RTOL)
+            _assert_feature_state(st, fd, target)
     assert ks == [4, 0, 0, 3, 0, 4, 0, 2, 0], ks
 
 
