@@ -29,17 +29,18 @@
 // register per weight row, this kernel's first order) the chain was K / 8 FMAs long, and
 // with 3 x rows the loop over one weight row grew too long for out-of-order execution to start
 // the next row's chain while the last ones finished: on the Zen 5 VM (1 thread, the target's 211
-// matrices, 538 MB) 3 rows took 16.9 ms against 14.9 for one, where the stream alone allows
-// about 13.4 ms (torch.sum over as many bytes).  Two registers per weight row (lanes 0-7 and
-// 8-15) halve the chain: 3 rows 15.0 ms, one row 14.5 (bench_skinny_linear.py).
+// matrices, 538 MB; bench_skinny_linear.py --isa) 3 rows took 17.5 ms against 15.1 for one,
+// where the stream alone allows about 13.4 ms (torch.sum over as many bytes).  Two registers per
+// weight row (lanes 0-7 and 8-15) halve the chain: 3 rows 15.9 ms, one row 15.4 (side by side
+// with the 8-lane build: 3 rows 0.92x its time, one row 1.02x).
 //
 // Three code paths with the same arithmetic, selected at run time: AVX-512 (F), AVX2+FMA+F16C
 // and portable C++ (std::fma on 16 explicit lanes).  All give the same bits.  The AVX-512 path
-// holds a weight row's 16 lanes in one register, so each FMA instruction does the work of two
-// AVX2 ones and up to 16 x rows share one pass.  It wins once the FMAs, not the weight stream,
-// set the time: from kMinRowsAvx512 x rows (a verify of several drafts); with fewer rows the
-// AVX2 path is as fast or faster.  Since the bits are the same, choosing the path by M keeps every
-// row's result independent of M.
+// holds a weight row's 16 lanes in one register and two weight rows per tile, so each FMA
+// instruction does the work of two AVX2 ones and up to 12 x rows share one pass.  It wins once
+// the FMAs, not the weight stream, set the time: from kMinRowsAvx512 x rows (a verify of several
+// drafts, or a batch); with fewer rows the AVX2 path is faster.  Since the bits are the same,
+// choosing the path by M keeps every row's result independent of M.
 #include "parallel.h"
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
