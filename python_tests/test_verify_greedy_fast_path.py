@@ -107,7 +107,15 @@ def _assert_identical(a, b, msg=""):
         assert torch.equal(x, y), (name, msg, x, y)
 
 
-def test_fast_path_equals_full_path_on_random_cases(counted, monkeypatch):
+@pytest.mark.parametrize("host", [True, False], ids=["host", "tensors"])
+def test_fast_path_equals_full_path_on_random_cases(counted, monkeypatch, host):
+    """host: small batches finish on the host (``_greedy_host``); tensors: the same cases with
+    that switched off, through the tensor ops larger batches take."""
+    if not host:
+        monkeypatch.setattr(verify_mod, "_HOST_GREEDY_MAX", 0)
+    host_calls = []
+    orig_host = verify_mod._greedy_host
+    monkeypatch.setattr(verify_mod, "_greedy_host", lambda *args: host_calls.append(1) or orig_host(*args))
     rng = random.Random(1234)
     g = torch.Generator().manual_seed(1234)
     n_invalid = n_ties = n_accepted_all = 0
@@ -125,6 +133,7 @@ def test_fast_path_equals_full_path_on_random_cases(counted, monkeypatch):
         K = lg.shape[1] - 1
         n_accepted_all += int(((full.num_accepted == K) & (K > 0)).sum())
     assert len(counted) == N, "every all-greedy CPU batch takes the fast path"
+    assert len(host_calls) == (N if host else 0)
     # The cases exercised what they are meant to.
     assert n_invalid > 50 and n_ties > 500 and n_accepted_all > 20, (n_invalid, n_ties, n_accepted_all)
 
