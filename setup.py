@@ -60,18 +60,24 @@ def _use_cuda() -> bool:
     return torch_has_cuda and CUDA_HOME is not None
 
 
-def _openmp_flags() -> list[str]:
-    """``-fopenmp`` where torch's own intra-op threads are OpenMP's (its Linux wheels).
-    ``at::parallel_for`` is a header template: compiled without OpenMP it runs the whole range on
-    the calling thread, so without this flag ``skinny_linear`` ignored ``torch.set_num_threads``.
-    The extension then needs libgomp.so.1, which torch has already loaded (its wheel ships one);
-    the same soname binds to that one copy, so there is one OpenMP runtime in the process.
-    ``SPECDEC_OPENMP=0`` builds without it (one thread); only on Linux (gcc, torch's wheels)."""
+def _openmp() -> tuple[list[str], list[str]]:
+    """(compile flags, link flags) for OpenMP, where torch's own intra-op threads are OpenMP's
+    (its Linux wheels).  ``at::parallel_for`` is a header template: compiled without OpenMP it runs
+    the whole range on the calling thread, so without ``-fopenmp`` ``skinny_linear`` ignored
+    ``torch.set_num_threads``.  The extension links the libgomp that torch ships (``torch/lib``;
+    CPU wheels name it libgomp.so.1, CUDA wheels may carry it as libgomp-<hash>.so.1): torch has
+    loaded it before the extension, the soname binds to that one copy, and the process has one
+    OpenMP runtime (with the system's libgomp beside a renamed one it would have two).  Without
+    such a file, plain ``-fopenmp`` (the compiler's libgomp).  ``SPECDEC_OPENMP=0`` builds
+    without OpenMP (one thread); only on Linux (gcc)."""
     if _env_flag("SPECDEC_OPENMP") == "0" or not sys.platform.startswith("linux"):
-        return []  # elsewhere (Apple's clang has no -fopenmp) the loops stay on one thread
+        return [], []  # elsewhere (Apple's clang has no -fopenmp) the loops stay on one thread
     if "OpenMP" not in torch.__config__.parallel_info().split("ATen parallel backend:")[-1]:
-        return []
-    return ["-fopenmp"]
+        return [], []
+    bundled = sorted(glob.glob(os.path.join(os.path.dirname(torch.__file__), "lib", "libgomp*.so*")))
+    if bundled:
+        return ["-fopenmp"], [bundled[0]]
+    return ["-fopenmp"], ["-fopenmp"]
 
 
 def _extensions() -> list:
@@ -83,8 +89,9 @@ def _extensions() -> list:
     # and warn under -std=c++17).
 
     sources = sorted(glob.glob(os.path.join(CSRC, "*.cpp"), root_dir=HERE))
-    extra_compile_args: dict[str, list[str]] = {"cxx": list(opt) + _openmp_flags()}
-    extra_link_args = (["-g"] if debug else []) + _openmp_flags()
+    omp_compile, omp_link = _openmp()
+    extra_compile_args: dict[str, list[str]] = {"cxx": list(opt) + omp_compile}
+    extra_link_args = (["-g"] if debug else []) + omp_link
     if use_cuda:
         sources += sorted(glob.glob(os.path.join(CSRC, "*.cu"), root_dir=HERE))
         extra_compile_args["nvcc"] = opt + (["-lineinfo"] if debug else [])
