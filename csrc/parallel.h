@@ -2,11 +2,11 @@
 //
 // at::parallel_for is a header template: with torch's OpenMP backend its `#pragma omp parallel`
 // is compiled into this extension (setup.py passes -fopenmp) and uses the OpenMP runtime this
-// extension is linked against.  With torch's CPU wheels that is torch's own libgomp.so.1, whose
-// team size torch.set_num_threads sets.  A wheel that bundles libgomp under another soname
-// (auditwheel's libgomp-<hash>.so.1) leaves this extension with a second runtime that never hears
-// of torch.set_num_threads and would start one thread per core.  So the team size is set here
-// from torch's own count before each parallel loop (a no-op when they agree).
+// extension is linked against.  setup.py links the libgomp torch ships (libgomp.so.1 in its CPU
+// wheels, libgomp-<hash>.so.1 in some CUDA ones), whose team size torch.set_num_threads sets.
+// Built against another libgomp (none found in torch/lib), the extension would have a second
+// runtime that never hears of torch.set_num_threads and would start one thread per core.  So the
+// team size is set here from torch's own count before each parallel loop (a no-op when they agree).
 #pragma once
 
 #include <ATen/Parallel.h>

@@ -285,9 +285,9 @@ def _verify_greedy(a: _Args) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 # Up to this many verified positions (B * (K+1)) the greedy route finishes on the host, in
-# Python ints, after the maxima: the reference's stop position and outputs are some forty tensor
-# ops of a few microseconds each, about 0.4 ms of a decode step at batch 1 on the CPU (measured
-# inside the decoder's loop, where they run cold), against a few tens of microseconds this way.
+# Python ints, after the maxima, instead of the reference's some forty small tensor ops for the
+# stop position and outputs (Zen 5 VM, 1 thread, B = 1, K = 2, V = 49,152: the whole call 168 ->
+# 79 us hot; inside the decoder's loop, where it runs cold, 0.63 -> 0.51 ms).
 _HOST_GREEDY_MAX = 64
 
 
@@ -317,7 +317,6 @@ def _greedy_host(a: _Args, m: torch.Tensor, argmax: torch.Tensor, B: int, K: int
         j = 0
         while j < K and j < k_b and xb[j] == ab[j] and fb[j] and not bad_x[j]:
             j += 1
-        j = max(j, 0)
         rejected = j < k_b
         bad_row = bad_param or not fb[j] or (rejected and K > 0 and bad_x[min(j, K - 1)])
         if bad_row:
