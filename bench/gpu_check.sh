@@ -37,7 +37,15 @@ stamp "build (CUDAExtension, TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST)"
 USE_CUDA=1 $PY -m pip install --no-build-isolation --no-deps --no-index -e . >"$OUT_DIR/build.log" 2>&1
 build_rc=$?
 tail -n 5 "$OUT_DIR/build.log"
-$PY -c "import specdec_kernels._ext as e; print('extension loaded:', e.HAS_EXT)"
+$PY - <<'PYEOF'
+import torch
+import specdec_kernels._ext as e
+print("extension loaded:", e.HAS_EXT)
+if e.HAS_EXT:  # the OpenMP build: its loops on torch's threads, one libgomp in the process
+    torch.ops.specdec.skinny_linear(torch.ones(2, 8), torch.ones(4, 8), None)
+    print("intra_op_parallel:", torch.ops.specdec.intra_op_parallel(), "| libgomp mapped:",
+          sorted({l.split()[-1] for l in open("/proc/self/maps") if "gomp" in l}))
+PYEOF
 
 stamp "tests on CUDA"
 timeout 300 $PY -m pytest python_tests -q -n 4 -rs -p no:cacheprovider >"$OUT_DIR/tests.log" 2>&1
