@@ -463,9 +463,9 @@ def main(argv=None) -> int:
             if args.tiny_random or args.draft or args.target:
                 raise SystemExit("--feature-ks with --tiny-random or --draft/--target needs --feature-draft DIR "
                                  "(a feature draft trained for that target)")
-            from specdec_kernels.feature_draft import default_feature_draft_path
+            from specdec_kernels.feature_draft import embedded_feature_draft_dir
 
-            fdir = default_feature_draft_path()
+            fdir = embedded_feature_draft_dir()  # FileNotFoundError naming it when missing
         bench.use_feature_draft(fdir, args.linear, lean_forward=not args.no_lean_forward)
     elif args.feature_draft:
         raise SystemExit("--feature-draft needs --feature-ks (the K values to time it at)")

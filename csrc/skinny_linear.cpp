@@ -522,8 +522,8 @@ at::Tensor skinny_linear_portable(
 }
 
 // One named path, for tests and benchmarks: "portable", "avx2", "avx512", "auto", or
-// "avx2_1row": the AVX2 path with fp16 weights in tiles of one weight row, as before the fp16
-// tiles of 4 (the same bits; to compare the two side by side).
+// "avx2_1row": the AVX2 path with fp16 weights in tiles of one weight row instead of
+// fp16_tile_rows' (the same bits; to compare the two side by side).
 at::Tensor skinny_linear_isa(
     const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
     c10::string_view isa) {

@@ -39,9 +39,10 @@ __all__ = ["AVX512_MAX_ROWS", "DEFAULT_MAX_ROWS", "SkinnyLinearHandle", "default
 # bench/bench_skinny_linear.py on the 2-core AVX2 machine (30-50% less time at 2-9 rows, on par
 # at 16, slower at 32); above it torch's SGEMM is used.
 DEFAULT_MAX_ROWS = 16
-# Where the CPU has AVX-512 the kernel takes its AVX-512 path from 5 rows, and stays ahead of
+# Where the CPU has AVX-512 the kernel takes its AVX-512 path from 7 rows, and stays ahead of
 # torch's SGEMM up to 24 rows (bench/bench_skinny_linear.py --isa, the embedded target's layers,
-# 2-core AMD EPYC Zen 5 VM, 1 thread: 83.8 ms against 96.4 ms at 24 rows, even at 32).
+# 2-core AMD EPYC Zen 5 VM, 1 thread, 2026-12-01: 73.2 ms against 93.2 ms at 24 rows, even at 32:
+# 84.2 against 117.6).
 AVX512_MAX_ROWS = 24
 
 

@@ -16,6 +16,7 @@ from typing import Optional
 
 import torch
 
+
 def _cache_kw(module) -> str:
     """The cache keyword of a module's forward: transformers 5 renamed past_key_values to cache
     (the old name is deprecated)."""

@@ -11,7 +11,6 @@ probabilities fp32, temperature and top-p fp32, seeds/offsets/top-k int64, token
 
 from __future__ import annotations
 
-import math
 import os
 from typing import NamedTuple, Optional
 
@@ -293,8 +292,9 @@ _HOST_GREEDY_MAX = 64
 
 def _greedy_host(a: _Args, m: torch.Tensor, argmax: torch.Tensor, B: int, K: int, V: int):
     """The rest of ``_verify_greedy`` for a small CPU batch, row by row in Python: the same
-    decisions as ``_row_parameters`` (its greedy-row checks), ``_stop_position`` and
-    ``_outputs``, so the same outputs (the tests compare both with the reference)."""
+    decisions as ``_row_parameters`` (its checks that can fail here: every temperature is 0 on
+    this route, ``_all_greedy``), ``_stop_position`` and ``_outputs``, so the same outputs (the
+    tests compare both with the reference)."""
     K1 = K + 1
     kb = a.num_draft_tokens.tolist()
     x = a.draft_tokens.tolist()
@@ -302,12 +302,11 @@ def _greedy_host(a: _Args, m: torch.Tensor, argmax: torch.Tensor, B: int, K: int
     fin = torch.isfinite(m).view(B, K1).tolist()  # usable position: a finite maximum
     top_k = a.top_k.tolist() if a.top_k is not None else None
     top_p = a.top_p.tolist() if a.top_p is not None else None
-    temp = a.temperature.float().tolist()
     tokens = [[-1] * K1 for _ in range(B)]
     num = [-1] * B
     for b in range(B):
-        t, k_b = temp[b], kb[b]
-        bad_param = (not math.isfinite(t)) or t < 0 or k_b < 0 or k_b > K
+        k_b = kb[b]
+        bad_param = k_b < 0 or k_b > K
         if top_k is not None:
             bad_param |= top_k[b] < 0
         if top_p is not None:
