@@ -165,3 +165,26 @@ def test_philox_uniforms_match_triton_rand(device):
     expected = torch.cat([u[:, 5:], u[:, :5]], dim=1)
     assert torch.equal(out.cpu(), expected)
     assert ((u >= 0) & (u < 1)).all()
+
+
+@pytest.mark.parametrize("warp", [False, True], ids=["plain", "topk_topp"])
+@pytest.mark.parametrize("K", [0, 1, 3])
+@pytest.mark.parametrize("greedy", [False, True], ids=["mixed", "all_greedy"])
+def test_checked_entry_equals_fused_verify(K, warp, greedy):
+    """The decoder's entry without per-call argument checks (``_verify_checked``) computes what
+    ``fused_verify`` computes from the same normalised arguments (CPU routes: mixed, all
+    greedy, with and without top-k/top-p), the reference included."""
+    B, V = 3, 97
+    logits, x, q = make_step(B, K, V, seed=K + 10 * warp)
+    x = _greedy_friendly(logits, x)
+    kb, temperature, top_k, top_p = _row_params(B, K, V, warp)
+    kb = kb.clamp(max=K)
+    if greedy:
+        temperature = torch.zeros(B)
+    seed, offset = torch.tensor([5, 6, 7]), torch.tensor([0, 3, 1])
+    want = fused_verify(logits, x, q, num_draft_tokens=kb, temperature=temperature, top_k=top_k, top_p=top_p,
+                        seed=seed, offset=offset)
+    got = verify_mod._verify_checked(logits, x, q, kb, temperature, top_k, top_p, seed, offset)
+    ref = verify_reference(logits, x, q, kb, temperature, top_k, top_p, philox_uniforms(seed, offset, K))
+    assert torch.equal(got.tokens, want.tokens) and torch.equal(got.num_accepted, want.num_accepted)
+    assert torch.equal(got.tokens, ref[0]) and torch.equal(got.num_accepted, ref[1])

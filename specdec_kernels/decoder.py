@@ -337,6 +337,7 @@ class _State:
     steps_done: int = 0
     prefill_time: float = 0.0
     draft_confidence: float = 0.0  # a row stops drafting below this estimate of acceptance (0: off)
+    row_params: dict = field(default_factory=dict)  # B -> fused_verify's per-row parameter tensors
     # a feature draft's pending pairs: (the target's feature at column c - 1, the token at column c)
     # for the columns c the target has made true and the draft has not taken yet
     pend_tok: torch.Tensor = None  # [B, C] int64
@@ -1073,8 +1074,19 @@ class SpeculativeDecoder:
         st.Td = T
         return picks.result() if picks.xs else (None, None, None)
 
+    @staticmethod
+    def _row_params(st: _State, B: int) -> tuple:
+        """(temperature [B] fp32, top_k [B] int64 or None, top_p [B] fp32 or None) for
+        ``fused_verify``, made once per batch size (rows drop out as they finish)."""
+        got = st.row_params.get(B)
+        if got is None:
+            full = lambda v, dt: None if v is None else torch.full((B,), v, dtype=dt, device=st.device)
+            got = st.row_params[B] = (full(st.temperature, torch.float32), full(st.top_k, torch.int64),
+                                      full(st.top_p, torch.float32))
+        return got
+
     def _step(self, st: _State) -> None:
-        from .verify import fused_verify
+        from .verify import _verify_checked
 
         dev = st.device
         B = len(st.rows)
@@ -1129,8 +1141,10 @@ class SpeculativeDecoder:
             logits, feats = self._t.step_hidden(st.tc, ids, mask, pos, st.Tt, K + 1)  # + [B, K+1, H]
         else:
             logits = self._t.step(st.tc, ids, mask, pos, st.Tt, K + 1)  # [B, K+1, V]
-        out = fused_verify(logits, X, Q, num_draft_tokens=kb, temperature=st.temperature,
-                           top_k=st.top_k, top_p=st.top_p, seed=st.seed, offset=st.step)
+        # fused_verify's computation without its per-call argument checks (generate checked
+        # the parameters; the tensors below are built here in its dtypes and shapes)
+        temp, top_k, top_p = self._row_params(st, B)
+        out = _verify_checked(logits, X, Q, kb, temp, top_k, top_p, st.seed, st.step)
         n = out.num_accepted  # [B] int64 in [-1, K_b]
         # The step's one host sync: counts, tokens, drafts, K_b.
         packed = torch.cat([n[:, None], kb[:, None], out.tokens[:, : K + 1], X], 1).cpu()
