@@ -9,7 +9,10 @@
 // the weight matrix once for all rows and costs little more than the GEMV.
 //
 // Weights: fp32, or fp16 (F16C widens them exactly as they are loaded, so fp16-exact weights
-// give the fp32 result bit for bit from half the bytes: the embedded draft is stored in fp16).
+// give the fp32 result bit for bit from half the bytes: the embedded draft is stored in fp16),
+// or int8 (widened exactly to fp32 as well: y = x @ w^T over the integer values, the same
+// arithmetic from a quarter of the bytes; a caller applies its per-row scales afterwards, as the
+// feature draft's int8 output layer does, specdec_kernels/runners.py).
 //
 // Memory traffic: reads N*K*4 bytes of weight (N*K*2 in fp16; once, the floor: every weight is needed), M*K*4
 // of x (from cache, M rows are reused for every weight block) and N*4 of bias; writes M*N*4.
@@ -106,6 +109,7 @@ inline float reduce16(const float* l) {
 // the same bits).
 inline float to_float(float v) { return v; }
 inline float to_float(c10::Half v) { return static_cast<float>(v); }
+inline float to_float(int8_t v) { return static_cast<float>(v); }
 
 // The end of one output element, the same on every path: reduce the 16 lanes, the k tail
 // (K % 16) in order with fused multiply-adds, the bias.
@@ -149,6 +153,9 @@ __attribute__((target("avx2,fma,f16c"))) inline __m256 load8(const float* w) {
 }
 __attribute__((target("avx2,fma,f16c"))) inline __m256 load8(const c10::Half* w) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+}
+__attribute__((target("avx2,fma,f16c"))) inline __m256 load8(const int8_t* w) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w))));
 }
 
 // reduce16 in registers, the same adds in the same order (IEEE addition is exact to reorder only
@@ -228,6 +235,9 @@ __attribute__((target("avx512f,avx2,fma,f16c"))) inline __m512 load16(const floa
 }
 __attribute__((target("avx512f,avx2,fma,f16c"))) inline __m512 load16(const c10::Half* w) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
+}
+__attribute__((target("avx512f,avx2,fma,f16c"))) inline __m512 load16(const int8_t* w) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))));
 }
 
 // y[i, j] for i in [i0, i0 + mr), j in [j0, j0 + nr): per output element exactly the arithmetic
@@ -426,8 +436,9 @@ at::Tensor skinny_linear_cpu(
       x.scalar_type() == at::kFloat,
       "skinny_linear: x must be float32, got ", x.scalar_type());
   TORCH_CHECK(
-      weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kHalf,
-      "skinny_linear: weight must be float32 or float16, got ", weight.scalar_type());
+      weight.scalar_type() == at::kFloat || weight.scalar_type() == at::kHalf ||
+          weight.scalar_type() == at::kChar,
+      "skinny_linear: weight must be float32, float16 or int8, got ", weight.scalar_type());
   TORCH_CHECK(
       weight.dim() == 2,
       "skinny_linear: weight must have 2 dims [N, K], got ", weight.dim(), " (shape ",
@@ -486,10 +497,10 @@ at::Tensor skinny_linear_cpu(
     }
 #endif
     const bool avx2 = isa == Isa::kAvx2;
-    if (std::is_same_v<WT, c10::Half> && !one_row_tiles) {
-      // fp16 weights: half the bytes per FMA, so one weight row's chains of dependent FMAs
-      // (K / 16 each), not the memory, can set the time; tiles of several weight rows run
-      // independent chains side by side (fp16_tile_rows).
+    if (!std::is_same_v<WT, float> && !one_row_tiles) {
+      // fp16 (and int8) weights: half (a quarter of) the bytes per FMA, so one weight row's
+      // chains of dependent FMAs (K / 16 each), not the memory, can set the time; tiles of
+      // several weight rows run independent chains side by side (fp16_tile_rows).
       switch (fp16_tile_rows(M)) {
         case 4:
           run_tiles<4, WT>(avx2, x_ptr, w_ptr, bias_ptr, y_ptr, M, K, N);
@@ -505,6 +516,8 @@ at::Tensor skinny_linear_cpu(
   };
   if (w_c.scalar_type() == at::kHalf) {
     run(w_c.const_data_ptr<c10::Half>());
+  } else if (w_c.scalar_type() == at::kChar) {
+    run(w_c.const_data_ptr<int8_t>());
   } else {
     run(w_c.const_data_ptr<float>());
   }

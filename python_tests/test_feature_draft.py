@@ -495,3 +495,27 @@ def test_feature_head_is_kept_until_the_target_changes(fpair):
     dec.generate([[1, 2, 3]], max_new_tokens=3)
     assert dec._d.head is not head
     assert torch.equal(dec._d.head.weight, target.lm_head.weight[[1, 5, 9]].half().float())
+
+
+def test_feature_head_streams_int8_on_the_cpu(fpair, fgreedy_refs):
+    """With cpu_linear "skinny" (the CPU default) the draft's output layer runs over its per-row
+    int8 copy (cpu_linear.use_skinny_linear(int8_weights=True)) inside generate's layer context,
+    and the output is still the target's greedy one; with cpu_linear="torch" it is the fp32
+    layer.  The target's layers are never int8."""
+    from specdec_kernels.cpu_linear import _int8_copy
+
+    fd, target = fpair
+    fh = torch.randn(3, target.config.hidden_size)
+    for mode in ("skinny", "torch"):
+        dec = SpeculativeDecoder(draft=fd, target=target, drafter="feature", cpu_linear=mode)
+        res = dec.generate(PROMPTS[:2], max_new_tokens=12, num_draft_tokens=2)
+        assert res.token_ids == [r[:12] for r in fgreedy_refs[:2]]
+        head = dec._d.head
+        with dec._linear_layers(), torch.no_grad():
+            got = head(fh)
+            assert all("_specdec_int8" not in m.__dict__ for m in target.modules())
+        if mode == "skinny":
+            w8, scale = _int8_copy(head)
+            assert torch.equal(got, torch.ops.specdec.skinny_linear(fh, w8, None) * scale)
+        else:
+            assert torch.equal(got, torch.nn.functional.linear(fh, head.weight))

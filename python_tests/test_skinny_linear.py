@@ -110,7 +110,7 @@ def test_the_extension_runs_on_torchs_threads():
 @pytest.mark.parametrize("isa", ["avx2", "avx2_1row", "avx512"])
 def test_every_simd_path_gives_the_portable_bits(isa):
     """Each SIMD path (forced through skinny_linear_isa) equals the portable C++ path bit for bit,
-    fp32 and fp16 weights, over row counts on both sides of the AVX-512 switch (7 rows), of the
+    fp32, fp16 and int8 weights, over row counts on both sides of the AVX-512 switch (7 rows), of the
     AVX2 path's passes of 6 rows and the AVX-512 path's of 12, of the fp16 tiles of 4 and 2
     weight rows (M = 1, M = 2-6; ``avx2_1row`` forces one-row tiles), odd numbers of weight rows
     (the AVX-512 path pairs them) and every K tail (K % 16)."""
@@ -128,7 +128,8 @@ def test_every_simd_path_gives_the_portable_bits(isa):
                 x = torch.randn(m, k, generator=g)
                 w = torch.randn(n, k, generator=g)
                 b = torch.randn(n, generator=g) if (m + n) % 2 else None
-                for weight in (w, w.half()):
+                w8 = (w * 40).round().clamp(-127, 127).to(torch.int8)
+                for weight in (w, w.half(), w8):
                     want = op(x, weight, b, "portable")
                     assert torch.equal(op(x, weight, b, isa), want), (m, n, k, weight.dtype)
                     assert torch.equal(op(x, weight, b, "auto"), want), (m, n, k, weight.dtype)
@@ -181,7 +182,7 @@ def test_nan_and_inf_stay_in_their_row():
     "args, match",
     [
         ((torch.randn(2, 8, dtype=torch.float64), torch.randn(3, 8), None), "x must be float32"),
-        ((torch.randn(2, 8), torch.randn(3, 8).bfloat16(), None), "weight must be float32 or float16"),
+        ((torch.randn(2, 8), torch.randn(3, 8).bfloat16(), None), "weight must be float32, float16 or int8"),
         ((torch.randn(2, 8), torch.randn(3, 7), None), r"K = weight.shape\[1\] = 7, got shape \[2, 8\]"),
         ((torch.randn(2, 8), torch.randn(3, 8, 1), None), "weight must have 2 dims"),
         ((torch.randn(2, 8), torch.randn(3, 8), torch.randn(4)), r"bias must be \[N\] = \[3\], got \[4\]"),
@@ -227,6 +228,23 @@ def test_fp16_weights_give_the_fp32_bits_when_exact(m, k):
     assert torch.equal(torch.ops.specdec.skinny_linear_portable(x, w.half(), b), skinny_linear(x, w_exact, b))
     err = (skinny_linear(x, w.half(), b).double() - x.double() @ w_exact.double().T - b.double()).abs()
     assert bool((err <= _bound(x, w_exact, b)).all())
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 7, 13])
+@pytest.mark.parametrize("k", [9, 576])
+def test_int8_weights_give_the_fp32_bits_of_their_values(m, k):
+    """int8 weights are widened exactly too: the result is the fp32 kernel's on the same integer
+    values (every path, so batch-invariant as well), within the fp32 bound of the float64 sum;
+    no scale is applied (the feature draft's int8 output layer scales afterwards)."""
+    x, w, b = _case(m, 67, k, bias=True, seed=m * k + 1)
+    w8 = (w * 60).round().clamp(-127, 127).to(torch.int8)
+    want = skinny_linear(x, w8.float(), b)
+    assert torch.equal(skinny_linear(x, w8, b), want)
+    assert torch.equal(torch.ops.specdec.skinny_linear_portable(x, w8, b), want)
+    assert torch.equal(skinny_linear(x[:1], w8, b), want[:1])
+    err = (skinny_linear(x, w8, b).double() - x.double() @ w8.double().T - b.double()).abs()
+    assert bool((err <= _bound(x, w8.float(), b)).all())
+    torch.library.opcheck(torch.ops.specdec.skinny_linear.default, (x, w8, b))
 
 
 class _Tiny(nn.Module):
@@ -302,6 +320,41 @@ def test_use_skinny_linear_streams_exact_fp16_weights():
         with use_skinny_linear(m) as h:
             assert h.fp16 == []
     assert torch.equal(y16, y32)
+
+
+def test_use_skinny_linear_int8_weights():
+    """int8_weights (a draft's layers only): each layer's output is the kernel over its per-row
+    int8 copy times the row scales (+ bias), exactly; within half a quantisation step of the
+    fp32 layer (|y - y32| <= sum_k |x_k| * scale_j / 2 + fp32 rounding); row-invariant; the copy
+    is cached until the weight changes; a layer with a non-finite weight keeps fp32; leaving the
+    block restores the layers."""
+    from specdec_kernels.cpu_linear import _int8_copy
+
+    torch.manual_seed(3)
+    m = _Tiny()
+    x = torch.randn(6, 24)
+    with torch.no_grad():
+        want32, _ = m(x)
+        with use_skinny_linear(m, int8_weights=True) as h:
+            assert h.int8 == [m.a, m.b] and h.fp16 == []
+            y = m.a(x)
+            assert h.calls == 1
+            got, _ = m(x)
+            y1 = m.a(x[2:3])
+        w8, scale = _int8_copy(m.a)
+        assert w8.dtype == torch.int8 and int(w8.abs().max()) == 127
+        assert torch.equal(y, torch.ops.specdec.skinny_linear(x, w8, None) * scale + m.a.bias)
+        assert torch.equal(y1, y[2:3])
+        bound = x.abs().sum(-1, keepdim=True) * scale / 2 + 1e-5 * (1 + y.abs())
+        assert bool(((y - F.linear(x, m.a.weight, m.a.bias)).abs() <= bound).all())
+        assert (got - want32).abs().max() > 0  # an approximation, not the fp32 layer
+        assert _int8_copy(m.a)[0] is w8  # cached
+        m.a.weight.add_(1e-3)
+        assert _int8_copy(m.a)[0] is not w8  # re-made after an in-place change
+        m.b.weight[0, 0] = float("nan")
+        with use_skinny_linear(m, int8_weights=True) as h:
+            assert h.int8 == [m.a]
+    assert "forward" not in m.a.__dict__ and "forward" not in m.b.__dict__
 
 
 def test_use_skinny_linear_takes_inference_tensors():

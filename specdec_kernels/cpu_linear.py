@@ -89,8 +89,8 @@ def _check(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> None:
     for name, t in (("x", x), ("weight", weight), ("bias", bias)):
         if t is None:
             continue
-        if t.dtype != torch.float32 and not (name == "weight" and t.dtype == torch.float16):
-            want = "float32 or float16" if name == "weight" else "float32"
+        if t.dtype != torch.float32 and not (name == "weight" and t.dtype in (torch.float16, torch.int8)):
+            want = "float32, float16 or int8" if name == "weight" else "float32"
             raise ValueError(f"skinny_linear: {name} must be {want}, got {t.dtype}")
         if t.device.type != "cpu":
             raise ValueError(f"skinny_linear: {name} must be a CPU tensor, got device {t.device}")
@@ -103,8 +103,10 @@ def _check(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> None:
 def skinny_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
     """``x @ weight.T + bias`` for fp32 CPU tensors, batch-invariant (see the module doc).
 
-    x: ``[..., K]`` fp32 CPU; weight: ``[N, K]`` fp32 or fp16 CPU (fp16 is widened exactly to
-    fp32 as it is loaded: half the bytes, the same arithmetic); bias: ``[N]`` fp32 CPU or None.
+    x: ``[..., K]`` fp32 CPU; weight: ``[N, K]`` fp32, fp16 or int8 CPU (fp16 and int8 are
+    widened exactly to fp32 as they are loaded: half or a quarter of the bytes, the same
+    arithmetic over their values; int8 carries no scale, the caller applies one); bias: ``[N]``
+    fp32 CPU or None.
     Returns ``[..., N]`` fp32.  Without the C++ extension it falls back to
     ``reference.skinny_linear_reference`` (float64 accumulation, not batch-invariant-fast).
     """
@@ -152,6 +154,27 @@ def _exact_fp16_copy(m: nn.Linear) -> Optional[Tensor]:
     return w16
 
 
+def _int8_copy(m: nn.Linear) -> Optional[tuple]:
+    """(``m.weight`` rounded per output row to int8 [N, K], the rows' scales [N] fp32): row j is
+    ``scale[j] * w8[j]`` with ``scale[j] = max |w[j]| / 127`` (1 for a zero row), symmetric,
+    round to nearest.  None when a weight is not finite.  Cached on the module as the fp16 copy
+    is (``_specdec_int8``)."""
+    w = m.weight
+    version = _tensor_version(w)
+    cached = m.__dict__.get("_specdec_int8")
+    if version is not None and cached is not None and cached[0]() is w and cached[1] == version:
+        return cached[2]
+    wd = w.detach().float()
+    out = None
+    if bool(torch.isfinite(wd).all()):
+        amax = wd.abs().amax(1)
+        scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+        out = ((wd / scale[:, None]).round().clamp(-127, 127).to(torch.int8).contiguous(), scale.contiguous())
+    if version is not None:
+        m.__dict__["_specdec_int8"] = (weakref.ref(w), version, out)
+    return out
+
+
 def _tensor_version(t: Tensor) -> Optional[int]:
     """``t._version`` (bumped by every in-place update), or None for an inference tensor (one
     made under ``torch.inference_mode``, e.g. a model loaded there), which has no version counter:
@@ -159,14 +182,29 @@ def _tensor_version(t: Tensor) -> Optional[int]:
     return None if t.is_inference() else t._version
 
 
-def _make_forward(m: nn.Linear, max_rows: int, calls: list, w16: Optional[Tensor]):
+def _make_forward(m: nn.Linear, max_rows: int, calls: list, w16: Optional[Tensor], q8: Optional[tuple] = None):
     """``m``'s patched forward: the kernel for fp32 CPU inputs of at most ``max_rows`` rows with
     grad off, torch's linear otherwise.  Written for a low per-call cost (a 135M model makes
-    ~200 of these calls per token): bound locals, no attribute lookups beyond the module's."""
+    ~200 of these calls per token): bound locals, no attribute lookups beyond the module's.
+    ``q8``: (int8 weights, row scales): the kernel over the int8 values, then the scales."""
     op = torch.ops.specdec.skinny_linear.default
     f32 = torch.float32
     linear = F.linear
     grad_enabled = torch.is_grad_enabled
+
+    if q8 is not None:
+        w8, scale = q8
+
+        def forward_q8(x: Tensor) -> Tensor:
+            w = m.weight
+            if (x.dtype is f32 and w.dtype is f32 and x.is_cpu and w.is_cpu
+                    and x.numel() <= max_rows * x.shape[-1] and not grad_enabled()):
+                calls[0] += 1
+                y = op(x, w8, None).mul_(scale)
+                return y if m.bias is None else y.add_(m.bias)
+            return linear(x, w, m.bias)
+
+        return forward_q8
 
     def forward(x: Tensor) -> Tensor:
         w = m.weight
@@ -185,12 +223,15 @@ class SkinnyLinearHandle:
     ``calls`` counts the forwards that went through the kernel (for tests and statistics).
     """
 
-    def __init__(self, modules: list, max_rows: int, fp16_weights: bool):
+    def __init__(self, modules: list, max_rows: int, fp16_weights: bool, int8_weights: bool = False):
         self.modules = modules
         self.max_rows = max_rows
         self._calls = [0]
+        # the layers whose weights stream as int8 copies with row scales (int8_weights)
+        self.int8 = [m for m in modules if int8_weights and _int8_copy(m) is not None]
         # the layers whose weights stream as exact fp16 copies
-        self.fp16 = [m for m in modules if fp16_weights and _exact_fp16_copy(m) is not None]
+        q8 = {id(m) for m in self.int8}
+        self.fp16 = [m for m in modules if fp16_weights and id(m) not in q8 and _exact_fp16_copy(m) is not None]
 
     @property
     def calls(self) -> int:
@@ -198,9 +239,10 @@ class SkinnyLinearHandle:
 
     def _install(self) -> None:
         fp16 = {id(m) for m in self.fp16}
+        q8 = {id(m) for m in self.int8}
         for m in self.modules:
             w16 = _exact_fp16_copy(m) if id(m) in fp16 else None
-            m.forward = _make_forward(m, self.max_rows, self._calls, w16)
+            m.forward = _make_forward(m, self.max_rows, self._calls, w16, _int8_copy(m) if id(m) in q8 else None)
 
     def remove(self) -> None:
         for m in self.modules:
@@ -216,7 +258,7 @@ class SkinnyLinearHandle:
 
 
 def use_skinny_linear(model: nn.Module, max_rows: Optional[int] = None,
-                      fp16_weights: bool = True) -> SkinnyLinearHandle:
+                      fp16_weights: bool = True, int8_weights: bool = False) -> SkinnyLinearHandle:
     """Route ``model``'s fp32 CPU ``nn.Linear`` layers through ``skinny_linear`` for inputs of at
     most ``max_rows`` rows (inference only: with grad enabled they keep ``F.linear``); None:
     ``default_max_rows()``, where the kernel beats torch's linear on this CPU.
@@ -225,6 +267,13 @@ def use_skinny_linear(model: nn.Module, max_rows: Optional[int] = None,
     loaded as fp32, like the embedded draft) streams an fp16 copy instead: half the bytes and
     bit-identical results.  Other layers keep fp32.  The copy is taken when the handle is made;
     do not change the weights while it is installed.
+
+    int8_weights: every layer streams an int8 copy of its weights instead, rounded per output row
+    (``scale = max |w| / 127``), a quarter of the fp32 bytes, and its outputs are the kernel's
+    over the int8 values times the row scales (+ bias): an *approximation* of the layer, for a
+    draft's layers only, whose outputs may be anything (``SpeculativeDecoder`` uses it for the
+    feature draft's output layer; never for a target).  Layers with non-finite weights keep
+    fp32/fp16.
 
     Returns a handle; ``handle.remove()`` or ``with use_skinny_linear(m): ...`` restores the
     layers.  Layers already patched, or whose ``forward`` was replaced by someone else, are
@@ -249,6 +298,6 @@ def use_skinny_linear(model: nn.Module, max_rows: Optional[int] = None,
         and m.weight.dtype == torch.float32
         and m.weight.device.type == "cpu"
     ]
-    handle = SkinnyLinearHandle(mods, max_rows, fp16_weights)
+    handle = SkinnyLinearHandle(mods, max_rows, fp16_weights, int8_weights)
     handle._install()
     return handle

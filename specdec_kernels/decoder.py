@@ -609,9 +609,15 @@ class SpeculativeDecoder:
         if self.cpu_linear == "skinny":
             from .cpu_linear import use_skinny_linear
 
-            for m in (self.target, self.draft, self.feature, self._d.head if self._d is not None else None):
+            head = self._d.head if self._d is not None else None  # the draft vocabulary's rows
+            for m in (self.target, self.draft, self.feature, head if self.feature is None else None):
                 if m is not None:
                     stack.enter_context(use_skinny_linear(m))
+            if self.feature is not None and head is not None:
+                # the feature draft's output layer (a copy of the target's rows) streams as int8
+                # with row scales: a quarter of the fp32 bytes; it only proposes, the verify
+                # reads the target's own logits
+                stack.enter_context(use_skinny_linear(head, int8_weights=True))
         return stack
 
     @staticmethod
