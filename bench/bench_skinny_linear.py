@@ -13,6 +13,7 @@ Two measurements, each provider side by side in one run (speed is the ratio):
     python bench/bench_skinny_linear.py --threads 1 --model    # + the target forward
     python bench/bench_skinny_linear.py --threads 1 --isa      # + each SIMD path forced
     python bench/bench_skinny_linear.py --threads 1 --rows 1,2,3,4 --draft-fp16   # the draft's fp16 tiles
+    python bench/bench_skinny_linear.py --threads 1 --rows 1,2 --draft-int8      # the feature draft's int8 head
 
 Rows append to bench/results/cpu/bench_skinny_linear.csv (or --csv).
 """
@@ -109,6 +110,42 @@ def run_draft_fp16(rows: list[int], reps: int) -> list[dict]:
     return out
 
 
+def run_draft_int8(rows: list[int], reps: int) -> list[dict]:
+    """The feature draft's output layer (12,288 x 576, the target's rows): its fp16 copy against
+    the per-row int8 copy it streams on the CPU (``use_skinny_linear(int8_weights=True)``: the
+    kernel over the int8 values, then the row scales), hot in cache and after a 64 MB stream (as
+    after a target step); medians of ``reps`` calls, the two alternating."""
+    from specdec_kernels.cpu_linear import _int8_copy
+
+    g = torch.Generator().manual_seed(0)
+    flush = torch.empty(64 * 1024 * 1024 // 4)
+    op = torch.ops.specdec.skinny_linear
+    lin = torch.nn.Linear(576, 12288, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(12288, 576, generator=g) * 0.02)
+    w16 = lin.weight.detach().half()
+    w8, scale = _int8_copy(lin)
+    calls = {"fp16": lambda x: op(x, w16, None), "int8": lambda x: op(x, w8, None).mul_(scale)}
+    out = []
+    for m in rows:
+        x = torch.randn(m, 576, generator=g)
+        for cold in (False, True):
+            ts = {name: [] for name in calls}
+            for _ in range(reps):
+                for name, f in calls.items():
+                    if cold:
+                        flush.add_(1.0)
+                    t0 = time.perf_counter()
+                    f(x)
+                    ts[name].append((time.perf_counter() - t0) * 1e6)
+            med = {name: sorted(v)[len(v) // 2] for name, v in ts.items()}
+            for name in ts:
+                out.append({"bench": f"feature head 12288x576 {'after 64 MB' if cold else 'hot'}",
+                            "provider": "skinny " + name, "rows": m, "ms": med[name] / 1e3,
+                            "speedup_vs_fp16": med["fp16"] / med[name]})
+    return out
+
+
 def run_model(rows: list[int], reps: int) -> list[dict]:
     from specdec_kernels.cpu_linear import use_skinny_linear
     from specdec_kernels.models import default_pair
@@ -164,6 +201,8 @@ def main(argv=None) -> int:
                     help="also time each SIMD path of skinny_linear forced (avx2, avx512 where the CPU has it)")
     ap.add_argument("--draft-fp16", action="store_true",
                     help="only the embedded draft's fp16 layer shapes: the default tiles against one-row tiles")
+    ap.add_argument("--draft-int8", action="store_true",
+                    help="only the feature draft's output layer: its fp16 copy against its int8 copy")
     ap.add_argument("--csv", default=os.path.join(HERE, "results", "cpu", "bench_skinny_linear.csv"))
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -173,6 +212,13 @@ def main(argv=None) -> int:
     print(cond)
     from specdec_kernels.cpu_linear import supported_isas
 
+    if args.draft_int8:
+        results = run_draft_int8(rows, max(args.reps, 200))
+        cols = ["bench", "provider", "rows", "ms", "speedup_vs_fp16"]
+        harness.print_table(results, cols)
+        harness.append_csv(args.csv.replace(".csv", "_draft_int8.csv"),
+                           [{**cond, **{c: r.get(c) for c in cols}} for r in results])
+        return 0
     if args.draft_fp16:
         results = run_draft_fp16(rows, max(args.reps, 200))
         cols = ["bench", "provider", "rows", "ms", "speedup_vs_one_row"]
