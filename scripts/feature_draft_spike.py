@@ -130,6 +130,119 @@ def cmd_extract(args):
               f"({tokens / (time.time() - t0):.0f} tok/s)", flush=True)
 
 
+# -- a fifth kind of data: short plain-text openings the target writes itself ------------------
+# The training prompts are templates (a few dozen phrasings); the demo's plain-text prompts are
+# short generic openings ("Once upon a time") and bare instructions, where the draft is weakest.
+# These prompts come from the target itself, sampled (seeded) in answer to the requests below:
+# the first 2-7 words of an opening it writes, or a whole question or instruction it writes;
+# then its greedy continuations, as for every other greedy part.
+OPENING_KINDS = ["a short story", "a fairy tale", "a news article", "an essay", "a letter to a friend",
+                 "a recipe", "a product review", "a travel guide", "a biography", "a history lesson",
+                 "a science article for children", "a blog post", "a speech", "a poem", "a diary entry",
+                 "a textbook chapter", "a report", "a mystery novel", "a fable", "a movie review",
+                 "a cover letter", "an advertisement", "a weather forecast", "a sports report",
+                 "a how-to guide", "a book summary", "a tutorial about programming", "a legend",
+                 "a dialogue", "a description of a place"]
+OPENING_REQUESTS = ([("open", f"Write the first sentence of {k}.") for k in OPENING_KINDS]
+                    + [("ask", "Write one question that a curious student might ask a teacher."),
+                       ("ask", "Write one short instruction that someone might give to an assistant."),
+                       ("ask", "Write one question about science or nature."),
+                       ("ask", "Write one question about history, geography or people."),
+                       ("ask", "Write one request to explain something.")])
+
+
+def _words(text: str) -> list:
+    return [w.lower() for w in re.findall(r"[A-Za-z]+", text)]
+
+
+def _eval_texts():
+    """(the evaluation prompts (demo and held out) as word strings, their content words that no
+    training prompt uses): an opening holding such a word, or holding or starting an evaluation
+    prompt, is dropped, so that those prompts and topics stay unseen."""
+    from make_default_pair import DEMO_PROMPTS, build_prompts
+
+    train_a, train_b, held, train_c = build_prompts(0)
+    ev = DEMO_PROMPTS + [t for _, t in held]
+    words = lambda texts: {w for t in texts for w in _words(t) if len(w) >= 4}
+    banned = words(ev) - words(t for _, t in train_a + train_b + train_c)
+    return [" ".join(_words(t)) for t in ev], banned
+
+
+def _unseen(text: str, eval_texts, banned) -> bool:
+    w = _words(text)
+    s = " ".join(w)
+    return not (set(w) & banned) and not any(e in s or e.startswith(s) for e in eval_texts)
+
+
+@torch.inference_mode()
+def openings(target, tokenizer, n: int, seed: int, batch_size: int = 96) -> list:
+    """n distinct plain-text prompts sampled from the target (see OPENING_REQUESTS), seeded."""
+    rng = random.Random(seed)
+    eval_texts, banned = _eval_texts()
+    out, seen, b = [], set(), 0
+    eos = tokenizer.eos_token_id
+    t0 = time.time()
+    while len(out) < n:
+        reqs = [OPENING_REQUESTS[rng.randrange(len(OPENING_REQUESTS))] for _ in range(batch_size)]
+        rows = [tokenizer.apply_chat_template([{"role": "user", "content": r}], add_generation_prompt=True,
+                                              tokenize=True, return_dict=True)["input_ids"] for _, r in reqs]
+        T = max(len(r) for r in rows)
+        ids = torch.full((len(rows), T), eos, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for j, r in enumerate(rows):
+            ids[j, T - len(r):] = torch.tensor(r)
+            mask[j, T - len(r):] = 1
+        torch.manual_seed(seed * 100003 + b)
+        b += 1
+        gen = target.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0,
+                              top_p=0.95, max_new_tokens=20, pad_token_id=eos, eos_token_id=eos)[:, T:]
+        for (kind, _), g in zip(reqs, gen):
+            text = tokenizer.decode(g, skip_special_tokens=True).strip().split("\n")[0].strip().strip('"')
+            words = text.split()
+            if kind == "open":
+                if len(words) < 4:
+                    continue
+                text = " ".join(words[: rng.randint(2, min(7, len(words) - 1))])
+            else:
+                m = re.match(r"[^?.!]{8,}[?.!]", text)
+                if m is None or len(m.group(0).split()) > 20:
+                    continue
+                text = m.group(0)
+            if not text or text.lower() in seen or not _unseen(text, eval_texts, banned):
+                continue
+            seen.add(text.lower())
+            out.append(text)
+        print(f"  openings: {len(out)}/{n} ({time.time() - t0:.0f} s)", flush=True)
+    return out[:n]
+
+
+def cmd_openings(args):
+    """The prompts (cached as openings-N-SEED.json), then the target's greedy continuations of
+    chunks [--start, --stop) of them (make_default_pair's corpus format, in its cache, tag
+    "openSEED-"); ``extract --part open`` takes their features."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from make_default_pair import chunked_corpus
+
+    target = load_target()
+    tokenizer = AutoTokenizer.from_pretrained(models.default_target_path(), local_files_only=True)
+    path = CACHE / f"openings-{args.n}-{args.seed}.json"
+    if path.is_file():
+        texts = json.loads(path.read_text())
+    else:
+        texts = openings(target, tokenizer, args.n, args.seed)
+        CACHE.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(texts, indent=0) + "\n")
+        print(f"{path}: {len(texts)} prompts, e.g. {texts[:8]}", flush=True)
+    if args.stop is not None and args.stop <= args.start:
+        return
+    prompts = [("plain", t) for t in texts]
+    chunked_corpus(target, tokenizer, prompts, args.new_tokens, 32, 8, DISTILL, f"open{args.seed}-", chunk=128,
+                   start_chunk=args.start, stop_chunk=args.stop)
+
+
 def new_draft(target, intermediate: int = 768):
     """A fresh ``specdec_kernels.feature_draft.FeatureDraft`` for ``target``: one Llama layer at
     its width (its heads, RoPE and norm epsilon) with an MLP of ``intermediate``."""
@@ -372,7 +485,13 @@ def main(argv=None):
     sub = ap.add_subparsers(dest="cmd", required=True)
     e = sub.add_parser("extract")
     e.add_argument("--chunks", type=int, default=40)
-    e.add_argument("--part", choices=["sampled", "train"], default="sampled")
+    e.add_argument("--part", choices=["sampled", "train", "open"], default="sampled")
+    o = sub.add_parser("openings")
+    o.add_argument("--n", type=int, default=6144)
+    o.add_argument("--seed", type=int, default=0)
+    o.add_argument("--start", type=int, default=0, help="the first chunk (of 128 prompts) to continue")
+    o.add_argument("--stop", type=int, default=None, help="the chunk to stop before (0: only the prompts)")
+    o.add_argument("--new-tokens", type=int, default=128)
     t = sub.add_parser("train")
     t.add_argument("--files", type=int, default=40)
     t.add_argument("--epochs", type=float, default=2.0)
@@ -389,7 +508,7 @@ def main(argv=None):
     v.add_argument("--shipped", action="store_true", help="replay the shipped standalone draft instead")
     for p in (t, v):
         p.add_argument("--weights", default="feature_draft.pt")
-    for p in (e, t, v):
+    for p in (e, t, v, o):
         p.add_argument("--threads", type=int, default=2)
     x = sub.add_parser("export")
     x.add_argument("--out", required=True)
@@ -397,7 +516,8 @@ def main(argv=None):
     x.add_argument("--threads", type=int, default=1)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    {"extract": cmd_extract, "train": cmd_train, "eval": cmd_eval, "export": cmd_export}[args.cmd](args)
+    {"extract": cmd_extract, "train": cmd_train, "eval": cmd_eval, "export": cmd_export,
+     "openings": cmd_openings}[args.cmd](args)
 
 
 if __name__ == "__main__":
