@@ -74,6 +74,21 @@ def run_sweep(rows: list[int], min_time_s: float, isas: list[str] = ()) -> list[
     return out
 
 
+def _alternating_medians_us(calls: dict, reps: int, flush=None) -> dict:
+    """Median microseconds of each call in ``calls`` (name -> no-argument function) over ``reps``
+    rounds, the calls alternating; ``flush``: a tensor updated in place before each call (a 64 MB
+    stream, as a target step leaves the caches)."""
+    ts = {name: [] for name in calls}
+    for _ in range(reps):
+        for name, f in calls.items():
+            if flush is not None:
+                flush.add_(1.0)
+            t0 = time.perf_counter()
+            f()
+            ts[name].append((time.perf_counter() - t0) * 1e6)
+    return {name: sorted(v)[len(v) // 2] for name, v in ts.items()}
+
+
 def draft_fp16_shapes() -> list[tuple[int, int]]:
     """The embedded draft's layer shapes (hidden 192, MLP 768) and its 12,288-row output layer."""
     return [(192, 192), (768, 192), (192, 768), (12288, 192)]
@@ -94,16 +109,9 @@ def run_draft_fp16(rows: list[int], reps: int) -> list[dict]:
             x = torch.randn(m, k, generator=g)
             assert torch.equal(op(x, w, None, "auto"), op(x, w, None, "avx2_1row"))
             for cold in (False, True):
-                ts = {"auto": [], "avx2_1row": []}
-                for _ in range(reps):
-                    for isa in ts:
-                        if cold:
-                            flush.add_(1.0)
-                        t0 = time.perf_counter()
-                        op(x, w, None, isa)
-                        ts[isa].append((time.perf_counter() - t0) * 1e6)
-                med = {isa: sorted(v)[len(v) // 2] for isa, v in ts.items()}
-                for isa in ts:
+                med = _alternating_medians_us({isa: (lambda isa=isa: op(x, w, None, isa))
+                                               for isa in ("auto", "avx2_1row")}, reps, flush if cold else None)
+                for isa in med:
                     out.append({"bench": f"draft fp16 {n}x{k} {'after 64 MB' if cold else 'hot'}",
                                 "provider": "skinny " + isa, "rows": m, "ms": med[isa] / 1e3,
                                 "speedup_vs_one_row": med["avx2_1row"] / med[isa]})
@@ -130,16 +138,9 @@ def run_draft_int8(rows: list[int], reps: int) -> list[dict]:
     for m in rows:
         x = torch.randn(m, 576, generator=g)
         for cold in (False, True):
-            ts = {name: [] for name in calls}
-            for _ in range(reps):
-                for name, f in calls.items():
-                    if cold:
-                        flush.add_(1.0)
-                    t0 = time.perf_counter()
-                    f(x)
-                    ts[name].append((time.perf_counter() - t0) * 1e6)
-            med = {name: sorted(v)[len(v) // 2] for name, v in ts.items()}
-            for name in ts:
+            med = _alternating_medians_us({name: (lambda f=f: f(x)) for name, f in calls.items()}, reps,
+                                          flush if cold else None)
+            for name in med:
                 out.append({"bench": f"feature head 12288x576 {'after 64 MB' if cold else 'hot'}",
                             "provider": "skinny " + name, "rows": m, "ms": med[name] / 1e3,
                             "speedup_vs_fp16": med["fp16"] / med[name]})
