@@ -213,20 +213,15 @@ def main(argv=None) -> int:
     print(cond)
     from specdec_kernels.cpu_linear import supported_isas
 
-    if args.draft_int8:
-        results = run_draft_int8(rows, max(args.reps, 200))
-        cols = ["bench", "provider", "rows", "ms", "speedup_vs_fp16"]
-        harness.print_table(results, cols)
-        harness.append_csv(args.csv.replace(".csv", "_draft_int8.csv"),
-                           [{**cond, **{c: r.get(c) for c in cols}} for r in results])
-        return 0
-    if args.draft_fp16:
-        results = run_draft_fp16(rows, max(args.reps, 200))
-        cols = ["bench", "provider", "rows", "ms", "speedup_vs_one_row"]
-        harness.print_table(results, cols)
-        harness.append_csv(args.csv.replace(".csv", "_draft_fp16.csv"),
-                           [{**cond, **{c: r.get(c) for c in cols}} for r in results])
-        return 0
+    for on, run, ratio, suffix in ((args.draft_int8, run_draft_int8, "speedup_vs_fp16", "_draft_int8"),
+                                   (args.draft_fp16, run_draft_fp16, "speedup_vs_one_row", "_draft_fp16")):
+        if on:  # a draft-layer mode alone, in its own CSV
+            results = run(rows, max(args.reps, 200))
+            cols = ["bench", "provider", "rows", "ms", ratio]
+            harness.print_table(results, cols)
+            harness.append_csv(args.csv.replace(".csv", suffix + ".csv"),
+                               [{**cond, **{c: r.get(c) for c in cols}} for r in results])
+            return 0
     results = run_sweep(rows, args.min_time, list(supported_isas()) if args.isa else [])
     if args.model:
         results += run_model(rows, args.reps)
