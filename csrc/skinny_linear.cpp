@@ -12,9 +12,10 @@
 // give the fp32 result bit for bit from half the bytes: the embedded draft is stored in fp16),
 // or int8 (widened exactly to fp32 as well: y = x @ w^T over the integer values, the same
 // arithmetic from a quarter of the bytes; a caller applies its per-row scales afterwards, as the
-// feature draft's int8 output layer does, specdec_kernels/runners.py).
+// feature draft's int8 output layer does: use_skinny_linear(int8_weights=True) in
+// specdec_kernels/cpu_linear.py).
 //
-// Memory traffic: reads N*K*4 bytes of weight (N*K*2 in fp16; once, the floor: every weight is needed), M*K*4
+// Memory traffic: reads N*K*4 bytes of weight (N*K*2 in fp16, N*K in int8; once, the floor: every weight is needed), M*K*4
 // of x (from cache, M rows are reused for every weight block) and N*4 of bias; writes M*N*4.
 // Arithmetic: 2*M*N*K flops, so for M <= ~16 rows on a single AVX2 core the weight stream, not
 // the FMAs, sets the time.
