@@ -26,6 +26,8 @@ target's greedy ones is counted; greedy speculative decoding is then replayed as
         --weights fd768u.pt         # + EAGLE-3's training-time test for the second chain step
     python scripts/feature_draft_spike.py eval --weights fd768u.pt [--shipped]   # replay (--shipped: the draft model)
     python scripts/feature_draft_spike.py export --weights fd768u.pt --out DIR   # for drafter="feature"
+    python scripts/feature_draft_spike.py openings --n 1792 --seed 0             # new plain-text data (docs)
+    python scripts/feature_draft_spike.py extract --part open --chunks 100       # its features
 
 (The commands that made the shipped one, with their times, are in docs/feature_draft.md.)
 
