@@ -394,3 +394,7 @@ def test_use_skinny_linear_bad_max_rows():
         use_skinny_linear(_Tiny(), max_rows=0)
     with pytest.raises(TypeError, match="model must be a torch.nn.Module, got dict"):
         use_skinny_linear({})
+    with pytest.raises(TypeError, match="int8_weights must be a bool, got str"):
+        use_skinny_linear(_Tiny(), int8_weights="yes")
+    with pytest.raises(TypeError, match="fp16_weights must be a bool, got int"):
+        use_skinny_linear(_Tiny(), fp16_weights=1)

@@ -186,32 +186,23 @@ def _make_forward(m: nn.Linear, max_rows: int, calls: list, w16: Optional[Tensor
     """``m``'s patched forward: the kernel for fp32 CPU inputs of at most ``max_rows`` rows with
     grad off, torch's linear otherwise.  Written for a low per-call cost (a 135M model makes
     ~200 of these calls per token): bound locals, no attribute lookups beyond the module's.
-    ``q8``: (int8 weights, row scales): the kernel over the int8 values, then the scales."""
+    ``w16``: the exact fp16 copy to stream; ``q8``: (int8 weights, row scales): the kernel over
+    the int8 values, then the scales and the bias."""
     op = torch.ops.specdec.skinny_linear.default
     f32 = torch.float32
     linear = F.linear
     grad_enabled = torch.is_grad_enabled
-
-    if q8 is not None:
-        w8, scale = q8
-
-        def forward_q8(x: Tensor) -> Tensor:
-            w = m.weight
-            if (x.dtype is f32 and w.dtype is f32 and x.is_cpu and w.is_cpu
-                    and x.numel() <= max_rows * x.shape[-1] and not grad_enabled()):
-                calls[0] += 1
-                y = op(x, w8, None).mul_(scale)
-                return y if m.bias is None else y.add_(m.bias)
-            return linear(x, w, m.bias)
-
-        return forward_q8
+    streamed, scale = q8 if q8 is not None else (w16, None)
 
     def forward(x: Tensor) -> Tensor:
         w = m.weight
         if (x.dtype is f32 and w.dtype is f32 and x.is_cpu and w.is_cpu
                 and x.numel() <= max_rows * x.shape[-1] and not grad_enabled()):
             calls[0] += 1
-            return op(x, w if w16 is None else w16, m.bias)
+            if scale is None:
+                return op(x, w if streamed is None else streamed, m.bias)
+            y = op(x, streamed, None).mul_(scale)
+            return y if m.bias is None else y.add_(m.bias)
         return linear(x, w, m.bias)
 
     return forward
@@ -227,22 +218,28 @@ class SkinnyLinearHandle:
         self.modules = modules
         self.max_rows = max_rows
         self._calls = [0]
+        # per layer (by id) what it streams instead of its fp32 weight: (fp16 copy, None) or
+        # (None, (int8 copy, row scales)); taken once here (a weight made under inference mode
+        # has no version counter, so its copies are not cached on the module)
+        self._copies = {}
+        for m in modules:
+            q8 = _int8_copy(m) if int8_weights else None
+            w16 = _exact_fp16_copy(m) if fp16_weights and q8 is None else None
+            if q8 is not None or w16 is not None:
+                self._copies[id(m)] = (w16, q8)
         # the layers whose weights stream as int8 copies with row scales (int8_weights)
-        self.int8 = [m for m in modules if int8_weights and _int8_copy(m) is not None]
+        self.int8 = [m for m in modules if self._copies.get(id(m), (None, None))[1] is not None]
         # the layers whose weights stream as exact fp16 copies
-        q8 = {id(m) for m in self.int8}
-        self.fp16 = [m for m in modules if fp16_weights and id(m) not in q8 and _exact_fp16_copy(m) is not None]
+        self.fp16 = [m for m in modules if self._copies.get(id(m), (None, None))[0] is not None]
 
     @property
     def calls(self) -> int:
         return self._calls[0]
 
     def _install(self) -> None:
-        fp16 = {id(m) for m in self.fp16}
-        q8 = {id(m) for m in self.int8}
         for m in self.modules:
-            w16 = _exact_fp16_copy(m) if id(m) in fp16 else None
-            m.forward = _make_forward(m, self.max_rows, self._calls, w16, _int8_copy(m) if id(m) in q8 else None)
+            w16, q8 = self._copies.get(id(m), (None, None))
+            m.forward = _make_forward(m, self.max_rows, self._calls, w16, q8)
 
     def remove(self) -> None:
         for m in self.modules:
@@ -286,6 +283,9 @@ def use_skinny_linear(model: nn.Module, max_rows: Optional[int] = None,
         )
     if not isinstance(model, nn.Module):
         raise TypeError(f"use_skinny_linear: model must be a torch.nn.Module, got {type(model).__name__}")
+    for name, flag in (("fp16_weights", fp16_weights), ("int8_weights", int8_weights)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"use_skinny_linear: {name} must be a bool, got {type(flag).__name__}")
     if max_rows is None:
         max_rows = default_max_rows()
     if not isinstance(max_rows, int) or isinstance(max_rows, bool) or max_rows < 1:

@@ -269,7 +269,8 @@ def _verify_greedy(a: _Args) -> tuple[torch.Tensor, torch.Tensor]:
     # Maxima and their first indices in the logits' own dtype: a bf16/fp16 -> fp32 conversion
     # is exact and monotone, so both are those of the reference's s = logits.float().
     m, argmax = _max_and_first_argmax(logits.reshape(B * K1, V))
-    if B * K1 <= _HOST_GREEDY_MAX and not torch.compiler.is_compiling():
+    if B * K1 <= _HOST_GREEDY_MAX and logits.device.type == "cpu" and not torch.compiler.is_compiling():
+        # (CPU only: reading device tensors on the host would be a sync per call)
         return _greedy_host(a, m, argmax, B, K, V)
     _, bad_param, _ = _row_parameters(kb, a.temperature, a.top_k, a.top_p, K)
     argmax = argmax.view(B, K1)  # [B, K+1]: first index of the maximum, as the reference
@@ -401,15 +402,15 @@ def _verify_impl(target_logits, draft_tokens, draft_probs, num_draft_tokens, tem
 
 
 def _verify_checked(target_logits, draft_tokens, draft_probs, num_draft_tokens, temperature, top_k, top_p,
-                    seed, offset) -> VerifyOutput:
-    """``fused_verify`` for a caller whose arguments are already what ``_normalize`` returns
-    ([B] tensors of its dtypes on the logits' device, in range: ``SpeculativeDecoder``, which
-    checks its parameters once per ``generate``), without the per-call checks: inside the
-    decoder's CPU loop those cost about 0.2 ms a step (Zen 5 VM, 1 thread, B = 1), about 1% of
-    a step of the embedded target.  The same computation, so the same outputs."""
+                    seed, offset, uniforms=None, backend: str = "auto") -> VerifyOutput:
+    """``fused_verify`` from arguments that are already what ``_normalize`` returns ([B] tensors
+    of its dtypes on the logits' device, in range), without the per-call checks: the tail of
+    ``fused_verify``, and ``SpeculativeDecoder``'s entry (it checks its parameters once per
+    ``generate``; inside its CPU loop the checks cost about 0.2 ms a step, Zen 5 VM, 1 thread,
+    B = 1, about 1% of a step of the embedded target).  The same computation either way."""
     fn = _fused_verify_op if torch.compiler.is_compiling() else _verify_impl
     tokens, num_accepted = fn(target_logits, draft_tokens, draft_probs, num_draft_tokens, temperature, top_k,
-                              top_p, seed, offset, None, "auto")
+                              top_p, seed, offset, uniforms, backend)
     return VerifyOutput(tokens, num_accepted)
 
 
@@ -491,6 +492,4 @@ def fused_verify(
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
     a = _normalize(target_logits, draft_tokens, draft_probs, num_draft_tokens, temperature, top_k,
                    top_p, seed, offset, uniforms)
-    fn = _fused_verify_op if torch.compiler.is_compiling() else _verify_impl
-    tokens, num_accepted = fn(*a, backend)
-    return VerifyOutput(tokens, num_accepted)
+    return _verify_checked(*a, backend=backend)
