@@ -168,9 +168,7 @@ def _resolve_backend(backend: str, device: torch.device) -> str:
 
 
 def _launch_triton(a: _Args) -> tuple[torch.Tensor, torch.Tensor]:
-    import triton  # imported lazily: the torch path needs no Triton
-
-    from ._verify_kernel import _verify_kernel
+    from ._verify_kernel import _verify_kernel  # imported lazily: the torch path needs no Triton
 
     logits = a.target_logits if a.target_logits.stride(-1) == 1 else a.target_logits.contiguous()
     B, K1, V = logits.shape
@@ -185,7 +183,6 @@ def _launch_triton(a: _Args) -> tuple[torch.Tensor, torch.Tensor]:
         q = q.contiguous()
     uniforms = a.uniforms.contiguous() if a.uniforms is not None else None
     dummy = num_accepted  # stands in for absent optional pointers; never dereferenced
-    block_v = max(16, min(triton.next_power_of_2(V), _MAX_BLOCK_V))
     _verify_kernel[(B,)](
         logits, logits.stride(0), logits.stride(1),
         a.draft_tokens, a.draft_tokens.stride(0),
@@ -197,15 +194,22 @@ def _launch_triton(a: _Args) -> tuple[torch.Tensor, torch.Tensor]:
         uniforms if uniforms is not None else dummy,
         tokens, num_accepted,
         K, V, q.shape[-1] if q is not None else V,
-        HAS_DRAFT_PROBS=q is not None,
-        HAS_TOP_K=a.top_k is not None,
-        HAS_TOP_P=a.top_p is not None,
-        HAS_UNIFORMS=uniforms is not None,
-        BLOCK_V=block_v,
-        BLOCK_K=triton.next_power_of_2(K1),
-        num_warps=8 if block_v >= 2048 else 4,
+        **_kernel_meta(V, K1, q is not None, a.top_k is not None, a.top_p is not None, uniforms is not None),
     )
     return tokens, num_accepted
+
+
+def _kernel_meta(V: int, K1: int, has_draft_probs: bool, has_top_k: bool, has_top_p: bool,
+                 has_uniforms: bool) -> dict:
+    """The verify kernel's compile-time parameters for a launch over V tokens and K + 1 = K1
+    positions: its constexprs and num_warps.  The launch and the ahead-of-time compile check
+    (``scripts/gpu_compile_check.py``) both take them from here."""
+    import triton  # imported lazily, as above
+
+    block_v = max(16, min(triton.next_power_of_2(V), _MAX_BLOCK_V))
+    return dict(HAS_DRAFT_PROBS=has_draft_probs, HAS_TOP_K=has_top_k, HAS_TOP_P=has_top_p,
+                HAS_UNIFORMS=has_uniforms, BLOCK_V=block_v, BLOCK_K=triton.next_power_of_2(K1),
+                num_warps=8 if block_v >= 2048 else 4)
 
 
 def _all_greedy(a: _Args) -> bool:

@@ -1,0 +1,251 @@
+"""Compile the package's GPU code for a GPU this machine does not have (ahead of time).
+
+Two parts, each compiled for the given compute capabilities (default 9.0: H100/H200) and each
+cubin's resource usage read back with ``cuobjdump --dump-resource-usage``:
+
+- ``triton``: the verify kernel (``specdec_kernels/_verify_kernel.py``) through
+  ``triton.compile`` with a ``GPUTarget`` (no driver or GPU needed: Triton's own ptxas makes
+  the cubin), once per specialisation listed in ``VARIANTS``: the constexprs and num_warps come
+  from ``verify._kernel_meta``, as for a launch, and the argument types are the ones the launcher
+  passes (an absent optional pointer is the int64 placeholder it passes instead).  Integer
+  arguments are typed i32 (the JIT's type for values that fit) without the JIT's divisibility
+  hints, which change scheduling, not validity.
+- ``cuda``: the CUDA source of the C++ ops (``csrc/*.cu``) through ``nvcc -c`` with the flags
+  torch's ``BuildExtension`` gives a ``CUDAExtension`` (torch's include paths, its common nvcc
+  flags, ``-std=c++20``, the extension's defines), when nvcc is found.  A CPU build of torch
+  ships the CUDA headers but not ``c10/cuda/impl/cuda_cmake_macros.h``, which a CUDA build
+  generates: the check then supplies that one-line header (``#define
+  C10_CUDA_BUILD_SHARED_LIBS``, what a CUDA build of torch writes there).
+
+Nothing runs: a compile check says that the code is valid for that architecture and what it
+uses (registers, stack, local memory: spills show there), not that it is correct; the CUDA
+tests (``bench/gpu_check.sh``) do that on a GPU.  Exit status 1 when anything failed to compile.
+
+    python scripts/gpu_compile_check.py                      # both parts, sm_90
+    python scripts/gpu_compile_check.py --arch 80,90 --json out.json
+    python scripts/gpu_compile_check.py --only triton
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+# (name, logits dtype, draft token dtype, V, K, draft_probs, top_k, top_p, uniforms)
+VARIANTS = [
+    ("fp32 plain", "fp32", "i64", 49152, 4, True, False, False, False),
+    ("fp32 top-k + top-p", "fp32", "i64", 49152, 4, True, True, True, False),
+    ("fp32 top-k", "fp32", "i64", 49152, 4, True, True, False, False),
+    ("fp32 top-p", "fp32", "i64", 49152, 4, True, False, True, False),
+    ("fp32 one-hot drafts", "fp32", "i64", 49152, 4, False, False, False, False),
+    ("fp32 one-hot drafts + top-k + top-p", "fp32", "i64", 49152, 4, False, True, True, False),
+    ("fp32 given uniforms", "fp32", "i64", 49152, 4, True, True, True, True),
+    ("bf16 plain", "bf16", "i64", 49152, 4, True, False, False, False),
+    ("bf16 top-k + top-p", "bf16", "i64", 49152, 4, True, True, True, False),
+    ("fp16 plain", "fp16", "i32", 49152, 4, True, False, False, False),
+    ("fp32 K = 0", "fp32", "i64", 49152, 0, True, False, False, False),
+    ("fp32 K = 15", "fp32", "i64", 152064, 15, True, True, True, False),
+    ("fp32 V = 100", "fp32", "i64", 100, 3, True, True, True, False),
+]
+
+_USAGE = re.compile(r"Function (\S+):\s*\n\s*REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
+
+
+def _arch_list(text: str) -> list:
+    out = []
+    for part in text.split(","):
+        part = part.strip().replace(".", "")
+        if not part.isdigit() or len(part) < 2:
+            raise argparse.ArgumentTypeError(f"--arch: compute capabilities like 90 or 9.0, got {part!r}")
+        out.append(int(part))
+    return out
+
+
+def cuobjdump() -> str | None:
+    """Triton's bundled cuobjdump, else the CUDA toolkit's, else None."""
+    import triton
+
+    bundled = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if bundled.is_file():
+        return str(bundled)
+    return shutil.which("cuobjdump")
+
+
+def resource_usage(path: str) -> dict:
+    """{kernel name: {regs, stack, shared, local}} of a cubin or object file (empty without cuobjdump)."""
+    tool = cuobjdump()
+    if tool is None:
+        return {}
+    out = subprocess.run([tool, "--dump-resource-usage", path], capture_output=True, text=True, check=True).stdout
+    return {m[1]: dict(regs=int(m[2]), stack=int(m[3]), shared=int(m[4]), local=int(m[5]))
+            for m in _USAGE.finditer(out)}
+
+
+def verify_signature(logits: str, tokens: str, meta: dict) -> dict:
+    """The verify kernel's argument types for a launch with these dtypes and flags."""
+    from specdec_kernels._verify_kernel import _verify_kernel
+
+    placeholder = "*i64"  # the launcher passes num_accepted for an absent optional pointer
+    sig = dict(
+        logits_ptr=f"*{logits}", stride_lb="i32", stride_lk="i32",
+        draft_tokens_ptr=f"*{tokens}", stride_tb="i32",
+        draft_probs_ptr="*fp32" if meta["HAS_DRAFT_PROBS"] else placeholder, stride_qb="i32", stride_qk="i32",
+        num_draft_ptr="*i64", temperature_ptr="*fp32",
+        top_k_ptr="*i64", top_p_ptr="*fp32" if meta["HAS_TOP_P"] else placeholder,
+        seed_ptr="*i64", offset_ptr="*i64",
+        uniforms_ptr="*fp32" if meta["HAS_UNIFORMS"] else placeholder,
+        tokens_ptr="*i64", num_accepted_ptr="*i64",
+        K="i32", V="i32", Vd="i32",
+    )
+    params = list(inspect.signature(_verify_kernel.fn).parameters)
+    for name in params:
+        if name not in sig:
+            sig[name] = "constexpr"
+    if list(sig) != params:
+        raise RuntimeError(f"the verify kernel's parameters changed: {params}; update verify_signature")
+    return sig
+
+
+def compile_triton(archs: list) -> list:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from specdec_kernels._verify_kernel import _verify_kernel
+    from specdec_kernels.verify import _kernel_meta
+
+    results = []
+    tmp = tempfile.mkdtemp(prefix="specdec-aot-")
+    for arch in archs:
+        for name, logits, tokens, V, K, has_q, has_k, has_p, has_u in VARIANTS:
+            meta = _kernel_meta(V, K + 1, has_q, has_k, has_p, has_u)
+            num_warps = meta.pop("num_warps")
+            row = dict(part="triton", kernel="_verify_kernel", variant=name, arch=arch, num_warps=num_warps,
+                       BLOCK_V=meta["BLOCK_V"], BLOCK_K=meta["BLOCK_K"], triton=triton.__version__)
+            t0 = time.time()
+            try:
+                src = ASTSource(fn=_verify_kernel, signature=verify_signature(logits, tokens, meta), constexprs=meta)
+                k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=num_warps))
+                path = os.path.join(tmp, f"verify-{arch}-{len(results)}.cubin")
+                with open(path, "wb") as f:
+                    f.write(k.asm["cubin"])
+                row.update(ok=True, **resource_usage(path).get("_verify_kernel", {}))
+            except Exception as e:  # noqa: BLE001  (reported, and the exit status says it)
+                row.update(ok=False, error=f"{type(e).__name__}: {e}"[-2000:])
+            row["seconds"] = round(time.time() - t0, 2)
+            results.append(row)
+    shutil.rmtree(tmp, ignore_errors=True)
+    return results
+
+
+def _nvcc() -> str | None:
+    """torch's CUDA_HOME/bin/nvcc where torch found a toolkit, else nvcc on PATH, else None."""
+    from torch.utils import cpp_extension as ce
+
+    if ce.CUDA_HOME and os.path.exists(os.path.join(ce.CUDA_HOME, "bin", "nvcc")):
+        return os.path.join(ce.CUDA_HOME, "bin", "nvcc")
+    return shutil.which("nvcc")
+
+
+def nvcc_command(source: str, output: str, arch: int, shim_dir: str | None) -> list:
+    """nvcc -c for one csrc/*.cu file, with the flags BuildExtension gives a CUDAExtension."""
+    import sysconfig
+
+    import torch
+    from torch.utils import cpp_extension as ce
+
+    nvcc = os.path.join(ce.CUDA_HOME, "bin", "nvcc") if ce.CUDA_HOME else shutil.which("nvcc")
+    # nvcc adds its own toolkit's include directory (cuda_runtime.h) itself
+    includes = [str(ROOT / "csrc")] + ([shim_dir] if shim_dir else []) + ce.include_paths("cpu") + [
+        sysconfig.get_paths()["include"]]
+    abi = int(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True))
+    return ([nvcc, "-c", source, "-o", output] + [f"-I{p}" for p in includes] + ce.COMMON_NVCC_FLAGS
+            + ["--compiler-options", "-fPIC", "-O3", "-std=c++20", "-DTORCH_API_INCLUDE_EXTENSION_H",
+               "-DTORCH_EXTENSION_NAME=_C", "-DPy_LIMITED_API=0x030a0000", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+               f"-gencode=arch=compute_{arch},code=sm_{arch}"])
+
+
+def compile_cuda(archs: list, sources: list | None = None) -> list:
+    from torch.utils import cpp_extension as ce
+
+    nvcc = _nvcc()
+    if nvcc is None:
+        return [dict(part="cuda", ok=None, error="nvcc not found (set CUDA_HOME or put nvcc on PATH)")]
+    version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1]
+    tmp = tempfile.mkdtemp(prefix="specdec-nvcc-")
+    shim = None
+    torch_include = ce.include_paths("cpu")[0]
+    if not os.path.exists(os.path.join(torch_include, "c10", "cuda", "impl", "cuda_cmake_macros.h")):
+        shim = os.path.join(tmp, "shim")
+        os.makedirs(os.path.join(shim, "c10", "cuda", "impl"))
+        with open(os.path.join(shim, "c10", "cuda", "impl", "cuda_cmake_macros.h"), "w") as f:
+            f.write("#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n")
+    results = []
+    for arch in archs:
+        for source in sources or sorted(str(p) for p in (ROOT / "csrc").glob("*.cu")):
+            out = os.path.join(tmp, f"{Path(source).stem}-{arch}.o")
+            row = dict(part="cuda", source=os.path.relpath(source, ROOT) if source.startswith(str(ROOT)) else source,
+                       arch=arch, nvcc=version, shim_header=shim is not None)
+            t0 = time.time()
+            proc = subprocess.run(nvcc_command(source, out, arch, shim), capture_output=True, text=True)
+            row["seconds"] = round(time.time() - t0, 2)
+            if proc.returncode != 0:
+                errors = [ln for ln in proc.stderr.splitlines() if "error" in ln]
+                row.update(ok=False, error="\n".join(errors[:20]) or proc.stderr[-2000:])
+            else:
+                row.update(ok=True, kernels=resource_usage(out))
+            results.append(row)
+    shutil.rmtree(tmp, ignore_errors=True)
+    return results
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arch", type=_arch_list, default=[90], help="compute capabilities, e.g. 80,90 (default 90)")
+    ap.add_argument("--only", choices=["triton", "cuda"], default=None)
+    ap.add_argument("--cu", action="append", default=None, help="a .cu file instead of csrc/*.cu (repeatable)")
+    ap.add_argument("--json", default=None, help="also write the results to this file")
+    args = ap.parse_args(argv)
+    # The interpreter replaces @triton.jit functions with interpreted ones, which cannot be
+    # compiled: the kernel module must be imported without it (in a fresh process).
+    if os.environ.pop("TRITON_INTERPRET", None) and "specdec_kernels._verify_kernel" in sys.modules:
+        raise SystemExit("run this in a process that has not imported the kernel under TRITON_INTERPRET")
+    results = []
+    if args.only in (None, "triton"):
+        results += compile_triton(args.arch)
+    if args.only in (None, "cuda"):
+        results += compile_cuda(args.arch, args.cu)
+    for r in results:
+        what = r.get("variant") or r.get("source") or ""
+        status = {True: "ok", False: "FAILED", None: "skipped"}[r["ok"]]
+        line = f"{r['part']:6s} sm_{r.get('arch', '?')} {what:38s} {status}"
+        if r["part"] == "triton" and r["ok"]:
+            line += (f"  {r.get('regs', '?')} regs, stack {r.get('stack', '?')}, local {r.get('local', '?')}, "
+                     f"shared {r.get('shared', '?')} B, {r['num_warps']} warps, BLOCK_V {r['BLOCK_V']}")
+        elif r["part"] == "cuda" and r["ok"] and r["kernels"]:
+            use = r["kernels"].values()
+            line += (f"  {len(use)} kernels: {min(u['regs'] for u in use)}-{max(u['regs'] for u in use)} regs, "
+                     f"local {max(u['local'] for u in use)}, stack {max(u['stack'] for u in use)}")
+        print(line)
+        if r["ok"] is False or r["ok"] is None:
+            print("    " + r["error"].replace("\n", "\n    "))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 1 if any(r["ok"] is False for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
