@@ -5,7 +5,8 @@ the kernel computes, not that Triton's compiler accepts it for a GPU.  Here
 ``scripts/gpu_compile_check.py`` compiles it ahead of time with Triton's own ptxas for each
 specialisation the launcher makes, and compiles ``csrc/*.cu`` with nvcc and torch's extension
 flags (when nvcc is on the machine), in a subprocess without the interpreter; each cubin must
-use no local memory (a register spill shows there).  Nothing is run: correctness on a GPU is
+use no local memory (a register spill shows there), and the kernel's PTX must hold no fused
+multiply-add (fusion is pinned off).  Nothing is run: correctness on a GPU is
 the CUDA tests' (bench/gpu_check.sh).
 """
 
@@ -51,6 +52,9 @@ def test_verify_kernel_compiles_for_sm90(tmp_path):
         assert "regs" in r, f"no resource usage read back for {r['variant']} (cuobjdump)"
         assert 0 < r["regs"] <= 255
         assert r["local"] == 0, f"{r['variant']}: {r['local']} bytes of local memory (register spills)"
+        # multiply-adds are not contracted into FMAs (verify._kernel_meta pins enable_fp_fusion
+        # off: the interpreter's and the reference's roundings, whatever Triton's default)
+        assert r["enable_fp_fusion"] is False and r["fma_f32"] == 0, (r["variant"], r["fma_f32"])
 
 
 @pytest.mark.skipif(not _nvcc_available(), reason="nvcc not found: the CUDA source compile check needs a CUDA "

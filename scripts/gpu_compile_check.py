@@ -131,17 +131,21 @@ def compile_triton(archs: list) -> list:
     for arch in archs:
         for name, logits, tokens, V, K, has_q, has_k, has_p, has_u in VARIANTS:
             meta = _kernel_meta(V, K + 1, has_q, has_k, has_p, has_u)
-            num_warps = meta.pop("num_warps")
+            options = dict(num_warps=meta.pop("num_warps"), enable_fp_fusion=meta.pop("enable_fp_fusion"))
+            num_warps = options["num_warps"]
             row = dict(part="triton", kernel="_verify_kernel", variant=name, arch=arch, num_warps=num_warps,
                        BLOCK_V=meta["BLOCK_V"], BLOCK_K=meta["BLOCK_K"], triton=triton.__version__)
             t0 = time.time()
             try:
                 src = ASTSource(fn=_verify_kernel, signature=verify_signature(logits, tokens, meta), constexprs=meta)
-                k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=num_warps))
+                k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
                 path = os.path.join(tmp, f"verify-{arch}-{len(results)}.cubin")
                 with open(path, "wb") as f:
                     f.write(k.asm["cubin"])
-                row.update(ok=True, **resource_usage(path).get("_verify_kernel", {}))
+                # fused multiply-adds in the PTX: none while enable_fp_fusion is off (the kernel
+                # writes no tl.fma), hundreds with it on
+                row.update(ok=True, enable_fp_fusion=options["enable_fp_fusion"],
+                           fma_f32=k.asm["ptx"].count("fma.rn.f32"), **resource_usage(path).get("_verify_kernel", {}))
             except Exception as e:  # noqa: BLE001  (reported, and the exit status says it)
                 row.update(ok=False, error=f"{type(e).__name__}: {e}"[-2000:])
             row["seconds"] = round(time.time() - t0, 2)
@@ -233,7 +237,7 @@ def main(argv=None) -> int:
         line = f"{r['part']:6s} sm_{r.get('arch', '?')} {what:38s} {status}"
         if r["part"] == "triton" and r["ok"]:
             line += (f"  {r.get('regs', '?')} regs, stack {r.get('stack', '?')}, local {r.get('local', '?')}, "
-                     f"shared {r.get('shared', '?')} B, {r['num_warps']} warps, BLOCK_V {r['BLOCK_V']}")
+                     f"shared {r.get('shared', '?')} B, {r['num_warps']} warps, BLOCK_V {r['BLOCK_V']}, {r['fma_f32']} FMA")
         elif r["part"] == "cuda" and r["ok"] and r["kernels"]:
             use = r["kernels"].values()
             line += (f"  {len(use)} kernels: {min(u['regs'] for u in use)}-{max(u['regs'] for u in use)} regs, "

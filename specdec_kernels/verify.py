@@ -202,14 +202,19 @@ def _launch_triton(a: _Args) -> tuple[torch.Tensor, torch.Tensor]:
 def _kernel_meta(V: int, K1: int, has_draft_probs: bool, has_top_k: bool, has_top_p: bool,
                  has_uniforms: bool) -> dict:
     """The verify kernel's compile-time parameters for a launch over V tokens and K + 1 = K1
-    positions: its constexprs and num_warps.  The launch and the ahead-of-time compile check
-    (``scripts/gpu_compile_check.py``) both take them from here."""
+    positions: its constexprs, num_warps and enable_fp_fusion.  The launch and the
+    ahead-of-time compile check (``scripts/gpu_compile_check.py``) both take them from here.
+
+    enable_fp_fusion is pinned off: a multiply and an add stay two roundings, as in the
+    interpreter and the torch reference (the online softmax's ``acc * exp(m - m') + exp(s - m')``
+    would otherwise become one FMA), and the bits do not change with Triton's default (on in
+    3.6-3.9, off from 3.10)."""
     import triton  # imported lazily, as above
 
     block_v = max(16, min(triton.next_power_of_2(V), _MAX_BLOCK_V))
     return dict(HAS_DRAFT_PROBS=has_draft_probs, HAS_TOP_K=has_top_k, HAS_TOP_P=has_top_p,
                 HAS_UNIFORMS=has_uniforms, BLOCK_V=block_v, BLOCK_K=triton.next_power_of_2(K1),
-                num_warps=8 if block_v >= 2048 else 4)
+                num_warps=8 if block_v >= 2048 else 4, enable_fp_fusion=False)
 
 
 def _all_greedy(a: _Args) -> bool:
