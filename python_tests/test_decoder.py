@@ -200,9 +200,10 @@ def _synthetic_times(monkeypatch, slope: float, seen: list):
 
     orig = stats_mod.StatsRecorder.record_times
 
-    def record_times(self, t_draft_total, n_draft_forwards, t_target, first_step, k=None):
+    def record_times(self, t_draft_total, n_draft_forwards, t_target, first_step, k=None, draft_typical=True):
         seen.append((k, first_step))
-        orig(self, 0.02 * n_draft_forwards, n_draft_forwards, 1.0 + slope * k, first_step, k=k)
+        orig(self, 0.02 * n_draft_forwards, n_draft_forwards, 1.0 + slope * k, first_step, k=k,
+             draft_typical=draft_typical)
 
     monkeypatch.setattr(stats_mod.StatsRecorder, "record_times", record_times)
 

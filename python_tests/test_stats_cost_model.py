@@ -133,13 +133,24 @@ def test_line_fit_used_by_the_recorder_with_counts_as_weights():
 
 
 def test_exploration_measures_a_second_length():
-    rec = _recorder(10)
+    """Measured at one length only: one step at the other length that the prior shape through
+    it rates best (K = 0 among them with allow_zero)."""
+    rec = _recorder(10)  # alpha 0.785, T_draft 0.05, r = 0.1
     _inject(rec, 4, 1.0)
-    assert rec.choose_k(8) == 1  # measured K = 4 only: explore K = 1
+    # T(n) = (1 + 0.1 (n - 1)) / 1.4 through T(5) = 1: rates E(K) / (0.05 K + T(K + 1)) are
+    # 2.674 at K = 3, 2.696 at K = 5, 2.631 at K = 6: explore K = 5
+    assert rec.choose_k(8) == 5
     rec2 = _recorder(10)
     _inject(rec2, 1, 1.0)
-    assert rec2.choose_k(8) == 4 and rec2.choose_k(3) == 3
-    assert rec2.choose_k(1) == 1
+    assert rec2.choose_k(8) == 4 and rec2.choose_k(3) == 3  # the best K >= 2 (capped by k_max)
+    assert rec2.choose_k(1) == 1  # no other length without K = 0
+    # measured K = 1: at batch 1 on a CPU (r = 0.1) the next length up, even with K = 0 allowed
+    # (a K = 0 step gives up a step's drafts); at batch 8 (r = 0.8) a K = 0 step, the cheap one
+    # (a step over 3 tokens a row would cost 2.6 / 1.8 of the measured one)
+    for r, allow_zero, want in ((0.1, False, 2), (0.1, True, 2), (0.8, False, 2), (0.8, True, 0)):
+        rec3 = StatsRecorder(8, 0.05, target_slope_prior=r)
+        _inject(rec3, 1, 1.0)
+        assert rec3.choose_k(8, allow_zero=allow_zero) == want, (r, allow_zero)
     _inject(rec, 1, 0.5)  # two lengths: the model decides
     assert rec.choose_k(8) == choose_num_draft_tokens(rec.alpha(), 0.05, lambda k: rec.target_time(k + 1), 8)
 

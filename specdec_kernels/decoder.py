@@ -48,7 +48,7 @@ import torch
 
 from .drafters import PromptLookupDrafter
 from .runners import _FeatureRunner, _Runner
-from .stats import DecodingStats, StatsRecorder
+from .stats import TARGET_SLOPE_PRIOR, DecodingStats, StatsRecorder
 
 __all__ = ["SpeculativeDecoder", "GenerationResult", "warp_probs"]
 
@@ -345,6 +345,7 @@ class _State:
     pend_cnt: torch.Tensor = None  # [B] int64 in [1, C]
     pend_cnt_host: list = field(default_factory=list)
     block_start: int = 0  # the draft cache column where this step's pending pairs went
+    waited: bool = False  # the pending pairs include some that waited through K = 0 steps
 
 
 class _Drafts:
@@ -872,9 +873,12 @@ class SpeculativeDecoder:
             k=num_draft_tokens, k_max=k_max, temperature=float(temperature), top_k=top_k,
             top_p=None if top_p is None else float(top_p), eos=self._eos_ids(eos_token_id), stop=list(stop),
             max_new=max_new_tokens, context=context, target_only=target_only,
-            recorder=StatsRecorder(k_max, self._t_draft_prior if self._d is not None else 0.0),
+            recorder=StatsRecorder(k_max, self._t_draft_prior if self._d is not None else 0.0,
+                                   target_slope_prior=TARGET_SLOPE_PRIOR * (B if dev.type == "cpu" else 1)),
             clock=_Clock(dev), verbose=verbose, pbar=pbar, device=dev, draft_confidence=float(draft_confidence),
         )
+        if self.feature is not None:
+            st.recorder.zero_step_draft_forwards = 0  # its K = 0 steps run no draft forward
         st.seed = torch.tensor(seeds, dtype=torch.int64, device=dev)
         st.key_lo = torch.tensor([k[0] for k in keys], dtype=torch.int64, device=dev)
         st.key_hi = torch.tensor([k[1] for k in keys], dtype=torch.int64, device=dev)
@@ -984,8 +988,9 @@ class SpeculativeDecoder:
     def _choose_k(self, st: _State) -> tuple:
         """(K, sync): K drafts this step; sync: K = 0 was chosen by ``"auto"`` with a draft model,
         whose cache must still take this step's token.  A feature draft may take K = 0 from
-        ``"auto"`` as well: such a step still feeds it the pending pairs (_draft_with_features),
-        so it needs no sync."""
+        ``"auto"`` as well: such a step runs no draft forward at all (the step's new pair joins
+        the row's pending pairs, which the next draft forward takes together), so it needs no
+        sync and costs what a step of the target alone costs."""
         if st.target_only:
             return 0, False
         auto_zero = st.k == "auto" and (self.draft is not None or self.feature is not None)
@@ -1103,10 +1108,14 @@ class SpeculativeDecoder:
         X, Q, catch_up, n_draft_fwd = None, None, False, 0
         Xd = None  # the draft tokens whose forwards this step fed the draft's cache ([B, Kd])
         drafted = False  # X came from a draft network (the draft model or the feature draft)
-        if st.pend_tok is not None:  # a feature draft (not the target-only baseline)
+        skipped = False  # a feature draft's K = 0 step: no draft forward, its pending pairs wait
+        waited = st.pend_tok is not None and st.waited  # this step's draft takes pairs that waited
+        if st.pend_tok is not None and K == 0:
+            skipped = True
+        elif st.pend_tok is not None:  # a feature draft (not the target-only baseline)
             X, Q, kb_conf = self._draft_with_features(st, K)
             drafted = X is not None
-            n_draft_fwd = X.shape[1] if drafted else 1  # without drafts: the pending pairs only
+            n_draft_fwd = X.shape[1]
         elif K > 0 and self.draft is not None:
             X, Q, catch_up, kb_conf = self._draft_with_model(st, K)
             drafted, n_draft_fwd, Xd = True, X.shape[1], X
@@ -1182,7 +1191,21 @@ class SpeculativeDecoder:
                           for a, ch, m in zip(st.ld_host, st.catch_host, n_host)]
             st.catch = torch.where(n == Kd, Xd[:, Kd - 1], -1)  # never when syncing: n <= 0 < 1
             st.catch_host = [m == Kd for m in n_host]
-        if st.pend_tok is not None:
+        if skipped:
+            # No draft forward ran: the step's one new pair (the target's feature at the verified
+            # column, its token) joins the row's pending pairs, which the next draft forward
+            # takes all at once (they are ragged across rows after ragged steps before).
+            C = max(st.pend_cnt_host)
+            at = st.pend_cnt[:, None]  # [B, 1]: each row's first free pending slot
+            tok = torch.cat([st.pend_tok[:, :C], st.pend_tok.new_zeros((B, 1))], 1)
+            st.pend_tok = tok.scatter_(1, at, out.tokens[:, :1].clamp(min=0))
+            fe = torch.cat([st.pend_feat[:, :C], st.pend_feat.new_zeros((B, 1, st.pend_feat.shape[2]))], 1)
+            st.pend_feat = fe.scatter_(1, at[:, :, None].expand(B, 1, fe.shape[2]), feats[:, :1].to(fe.dtype))
+            st.pend_cnt = st.pend_cnt + 1
+            st.pend_cnt_host = [c + 1 for c in st.pend_cnt_host]
+            st.waited = True
+        elif st.pend_tok is not None:
+            st.waited = False
             # The feature draft keeps the pending pairs it took this step (true ones) and drops
             # its chain; the next pending pairs are (feature at column lt + j, token at lt + j + 1)
             # for j = 0 .. n_b: the accepted drafts and the target's own token.
@@ -1228,7 +1251,7 @@ class SpeculativeDecoder:
             st.finish[p] = reason
         st.recorder.record_step(K, st.rows, kb_host, n_host, emitted_counts)
         st.recorder.record_times(clock.seconds(t_a, t_b), n_draft_fwd, clock.seconds(t_b, t_c),
-                                 first_step=st.steps_done == 1, k=K)  # the target's time per K + 1 verified
+                                 first_step=st.steps_done == 1, k=K, draft_typical=not waited)  # the target's time per K + 1 verified
         if st.pbar is not None:
             st.pbar.update(sum(emitted_counts))
         self._drop_finished(st)

@@ -45,9 +45,11 @@ __all__ = [
 ALPHA_PRIOR = 0.6
 ALPHA_PRIOR_TRIALS = 4.0
 # Prior shape of the target's step cost over the verified length n = K + 1, used until two
-# lengths are measured: T_target(n) proportional to 1 + TARGET_SLOPE_PRIOR * (n - 1), i.e. each
-# extra verified token costs this fraction of a one-token step (between a memory-bound GPU's
-# few per cent and a CPU's 20-30 per cent).
+# lengths are measured: T_target(n) proportional to 1 + r * (n - 1), i.e. each extra verified
+# token costs the fraction r of a one-token step.  r = TARGET_SLOPE_PRIOR per row of the batch on
+# a CPU, where a step turns compute-bound as the rows grow (the embedded target on the Zen 5 VM,
+# 1 thread: 0.03 at batch 1 with skinny_linear, 0.65 at batch 8), and TARGET_SLOPE_PRIOR on a
+# GPU, memory-bound at these sizes (``SpeculativeDecoder`` passes it to ``StatsRecorder``).
 TARGET_SLOPE_PRIOR = 0.1
 # Exponential moving average weight of a new time measurement.
 TIME_EMA = 0.3
@@ -193,8 +195,9 @@ class StatsRecorder:
     """
 
     def __init__(self, k_max: int, t_draft_prior: float, t_target_prior: float = 1.0,
-                 keep_history: bool = True):
+                 keep_history: bool = True, target_slope_prior: float = TARGET_SLOPE_PRIOR):
         self.k_max = k_max
+        self.target_slope_prior = target_slope_prior  # r of the prior shape (see TARGET_SLOPE_PRIOR)
         self.stats = DecodingStats(acceptance_per_position=[], accepted_length_histogram=[0] * (k_max + 1))
         self._reached = [0] * k_max  # [i]: row-steps that reached draft position i
         self._accepted_at = [0] * k_max  # [i]: row-steps that accepted draft position i
@@ -209,6 +212,9 @@ class StatsRecorder:
         self._measured_draft = 0
         self._measured_target = 0
         self._zero_run = 0  # K = 0 choices in a row
+        # draft forwards a K = 0 step still runs: 1 for a draft model (its cache takes the
+        # step's token), 0 for a feature draft (its pending pairs wait for the next draft)
+        self.zero_step_draft_forwards = 1
 
     # -- recording -------------------------------------------------------------------------
     def record_step(self, k: int, rows: list, num_draft: list, accepted: list, emitted: list) -> None:
@@ -234,9 +240,11 @@ class StatsRecorder:
             s.history.append(dict(k=k, rows=list(rows), num_draft=list(num_draft), accepted=list(accepted)))
 
     def record_times(self, t_draft_total: float, n_draft_forwards: int, t_target: float,
-                     first_step: bool, k: Optional[int] = None) -> None:
+                     first_step: bool, k: Optional[int] = None, draft_typical: bool = True) -> None:
         """One step's times: its draft work, and its target verify step, which verified k drafts
-        (k + 1 tokens; None: the K of the last ``record_step``)."""
+        (k + 1 tokens; None: the K of the last ``record_step``).  ``draft_typical=False``: the
+        draft work included more than a step's share (a feature draft taking the pairs that
+        waited through K = 0 steps), so it does not update the per-forward draft time."""
         s = self.stats
         s.draft_time_s += t_draft_total
         s.target_time_s += t_target
@@ -244,7 +252,7 @@ class StatsRecorder:
         if first_step:  # warm-up (allocations, kernel selection): not representative
             return
         ema = TIME_EMA
-        if n_draft_forwards > 0:
+        if n_draft_forwards > 0 and draft_typical:
             t = t_draft_total / n_draft_forwards
             self._t_draft = t if self._measured_draft == 0 else (1 - ema) * self._t_draft + ema * t
             self._measured_draft += 1
@@ -287,11 +295,11 @@ class StatsRecorder:
           compute-bound, so a line through two longer lengths extrapolates to a far too cheap
           short step (at batch 2 on a CPU: 16-20 ms for the 27 ms one-token step).
         - Measured at one length n1 only (time t1): the prior shape scaled through it,
-          t1 * (1 + r * (n - 1)) / (1 + r * (n1 - 1)) with r = TARGET_SLOPE_PRIOR.
+          t1 * (1 + r * (n - 1)) / (1 + r * (n1 - 1)) with r = ``target_slope_prior``.
         - Nothing measured: t_target_prior * (1 + r * (n - 1)).
         The result is kept above 1e-12 so that a rate is always finite.
         """
-        r = TARGET_SLOPE_PRIOR
+        r = self.target_slope_prior
         pts = self._target_by_len
         if len(pts) >= 2:
             a, b = fit_step_cost([(m, t, c) for m, (t, c) in pts.items()])
@@ -311,11 +319,14 @@ class StatsRecorder:
         """The K in 1..k_max maximising E(K) / (K * T_draft + T_target(K)).
 
         Exploration: while the target has been measured at one verified length only, the line
-        cannot be fitted, so the chooser picks a K at another length (K = 1 if it measured
-        K >= 2, else min(k_max, 4)) for one step; the prior shape decides until then.
+        cannot be fitted, so the chooser takes one step at another length: the K (K = 0 among
+        them with allow_zero) that the prior shape through the measured length rates best, so
+        that the exploring step is a cheap one where longer steps cost much (a CPU at batch 8
+        explores K = 0, not a step over 5 tokens a row); the prior shape decides until then.
 
-        allow_zero: K = 0 may win too, a step that verifies no draft (rate 1 / (T_draft +
-        T_target(0)): the decoder still runs one draft forward to keep the draft's cache in step).
+        allow_zero: K = 0 may win too, a step that verifies no draft (rate 1 / (z * T_draft +
+        T_target(0)), z = ``zero_step_draft_forwards``: with a draft model the decoder still runs
+        one draft forward to keep the draft's cache in step; a feature draft runs none).
         Where verifying costs more than it returns (a CPU at batch 8) that is the target alone.
         Before the one-token step is measured, K = 0 is tried once only if it would win with the
         line through the measured lengths extrapolated down to one token (cheaper than the
@@ -324,22 +335,39 @@ class StatsRecorder:
         the best K >= 1, and after ``ZERO_REFRESH`` in a row one step takes that K, so that alpha
         is measured again.
         """
-        if len(self._target_by_len) == 1 and k_max >= 2:
+        if len(self._target_by_len) == 1 and (k_max >= 2 or allow_zero):
             (n1,) = self._target_by_len
-            return 1 if n1 - 1 >= 2 else min(k_max, 4)
+            return self._explore(n1 - 1, k_max, allow_zero)
         k = choose_num_draft_tokens(self.alpha(), self._t_draft, lambda k: self.target_time(k + 1), k_max)
         if not allow_zero or len(self._target_by_len) < 2:
             return k
         rate_k = expected_tokens_per_step(self.alpha(), k) / (k * self._t_draft + self.target_time(k + 1))
         if 1 not in self._target_by_len:  # not measured: try it once if even the optimistic line says so
             a, b = fit_step_cost([(m, t, c) for m, (t, c) in self._target_by_len.items()])
-            return 0 if 1.0 / (self._t_draft + max(a + b, 1e-12)) > rate_k else k
-        rate_0 = 1.0 / (self._t_draft + self.target_time(1))
+            t_zero = self.zero_step_draft_forwards * self._t_draft
+            return 0 if 1.0 / (t_zero + max(a + b, 1e-12)) > rate_k else k
+        rate_0 = 1.0 / (self.zero_step_draft_forwards * self._t_draft + self.target_time(1))
         if rate_0 > rate_k and self._zero_run < ZERO_REFRESH:
             self._zero_run += 1
             return 0
         self._zero_run = 0
         return k
+
+    def _explore(self, k_measured: int, k_max: int, allow_zero: bool) -> int:
+        """The best K other than ``k_measured`` by the current model (the prior shape through the
+        one measured length)."""
+        alpha = self.alpha()
+        best_k, best = None, -1.0
+        for k in range(0 if allow_zero else 1, k_max + 1):
+            if k == k_measured:
+                continue
+            if k == 0:
+                rate = 1.0 / (self.zero_step_draft_forwards * self._t_draft + self.target_time(1))
+            else:
+                rate = expected_tokens_per_step(alpha, k) / (k * self._t_draft + self.target_time(k + 1))
+            if rate > best * (1 + 1e-9):
+                best_k, best = k, rate
+        return best_k
 
     # -- final -----------------------------------------------------------------------------
     def finalize(self, total_time_s: float, prefill_time_s: float, finish_reasons: list,
