@@ -1050,7 +1050,8 @@ class SpeculativeDecoder:
         """The feature draft: first the pending pairs (what the last verify made true, with the
         target's features), whose last output gives the first draft; then K - 1 pairs of its own
         (its predicted feature, its draft).  Returns (X [B, K'] int64, Q [B, K', Vd] or None,
-        K_b [B] or None) as ``_draft_with_model`` does; with K = 0 it only takes the pairs."""
+        K_b [B] or None) as ``_draft_with_model`` does; with K = 0 it only takes the pairs (the
+        decoder's K = 0 steps do not call it: their pairs wait for the next step with drafts)."""
         f = self._d
         rows = f.vocab_rows
         dev = st.device
