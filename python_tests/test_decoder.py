@@ -381,8 +381,9 @@ def test_sampling_matches_target_distribution(temperature, top_k, top_p, k, voca
             StatsRecorder.choose_k = orig_choose
     if k == "conf":  # in the first step, rows verified 1, 2 and 3 drafts
         assert set(res.stats.history[0]["num_draft"]) == {1, 2, 3}
-    if k == "zero":  # a K = 0 step, then one that verified a draft
-        assert [h["k"] for h in res.stats.history][:2] == [0, 1] and res.stats.draft_forwards >= 2
+    if k == "zero":  # a K = 0 step (no draft forward), then steps that verified a draft
+        ks = [h["k"] for h in res.stats.history]
+        assert ks[:2] == [0, 1] and res.stats.draft_forwards == sum(ks) >= 1
     toks = torch.tensor([t[:2] for t in res.token_ids])  # [N, 2]
     assert toks.shape == (N, 2)
     assert 0.1 < res.stats.alpha < 0.95
@@ -489,30 +490,47 @@ def test_caches_equal_fresh_forward_after_each_step(pair, temperature):
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_caches_after_steps_without_drafts(pair, temperature):
-    """K = 0 steps chosen by "auto" (the target alone; the draft still takes the step's tokens,
-    catch-up included): after each step both caches equal a fresh forward over the prefix."""
+    """K = 0 steps chosen by "auto" run no draft forward: the tokens the draft has not taken
+    (catch-up included) wait, right-aligned, and its next step with drafts feeds them in one
+    block before its drafts.  After each step both caches equal a fresh forward over the prefix,
+    and what waits, the catch-up token and ``last`` are exactly the rest of the row."""
     draft, target = pair
     dec = SpeculativeDecoder(draft=draft, target=target)
     st = dec._start(PROMPTS, 30, "auto", temperature, None, None, 0, None, False, None, 4, None, False,
                     target_only=False)
-    pattern = iter([4, 0, 0, 3, 0, 4, 0, 2, 0])
-    st.recorder.choose_k = lambda k_max, allow_zero=False: next(pattern)
-    zero_after_catch = 0
+    pattern = [4, 0, 0, 3, 0, 4, 0, 2, 0, 0, 0, 1]
+    ks = iter(pattern)
+    st.recorder.choose_k = lambda k_max, allow_zero=False: next(ks)
+    fed = []
+    orig = dec._d.step
+    dec._d.step = lambda *a, **kw: fed.append(1) or orig(*a, **kw)
+    zero_after_catch = waited_most = 0
     with torch.inference_mode():
         dec._prefill(st)
-        for _ in range(9):
+        for k in pattern:
             catch_before = any(st.catch_host)
+            fed.clear()
             dec._step(st)
-            if st.recorder.stats.history[-1]["k"] == 0:
+            assert st.recorder.stats.history[-1]["k"] == k
+            if k == 0:
+                assert not fed  # no draft forward at all
                 zero_after_catch += int(catch_before)
-                assert not any(st.catch_host)  # a K = 0 step leaves nothing to catch up on
+                assert not any(st.catch_host)  # the catch-up token waits with the rest
+            else:
+                assert len(fed) == k and st.wait is None  # one block, then a forward per draft
             for b, p in enumerate(st.rows):
                 seq = st.seqs[p]
                 assert st.lt_host[b] == len(seq) - 1
-                assert st.ld_host[b] == len(seq) - 1 - int(st.catch_host[b])
+                ld = st.ld_host[b]
+                w = 0 if st.wait is None else st.wait_host[b]
+                waiting = [] if w == 0 else st.wait[b, -w:].tolist()
+                catch = [int(st.catch[b])] if st.catch_host[b] else []
+                assert waiting + catch + [int(st.last[b])] == seq[ld:]
+                waited_most = max(waited_most, w)
                 _assert_row_cache(st.tc, b, st.lt_host[b], target, seq[: st.lt_host[b]])
-                _assert_row_cache(st.dc, b, st.ld_host[b], draft, seq[: st.ld_host[b]])
-    assert zero_after_catch > 0  # a K = 0 step fed a row's catch-up token
+                _assert_row_cache(st.dc, b, ld, draft, seq[:ld])
+    assert zero_after_catch > 0  # a K = 0 step came after a row's catch-up token
+    assert waited_most >= 3  # tokens waited through several K = 0 steps
 
 
 # Prompts whose lengths differ enough for the prefill to run in groups (tokens to cache: 1, 29,
@@ -1167,9 +1185,11 @@ def test_cli_draft_vocab(capsys, tmp_path):
 # 8. Stopping drafts on the draft's confidence
 # ----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("conf,k", [(0.5, 4), (0.9, 8), (0.3, "auto")])
-def test_draft_confidence_greedy_matches_generate(pair, greedy_refs, conf, k):
+def test_draft_confidence_greedy_matches_generate(pair, greedy_refs, conf, k, monkeypatch):
     draft, target = pair
     dec = SpeculativeDecoder(draft=draft, target=target)
+    if k == "auto":  # times for which drafting pays (these tiny models' own favour K = 0)
+        _synthetic_times(monkeypatch, 0.05, [])
     rec = _DraftRecorder(dec)
     res = dec.generate(PROMPTS, max_new_tokens=24, num_draft_tokens=k, draft_confidence=conf)
     assert res.token_ids == greedy_refs

@@ -21,7 +21,9 @@ the cache is cropped to max_b len_b.  The emitted recovered/bonus token is not c
 the next step's ``last``.  The draft model does the same with its own cache: it ran K one-token
 forwards on [last, x_1 .. x_{K-1}] and keeps min(n_b + 1, K) of them; a row that accepted all K
 lacks x_K, so its next step *catches up* by feeding [x_K, last] (rows that need no catch-up
-feed a masked gap column and ``last``).  Nothing already cached is ever fed again.
+feed a masked gap column and ``last``).  A K = 0 step (``"auto"``) runs no draft forward: what the
+draft has not taken waits, and its next step feeds it all in one right-aligned block before its
+drafts.  Nothing already cached is ever fed again.
 Finished rows are sliced out of both caches.
 
 Host synchronisation: one device-to-host copy per step (the accepted counts and tokens, needed
@@ -168,6 +170,15 @@ def _sample_inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------
 # KV cache helpers
 # ----------------------------------------------------------------------------------------------
+def _append_right(block: torch.Tensor, cnt: torch.Tensor, x: torch.Tensor, valid: torch.Tensor) -> tuple:
+    """Append x [B] to the rows of a right-aligned block [B, W] (row b's cnt[b] tokens end at
+    its last column) where ``valid``; other rows shift right by a filler column instead.
+    Returns ([B, W + 1], cnt + valid)."""
+    col = x[:, None]
+    grown = torch.where(valid[:, None], torch.cat([block, col], 1), torch.cat([torch.zeros_like(col), block], 1))
+    return grown, cnt + valid.to(cnt.dtype)
+
+
 def _compact_(cache, src_start: int, dst_start: torch.Tensor, count: torch.Tensor) -> None:
     """Rows b: cache columns [src_start, src_start + count[b]) -> [dst_start[b], ...)."""
     from .kv_cache import compact_dynamic_cache_
@@ -319,6 +330,11 @@ class _State:
     lt: torch.Tensor = None  # [B] int64: valid target-cache columns
     ld: torch.Tensor = None  # [B] int64: valid draft-cache columns
     catch: torch.Tensor = None  # [B] int64: the token the draft must catch up on, or -1
+    # a draft model's tokens waiting through K = 0 steps (right-aligned: row b's wait_host[b]
+    # tokens end at the last column), fed before its next step's [catch-up, last]; None: none
+    wait: torch.Tensor = None  # [B, W] int64
+    wait_cnt: torch.Tensor = None  # [B] int64
+    wait_host: list = None
     gen: torch.Tensor = None  # [B] int64: tokens generated so far
     budget: torch.Tensor = None  # [B] int64: tokens the row may generate in total
     seed: torch.Tensor = None  # [B] int64: the verifier's Philox seed
@@ -877,8 +893,7 @@ class SpeculativeDecoder:
                                    target_slope_prior=TARGET_SLOPE_PRIOR * (B if dev.type == "cpu" else 1)),
             clock=_Clock(dev), verbose=verbose, pbar=pbar, device=dev, draft_confidence=float(draft_confidence),
         )
-        if self.feature is not None:
-            st.recorder.zero_step_draft_forwards = 0  # its K = 0 steps run no draft forward
+        st.recorder.zero_step_draft_forwards = 0  # K = 0 steps run no draft forward (see _step)
         st.seed = torch.tensor(seeds, dtype=torch.int64, device=dev)
         st.key_lo = torch.tensor([k[0] for k in keys], dtype=torch.int64, device=dev)
         st.key_hi = torch.tensor([k[1] for k in keys], dtype=torch.int64, device=dev)
@@ -985,47 +1000,63 @@ class SpeculativeDecoder:
         if dc is not None:
             self._d.forward(dc, ids.clamp(max=self._d.vocab_size - 1), mask, pos, 0, 1)
 
-    def _choose_k(self, st: _State) -> tuple:
-        """(K, sync): K drafts this step; sync: K = 0 was chosen by ``"auto"`` with a draft model,
-        whose cache must still take this step's token.  A feature draft may take K = 0 from
-        ``"auto"`` as well: such a step runs no draft forward at all (the step's new pair joins
-        the row's pending pairs, which the next draft forward takes together), so it needs no
-        sync and costs what a step of the target alone costs."""
+    def _choose_k(self, st: _State) -> int:
+        """K, the drafts of this step.  ``"auto"`` may choose K = 0 with a draft model or a
+        feature draft: such a step runs no draft forward at all (the tokens, or pairs, the draft
+        has not taken wait, and its next forward takes them together), so it costs what a step
+        of the target alone costs."""
         if st.target_only:
-            return 0, False
+            return 0
         auto_zero = st.k == "auto" and (self.draft is not None or self.feature is not None)
         k = st.recorder.choose_k(st.k_max, allow_zero=auto_zero) if st.k == "auto" else st.k
         # Row b drafts K_b = min(K, budget_b - 1): its step emits at most K_b + 1 tokens.
         room = max(st.budget_host[p] - len(st.generated[p]) for p in st.rows) - 1
-        return max(min(k, room), 0), auto_zero and self.draft is not None and k == 0 and room > 0
+        return max(min(k, room), 0)
+
+    @staticmethod
+    def _draft_block(st: _State) -> tuple:
+        """What a draft model must take before drafting: its waiting tokens, the catch-up token
+        (rows that accepted all K last step) and ``last``, right-aligned in [B, C] (row b's cnt[b]
+        tokens end at column C - 1; masked filler before them).  Returns (block, cnt [B], cnt
+        host list)."""
+        B = len(st.rows)
+        dev = st.device
+        if st.wait is None:
+            blk = torch.zeros((B, 0), dtype=torch.int64, device=dev)
+            cnt = torch.zeros(B, dtype=torch.int64, device=dev)
+            host = [0] * B
+        else:
+            blk, cnt, host = st.wait, st.wait_cnt, st.wait_host
+        if any(st.catch_host):
+            blk, cnt = _append_right(blk, cnt, st.catch.clamp(min=0), st.catch >= 0)
+        blk, cnt = _append_right(blk, cnt, st.last, torch.ones(B, dtype=torch.bool, device=dev))
+        host = [h + (1 if c else 0) + 1 for h, c in zip(host, st.catch_host)]
+        return blk[:, blk.shape[1] - max(host):], cnt, host  # no column of filler only
 
     def _draft_with_model(self, st: _State, K: int):
-        """Up to K draft forwards.  Returns (X [B, K'] int64, Q [B, K', Vd] fp32 or None, catch-up
-        used, K_b [B] int64 or None): K' = K unless ``st.draft_confidence`` stopped every row
-        sooner (CPU only; a row's K_b is where it stopped, None when the rule is off).  With a
-        draft vocabulary the draft picks among its tokens (logits [B, N]) and Q is zero on the
-        others."""
+        """Up to K draft forwards: the first over the block of ``_draft_block`` (usually
+        [last], or [catch-up, last]), then one per draft.  Returns (X [B, K'] int64, Q [B, K', Vd]
+        fp32 or None, the block (block, cnt, cnt host list), K_b [B] int64 or None): K' = K
+        unless ``st.draft_confidence`` stopped every row sooner (CPU only; a row's K_b is where it
+        stopped, None when the rule is off).  With a draft vocabulary the draft picks among its
+        tokens (logits [B, N]) and Q is zero on the others."""
         d = self._d
         rows = d.vocab_rows  # [N] or None
         dev = st.device
         B = len(st.rows)
         Vd = d.vocab_size
-        last = st.last.clamp(max=Vd - 1)  # a padded-vocabulary target token the draft cannot embed
-        catch_up = any(st.catch_host)
-        if catch_up:
-            c = (st.catch >= 0).to(torch.int64)  # [B]
-            ids = torch.stack([st.catch.clamp(min=0, max=Vd - 1), last], 1)  # [B, 2]
-            pos = torch.stack([st.ld, st.ld + c], 1)  # [B, 2]; the gap column's position is unused
-            new_valid = torch.stack([c.bool(), torch.ones_like(c, dtype=torch.bool)], 1)
-            pos_last = st.ld + c
-        else:
-            ids = last[:, None]
-            pos = st.ld[:, None]
-            new_valid = torch.ones((B, 1), dtype=torch.bool, device=dev)
-            pos_last = st.ld
+        block = self._draft_block(st)
+        blk, cnt, cnt_host = block
+        C = blk.shape[1]
+        col = torch.arange(C, device=dev)[None, :]
+        first = (C - cnt)[:, None]  # [B, 1]: each row's first valid block column
+        ids = blk.clamp(max=Vd - 1)  # a padded-vocabulary target token the draft cannot embed
+        pos = st.ld[:, None] + (col - first).clamp(min=0)  # [B, C]; the filler's position is unused
+        new_valid = col >= first
+        pos_last = st.ld + cnt - 1
         # [B, Td] valid columns; None when nothing is padding (every row's cache is full and no
-        # row feeds a gap column), and then none is built
-        dense = min(st.ld_host) == st.Td and (not catch_up or all(st.catch_host))
+        # row's block has filler), and then none is built
+        dense = min(st.ld_host) == st.Td and min(cnt_host) == C
         mask = None if dense else torch.arange(st.Td, device=dev)[None, :] < st.ld[:, None]
         T = st.Td
         picks = _Drafts(st, K, rows, Vd)
@@ -1043,8 +1074,9 @@ class SpeculativeDecoder:
             if picks.add(logits, j):
                 break  # every row has stopped on its confidence
         st.Td = T
+        st.wait = st.wait_cnt = st.wait_host = None  # taken
         X, Q, kb = picks.result()
-        return X, Q, catch_up, kb
+        return X, Q, block, kb
 
     def _draft_with_features(self, st: _State, K: int):
         """The feature draft: first the pending pairs (what the last verify made true, with the
@@ -1102,30 +1134,32 @@ class SpeculativeDecoder:
 
         dev = st.device
         B = len(st.rows)
-        K, sync = self._choose_k(st)
+        K = self._choose_k(st)
         remaining = st.budget - st.gen  # [B] >= 1 for active rows
         clock = st.clock
         t_a = clock.mark()
-        X, Q, catch_up, n_draft_fwd = None, None, False, 0
+        X, Q, block, n_draft_fwd = None, None, None, 0
         Xd = None  # the draft tokens whose forwards this step fed the draft's cache ([B, Kd])
         drafted = False  # X came from a draft network (the draft model or the feature draft)
         skipped = False  # a feature draft's K = 0 step: no draft forward, its pending pairs wait
-        waited = st.pend_tok is not None and st.waited  # this step's draft takes pairs that waited
-        if st.pend_tok is not None and K == 0:
+        # this step's draft takes what waited through K = 0 steps (not a typical draft time)
+        waited = st.waited if st.pend_tok is not None else st.wait is not None
+        if self.draft is not None and K == 0 and not st.target_only:
+            # K = 0 (``"auto"``: verifying drafts does not pay, or no row has room for a draft):
+            # the target alone takes this step and the draft model runs nothing; what it has not
+            # taken ([catch-up, last] after any earlier waiting tokens) waits for its next step.
+            st.wait, st.wait_cnt, st.wait_host = self._draft_block(st)
+            st.catch = torch.full_like(st.catch, -1)
+            st.catch_host = [False] * B
+        elif st.pend_tok is not None and K == 0:
             skipped = True
         elif st.pend_tok is not None:  # a feature draft (not the target-only baseline)
             X, Q, kb_conf = self._draft_with_features(st, K)
             drafted = X is not None
             n_draft_fwd = X.shape[1]
         elif K > 0 and self.draft is not None:
-            X, Q, catch_up, kb_conf = self._draft_with_model(st, K)
+            X, Q, block, kb_conf = self._draft_with_model(st, K)
             drafted, n_draft_fwd, Xd = True, X.shape[1], X
-        elif sync:
-            # K = 0 ("auto": verifying drafts does not pay): the target alone takes this step,
-            # but the draft still feeds [catch-up, last], so that its cache stays one step behind
-            # the target's, as after any other step; its draft is not verified.
-            Xd, _, catch_up, _ = self._draft_with_model(st, 1)
-            n_draft_fwd = 1
         elif K > 0:
             want = [min(K, st.budget_host[p] - len(st.generated[p]) - 1) for p in st.rows]
             props = self.lookup.propose([st.seqs[p] for p in st.rows], want)
@@ -1176,21 +1210,20 @@ class SpeculativeDecoder:
         st.lt = st.lt + keep_t
         st.Tt += K + 1
         st.lt_host = [a + max(m + 1, 0) for a, m in zip(st.lt_host, n_host)]
-        Kd = 0 if Xd is None else Xd.shape[1]  # draft forwards fed this step (K, or 1 when syncing)
+        Kd = 0 if Xd is None else Xd.shape[1]  # draft model forwards this step (its K)
         if st.dc is not None and Kd > 0:
-            kept = torch.minimum(n + 1, torch.full_like(n, Kd)).clamp(min=0)  # [B]
-            T0 = st.Td - (Kd + (1 if catch_up else 0))  # the draft cache's length before this step
-            if catch_up:
-                c = (st.catch >= 0).to(torch.int64)
-                _compact_(st.dc, T0, st.ld, (kept + 1) * c)  # rows that fed [x_K, last, ...]
-                _compact_(st.dc, T0 + 1, st.ld, kept * (1 - c))  # rows that fed [gap, last, ...]
-                st.ld = st.ld + kept + c
-            else:
-                _compact_(st.dc, T0, st.ld, kept)
-                st.ld = st.ld + kept
-            st.ld_host = [a + (1 if ch else 0) + min(max(m + 1, 0), Kd)
-                          for a, ch, m in zip(st.ld_host, st.catch_host, n_host)]
-            st.catch = torch.where(n == Kd, Xd[:, Kd - 1], -1)  # never when syncing: n <= 0 < 1
+            # The draft fed its block (row b's cnt_b tokens ending at column T0 + C - 1), then
+            # x_1 .. x_{Kd - 1} from T0 + C on: a row keeps its block and the drafts it accepted
+            # among those, one contiguous run, moved down to ld_b; one move per block length.
+            blk, cnt, cnt_host = block
+            C = blk.shape[1]
+            T0 = st.Td - (C + Kd - 1)  # the draft cache's length before this step
+            total = cnt + n.clamp(min=0, max=Kd - 1)  # [B]
+            for v in sorted(set(cnt_host)):
+                _compact_(st.dc, T0 + C - v, st.ld, torch.where(cnt == v, total, 0))
+            st.ld = st.ld + total
+            st.ld_host = [a + c + min(max(m, 0), Kd - 1) for a, c, m in zip(st.ld_host, cnt_host, n_host)]
+            st.catch = torch.where(n == Kd, Xd[:, Kd - 1], -1)  # x_K was drafted, never fed
             st.catch_host = [m == Kd for m in n_host]
         if skipped:
             # No draft forward ran: the step's one new pair (the target's feature at the verified
@@ -1297,6 +1330,9 @@ class SpeculativeDecoder:
         st.lt_host = [st.lt_host[i] for i in keep] if st.lt_host else st.lt_host
         st.ld_host = [st.ld_host[i] for i in keep] if st.ld_host else st.ld_host
         st.catch_host = [st.catch_host[i] for i in keep] if st.catch_host else st.catch_host
+        if st.wait is not None:
+            st.wait, st.wait_cnt = st.wait.index_select(0, idx), st.wait_cnt.index_select(0, idx)
+            st.wait_host = [st.wait_host[i] for i in keep]
         if st.pend_tok is not None:
             st.pend_tok, st.pend_feat, st.pend_cnt = (t.index_select(0, idx) for t in (st.pend_tok, st.pend_feat,
                                                                                      st.pend_cnt))
