@@ -133,21 +133,20 @@ def test_line_fit_used_by_the_recorder_with_counts_as_weights():
 
 
 def test_exploration_measures_a_second_length():
-    """Measured at one length only: one step at the other length that the prior shape through
-    it rates best (K = 0 among them with allow_zero)."""
-    rec = _recorder(10)  # alpha 0.785, T_draft 0.05, r = 0.1
+    """Measured at one length only: one step far from it (K = 1, or min(k_max, 4)), or K = 0
+    (allow_zero) where the prior shape through the measured length rates that higher."""
+    rec = _recorder(10)
     _inject(rec, 4, 1.0)
-    # T(n) = (1 + 0.1 (n - 1)) / 1.4 through T(5) = 1: rates E(K) / (0.05 K + T(K + 1)) are
-    # 2.674 at K = 3, 2.696 at K = 5, 2.631 at K = 6: explore K = 5
-    assert rec.choose_k(8) == 5
+    assert rec.choose_k(8) == 1  # measured K = 4 only: explore K = 1
     rec2 = _recorder(10)
     _inject(rec2, 1, 1.0)
-    assert rec2.choose_k(8) == 4 and rec2.choose_k(3) == 3  # the best K >= 2 (capped by k_max)
+    assert rec2.choose_k(8) == 4 and rec2.choose_k(3) == 3
     assert rec2.choose_k(1) == 1  # no other length without K = 0
-    # measured K = 1: at batch 1 on a CPU (r = 0.1) the next length up, even with K = 0 allowed
-    # (a K = 0 step gives up a step's drafts); at batch 8 (r = 0.8) a K = 0 step, the cheap one
-    # (a step over 3 tokens a row would cost 2.6 / 1.8 of the measured one)
-    for r, allow_zero, want in ((0.1, False, 2), (0.1, True, 2), (0.8, False, 2), (0.8, True, 0)):
+    # measured K = 1, alpha prior 0.6, T_draft 0.05: at batch 1 on a CPU (r = 0.1) K = 4 even
+    # with K = 0 allowed (rates 2.306 / (0.2 + 1.4 / 1.1) = 1.57 against 1.1: a K = 0 step gives
+    # up a step's drafts); at batch 8 (r = 0.8) K = 0, the cheap step (1.8 against 2.306 /
+    # (0.2 + 4.2 / 1.8) = 0.91)
+    for r, allow_zero, want in ((0.1, False, 4), (0.1, True, 4), (0.8, False, 4), (0.8, True, 0)):
         rec3 = StatsRecorder(8, 0.05, target_slope_prior=r)
         _inject(rec3, 1, 1.0)
         assert rec3.choose_k(8, allow_zero=allow_zero) == want, (r, allow_zero)
@@ -209,3 +208,26 @@ def test_finalize_reports_with_the_per_k_cost():
     t_one = 1.0 / (1 + TARGET_SLOPE_PRIOR)
     expected = predicted_speedup(6 / 7, mean_k, 0.05, t_one, 0.5 * (mean_k + 1))
     assert s.predicted_speedup == pytest.approx(expected)
+
+
+def test_cpu_slope_prior_through_the_measured_slopes():
+    """0.03 * B^1.5 (the embedded target's measured slopes: 0.03 at batch 1, 0.65 at batch 8),
+    at least TARGET_SLOPE_PRIOR; the decoder gives it to its recorder on the CPU."""
+    from specdec_kernels.stats import cpu_slope_prior
+
+    assert cpu_slope_prior(1) == cpu_slope_prior(2) == TARGET_SLOPE_PRIOR
+    assert cpu_slope_prior(4) == pytest.approx(0.24) and cpu_slope_prior(8) == pytest.approx(0.03 * 8 ** 1.5)
+    assert all(cpu_slope_prior(b) <= cpu_slope_prior(b + 1) for b in range(1, 64))
+
+
+def test_decoder_recorder_gets_the_cpu_prior():
+    from specdec_kernels.cli import build_tiny_random_pair
+    from specdec_kernels.decoder import SpeculativeDecoder
+    from specdec_kernels.stats import cpu_slope_prior
+
+    draft, target, tok = build_tiny_random_pair(seed=0)
+    dec = SpeculativeDecoder(draft=draft, target=target, tokenizer=tok)
+    for B in (1, 3, 8):
+        st = dec._start(["ab"] * B, 4, "auto", 0.0, None, None, 0, None, False, None, 4, None, False,
+                        target_only=False)
+        assert st.recorder.target_slope_prior == cpu_slope_prior(B)

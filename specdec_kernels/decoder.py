@@ -50,7 +50,7 @@ import torch
 
 from .drafters import PromptLookupDrafter
 from .runners import _FeatureRunner, _Runner
-from .stats import TARGET_SLOPE_PRIOR, DecodingStats, StatsRecorder
+from .stats import TARGET_SLOPE_PRIOR, DecodingStats, StatsRecorder, cpu_slope_prior
 
 __all__ = ["SpeculativeDecoder", "GenerationResult", "warp_probs"]
 
@@ -890,7 +890,7 @@ class SpeculativeDecoder:
             top_p=None if top_p is None else float(top_p), eos=self._eos_ids(eos_token_id), stop=list(stop),
             max_new=max_new_tokens, context=context, target_only=target_only,
             recorder=StatsRecorder(k_max, self._t_draft_prior if self._d is not None else 0.0,
-                                   target_slope_prior=TARGET_SLOPE_PRIOR * (B if dev.type == "cpu" else 1)),
+                                   target_slope_prior=cpu_slope_prior(B) if dev.type == "cpu" else TARGET_SLOPE_PRIOR),
             clock=_Clock(dev), verbose=verbose, pbar=pbar, device=dev, draft_confidence=float(draft_confidence),
         )
         st.recorder.zero_step_draft_forwards = 0  # K = 0 steps run no draft forward (see _step)

@@ -39,6 +39,7 @@ __all__ = [
     "expected_tokens_per_step",
     "predicted_speedup",
     "choose_num_draft_tokens",
+    "cpu_slope_prior",
 ]
 
 # Priors used before anything is measured: acceptance rate, and its weight in pseudo-trials.
@@ -46,16 +47,23 @@ ALPHA_PRIOR = 0.6
 ALPHA_PRIOR_TRIALS = 4.0
 # Prior shape of the target's step cost over the verified length n = K + 1, used until two
 # lengths are measured: T_target(n) proportional to 1 + r * (n - 1), i.e. each extra verified
-# token costs the fraction r of a one-token step.  r = TARGET_SLOPE_PRIOR per row of the batch on
-# a CPU, where a step turns compute-bound as the rows grow (the embedded target on the Zen 5 VM,
-# 1 thread: 0.03 at batch 1 with skinny_linear, 0.65 at batch 8), and TARGET_SLOPE_PRIOR on a
-# GPU, memory-bound at these sizes (``SpeculativeDecoder`` passes it to ``StatsRecorder``).
+# token costs the fraction r of a one-token step.  r = TARGET_SLOPE_PRIOR on a GPU (memory-bound
+# at these sizes); on a CPU, where a step turns compute-bound as the rows grow, ``cpu_slope_prior``
+# (``SpeculativeDecoder`` passes it to ``StatsRecorder``).
 TARGET_SLOPE_PRIOR = 0.1
 # Exponential moving average weight of a new time measurement.
 TIME_EMA = 0.3
 # choose_k(allow_zero=True): after this many K = 0 steps in a row, one step at the best K >= 1,
 # so that alpha (which K = 0 steps do not measure) stays current.
 ZERO_REFRESH = 16
+
+
+def cpu_slope_prior(batch: int) -> float:
+    """The prior r for a CPU step over ``batch`` rows: 0.03 * batch^1.5, at least
+    TARGET_SLOPE_PRIOR.  Through the slopes measured for the embedded target on the Zen 5 VM
+    (1 thread, skinny_linear): 0.03 at batch 1, 0.65 at batch 8 (so 0.1 up to batch 2, 0.24 at
+    4, 0.68 at 8)."""
+    return max(TARGET_SLOPE_PRIOR, 0.03 * batch ** 1.5)
 
 
 def expected_tokens_per_step(alpha: float, k: int) -> float:
@@ -319,10 +327,11 @@ class StatsRecorder:
         """The K in 1..k_max maximising E(K) / (K * T_draft + T_target(K)).
 
         Exploration: while the target has been measured at one verified length only, the line
-        cannot be fitted, so the chooser takes one step at another length: the K (K = 0 among
-        them with allow_zero) that the prior shape through the measured length rates best, so
-        that the exploring step is a cheap one where longer steps cost much (a CPU at batch 8
-        explores K = 0, not a step over 5 tokens a row); the prior shape decides until then.
+        cannot be fitted, so the chooser takes one step at another length, far from the measured
+        one for a good slope (K = 1 if it measured K >= 2, else min(k_max, 4)), or, with
+        allow_zero, K = 0 where the prior shape through the measured length rates that higher
+        (a CPU at batch 8 explores a one-token step, not one over 5 tokens a row); the prior
+        shape decides until then.
 
         allow_zero: K = 0 may win too, a step that verifies no draft (rate 1 / (z * T_draft +
         T_target(0)), z = ``zero_step_draft_forwards``: with a draft model the decoder still runs
@@ -354,20 +363,14 @@ class StatsRecorder:
         return k
 
     def _explore(self, k_measured: int, k_max: int, allow_zero: bool) -> int:
-        """The best K other than ``k_measured`` by the current model (the prior shape through the
-        one measured length)."""
-        alpha = self.alpha()
-        best_k, best = None, -1.0
-        for k in range(0 if allow_zero else 1, k_max + 1):
-            if k == k_measured:
-                continue
-            if k == 0:
-                rate = 1.0 / (self.zero_step_draft_forwards * self._t_draft + self.target_time(1))
-            else:
-                rate = expected_tokens_per_step(alpha, k) / (k * self._t_draft + self.target_time(k + 1))
-            if rate > best * (1 + 1e-9):
-                best_k, best = k, rate
-        return best_k
+        """The exploring step's K (see ``choose_k``): a length far from ``k_measured``, or K = 0
+        where the prior shape through the measured length rates it higher."""
+        far = 1 if k_measured >= 2 else min(k_max, 4)
+        if far == k_measured or (allow_zero and k_measured > 0 and (
+                1.0 / (self.zero_step_draft_forwards * self._t_draft + self.target_time(1))
+                > expected_tokens_per_step(self.alpha(), far) / (far * self._t_draft + self.target_time(far + 1)))):
+            return 0 if allow_zero and k_measured > 0 else far
+        return far
 
     # -- final -----------------------------------------------------------------------------
     def finalize(self, total_time_s: float, prefill_time_s: float, finish_reasons: list,
