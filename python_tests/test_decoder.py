@@ -210,8 +210,8 @@ def _synthetic_times(monkeypatch, slope: float, seen: list):
 
 def test_greedy_auto_k_follows_the_verify_cost(pair, greedy_refs, monkeypatch):
     """K="auto" with a flat verify cost drafts more than with a steep one; where verifying one
-    draft costs as much as two plain steps it mostly takes K = 0 (the target alone, the draft
-    kept in step), with a step at K >= 1 at least every ZERO_REFRESH + 1; all reproduce
+    draft costs as much as two plain steps it mostly takes K = 0 (the target alone; the draft's
+    tokens wait), with a step at K >= 1 at least every ZERO_REFRESH + 1; all reproduce
     target.generate exactly; the recorder receives each step's K."""
     from specdec_kernels.stats import ZERO_REFRESH
 
@@ -353,7 +353,7 @@ def _chisquare_pvalue(observed: torch.Tensor, probs: torch.Tensor) -> float:
     (0.7, 4, None, 3, [0, 2, 3, 5, 6]),
     # rows stop drafting on the draft's confidence (different K_b per row)
     (1.0, None, None, "conf", None),
-    # "auto" choosing K = 0 (the draft only kept in step), then K = 1 from that cache
+    # "auto" choosing K = 0 (no draft forward: its tokens wait), then K = 1, which feeds them
     (1.0, None, None, "zero", None),
 ])
 def test_sampling_matches_target_distribution(temperature, top_k, top_p, k, vocab):

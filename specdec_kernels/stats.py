@@ -334,8 +334,8 @@ class StatsRecorder:
         shape decides until then.
 
         allow_zero: K = 0 may win too, a step that verifies no draft (rate 1 / (z * T_draft +
-        T_target(0)), z = ``zero_step_draft_forwards``: with a draft model the decoder still runs
-        one draft forward to keep the draft's cache in step; a feature draft runs none).
+        T_target(0)), z = ``zero_step_draft_forwards``, the draft forwards such a step runs: 1 by
+        default, 0 in ``SpeculativeDecoder``, whose K = 0 steps leave the draft's tokens waiting).
         Where verifying costs more than it returns (a CPU at batch 8) that is the target alone.
         Before the one-token step is measured, K = 0 is tried once only if it would win with the
         line through the measured lengths extrapolated down to one token (cheaper than the
