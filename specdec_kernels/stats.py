@@ -220,8 +220,8 @@ class StatsRecorder:
         self._measured_draft = 0
         self._measured_target = 0
         self._zero_run = 0  # K = 0 choices in a row
-        # draft forwards a K = 0 step still runs: 1 for a draft model (its cache takes the
-        # step's token), 0 for a feature draft (its pending pairs wait for the next draft)
+        # draft forwards a K = 0 step runs (1: a drafter that keeps its cache in step each
+        # step; SpeculativeDecoder sets 0: its drafts' tokens wait for their next forward)
         self.zero_step_draft_forwards = 1
 
     # -- recording -------------------------------------------------------------------------
