@@ -251,7 +251,7 @@ class StatsRecorder:
                      first_step: bool, k: Optional[int] = None, draft_typical: bool = True) -> None:
         """One step's times: its draft work, and its target verify step, which verified k drafts
         (k + 1 tokens; None: the K of the last ``record_step``).  ``draft_typical=False``: the
-        draft work included more than a step's share (a feature draft taking the pairs that
+        draft work included more than a step's share (a draft taking the tokens or pairs that
         waited through K = 0 steps), so it does not update the per-forward draft time."""
         s = self.stats
         s.draft_time_s += t_draft_total
@@ -366,10 +366,12 @@ class StatsRecorder:
         """The exploring step's K (see ``choose_k``): a length far from ``k_measured``, or K = 0
         where the prior shape through the measured length rates it higher."""
         far = 1 if k_measured >= 2 else min(k_max, 4)
-        if far == k_measured or (allow_zero and k_measured > 0 and (
-                1.0 / (self.zero_step_draft_forwards * self._t_draft + self.target_time(1))
-                > expected_tokens_per_step(self.alpha(), far) / (far * self._t_draft + self.target_time(far + 1)))):
-            return 0 if allow_zero and k_measured > 0 else far
+        if allow_zero and k_measured > 0:
+            rate_zero = 1.0 / (self.zero_step_draft_forwards * self._t_draft + self.target_time(1))
+            rate_far = (-1.0 if far == k_measured else  # k_max = 1: no other length but K = 0
+                        expected_tokens_per_step(self.alpha(), far) / (far * self._t_draft + self.target_time(far + 1)))
+            if rate_zero > rate_far:
+                return 0
         return far
 
     # -- final -----------------------------------------------------------------------------
