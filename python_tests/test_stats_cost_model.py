@@ -150,6 +150,9 @@ def test_exploration_measures_a_second_length():
         rec3 = StatsRecorder(8, 0.05, target_slope_prior=r)
         _inject(rec3, 1, 1.0)
         assert rec3.choose_k(8, allow_zero=allow_zero) == want, (r, allow_zero)
+    rec4 = StatsRecorder(1, 0.05)  # k_max = 1: the only other length is K = 0
+    _inject(rec4, 1, 1.0)
+    assert rec4.choose_k(1, allow_zero=True) == 0 and rec4.choose_k(1) == 1
     _inject(rec, 1, 0.5)  # two lengths: the model decides
     assert rec.choose_k(8) == choose_num_draft_tokens(rec.alpha(), 0.05, lambda k: rec.target_time(k + 1), 8)
 
