@@ -792,6 +792,22 @@ def test_text_prompts_and_verbose(tiny):
     assert " tokens)" in out and ("+ bonus: " in out or "+ recovered: " in out)
 
 
+def test_verbose_tells_a_step_without_drafts(tiny, monkeypatch):
+    """A K = 0 step ("auto") prints the target's own token as such, with no Drafted line."""
+    from specdec_kernels.stats import StatsRecorder
+
+    dec, _ = tiny
+    ks = iter([0, 3, 0, 3, 3, 3, 3, 3])
+    monkeypatch.setattr(StatsRecorder, "choose_k", lambda self, k_max, allow_zero=False: next(ks))
+    buf = io.StringIO()
+    res = dec.generate("The Capital of France is", max_new_tokens=8, num_draft_tokens="auto", verbose=buf)
+    lines = buf.getvalue().splitlines()
+    assert [h["k"] for h in res.stats.history][:3] == [0, 3, 0]
+    step1 = [ln for ln in lines if ln.startswith("[step 1 |")]
+    assert len(step1) == 1 and "+ target, no drafts: '" in step1[0]
+    assert any(ln.startswith("[step 2 |") and "Drafted:  '" in ln for ln in lines)
+
+
 # ----------------------------------------------------------------------------------------------
 # Bad input: ValueError/TypeError naming the argument, before any model work
 # ----------------------------------------------------------------------------------------------

@@ -1344,7 +1344,8 @@ class SpeculativeDecoder:
 
     def _log(self, st: _State, p: int, drafts: list, n: int, kb: int, emitted: list) -> None:
         """One row's step: its drafts, the accepted prefix, then the recovered or bonus token
-        (shown only if it was emitted, i.e. not cut by EOS, a stop string or the budget)."""
+        (shown only if it was emitted, i.e. not cut by EOS, a stop string or the budget); a row
+        that drafted nothing (K = 0, or no room) shows the target's own token."""
         def show(ids):
             return repr(ids) if self.tokenizer is None else repr(self.tokenizer.decode(ids))
 
@@ -1354,5 +1355,5 @@ class SpeculativeDecoder:
             print(f"{head} Drafted:  {show(drafts)}", file=out)
             print(f"{head} Accepted: {show(drafts[:n])} ({n}/{kb} tokens)", file=out)
         if len(emitted) == n + 1:
-            kind = "bonus" if n == kb else "recovered"
+            kind = "target, no drafts" if kb == 0 else "bonus" if n == kb else "recovered"
             print(f"{head} + {kind}: {show(emitted[n:])}", file=out)
