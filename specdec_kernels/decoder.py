@@ -33,7 +33,9 @@ device.
 Randomness: row p of a call uses seed ``seed + p`` (or ``seed[p]``).  The verifier draws from
 Philox at (seed_p, step); the draft samples by inverse CDF from counter-based hashes of
 (a key derived from seed_p, step, draft position).  So a row's output depends only on its
-prompt, its seed and K, never on the other rows: decoding prompt p alone with seed ``seed + p``
+prompt, its seed and K (with ``"auto"``, K comes from measured times: a seeded sampling run is then
+reproducible in distribution, not token for token), never on the other rows: decoding prompt p
+alone with seed ``seed + p``
 gives the same tokens as in the batch.
 """
 
