@@ -35,8 +35,7 @@ Philox at (seed_p, step); the draft samples by inverse CDF from counter-based ha
 (a key derived from seed_p, step, draft position).  So a row's output depends only on its
 prompt, its seed and K (with ``"auto"``, K comes from measured times: a seeded sampling run is then
 reproducible in distribution, not token for token), never on the other rows: decoding prompt p
-alone with seed ``seed + p``
-gives the same tokens as in the batch.
+alone with seed ``seed + p`` gives the same tokens as in the batch (at a fixed K).
 """
 
 from __future__ import annotations
