@@ -12,7 +12,6 @@ the CUDA tests' (bench/gpu_check.sh).
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 
@@ -23,10 +22,10 @@ SCRIPT = os.path.join(ROOT, "scripts", "gpu_compile_check.py")
 
 
 def _nvcc_available() -> bool:
-    from torch.utils import cpp_extension as ce
+    sys.path.insert(0, os.path.dirname(SCRIPT))
+    from gpu_compile_check import _nvcc  # the check's own lookup (the check runs in a subprocess)
 
-    return bool(ce.CUDA_HOME and os.path.exists(os.path.join(ce.CUDA_HOME, "bin", "nvcc"))) or bool(
-        shutil.which("nvcc"))
+    return _nvcc() is not None
 
 
 def _check(tmp_path, *args):

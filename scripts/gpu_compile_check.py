@@ -170,7 +170,7 @@ def nvcc_command(source: str, output: str, arch: int, shim_dir: str | None) -> l
     import torch
     from torch.utils import cpp_extension as ce
 
-    nvcc = os.path.join(ce.CUDA_HOME, "bin", "nvcc") if ce.CUDA_HOME else shutil.which("nvcc")
+    nvcc = _nvcc()
     # nvcc adds its own toolkit's include directory (cuda_runtime.h) itself
     includes = [str(ROOT / "csrc")] + ([shim_dir] if shim_dir else []) + ce.include_paths("cpu") + [
         sysconfig.get_paths()["include"]]
