@@ -233,4 +233,23 @@ def test_decoder_recorder_gets_the_cpu_prior():
     for B in (1, 3, 8):
         st = dec._start(["ab"] * B, 4, "auto", 0.0, None, None, 0, None, False, None, 4, None, False,
                         target_only=False)
-        assert st.recorder.target_slope_prior == cpu_slope_prior(B)
+        assert st.recorder.target_slope_prior == cpu_slope_prior(B) and st.recorder.zero_step_draft_forwards == 0
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(target_slope_prior=-0.1), "target_slope_prior must be a finite number >= 0, got -0.1"),
+    (dict(target_slope_prior=float("nan")), "target_slope_prior must be a finite number >= 0, got nan"),
+    (dict(zero_step_draft_forwards=-1), "zero_step_draft_forwards must be an int >= 0, got -1"),
+    (dict(zero_step_draft_forwards=True), "zero_step_draft_forwards must be an int >= 0, got True"),
+])
+def test_recorder_refuses_bad_priors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        StatsRecorder(8, 0.05, **kwargs)
+
+
+@pytest.mark.parametrize("batch", [0, -2, 1.5, True])
+def test_cpu_slope_prior_refuses_a_bad_batch(batch):
+    from specdec_kernels.stats import cpu_slope_prior
+
+    with pytest.raises(ValueError, match=f"batch must be an int >= 1, got {batch!r}"):
+        cpu_slope_prior(batch)

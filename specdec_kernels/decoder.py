@@ -890,11 +890,12 @@ class SpeculativeDecoder:
             k=num_draft_tokens, k_max=k_max, temperature=float(temperature), top_k=top_k,
             top_p=None if top_p is None else float(top_p), eos=self._eos_ids(eos_token_id), stop=list(stop),
             max_new=max_new_tokens, context=context, target_only=target_only,
+            # K = 0 steps run no draft forward (see _step)
             recorder=StatsRecorder(k_max, self._t_draft_prior if self._d is not None else 0.0,
-                                   target_slope_prior=cpu_slope_prior(B) if dev.type == "cpu" else TARGET_SLOPE_PRIOR),
+                                   target_slope_prior=cpu_slope_prior(B) if dev.type == "cpu" else TARGET_SLOPE_PRIOR,
+                                   zero_step_draft_forwards=0),
             clock=_Clock(dev), verbose=verbose, pbar=pbar, device=dev, draft_confidence=float(draft_confidence),
         )
-        st.recorder.zero_step_draft_forwards = 0  # K = 0 steps run no draft forward (see _step)
         st.seed = torch.tensor(seeds, dtype=torch.int64, device=dev)
         st.key_lo = torch.tensor([k[0] for k in keys], dtype=torch.int64, device=dev)
         st.key_hi = torch.tensor([k[1] for k in keys], dtype=torch.int64, device=dev)

@@ -30,6 +30,8 @@ Sampling"):
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Optional, Union
 
@@ -63,6 +65,8 @@ def cpu_slope_prior(batch: int) -> float:
     TARGET_SLOPE_PRIOR.  Through the slopes measured for the embedded target on the Zen 5 VM
     (1 thread, skinny_linear): 0.03 at batch 1, 0.65 at batch 8 (so 0.1 up to batch 2, 0.24 at
     4, 0.68 at 8)."""
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"cpu_slope_prior: batch must be an int >= 1, got {batch!r}")
     return max(TARGET_SLOPE_PRIOR, 0.03 * batch ** 1.5)
 
 
@@ -203,9 +207,21 @@ class StatsRecorder:
     """
 
     def __init__(self, k_max: int, t_draft_prior: float, t_target_prior: float = 1.0,
-                 keep_history: bool = True, target_slope_prior: float = TARGET_SLOPE_PRIOR):
+                 keep_history: bool = True, target_slope_prior: float = TARGET_SLOPE_PRIOR,
+                 zero_step_draft_forwards: int = 1):
+        if not (isinstance(target_slope_prior, (int, float)) and math.isfinite(target_slope_prior)
+                and target_slope_prior >= 0):
+            raise ValueError(f"StatsRecorder: target_slope_prior must be a finite number >= 0, got "
+                             f"{target_slope_prior!r}")
+        if isinstance(zero_step_draft_forwards, bool) or not isinstance(zero_step_draft_forwards, int) \
+                or zero_step_draft_forwards < 0:
+            raise ValueError(f"StatsRecorder: zero_step_draft_forwards must be an int >= 0, got "
+                             f"{zero_step_draft_forwards!r}")
         self.k_max = k_max
         self.target_slope_prior = target_slope_prior  # r of the prior shape (see TARGET_SLOPE_PRIOR)
+        # draft forwards a K = 0 step runs (1: a drafter that keeps its cache in step each step;
+        # SpeculativeDecoder passes 0: its drafts' tokens wait for their next forward)
+        self.zero_step_draft_forwards = zero_step_draft_forwards
         self.stats = DecodingStats(acceptance_per_position=[], accepted_length_histogram=[0] * (k_max + 1))
         self._reached = [0] * k_max  # [i]: row-steps that reached draft position i
         self._accepted_at = [0] * k_max  # [i]: row-steps that accepted draft position i
@@ -220,9 +236,6 @@ class StatsRecorder:
         self._measured_draft = 0
         self._measured_target = 0
         self._zero_run = 0  # K = 0 choices in a row
-        # draft forwards a K = 0 step runs (1: a drafter that keeps its cache in step each
-        # step; SpeculativeDecoder sets 0: its drafts' tokens wait for their next forward)
-        self.zero_step_draft_forwards = 1
 
     # -- recording -------------------------------------------------------------------------
     def record_step(self, k: int, rows: list, num_draft: list, accepted: list, emitted: list) -> None:
