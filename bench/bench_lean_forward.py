@@ -37,7 +37,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def run(model, name: str, rows: list[int], reps: int, ctx: int = 64) -> list[dict]:
-    from specdec_kernels.decoder import _crop_, _new_cache, _Runner
+    from specdec_kernels.kv_cache import _crop_, _new_cache
+    from specdec_kernels.runners import _Runner
     from specdec_kernels.lean_forward import LeanLlamaStep
 
     runner = _Runner(model, name)

@@ -31,15 +31,8 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from specdec_kernels import reference
 from specdec_kernels.cli import build_tiny_random_pair, main as cli_main, tiny_char_tokenizer
-from specdec_kernels.decoder import (
-    _PREFILL_GROUP_COST,
-    SpeculativeDecoder,
-    _draft_key,
-    _draft_uniforms,
-    _prefill_groups,
-    _sample_inverse_cdf,
-    warp_probs,
-)
+from specdec_kernels.decoder import _PREFILL_GROUP_COST, SpeculativeDecoder, _prefill_groups
+from specdec_kernels.draft_sampling import _draft_key, _draft_uniforms, _sample_inverse_cdf, warp_probs
 from specdec_kernels.drafters import PromptLookupDrafter, prompt_lookup
 from specdec_kernels.stats import choose_num_draft_tokens, expected_tokens_per_step, predicted_speedup
 
@@ -1083,7 +1076,7 @@ def test_draft_vocab_logits_are_the_output_layer_rows(pair, cpu_linear):
     columns, bit for bit (skinny_linear sums each output in a fixed order; torch's linear
     within a tolerance)."""
     from specdec_kernels._ext import HAS_EXT
-    from specdec_kernels.decoder import _new_cache
+    from specdec_kernels.kv_cache import _new_cache
 
     if cpu_linear == "skinny" and not HAS_EXT:
         pytest.skip("cpu_linear='skinny' needs the C++ extension (not built)")

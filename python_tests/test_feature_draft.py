@@ -408,7 +408,8 @@ def test_feature_draft_is_fed_each_true_pair_once(fpair):
 # ----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("lean", [True, False])
 def test_step_hidden_logits_are_the_step_bits(fpair, lean):
-    from specdec_kernels.decoder import _new_cache, _Runner
+    from specdec_kernels.kv_cache import _new_cache
+    from specdec_kernels.runners import _Runner
 
     _, target = fpair
     r = _Runner(target, "target")

@@ -20,7 +20,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from specdec_kernels._ext import HAS_EXT
-from specdec_kernels.decoder import SpeculativeDecoder, _Runner
+from specdec_kernels.decoder import SpeculativeDecoder
+from specdec_kernels.runners import _Runner
 from specdec_kernels.lean_forward import LeanLlamaStep
 
 V = 61
@@ -38,7 +39,7 @@ def _llama(heads: int, kv_heads: int, seed: int = 0, dtype=torch.float32, **extr
 
 def _prefill(model, lens, P):
     """A [B, P] left-padded prefill through the model's forward; returns (cache, valid [B, P])."""
-    from specdec_kernels.decoder import _new_cache
+    from specdec_kernels.kv_cache import _new_cache
 
     g = torch.Generator().manual_seed(3)
     B = len(lens)
@@ -184,7 +185,7 @@ def test_unsupported_models_are_named():
 ])
 def test_lean_step_names_a_bad_argument(kwargs, match):
     model = _llama(4, 2)
-    from specdec_kernels.decoder import _new_cache
+    from specdec_kernels.kv_cache import _new_cache
 
     args = dict(cache=_new_cache(model), ids=torch.zeros(1, 2, dtype=torch.long), mask=None,
                 positions=torch.arange(2)[None], keep=1)

@@ -24,7 +24,9 @@ lacks x_K, so its next step *catches up* by feeding [x_K, last] (rows that need 
 feed a masked gap column and ``last``).  A K = 0 step (``"auto"``) runs no draft forward: what the
 draft has not taken waits, and its next step feeds it all in one right-aligned block before its
 drafts.  Nothing already cached is ever fed again.
-Finished rows are sliced out of both caches.
+Finished rows are sliced out of both caches.  This module holds the loop and the target's side;
+each drafter's forwards and cache bookkeeping are in ``draft_steps.py``, the draft's warp and
+random numbers in ``draft_sampling.py``, the DynamicCache helpers in ``kv_cache.py``.
 
 Host synchronisation: one device-to-host copy per step (the accepted counts and tokens, needed
 to detokenise, check stop strings and EOS, and crop the caches); everything else stays on the
@@ -49,167 +51,22 @@ from typing import Any, Optional, Sequence, TextIO, Union
 
 import torch
 
+from .draft_sampling import _draft_key, warp_probs
+from .draft_steps import (draft_with_features, draft_with_model, feature_after_verify_, feature_wait_,
+                          model_after_verify_, model_wait_)
 from .drafters import PromptLookupDrafter
+from .kv_cache import _crop_, _new_cache, _stack_caches_, compact_dynamic_cache_
 from .runners import _FeatureRunner, _Runner
 from .stats import TARGET_SLOPE_PRIOR, DecodingStats, StatsRecorder, cpu_slope_prior
 
 __all__ = ["SpeculativeDecoder", "GenerationResult", "warp_probs"]
 
 _DRAFTERS = ("model", "prompt_lookup", "feature")
-_MASK32 = 0xFFFFFFFF
-_MASK64 = 0xFFFFFFFFFFFFFFFF
 
 
 # ----------------------------------------------------------------------------------------------
-# The warp, for the draft's sampling (the verifier applies the same warp to the target)
+# Prefill groups
 # ----------------------------------------------------------------------------------------------
-def _per_row_param(value, batch_shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    if isinstance(value, torch.Tensor):
-        return value.to(device=device, dtype=dtype).expand(batch_shape)
-    return torch.full(batch_shape, value, dtype=dtype, device=device)
-
-
-def warp_probs(
-    logits: torch.Tensor,  # [..., V] any float dtype
-    temperature: Union[float, torch.Tensor],  # float or [...]: 0 = greedy
-    top_k: Union[int, torch.Tensor, None] = None,  # int or [...]: 0 or >= V = off
-    top_p: Union[float, torch.Tensor, None] = None,  # float or [...]: 1.0 = off
-) -> torch.Tensor:
-    """The distribution a row samples from: [..., V] fp32, rows sum to 1.
-
-    s = logits.float() * (1 / temperature).  top-k keeps every token with s >= the k-th
-    largest s (ties at the boundary all kept).  top-p then keeps token v iff the probability
-    mass, renormalised over the top-k set, of the tokens with s strictly greater than s_v is
-    < top_p (the smallest set of most likely tokens reaching top_p, ties kept together).
-    p = exp(s - max) over the kept tokens, normalised.  Temperature 0 is greedy: one-hot at
-    the argmax of the logits (the lowest index on ties).  These are the verifier's semantics.
-    """
-    s0 = logits.float()  # [..., V]
-    V = s0.shape[-1]
-    bshape = s0.shape[:-1]
-    temp = _per_row_param(temperature, bshape, torch.float32, s0.device)  # [...]
-    greedy = temp == 0
-    inv_t = 1.0 / torch.where(greedy, torch.ones_like(temp), temp)  # fp32 division, as the verifier
-    s = s0 * inv_t[..., None]  # [..., V]
-    keep = torch.ones_like(s, dtype=torch.bool)
-    if top_k is not None or top_p is not None:
-        s_sorted = torch.sort(s, dim=-1, descending=True).values  # [..., V]
-        if top_k is not None:
-            k = _per_row_param(top_k, bshape, torch.int64, s0.device)
-            k = torch.where((k <= 0) | (k > V), V, k)
-            kth = s_sorted.gather(-1, (k - 1)[..., None])  # [..., 1]: the k-th largest
-            keep = s >= kth
-        if top_p is not None:
-            p_lim = _per_row_param(top_p, bshape, torch.float32, s0.device)  # [...]
-            in_k = s_sorted >= s.masked_fill(~keep, float("inf")).amin(-1, keepdim=True)
-            e = torch.where(in_k, torch.exp(s_sorted - s_sorted[..., :1]), 0.0)  # [..., V]
-            csum = torch.cumsum(e, dim=-1)
-            # Mass ahead of each sorted token; at the first token of a tie group that is the
-            # mass of the strictly greater tokens, and it only grows along the sorted order.
-            before = csum - e
-            n_keep = (before < p_lim[..., None] * csum[..., -1:]).sum(-1, keepdim=True)  # >= 1
-            cut = s_sorted.gather(-1, (n_keep - 1).clamp(min=0))  # smallest kept value; ties kept
-            keep = keep & ((p_lim >= 1.0)[..., None] | (s >= cut))
-    m = s.masked_fill(~keep, float("-inf")).amax(-1, keepdim=True)
-    e = torch.where(keep, torch.exp(s - m), 0.0)
-    probs = e / e.sum(-1, keepdim=True)
-    one_hot = torch.zeros_like(probs).scatter_(-1, s0.argmax(-1, keepdim=True), 1.0)
-    return torch.where(greedy[..., None], one_hot, probs)
-
-
-# ----------------------------------------------------------------------------------------------
-# Counter-based random numbers for the draft (no generator state; batch-invariant)
-# ----------------------------------------------------------------------------------------------
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """(x * c) mod 2^32 for x in [0, 2^32) held in int64, without int64 overflow."""
-    return (x * (c & 0xFFFF) + ((x * (c >> 16)) & 0xFFFF) * 65536) & _MASK32
-
-
-def _fmix32(h: torch.Tensor) -> torch.Tensor:
-    """MurmurHash3's 32-bit finaliser: a bijection with full avalanche."""
-    h = h ^ (h >> 16)
-    h = _mul32(h, 0x85EBCA6B)
-    h = h ^ (h >> 13)
-    h = _mul32(h, 0xC2B2AE35)
-    return h ^ (h >> 16)
-
-
-def _splitmix64(x: int) -> int:
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
-
-
-def _draft_key(seed: int) -> tuple[int, int]:
-    """The draft's (lo, hi) 32-bit key for a row seed: a different stream from the verifier's
-    Philox key (seed itself), so the draft's and the verifier's numbers are independent."""
-    k = _splitmix64(seed & _MASK64)
-    return k & _MASK32, k >> 32
-
-
-def _draft_uniforms(key_lo: torch.Tensor, key_hi: torch.Tensor, step: torch.Tensor, j: int) -> torch.Tensor:
-    """[B] fp32 uniforms in [0, 1) for draft position j of each row's step (24 random bits)."""
-    h = _fmix32(key_lo ^ (step & _MASK32))
-    h = _fmix32(h ^ key_hi)
-    h = _fmix32(h ^ ((j * 0x9E3779B9 + 0x7F4A7C15) & _MASK32))
-    h = _fmix32(h ^ key_lo)
-    return (h >> 8).to(torch.float32) * (1.0 / (1 << 24))
-
-
-def _sample_inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """The first v with cumsum(p)[v] > u * sum(p) (never a zero-probability token: the last
-    token with p > 0 if rounding leaves none).  probs [B, V] fp32, u [B] -> [B] int64."""
-    cdf = torch.cumsum(probs, dim=-1)  # [B, V]
-    idx = (cdf <= (u * cdf[:, -1])[:, None]).sum(-1)
-    V = probs.shape[-1]
-    ar = torch.arange(V, device=probs.device)
-    last_nonzero = torch.where(probs > 0, ar, -1).amax(-1)
-    return torch.where(idx >= V, last_nonzero, idx).clamp(min=0)
-
-
-# ----------------------------------------------------------------------------------------------
-# KV cache helpers
-# ----------------------------------------------------------------------------------------------
-def _append_right(block: torch.Tensor, cnt: torch.Tensor, x: torch.Tensor, valid: torch.Tensor) -> tuple:
-    """Append x [B] to the rows of a right-aligned block [B, W] (row b's cnt[b] tokens end at
-    its last column) where ``valid``; other rows shift right by a filler column instead.
-    Returns ([B, W + 1], cnt + valid)."""
-    col = x[:, None]
-    grown = torch.where(valid[:, None], torch.cat([block, col], 1), torch.cat([torch.zeros_like(col), block], 1))
-    return grown, cnt + valid.to(cnt.dtype)
-
-
-def _compact_(cache, src_start: int, dst_start: torch.Tensor, count: torch.Tensor) -> None:
-    """Rows b: cache columns [src_start, src_start + count[b]) -> [dst_start[b], ...)."""
-    from .kv_cache import compact_dynamic_cache_
-
-    compact_dynamic_cache_(cache, src_start, dst_start, count)
-
-
-def _crop_(cache, length: int) -> None:
-    """Crop every layer to ``length`` columns.  A negative ``crop`` argument (columns to drop)
-    means the same in transformers 4.x and 5.x."""
-    cur = cache.get_seq_length()
-    if length < cur:
-        cache.crop(length - cur)
-
-
-def _new_cache(model):
-    from transformers import DynamicCache
-
-    try:
-        cache = DynamicCache(config=model.config)
-    except TypeError:  # older transformers: no config argument
-        cache = DynamicCache()
-    for layer in getattr(cache, "layers", []):
-        if getattr(layer, "is_sliding", False) or not getattr(layer, "is_croppable", True):
-            raise ValueError(
-                f"model {type(model).__name__} uses a {type(layer).__name__} cache layer; the speculative "
-                "decoder needs plain full-attention DynamicCache layers (no sliding window or linear attention)")
-    return cache
-
-
 # The prefill's fixed cost of one more forward, in padded prompt tokens: what a forward over a
 # [rows, P] block costs is about this + rows * P tokens.  On the CPU a forward's fixed part (the
 # Python of the layers, one pass over the weights) weighs about as much as 12 tokens of
@@ -241,22 +98,6 @@ def _prefill_groups(lens: Sequence[int], fixed_cost: float) -> list:
         groups.append(sorted(order[cut[j]:j]))
         j = cut[j]
     return groups[::-1]
-
-
-def _stack_caches_(cache, parts: list, B: int, P: int) -> None:
-    """Fill the empty ``cache`` with the [B, H, P, D] stack of the group caches in ``parts``
-    ((row indices [n] int64, cache of those rows with at most P columns)); the columns past a
-    group's length and the rows in no group are zeros (they are masked by every later step)."""
-    first = parts[0][1]
-    for li in range(len(first.layers)):
-        k0, v0 = first.layers[li].keys, first.layers[li].values
-        keys = k0.new_zeros((B, k0.shape[1], P, k0.shape[3]))
-        values = v0.new_zeros((B, v0.shape[1], P, v0.shape[3]))
-        for rows, c in parts:
-            k, v = c.layers[li].keys, c.layers[li].values
-            keys[rows, :, : k.shape[2]] = k
-            values[rows, :, : v.shape[2]] = v
-        cache.update(keys, values, li)
 
 
 def _device_of(model) -> torch.device:
@@ -364,48 +205,6 @@ class _State:
     block_start: int = 0  # the draft cache column where this step's pending pairs went
     waited: bool = False  # the pending pairs include some that waited through K = 0 steps
 
-
-class _Drafts:
-    """A step's drafts as they are picked: each position's token ids [B] (full-vocabulary ids),
-    when sampling the distribution each was drawn from (zero outside a draft vocabulary), and,
-    under ``draft_confidence``, the running product of their probabilities and each row's K_b."""
-
-    def __init__(self, st: "_State", K: int, rows: Optional[torch.Tensor], Vd: int):
-        self.st, self.K, self.rows, self.Vd = st, K, rows, Vd
-        B, dev = len(st.rows), st.device
-        self.xs: list = []
-        self.qs: list = []
-        on = st.draft_confidence > 0
-        self.cum = torch.ones(B, dtype=torch.float32, device=dev) if on else None  # P(all accepted)
-        self.kb = torch.full((B,), K, dtype=torch.int64, device=dev) if on else None
-
-    def add(self, logits: torch.Tensor, j: int) -> bool:
-        """Pick draft j from ``logits`` [B, Vd] (or [B, N] over the draft vocabulary).  True when
-        every row has stopped on its confidence (checked on the CPU only: no host sync elsewhere)."""
-        st, rows = self.st, self.rows
-        if st.temperature == 0:
-            x = logits.argmax(-1)
-            if self.cum is not None:  # the draft's own probability of its argmax
-                self.cum = self.cum * torch.softmax(logits.float(), -1).gather(1, x[:, None])[:, 0]
-        else:
-            q = warp_probs(logits, st.temperature, st.top_k, st.top_p)  # [B, Vd] (or [B, N]) fp32
-            x = _sample_inverse_cdf(q, _draft_uniforms(st.key_lo, st.key_hi, st.step, j))
-            if self.cum is not None:
-                self.cum = self.cum * q.gather(1, x[:, None])[:, 0]
-            if rows is not None:
-                q = q.new_zeros((q.shape[0], self.Vd)).index_copy_(1, rows, q)
-            self.qs.append(q)
-        self.xs.append(x if rows is None else rows[x])
-        if self.cum is None:
-            return False
-        self.kb = torch.where((self.cum < st.draft_confidence) & (self.kb == self.K), j + 1, self.kb)
-        return j + 1 < self.K and st.device.type == "cpu" and bool((self.kb <= j + 1).all())
-
-    def result(self) -> tuple:
-        """(X [B, K'] int64, Q [B, K', Vd] or None, K_b [B] or None)."""
-        X = torch.stack(self.xs, 1)
-        Q = torch.stack(self.qs, 1) if self.qs else None
-        return X, Q, None if self.kb is None else self.kb.clamp(max=X.shape[1])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1015,110 +814,13 @@ class SpeculativeDecoder:
         room = max(st.budget_host[p] - len(st.generated[p]) for p in st.rows) - 1
         return max(min(k, room), 0)
 
-    @staticmethod
-    def _draft_block(st: _State) -> tuple:
-        """What a draft model must take before drafting: its waiting tokens, the catch-up token
-        (rows that accepted all K last step) and ``last``, right-aligned in [B, C] (row b's cnt[b]
-        tokens end at column C - 1; masked filler before them).  Returns (block, cnt [B], cnt
-        host list)."""
-        B = len(st.rows)
-        dev = st.device
-        if st.wait is None:
-            blk = torch.zeros((B, 0), dtype=torch.int64, device=dev)
-            cnt = torch.zeros(B, dtype=torch.int64, device=dev)
-            host = [0] * B
-        else:
-            blk, cnt, host = st.wait, st.wait_cnt, st.wait_host
-        if any(st.catch_host):
-            blk, cnt = _append_right(blk, cnt, st.catch.clamp(min=0), st.catch >= 0)
-        blk, cnt = _append_right(blk, cnt, st.last, torch.ones(B, dtype=torch.bool, device=dev))
-        host = [h + (1 if c else 0) + 1 for h, c in zip(host, st.catch_host)]
-        return blk[:, blk.shape[1] - max(host):], cnt, host  # no column of filler only
-
     def _draft_with_model(self, st: _State, K: int):
-        """Up to K draft forwards: the first over the block of ``_draft_block`` (usually
-        [last], or [catch-up, last]), then one per draft.  Returns (X [B, K'] int64, Q [B, K', Vd]
-        fp32 or None, the block (block, cnt, cnt host list), K_b [B] int64 or None): K' = K
-        unless ``st.draft_confidence`` stopped every row sooner (CPU only; a row's K_b is where it
-        stopped, None when the rule is off).  With a draft vocabulary the draft picks among its
-        tokens (logits [B, N]) and Q is zero on the others."""
-        d = self._d
-        rows = d.vocab_rows  # [N] or None
-        dev = st.device
-        B = len(st.rows)
-        Vd = d.vocab_size
-        block = self._draft_block(st)
-        blk, cnt, cnt_host = block
-        C = blk.shape[1]
-        col = torch.arange(C, device=dev)[None, :]
-        first = (C - cnt)[:, None]  # [B, 1]: each row's first valid block column
-        ids = blk.clamp(max=Vd - 1)  # a padded-vocabulary target token the draft cannot embed
-        pos = st.ld[:, None] + (col - first).clamp(min=0)  # [B, C]; the filler's position is unused
-        new_valid = col >= first
-        pos_last = st.ld + cnt - 1
-        # [B, Td] valid columns; None when nothing is padding (every row's cache is full and no
-        # row's block has filler), and then none is built
-        dense = min(st.ld_host) == st.Td and min(cnt_host) == C
-        mask = None if dense else torch.arange(st.Td, device=dev)[None, :] < st.ld[:, None]
-        T = st.Td
-        picks = _Drafts(st, K, rows, Vd)
-        for j in range(K):
-            if j > 0:
-                ids = picks.xs[-1][:, None]
-                pos = (pos_last + j)[:, None]
-                new_valid = torch.ones((B, 1), dtype=torch.bool, device=dev)
-            if st.context is not None:
-                pos = pos.clamp(max=st.context - 1)  # drafts past a row's budget are discarded anyway
-            if mask is not None:
-                mask = torch.cat([mask, new_valid], 1)
-            logits = d.step(st.dc, ids, mask, pos, T, 1)[:, -1]  # [B, Vd], or [B, N] over rows
-            T += ids.shape[1]
-            if picks.add(logits, j):
-                break  # every row has stopped on its confidence
-        st.Td = T
-        st.wait = st.wait_cnt = st.wait_host = None  # taken
-        X, Q, kb = picks.result()
-        return X, Q, block, kb
+        """``draft_steps.draft_with_model`` with this decoder's draft model (a method: tests wrap it)."""
+        return draft_with_model(self._d, st, K)
 
     def _draft_with_features(self, st: _State, K: int):
-        """The feature draft: first the pending pairs (what the last verify made true, with the
-        target's features), whose last output gives the first draft; then K - 1 pairs of its own
-        (its predicted feature, its draft).  Returns (X [B, K'] int64, Q [B, K', Vd] or None,
-        K_b [B] or None) as ``_draft_with_model`` does; with K = 0 it only takes the pairs (the
-        decoder's K = 0 steps do not call it: their pairs wait for the next step with drafts)."""
-        f = self._d
-        rows = f.vocab_rows
-        dev = st.device
-        B = len(st.rows)
-        Vd = f.vocab_size
-        C = max(st.pend_cnt_host)
-        cnt = st.pend_cnt
-        pos = st.ld[:, None] + torch.arange(C, device=dev)[None, :]  # the draft's column = the target's
-        if st.context is not None:
-            pos = pos.clamp(max=st.context - 1)
-        dense = min(st.ld_host) == st.Td and min(st.pend_cnt_host) == C
-        mask = None
-        if not dense:
-            mask = torch.cat([torch.arange(st.Td, device=dev)[None, :] < st.ld[:, None],
-                              torch.arange(C, device=dev)[None, :] < cnt[:, None]], 1)  # [B, Td + C]
-        st.block_start = st.Td
-        h = f.step(st.dc, st.pend_tok[:, :C], st.pend_feat[:, :C], mask, pos, C)  # [B, C, H]
-        fh = h.gather(1, (cnt - 1)[:, None, None].expand(B, 1, h.shape[-1]))[:, 0]  # [B, H]: each row's last
-        T = st.Td + C
-        picks = _Drafts(st, K, rows, Vd)
-        for j in range(K):
-            if j > 0:  # the pair (f^, x_j) at column ld + cnt + j - 1
-                p = (st.ld + cnt + (j - 1))[:, None]
-                if st.context is not None:
-                    p = p.clamp(max=st.context - 1)
-                if mask is not None:
-                    mask = torch.cat([mask, torch.ones((B, 1), dtype=torch.bool, device=dev)], 1)
-                fh = f.step(st.dc, picks.xs[-1][:, None], fh[:, None], mask, p, 1)[:, -1]
-                T += 1
-            if picks.add(f.head(fh), j):  # logits [B, N] over the draft vocabulary (or [B, V])
-                break
-        st.Td = T
-        return picks.result() if picks.xs else (None, None, None)
+        """``draft_steps.draft_with_features`` with this decoder's feature draft (tests wrap it)."""
+        return draft_with_features(self._d, st, K)
 
     @staticmethod
     def _row_params(st: _State, B: int) -> tuple:
@@ -1147,12 +849,8 @@ class SpeculativeDecoder:
         # this step's draft takes what waited through K = 0 steps (not a typical draft time)
         waited = st.waited if st.pend_tok is not None else st.wait is not None
         if self.draft is not None and K == 0 and not st.target_only:
-            # K = 0 (``"auto"``: verifying drafts does not pay, or no row has room for a draft):
-            # the target alone takes this step and the draft model runs nothing; what it has not
-            # taken ([catch-up, last] after any earlier waiting tokens) waits for its next step.
-            st.wait, st.wait_cnt, st.wait_host = self._draft_block(st)
-            st.catch = torch.full_like(st.catch, -1)
-            st.catch_host = [False] * B
+            # K = 0 (``"auto"``: verifying drafts does not pay, or no row has room for a draft)
+            model_wait_(st)
         elif st.pend_tok is not None and K == 0:
             skipped = True
         elif st.pend_tok is not None:  # a feature draft (not the target-only baseline)
@@ -1208,50 +906,16 @@ class SpeculativeDecoder:
 
         # Roll both caches back to what each row accepted (device work, no sync).
         keep_t = (n + 1).clamp(min=0)  # [B]: last + the accepted drafts
-        _compact_(st.tc, st.Tt, st.lt, keep_t)
+        compact_dynamic_cache_(st.tc, st.Tt, st.lt, keep_t)
         st.lt = st.lt + keep_t
         st.Tt += K + 1
         st.lt_host = [a + max(m + 1, 0) for a, m in zip(st.lt_host, n_host)]
-        Kd = 0 if Xd is None else Xd.shape[1]  # draft model forwards this step (its K)
-        if st.dc is not None and Kd > 0:
-            # The draft fed its block (row b's cnt_b tokens ending at column T0 + C - 1), then
-            # x_1 .. x_{Kd - 1} from T0 + C on: a row keeps its block and the drafts it accepted
-            # among those, one contiguous run, moved down to ld_b; one move per block length.
-            blk, cnt, cnt_host = block
-            C = blk.shape[1]
-            T0 = st.Td - (C + Kd - 1)  # the draft cache's length before this step
-            total = cnt + n.clamp(min=0, max=Kd - 1)  # [B]
-            for v in sorted(set(cnt_host)):
-                _compact_(st.dc, T0 + C - v, st.ld, torch.where(cnt == v, total, 0))
-            st.ld = st.ld + total
-            st.ld_host = [a + c + min(max(m, 0), Kd - 1) for a, c, m in zip(st.ld_host, cnt_host, n_host)]
-            st.catch = torch.where(n == Kd, Xd[:, Kd - 1], -1)  # x_K was drafted, never fed
-            st.catch_host = [m == Kd for m in n_host]
+        if Xd is not None:
+            model_after_verify_(st, block, Xd, n, n_host)
         if skipped:
-            # No draft forward ran: the step's one new pair (the target's feature at the verified
-            # column, its token) joins the row's pending pairs, which the next draft forward
-            # takes all at once (they are ragged across rows after ragged steps before).
-            C = max(st.pend_cnt_host)
-            at = st.pend_cnt[:, None]  # [B, 1]: each row's first free pending slot
-            tok = torch.cat([st.pend_tok[:, :C], st.pend_tok.new_zeros((B, 1))], 1)
-            st.pend_tok = tok.scatter_(1, at, out.tokens[:, :1].clamp(min=0))
-            fe = torch.cat([st.pend_feat[:, :C], st.pend_feat.new_zeros((B, 1, st.pend_feat.shape[2]))], 1)
-            st.pend_feat = fe.scatter_(1, at[:, :, None].expand(B, 1, fe.shape[2]), feats[:, :1].to(fe.dtype))
-            st.pend_cnt = st.pend_cnt + 1
-            st.pend_cnt_host = [c + 1 for c in st.pend_cnt_host]
-            st.waited = True
+            feature_wait_(st, out, feats)
         elif st.pend_tok is not None:
-            st.waited = False
-            # The feature draft keeps the pending pairs it took this step (true ones) and drops
-            # its chain; the next pending pairs are (feature at column lt + j, token at lt + j + 1)
-            # for j = 0 .. n_b: the accepted drafts and the target's own token.
-            _compact_(st.dc, st.block_start, st.ld, st.pend_cnt)
-            st.ld = st.ld + st.pend_cnt
-            st.ld_host = [a + c for a, c in zip(st.ld_host, st.pend_cnt_host)]
-            st.pend_tok = out.tokens[:, : K + 1].clamp(min=0)  # past n_b: a filler (masked), not an id
-            st.pend_feat = feats.to(st.pend_feat.dtype)
-            st.pend_cnt = (n + 1).clamp(min=1)
-            st.pend_cnt_host = [max(m + 1, 1) for m in n_host]
+            feature_after_verify_(st, out, feats, n, n_host, K)
         st.last = out.tokens.gather(1, n.clamp(min=0)[:, None])[:, 0]
         st.gen = st.gen + keep_t
         st.step = st.step + 1

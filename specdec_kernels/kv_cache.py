@@ -205,3 +205,45 @@ if HAS_EXT:
         # run here too, so tracing (and the Meta device) refuses what the real kernels refuse.
         _check_compact_kv_args(caches, src_start, dst_start, count)
         return None
+
+
+# ----------------------------------------------------------------------------------------------
+# DynamicCache helpers of SpeculativeDecoder (new caches, the prefill's stacking, cropping)
+# ----------------------------------------------------------------------------------------------
+def _crop_(cache, length: int) -> None:
+    """Crop every layer to ``length`` columns.  A negative ``crop`` argument (columns to drop)
+    means the same in transformers 4.x and 5.x."""
+    cur = cache.get_seq_length()
+    if length < cur:
+        cache.crop(length - cur)
+
+
+def _new_cache(model):
+    from transformers import DynamicCache
+
+    try:
+        cache = DynamicCache(config=model.config)
+    except TypeError:  # older transformers: no config argument
+        cache = DynamicCache()
+    for layer in getattr(cache, "layers", []):
+        if getattr(layer, "is_sliding", False) or not getattr(layer, "is_croppable", True):
+            raise ValueError(
+                f"model {type(model).__name__} uses a {type(layer).__name__} cache layer; the speculative "
+                "decoder needs plain full-attention DynamicCache layers (no sliding window or linear attention)")
+    return cache
+
+
+def _stack_caches_(cache, parts: list, B: int, P: int) -> None:
+    """Fill the empty ``cache`` with the [B, H, P, D] stack of the group caches in ``parts``
+    ((row indices [n] int64, cache of those rows with at most P columns)); the columns past a
+    group's length and the rows in no group are zeros (they are masked by every later step)."""
+    first = parts[0][1]
+    for li in range(len(first.layers)):
+        k0, v0 = first.layers[li].keys, first.layers[li].values
+        keys = k0.new_zeros((B, k0.shape[1], P, k0.shape[3]))
+        values = v0.new_zeros((B, v0.shape[1], P, v0.shape[3]))
+        for rows, c in parts:
+            k, v = c.layers[li].keys, c.layers[li].values
+            keys[rows, :, : k.shape[2]] = k
+            values[rows, :, : v.shape[2]] = v
+        cache.update(keys, values, li)

@@ -1,0 +1,128 @@
+"""How a draft samples: the warp (temperature, top-k, top-p) and counter-based random numbers.
+
+``warp_probs`` is the distribution a draft samples from, with the verifier's semantics (the
+verifier applies the same warp to the target inside ``fused_verify``).  The draft's random
+numbers are hashes of (a key derived from the row's seed, the row's step, the draft position):
+no generator state, so a row's drafts never depend on the other rows of a batch, and they are
+independent of the verifier's Philox stream.  ``_sample_inverse_cdf`` turns one uniform into a
+token by inverse CDF (no ``torch.multinomial``).
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+import torch
+
+__all__ = ["warp_probs"]
+
+_MASK32 = 0xFFFFFFFF
+_MASK64 = 0xFFFFFFFFFFFFFFFF
+
+
+# ----------------------------------------------------------------------------------------------
+# The warp, for the draft's sampling (the verifier applies the same warp to the target)
+# ----------------------------------------------------------------------------------------------
+def _per_row_param(value, batch_shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        return value.to(device=device, dtype=dtype).expand(batch_shape)
+    return torch.full(batch_shape, value, dtype=dtype, device=device)
+
+
+def warp_probs(
+    logits: torch.Tensor,  # [..., V] any float dtype
+    temperature: Union[float, torch.Tensor],  # float or [...]: 0 = greedy
+    top_k: Union[int, torch.Tensor, None] = None,  # int or [...]: 0 or >= V = off
+    top_p: Union[float, torch.Tensor, None] = None,  # float or [...]: 1.0 = off
+) -> torch.Tensor:
+    """The distribution a row samples from: [..., V] fp32, rows sum to 1.
+
+    s = logits.float() * (1 / temperature).  top-k keeps every token with s >= the k-th
+    largest s (ties at the boundary all kept).  top-p then keeps token v iff the probability
+    mass, renormalised over the top-k set, of the tokens with s strictly greater than s_v is
+    < top_p (the smallest set of most likely tokens reaching top_p, ties kept together).
+    p = exp(s - max) over the kept tokens, normalised.  Temperature 0 is greedy: one-hot at
+    the argmax of the logits (the lowest index on ties).  These are the verifier's semantics.
+    """
+    s0 = logits.float()  # [..., V]
+    V = s0.shape[-1]
+    bshape = s0.shape[:-1]
+    temp = _per_row_param(temperature, bshape, torch.float32, s0.device)  # [...]
+    greedy = temp == 0
+    inv_t = 1.0 / torch.where(greedy, torch.ones_like(temp), temp)  # fp32 division, as the verifier
+    s = s0 * inv_t[..., None]  # [..., V]
+    keep = torch.ones_like(s, dtype=torch.bool)
+    if top_k is not None or top_p is not None:
+        s_sorted = torch.sort(s, dim=-1, descending=True).values  # [..., V]
+        if top_k is not None:
+            k = _per_row_param(top_k, bshape, torch.int64, s0.device)
+            k = torch.where((k <= 0) | (k > V), V, k)
+            kth = s_sorted.gather(-1, (k - 1)[..., None])  # [..., 1]: the k-th largest
+            keep = s >= kth
+        if top_p is not None:
+            p_lim = _per_row_param(top_p, bshape, torch.float32, s0.device)  # [...]
+            in_k = s_sorted >= s.masked_fill(~keep, float("inf")).amin(-1, keepdim=True)
+            e = torch.where(in_k, torch.exp(s_sorted - s_sorted[..., :1]), 0.0)  # [..., V]
+            csum = torch.cumsum(e, dim=-1)
+            # Mass ahead of each sorted token; at the first token of a tie group that is the
+            # mass of the strictly greater tokens, and it only grows along the sorted order.
+            before = csum - e
+            n_keep = (before < p_lim[..., None] * csum[..., -1:]).sum(-1, keepdim=True)  # >= 1
+            cut = s_sorted.gather(-1, (n_keep - 1).clamp(min=0))  # smallest kept value; ties kept
+            keep = keep & ((p_lim >= 1.0)[..., None] | (s >= cut))
+    m = s.masked_fill(~keep, float("-inf")).amax(-1, keepdim=True)
+    e = torch.where(keep, torch.exp(s - m), 0.0)
+    probs = e / e.sum(-1, keepdim=True)
+    one_hot = torch.zeros_like(probs).scatter_(-1, s0.argmax(-1, keepdim=True), 1.0)
+    return torch.where(greedy[..., None], one_hot, probs)
+
+
+# ----------------------------------------------------------------------------------------------
+# Counter-based random numbers for the draft (no generator state; batch-invariant)
+# ----------------------------------------------------------------------------------------------
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2^32 for x in [0, 2^32) held in int64, without int64 overflow."""
+    return (x * (c & 0xFFFF) + ((x * (c >> 16)) & 0xFFFF) * 65536) & _MASK32
+
+
+def _fmix32(h: torch.Tensor) -> torch.Tensor:
+    """MurmurHash3's 32-bit finaliser: a bijection with full avalanche."""
+    h = h ^ (h >> 16)
+    h = _mul32(h, 0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = _mul32(h, 0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def _draft_key(seed: int) -> tuple[int, int]:
+    """The draft's (lo, hi) 32-bit key for a row seed: a different stream from the verifier's
+    Philox key (seed itself), so the draft's and the verifier's numbers are independent."""
+    k = _splitmix64(seed & _MASK64)
+    return k & _MASK32, k >> 32
+
+
+def _draft_uniforms(key_lo: torch.Tensor, key_hi: torch.Tensor, step: torch.Tensor, j: int) -> torch.Tensor:
+    """[B] fp32 uniforms in [0, 1) for draft position j of each row's step (24 random bits)."""
+    h = _fmix32(key_lo ^ (step & _MASK32))
+    h = _fmix32(h ^ key_hi)
+    h = _fmix32(h ^ ((j * 0x9E3779B9 + 0x7F4A7C15) & _MASK32))
+    h = _fmix32(h ^ key_lo)
+    return (h >> 8).to(torch.float32) * (1.0 / (1 << 24))
+
+
+def _sample_inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The first v with cumsum(p)[v] > u * sum(p) (never a zero-probability token: the last
+    token with p > 0 if rounding leaves none).  probs [B, V] fp32, u [B] -> [B] int64."""
+    cdf = torch.cumsum(probs, dim=-1)  # [B, V]
+    idx = (cdf <= (u * cdf[:, -1])[:, None]).sum(-1)
+    V = probs.shape[-1]
+    ar = torch.arange(V, device=probs.device)
+    last_nonzero = torch.where(probs > 0, ar, -1).amax(-1)
+    return torch.where(idx >= V, last_nonzero, idx).clamp(min=0)

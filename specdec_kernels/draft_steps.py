@@ -1,0 +1,255 @@
+"""What each drafter network does in a step of ``SpeculativeDecoder``, and its cache bookkeeping.
+
+The decoder's loop (``decoder.py``) chooses K, calls one of these to draft, verifies, rolls the
+target's cache back and then calls the drafter's own bookkeeping here.  Both drafters keep a
+left-aligned ``DynamicCache`` (row b's tokens in columns [0, ld_b); see the decoder's module
+docstring) and never feed a token twice:
+
+- *a draft model* (``draft_with_model``): each step feeds ``model_block`` (tokens that waited
+  through K = 0 steps, the catch-up token, ``last``, right-aligned) and then one draft per
+  forward; after the verify (``model_after_verify_``) a row keeps its block and the drafts it
+  accepted among those it fed, one contiguous run moved down to ld_b.  A K = 0 step
+  (``model_wait_``) feeds nothing: the block waits.
+- *a feature draft* (``draft_with_features``, EAGLE's idea): each step feeds its pending pairs
+  (the target's feature at column c - 1, the token at c) for the columns the last verify made
+  true, then pairs of its own; after the verify (``feature_after_verify_``) it keeps the
+  pending pairs and drops its chain, and the next pending pairs are the verified columns'.  A
+  K = 0 step (``feature_wait_``) feeds nothing: the step's one new pair joins the pending ones.
+
+``_Drafts`` picks each position's draft (greedy argmax, or the warped distribution sampled by
+inverse CDF with the row's counter-based uniforms) and applies ``draft_confidence``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from .draft_sampling import _draft_uniforms, _sample_inverse_cdf, warp_probs
+from .kv_cache import compact_dynamic_cache_
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .decoder import _State
+    from .verify import VerifyOutput
+
+
+def _append_right(block: torch.Tensor, cnt: torch.Tensor, x: torch.Tensor, valid: torch.Tensor) -> tuple:
+    """Append x [B] to the rows of a right-aligned block [B, W] (row b's cnt[b] tokens end at
+    its last column) where ``valid``; other rows shift right by a filler column instead.
+    Returns ([B, W + 1], cnt + valid)."""
+    col = x[:, None]
+    grown = torch.where(valid[:, None], torch.cat([block, col], 1), torch.cat([torch.zeros_like(col), block], 1))
+    return grown, cnt + valid.to(cnt.dtype)
+
+
+class _Drafts:
+    """A step's drafts as they are picked: each position's token ids [B] (full-vocabulary ids),
+    when sampling the distribution each was drawn from (zero outside a draft vocabulary), and,
+    under ``draft_confidence``, the running product of their probabilities and each row's K_b."""
+
+    def __init__(self, st: "_State", K: int, rows: Optional[torch.Tensor], Vd: int):
+        self.st, self.K, self.rows, self.Vd = st, K, rows, Vd
+        B, dev = len(st.rows), st.device
+        self.xs: list = []
+        self.qs: list = []
+        on = st.draft_confidence > 0
+        self.cum = torch.ones(B, dtype=torch.float32, device=dev) if on else None  # P(all accepted)
+        self.kb = torch.full((B,), K, dtype=torch.int64, device=dev) if on else None
+
+    def add(self, logits: torch.Tensor, j: int) -> bool:
+        """Pick draft j from ``logits`` [B, Vd] (or [B, N] over the draft vocabulary).  True when
+        every row has stopped on its confidence (checked on the CPU only: no host sync elsewhere)."""
+        st, rows = self.st, self.rows
+        if st.temperature == 0:
+            x = logits.argmax(-1)
+            if self.cum is not None:  # the draft's own probability of its argmax
+                self.cum = self.cum * torch.softmax(logits.float(), -1).gather(1, x[:, None])[:, 0]
+        else:
+            q = warp_probs(logits, st.temperature, st.top_k, st.top_p)  # [B, Vd] (or [B, N]) fp32
+            x = _sample_inverse_cdf(q, _draft_uniforms(st.key_lo, st.key_hi, st.step, j))
+            if self.cum is not None:
+                self.cum = self.cum * q.gather(1, x[:, None])[:, 0]
+            if rows is not None:
+                q = q.new_zeros((q.shape[0], self.Vd)).index_copy_(1, rows, q)
+            self.qs.append(q)
+        self.xs.append(x if rows is None else rows[x])
+        if self.cum is None:
+            return False
+        self.kb = torch.where((self.cum < st.draft_confidence) & (self.kb == self.K), j + 1, self.kb)
+        return j + 1 < self.K and st.device.type == "cpu" and bool((self.kb <= j + 1).all())
+
+    def result(self) -> tuple:
+        """(X [B, K'] int64, Q [B, K', Vd] or None, K_b [B] or None)."""
+        X = torch.stack(self.xs, 1)
+        Q = torch.stack(self.qs, 1) if self.qs else None
+        return X, Q, None if self.kb is None else self.kb.clamp(max=X.shape[1])
+
+
+def model_block(st: "_State") -> tuple:
+    """What a draft model must take before drafting: its waiting tokens, the catch-up token
+    (rows that accepted all K last step) and ``last``, right-aligned in [B, C] (row b's cnt[b]
+    tokens end at column C - 1; masked filler before them).  Returns (block, cnt [B], cnt
+    host list)."""
+    B = len(st.rows)
+    dev = st.device
+    if st.wait is None:
+        blk = torch.zeros((B, 0), dtype=torch.int64, device=dev)
+        cnt = torch.zeros(B, dtype=torch.int64, device=dev)
+        host = [0] * B
+    else:
+        blk, cnt, host = st.wait, st.wait_cnt, st.wait_host
+    if any(st.catch_host):
+        blk, cnt = _append_right(blk, cnt, st.catch.clamp(min=0), st.catch >= 0)
+    blk, cnt = _append_right(blk, cnt, st.last, torch.ones(B, dtype=torch.bool, device=dev))
+    host = [h + (1 if c else 0) + 1 for h, c in zip(host, st.catch_host)]
+    return blk[:, blk.shape[1] - max(host):], cnt, host  # no column of filler only
+
+
+def draft_with_model(d, st: "_State", K: int):
+    """The draft model ``d`` (a ``_Runner``) drafts: up to K forwards, the first over the block of ``model_block`` (usually
+    [last], or [catch-up, last]), then one per draft.  Returns (X [B, K'] int64, Q [B, K', Vd]
+    fp32 or None, the block (block, cnt, cnt host list), K_b [B] int64 or None): K' = K
+    unless ``st.draft_confidence`` stopped every row sooner (CPU only; a row's K_b is where it
+    stopped, None when the rule is off).  With a draft vocabulary the draft picks among its
+    tokens (logits [B, N]) and Q is zero on the others."""
+    rows = d.vocab_rows  # [N] or None
+    dev = st.device
+    B = len(st.rows)
+    Vd = d.vocab_size
+    block = model_block(st)
+    blk, cnt, cnt_host = block
+    C = blk.shape[1]
+    col = torch.arange(C, device=dev)[None, :]
+    first = (C - cnt)[:, None]  # [B, 1]: each row's first valid block column
+    ids = blk.clamp(max=Vd - 1)  # a padded-vocabulary target token the draft cannot embed
+    pos = st.ld[:, None] + (col - first).clamp(min=0)  # [B, C]; the filler's position is unused
+    new_valid = col >= first
+    pos_last = st.ld + cnt - 1
+    # [B, Td] valid columns; None when nothing is padding (every row's cache is full and no
+    # row's block has filler), and then none is built
+    dense = min(st.ld_host) == st.Td and min(cnt_host) == C
+    mask = None if dense else torch.arange(st.Td, device=dev)[None, :] < st.ld[:, None]
+    T = st.Td
+    picks = _Drafts(st, K, rows, Vd)
+    for j in range(K):
+        if j > 0:
+            ids = picks.xs[-1][:, None]
+            pos = (pos_last + j)[:, None]
+            new_valid = torch.ones((B, 1), dtype=torch.bool, device=dev)
+        if st.context is not None:
+            pos = pos.clamp(max=st.context - 1)  # drafts past a row's budget are discarded anyway
+        if mask is not None:
+            mask = torch.cat([mask, new_valid], 1)
+        logits = d.step(st.dc, ids, mask, pos, T, 1)[:, -1]  # [B, Vd], or [B, N] over rows
+        T += ids.shape[1]
+        if picks.add(logits, j):
+            break  # every row has stopped on its confidence
+    st.Td = T
+    st.wait = st.wait_cnt = st.wait_host = None  # taken
+    X, Q, kb = picks.result()
+    return X, Q, block, kb
+
+
+def draft_with_features(f, st: "_State", K: int):
+    """The feature draft ``f`` (a ``_FeatureRunner``): first the pending pairs (what the last verify made true, with the
+    target's features), whose last output gives the first draft; then K - 1 pairs of its own
+    (its predicted feature, its draft).  Returns (X [B, K'] int64, Q [B, K', Vd] or None,
+    K_b [B] or None) as ``draft_with_model`` does; with K = 0 it only takes the pairs (the
+    decoder's K = 0 steps do not call it: their pairs wait for the next step with drafts)."""
+    rows = f.vocab_rows
+    dev = st.device
+    B = len(st.rows)
+    Vd = f.vocab_size
+    C = max(st.pend_cnt_host)
+    cnt = st.pend_cnt
+    pos = st.ld[:, None] + torch.arange(C, device=dev)[None, :]  # the draft's column = the target's
+    if st.context is not None:
+        pos = pos.clamp(max=st.context - 1)
+    dense = min(st.ld_host) == st.Td and min(st.pend_cnt_host) == C
+    mask = None
+    if not dense:
+        mask = torch.cat([torch.arange(st.Td, device=dev)[None, :] < st.ld[:, None],
+                          torch.arange(C, device=dev)[None, :] < cnt[:, None]], 1)  # [B, Td + C]
+    st.block_start = st.Td
+    h = f.step(st.dc, st.pend_tok[:, :C], st.pend_feat[:, :C], mask, pos, C)  # [B, C, H]
+    fh = h.gather(1, (cnt - 1)[:, None, None].expand(B, 1, h.shape[-1]))[:, 0]  # [B, H]: each row's last
+    T = st.Td + C
+    picks = _Drafts(st, K, rows, Vd)
+    for j in range(K):
+        if j > 0:  # the pair (f^, x_j) at column ld + cnt + j - 1
+            p = (st.ld + cnt + (j - 1))[:, None]
+            if st.context is not None:
+                p = p.clamp(max=st.context - 1)
+            if mask is not None:
+                mask = torch.cat([mask, torch.ones((B, 1), dtype=torch.bool, device=dev)], 1)
+            fh = f.step(st.dc, picks.xs[-1][:, None], fh[:, None], mask, p, 1)[:, -1]
+            T += 1
+        if picks.add(f.head(fh), j):  # logits [B, N] over the draft vocabulary (or [B, V])
+            break
+    st.Td = T
+    return picks.result() if picks.xs else (None, None, None)
+
+
+def model_wait_(st: "_State") -> None:
+    """A draft model's K = 0 step: the target alone takes it and the draft runs nothing; what
+    the draft has not taken ([catch-up, last] after any earlier waiting tokens) waits for its
+    next step (``model_block`` puts it first)."""
+    st.wait, st.wait_cnt, st.wait_host = model_block(st)
+    st.catch = torch.full_like(st.catch, -1)
+    st.catch_host = [False] * len(st.rows)
+
+
+def model_after_verify_(st: "_State", block: tuple, Xd: torch.Tensor, n: torch.Tensor, n_host: list) -> None:
+    """Roll the draft model's cache back after a verify that accepted n [B] of the drafts Xd
+    [B, Kd] it fed this step (``block``: what ``draft_with_model`` returned), and note the rows
+    that must catch up (they accepted all Kd, and x_Kd was drafted but never fed)."""
+    Kd = Xd.shape[1]
+    if st.dc is None or Kd == 0:
+        return
+    # The draft fed its block (row b's cnt_b tokens ending at column T0 + C - 1), then
+    # x_1 .. x_{Kd - 1} from T0 + C on: a row keeps its block and the drafts it accepted
+    # among those, one contiguous run, moved down to ld_b; one move per block length.
+    blk, cnt, cnt_host = block
+    C = blk.shape[1]
+    T0 = st.Td - (C + Kd - 1)  # the draft cache's length before this step
+    total = cnt + n.clamp(min=0, max=Kd - 1)  # [B]
+    for v in sorted(set(cnt_host)):
+        compact_dynamic_cache_(st.dc, T0 + C - v, st.ld, torch.where(cnt == v, total, 0))
+    st.ld = st.ld + total
+    st.ld_host = [a + c + min(max(m, 0), Kd - 1) for a, c, m in zip(st.ld_host, cnt_host, n_host)]
+    st.catch = torch.where(n == Kd, Xd[:, Kd - 1], -1)  # x_K was drafted, never fed
+    st.catch_host = [m == Kd for m in n_host]
+
+
+def feature_wait_(st: "_State", out: "VerifyOutput", feats: torch.Tensor) -> None:
+    """A feature draft's K = 0 step: no draft forward ran, so the step's one new pair (the
+    target's feature at the verified column ``feats[:, 0]``, its token) joins the row's pending
+    pairs, which the next draft forward takes all at once (they are ragged across rows after
+    ragged steps before)."""
+    B = len(st.rows)
+    C = max(st.pend_cnt_host)
+    at = st.pend_cnt[:, None]  # [B, 1]: each row's first free pending slot
+    tok = torch.cat([st.pend_tok[:, :C], st.pend_tok.new_zeros((B, 1))], 1)
+    st.pend_tok = tok.scatter_(1, at, out.tokens[:, :1].clamp(min=0))
+    fe = torch.cat([st.pend_feat[:, :C], st.pend_feat.new_zeros((B, 1, st.pend_feat.shape[2]))], 1)
+    st.pend_feat = fe.scatter_(1, at[:, :, None].expand(B, 1, fe.shape[2]), feats[:, :1].to(fe.dtype))
+    st.pend_cnt = st.pend_cnt + 1
+    st.pend_cnt_host = [c + 1 for c in st.pend_cnt_host]
+    st.waited = True
+
+
+def feature_after_verify_(st: "_State", out: "VerifyOutput", feats: torch.Tensor, n: torch.Tensor,
+                          n_host: list, K: int) -> None:
+    """After a step with drafts, the feature draft keeps the pending pairs it took this step
+    (true ones) and drops its chain; the next pending pairs are (feature at column lt + j, token
+    at lt + j + 1) for j = 0 .. n_b: the accepted drafts and the target's own token (``feats``
+    [B, K + 1, H]: the target's features at the K + 1 verified columns)."""
+    st.waited = False
+    compact_dynamic_cache_(st.dc, st.block_start, st.ld, st.pend_cnt)
+    st.ld = st.ld + st.pend_cnt
+    st.ld_host = [a + c for a, c in zip(st.ld_host, st.pend_cnt_host)]
+    st.pend_tok = out.tokens[:, : K + 1].clamp(min=0)  # past n_b: a filler (masked), not an id
+    st.pend_feat = feats.to(st.pend_feat.dtype)
+    st.pend_cnt = (n + 1).clamp(min=1)
+    st.pend_cnt_host = [max(m + 1, 1) for m in n_host]
