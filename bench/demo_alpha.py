@@ -9,6 +9,7 @@ No timings (those are bench_e2e.py's).
 
     python bench/demo_alpha.py                                  # the embedded pair + feature draft
     python bench/demo_alpha.py --drafters model --ks 2 --feature-draft DIR
+    python bench/demo_alpha.py --ks auto --threads 2                 # K chosen each step, as the main job
     python bench/demo_alpha.py --tiny-random --drafters model --kinds plain   # smoke run
 """
 
@@ -26,8 +27,11 @@ sys.path.insert(0, os.path.join(HERE, "..", "scripts"))
 def _ks(text: str) -> list:
     out = []
     for part in text.split(","):
+        if part == "auto":
+            out.append(part)
+            continue
         if not part.isdigit() or int(part) < 1:
-            raise argparse.ArgumentTypeError(f"--ks: each K must be a positive int, got {part!r}")
+            raise argparse.ArgumentTypeError(f"--ks: each K must be a positive int or auto, got {part!r}")
         out.append(int(part))
     return out
 
@@ -96,9 +100,9 @@ def main(argv=None) -> dict:
                 alpha = acc / reached if reached else None
                 out["sets"].append(dict(kind=kind, drafter=name, k=k, alpha=alpha, accepted=acc, reached=reached,
                                         tokens_per_call=toks / steps))
-                print(f"{kind:5s} {name:7s} K={k}: alpha {alpha:.3f} ({acc}/{reached}), "
+                print(f"{kind:5s} {name:7s} K={k}: alpha " + ("-" if alpha is None else f"{alpha:.3f}") + f" ({acc}/{reached}), "
                       f"{toks / steps:.2f} tokens per target call; per prompt: "
-                      + ", ".join(f"{r['alpha']:.2f}" for r in out["prompts"][-len(prompts):]))
+                      + ", ".join("-" if r["alpha"] is None else f"{r['alpha']:.2f}" for r in out["prompts"][-len(prompts):]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

@@ -7,6 +7,7 @@ what is tested.  Only structure and the greedy identity check are asserted, neve
 
 from __future__ import annotations
 
+import argparse
 import csv
 import os
 import subprocess
@@ -248,3 +249,7 @@ def test_demo_alpha_counts_as_generate_does(tmp_path):
     assert checked
     with pytest.raises(SystemExit):
         mod.main(["--tiny-random", "--drafters", "bogus"])
+    assert mod._ks("2,auto,1") == [2, "auto", 1]  # auto: K chosen each step, as the main job
+    for bad in ("0", "x", "2,,3"):
+        with pytest.raises(argparse.ArgumentTypeError, match="each K must be a positive int or auto"):
+            mod._ks(bad)
