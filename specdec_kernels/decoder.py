@@ -272,13 +272,21 @@ class SpeculativeDecoder:
     one (the embedded draft ships 12,288 tokens), else the whole vocabulary; None: the whole
     vocabulary; a path (a directory or the file); or the token ids (a 1-D tensor or a list).
     ``self.draft_vocab`` is what was chosen (sorted int64 ids, or None).
+
+    verify_backend: ``fused_verify``'s backend for every step: ``"auto"`` (default: the Triton
+    kernel on CUDA, the torch path on the CPU), ``"triton"`` (the kernel; on CPU tensors only
+    under ``TRITON_INTERPRET=1``, as the tests run the decoder's loop through it) or ``"torch"``.
+    The two give the same tokens from the same random numbers.
     """
 
     def __init__(self, draft=None, target=None, tokenizer=None, device=None, dtype=None, *,
                  drafter: Optional[str] = None, max_ngram: int = 3, cpu_linear: str = "auto",
-                 lean_forward: bool = True, draft_vocab: Any = "auto"):
+                 lean_forward: bool = True, draft_vocab: Any = "auto", verify_backend: str = "auto"):
         if cpu_linear not in ("auto", "skinny", "torch"):
             raise ValueError(f"cpu_linear must be 'auto', 'skinny' or 'torch', got {cpu_linear!r}")
+        if verify_backend not in ("auto", "triton", "torch"):
+            raise ValueError(f"verify_backend must be 'auto', 'triton' or 'torch', got {verify_backend!r}")
+        self.verify_backend = verify_backend
         if target is None and draft is None and drafter in (None, "feature"):
             from .models import default_pair  # the embedded default pair, offline
 
@@ -347,6 +355,12 @@ class SpeculativeDecoder:
                 self.feature.to(dtype)
             self.feature.to(_device_of(target))  # it runs on the target's features, where they are
         self.device = _device_of(target)
+        if verify_backend == "triton" and self.device.type != "cuda":
+            from .verify import _interpreting
+
+            if not _interpreting():
+                raise ValueError(f"verify_backend='triton' needs the models on CUDA (or TRITON_INTERPRET=1 for the "
+                                 f"CPU), got them on {self.device}")
         self.target = target.eval()
         self.draft = draft.eval() if draft is not None else None
         self.cpu_linear = self._resolve_cpu_linear(cpu_linear)
@@ -894,7 +908,7 @@ class SpeculativeDecoder:
         # fused_verify's computation without its per-call argument checks (generate checked
         # the parameters; the tensors below are built here in its dtypes and shapes)
         temp, top_k, top_p = self._row_params(st, B)
-        out = _verify_checked(logits, X, Q, kb, temp, top_k, top_p, st.seed, st.step)
+        out = _verify_checked(logits, X, Q, kb, temp, top_k, top_p, st.seed, st.step, backend=self.verify_backend)
         n = out.num_accepted  # [B] int64 in [-1, K_b]
         # The step's one host sync: counts, tokens, drafts, K_b.
         packed = torch.cat([n[:, None], kb[:, None], out.tokens[:, : K + 1], X], 1).cpu()
