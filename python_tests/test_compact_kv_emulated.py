@@ -122,3 +122,47 @@ def test_emulated_out_of_range_values_are_skipped_or_clamped(emulated, block_dim
     compact_kv_reference(expected[1:], src_start, _idx([0, 0, 0, 3, 0]), _idx([0, 0, 0, T + 2 - src_start, 0]))
     _run(emulated, caches, src_start, [9, -1, 2, 3, 8], [2, 2, -5, 100, 3], block_dim, False)
     assert all(torch.equal(g, w) for g, w in zip(caches, expected))
+
+
+# ------------------------------------------------------------------------------------------
+# The decoder's loop with its cache rollback through the emulated kernel
+# ------------------------------------------------------------------------------------------
+from test_decoder import PROMPTS, _one_thread, greedy_refs, pair  # noqa: E402,F401  (fixtures)
+from test_feature_draft import fgreedy_refs, fpair  # noqa: E402,F401  (fixtures)
+
+
+def _route_through_emulation(monkeypatch, emulated, calls: list):
+    """Every compact_kv_ the decoder makes (both caches, every step) runs the CUDA kernel's code."""
+    from specdec_kernels import kv_cache
+
+    def compact(caches, src_start, dst_start, count):
+        calls.append(len(caches))
+        emulated.compact_kv_emulated(list(caches), src_start, dst_start, count, GPU_THREADS, False)
+
+    monkeypatch.setattr(kv_cache, "compact_kv_", compact)
+
+
+@pytest.mark.parametrize("drafter", ["model", "feature"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_decoder_with_the_emulated_kernel(emulated, pair, greedy_refs, fpair, fgreedy_refs, monkeypatch,
+                                          drafter, temperature):
+    """A ragged batch decoded with the caches rolled back by the CUDA kernel's code gives the
+    tokens, step by step, of the CPU op (greedy: the target's own greedy decoding)."""
+    from specdec_kernels import SpeculativeDecoder
+
+    draft, target = fpair if drafter == "feature" else pair
+    refs = fgreedy_refs if drafter == "feature" else greedy_refs
+    dec = SpeculativeDecoder(draft=draft, target=target, drafter=drafter)
+    kw = dict(max_new_tokens=20, num_draft_tokens=3, temperature=temperature, seed=5)
+    want = dec.generate(PROMPTS, **kw)
+    calls = []
+    with monkeypatch.context() as m:
+        _route_through_emulation(m, emulated, calls)
+        got = dec.generate(PROMPTS, **kw)
+    # each step compacts the target's cache (2 layers: 4 tensors) and the draft's (the model's 4,
+    # the feature draft's one layer: 2)
+    assert len(calls) >= 2 * got.stats.iterations - 2 and set(calls) == ({4, 2} if drafter == "feature" else {4})
+    assert got.token_ids == want.token_ids
+    assert [h["accepted"] for h in got.stats.history] == [h["accepted"] for h in want.stats.history]
+    if temperature == 0:
+        assert got.token_ids == [r[:20] for r in refs]
