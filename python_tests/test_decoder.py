@@ -855,6 +855,27 @@ def test_bad_constructor_arguments(pair, tmp_path):
         SpeculativeDecoder(draft=str(tmp_path / "draft"), target=str(tmp_path / "target"))
 
 
+def test_unusable_devices_are_refused_by_name(pair, capsys, monkeypatch):
+    # a CUDA device on a machine (or a torch) without one: a ValueError naming it, not the
+    # AssertionError from deep inside Module.to; a misspelt device: the same kind of error
+    draft, target = pair
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match=r"^device 'cuda' is not available: torch .* finds no CUDA GPU$"):
+        SpeculativeDecoder(draft=draft, target=target, device="cuda")
+    with pytest.raises(ValueError, match=r"^device must be a torch.device or a device name such as 'cpu' or "
+                                         r"'cuda:0', got 'gpu0'$"):
+        SpeculativeDecoder(draft=draft, target=target, device="gpu0")
+    assert next(target.parameters()).device.type == "cpu"  # nothing moved
+    with pytest.raises(SystemExit) as e:
+        cli_main(["generate", "hello", "--tiny-random", "--device", "cuda:1"])
+    assert e.value.code == 2
+    assert "device 'cuda:1' is not available" in capsys.readouterr().err
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match=r"^device 'cuda:1' is not available: torch finds 1 CUDA GPU\(s\)$"):
+        SpeculativeDecoder(draft=draft, target=target, device="cuda:1")
+
+
 def test_load_pair_from_paths(tiny, tmp_path):
     dec, tok = tiny
     for name, model in (("draft", dec.draft), ("target", dec.target)):

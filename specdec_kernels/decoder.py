@@ -286,6 +286,9 @@ class SpeculativeDecoder:
             raise ValueError(f"cpu_linear must be 'auto', 'skinny' or 'torch', got {cpu_linear!r}")
         if verify_backend not in ("auto", "triton", "torch"):
             raise ValueError(f"verify_backend must be 'auto', 'triton' or 'torch', got {verify_backend!r}")
+        from .models import resolve_device
+
+        device = resolve_device(device)
         self.verify_backend = verify_backend
         if target is None and draft is None and drafter in (None, "feature"):
             from .models import default_pair  # the embedded default pair, offline

@@ -157,6 +157,28 @@ def vocab_fingerprint(tokenizer) -> str:
     return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()
 
 
+def resolve_device(device):
+    """None, or the ``torch.device`` named by ``device`` if this process can use it; else a
+    ValueError that names it and says why (a CUDA device on a torch without CUDA would
+    otherwise fail deep inside ``Module.to`` with an AssertionError)."""
+    import torch
+
+    if device is None:
+        return None
+    try:
+        d = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device must be a torch.device or a device name such as 'cpu' or 'cuda:0', "
+                         f"got {device!r}") from None
+    if d.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {str(device)!r} is not available: torch {torch.__version__} finds no CUDA GPU")
+        if d.index is not None and d.index >= torch.cuda.device_count():
+            raise ValueError(f"device {str(device)!r} is not available: torch finds "
+                             f"{torch.cuda.device_count()} CUDA GPU(s)")
+    return d
+
+
 def default_pair(device=None, dtype=None, with_draft: bool = True):
     """(draft, target, tokenizer): the shipped draft and SmolLM2-135M-Instruct, loaded offline.
 
@@ -169,6 +191,7 @@ def default_pair(device=None, dtype=None, with_draft: bool = True):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    device = resolve_device(device)
     dtype = torch.float32 if dtype is None else dtype
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype or None, got {type(dtype).__name__}")
