@@ -507,7 +507,11 @@ class SpeculativeDecoder:
                 elif isinstance(p, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
                     rows.append(list(p))
                 else:
-                    raise TypeError(f"prompts[{i}] must be a str or a list of token ids, got {type(p).__name__}")
+                    what = type(p).__name__
+                    if isinstance(p, (list, tuple)):  # say which element is not an int id
+                        bad = next(t for t in p if not isinstance(t, int) or isinstance(t, bool))
+                        what = f"a {what} holding a {type(bad).__name__} ({bad!r:.40})"
+                    raise TypeError(f"prompts[{i}] must be a str or a list of int token ids, got {what}")
         else:
             raise TypeError(f"prompts must be a str, a list of str, a list of token-id lists or a [B, T] "
                             f"tensor, got {type(prompts).__name__}")
