@@ -1001,6 +1001,21 @@ def test_cli_requires_models(capsys):
     assert "must be a positive int or 'auto', got 0" in capsys.readouterr().err
 
 
+def test_cli_chat(capsys):
+    from specdec_kernels.cli import chat_ids
+
+    tok = tiny_char_tokenizer()
+    with pytest.raises(ValueError, match=r"^--chat needs a tokenizer with a chat template, got \w+ without one$"):
+        chat_ids(tok, "hi")
+    with pytest.raises(ValueError, match="--chat needs a tokenizer with a chat template, got no tokenizer"):
+        chat_ids(None, "hi")
+    tok.chat_template = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}{% if add_generation_prompt %}>{% endif %}"
+    assert chat_ids(tok, "ab") == tok("[ab]>", add_special_tokens=False)["input_ids"]
+    with pytest.raises(SystemExit) as e:  # the tiny random pair's tokenizer has no template
+        cli_main(["generate", "hello", "--tiny-random", "--chat"])
+    assert e.value.code == 2 and "--chat needs a tokenizer with a chat template" in capsys.readouterr().err
+
+
 def test_python_dash_m_entry_point():
     env = dict(os.environ, OMP_NUM_THREADS="1")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -96,12 +96,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a row stops drafting once the product of its drafts' probabilities under the draft "
                         "falls below this (0 = off, default; the output distribution is unchanged)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-k", type=int, default=None)
-    g.add_argument("--top-p", type=float, default=None)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--max-new-tokens", type=int, default=64)
+    g.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens (default: off)")
+    g.add_argument("--top-p", type=float, default=None,
+                   help="keep the smallest set of most likely tokens reaching this mass (default: off)")
+    g.add_argument("--seed", type=int, default=0, help="prompt p samples with seed + p (default 0)")
+    g.add_argument("--max-new-tokens", type=int, default=64, help="per prompt (default 64)")
     g.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
-    g.add_argument("--device", default=None)
+    g.add_argument("--chat", action="store_true",
+                   help="send each prompt as a user message through the tokenizer's chat template (an "
+                        "instruct model such as the embedded target answers it; default: plain text)")
+    g.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: the CPU, or where the "
+                                                   "given models are)")
     g.add_argument("--dtype", default=None, help="float32, bfloat16 or float16")
     g.add_argument("--cpu-linear", choices=["auto", "skinny", "torch"], default="auto",
                    help="fp32 CPU linear layers: skinny_linear (auto: when the models are fp32 on the "
@@ -118,6 +123,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print texts, token ids and stats as JSON")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
+
+
+def chat_ids(tokenizer, text: str) -> list:
+    """The token ids of ``text`` sent as one user message through ``tokenizer``'s chat template,
+    with the assistant's turn opened (what an instruct model answers)."""
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"--chat needs a tokenizer with a chat template, got "
+                         f"{'no tokenizer' if tokenizer is None else type(tokenizer).__name__ + ' without one'}")
+    out = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                        tokenize=True, return_dict=True)
+    return list(out["input_ids"])
 
 
 def _make_decoder(args, parser):
@@ -175,14 +191,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (ValueError, TypeError, FileNotFoundError) as e:
         parser.error(str(e))
     prompts = list(args.prompts)
+    inputs = prompts
+    if args.chat:
+        try:
+            inputs = [chat_ids(dec.tokenizer, p) for p in prompts]
+        except ValueError as e:
+            parser.error(str(e))
     progress = not args.no_progress and len(prompts) * args.max_new_tokens >= 256
     common = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                   top_p=args.top_p, seed=args.seed, stop=args.stop)
     try:
         baseline = None
         if args.baseline:
-            baseline = dec.generate_target_only(prompts, progress=progress, **common).stats.tokens_per_s
-        res = dec.generate(prompts, num_draft_tokens=args.num_draft_tokens, max_draft_tokens=args.max_draft_tokens,
+            baseline = dec.generate_target_only(inputs, progress=progress, **common).stats.tokens_per_s
+        res = dec.generate(inputs, num_draft_tokens=args.num_draft_tokens, max_draft_tokens=args.max_draft_tokens,
                            draft_confidence=args.draft_confidence,
                            verbose=(sys.stderr if args.json else True) if args.verbose else False,
                            baseline_tokens_per_s=baseline, progress=progress, **common)
@@ -195,7 +217,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         sys.stdout.write("\n")
     else:
         for prompt, text in zip(prompts, res.texts or [str(t) for t in res.token_ids]):
-            print(f"{prompt}{text}")
+            print(f"{prompt}\n{text}" if args.chat else f"{prompt}{text}")  # an answer, or a continuation
             print("-" * 40)
         print(res.stats.summary())
     return 0
