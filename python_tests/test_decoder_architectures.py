@@ -15,15 +15,13 @@ refused by name.
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import transformers as tf
 
 from specdec_kernels import SpeculativeDecoder
 
-from test_decoder import PROMPTS, _one_thread  # noqa: F401  (autouse fixture: one thread)
+from test_decoder import PROMPTS, _one_thread, _perturbed  # noqa: F401  (_one_thread: autouse fixture)
 
 V = 64
 COMMON = dict(vocab_size=V, bos_token_id=None, eos_token_id=None, pad_token_id=None)
@@ -56,15 +54,6 @@ def _make(name: str, seed: int = 0):
         return ARCHS[name]().eval()
 
 
-def _noisy(model, noise: float = 0.01, seed: int = 1):
-    d = copy.deepcopy(model)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in d.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * noise)
-    return d
-
-
 def _greedy_refs(target, n: int = 16) -> list:
     with torch.inference_mode():
         return [target.generate(torch.tensor([p]), do_sample=False, max_new_tokens=n,
@@ -74,7 +63,7 @@ def _greedy_refs(target, n: int = 16) -> list:
 @pytest.mark.parametrize("name", sorted(ARCHS))
 def test_greedy_and_batch_invariance(name):
     target = _make(name)
-    dec = SpeculativeDecoder(draft=_noisy(target), target=target)
+    dec = SpeculativeDecoder(draft=_perturbed(target, 0.01, seed=1), target=target)
     refs = _greedy_refs(target)
     for k in (1, 3, "auto"):
         res = dec.generate(PROMPTS, max_new_tokens=16, num_draft_tokens=k)
@@ -98,7 +87,7 @@ def test_a_pair_of_two_architectures():
 
 def test_a_sliding_window_cache_is_refused():
     target = tf.Gemma2ForCausalLM(tf.Gemma2Config(num_key_value_heads=2, head_dim=8, **SMALL, **COMMON)).eval()
-    dec = SpeculativeDecoder(draft=_noisy(target), target=target)
+    dec = SpeculativeDecoder(draft=_perturbed(target, 0.01, seed=1), target=target)
     with pytest.raises(ValueError, match=r"model Gemma2ForCausalLM uses a DynamicSlidingWindowLayer cache layer; "
                                          r"the speculative decoder needs plain full-attention DynamicCache layers"):
         dec.generate(PROMPTS, max_new_tokens=4)
