@@ -253,3 +253,23 @@ def test_demo_alpha_counts_as_generate_does(tmp_path):
     for bad in ("0", "x", "2,,3"):
         with pytest.raises(argparse.ArgumentTypeError, match="each K must be a positive int or auto"):
             mod._ks(bad)
+
+
+def test_demo_speed_smoke(tmp_path):
+    """bench/demo_speed.py on the tiny pair: every method's rounds, ratios against the target
+    alone (1 for itself), refusals of bad arguments."""
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location("demo_speed", ROOT / "bench" / "demo_speed.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = mod.main(["--tiny-random", "--drafter", "model", "--ks", "1,auto", "--max-new-tokens", "6", "--rounds", "2",
+                    "--json", str(tmp_path / "s.json")])
+    assert json.loads((tmp_path / "s.json").read_text()) == json.loads(json.dumps(out))
+    assert list(out["tokens_per_s"]) == ["target", "K=1", "K=auto"] and out["prompts"] == 10
+    assert all(len(v) == 2 and all(x > 0 for x in v) for v in out["tokens_per_s"].values())
+    assert out["speedup"]["target"] == 1.0 and all(r > 0 for r in out["speedup"].values())
+    for bad in (["--rounds", "0"], ["--tiny-random"]):  # the tiny pair has no feature draft
+        with pytest.raises(SystemExit):
+            mod.main(bad)
