@@ -18,6 +18,9 @@ docstring) and never feed a token twice:
 
 ``_Drafts`` picks each position's draft (greedy argmax, or the warped distribution sampled by
 inverse CDF with the row's counter-based uniforms) and applies ``draft_confidence``.
+
+Internal to ``SpeculativeDecoder``: every function takes the decoder's own ``_State``, whose
+parameters ``generate`` has checked, so none of them checks its arguments again.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ import torch
 
 from .draft_sampling import _draft_uniforms, _sample_inverse_cdf, warp_probs
 from .kv_cache import compact_dynamic_cache_
+
+__all__: list = []  # nothing public: see the module docstring
 
 if TYPE_CHECKING:  # pragma: no cover
     from .decoder import _State
@@ -204,9 +209,7 @@ def model_after_verify_(st: "_State", block: tuple, Xd: torch.Tensor, n: torch.T
     """Roll the draft model's cache back after a verify that accepted n [B] of the drafts Xd
     [B, Kd] it fed this step (``block``: what ``draft_with_model`` returned), and note the rows
     that must catch up (they accepted all Kd, and x_Kd was drafted but never fed)."""
-    Kd = Xd.shape[1]
-    if st.dc is None or Kd == 0:
-        return
+    Kd = Xd.shape[1]  # >= 1: the decoder calls this after a step whose draft model drafted
     # The draft fed its block (row b's cnt_b tokens ending at column T0 + C - 1), then
     # x_1 .. x_{Kd - 1} from T0 + C on: a row keeps its block and the drafts it accepted
     # among those, one contiguous run, moved down to ld_b; one move per block length.
