@@ -122,3 +122,7 @@ def test_verify_backend_is_checked(pair, monkeypatch):
     with pytest.raises(ValueError, match=r"^verify_backend='triton' needs the models on CUDA \(or TRITON_INTERPRET=1 "
                                          r"for the CPU\), got them on cpu"):
         SpeculativeDecoder(draft=draft, target=target, verify_backend="triton")
+    monkeypatch.setattr(verify_mod, "_interpreting", lambda: True)
+    monkeypatch.setattr(verify_mod, "_interpreter_problem", lambda: "Triton 3.6.0's interpreter ... NumPy 2.4.6")
+    with pytest.raises(RuntimeError, match=r"^verify_backend='triton' on the CPU: Triton 3.6.0's interpreter"):
+        SpeculativeDecoder(draft=draft, target=target, verify_backend="triton")

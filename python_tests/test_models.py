@@ -78,6 +78,47 @@ def test_pair_shares_the_vocabulary(pair):
     assert models.vocab_fingerprint(draft_tok) == models.vocab_fingerprint(tokenizer)
     assert draft.dtype == target.dtype == torch.float32
     assert draft.config.eos_token_id == target.config.eos_token_id == tokenizer.eos_token_id
+    assert target.config.bos_token_id == tokenizer.bos_token_id
+    assert target.config.pad_token_id == tokenizer.pad_token_id
+
+
+def test_converted_tokenizer_takes_the_models_special_tokens():
+    """transformers 5.17 converts the target's GGUF tokenizer with eos <|im_start|> (id 1), no pad
+    token and clean_up_tokenization_spaces on (seen 2026-12-01, in a venv with 5.17); the
+    conversion gives the tokenizer the model config's ids, and leaves a right one alone."""
+    from transformers import AutoTokenizer, LlamaConfig
+
+    config = LlamaConfig(vocab_size=49152, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    tok = AutoTokenizer.from_pretrained(models.default_draft_path(), local_files_only=True)
+    right = (tok.bos_token, tok.eos_token, tok.pad_token)
+    assert right == ("<|im_start|>", "<|im_end|>", "<|im_end|>"), right
+    models._special_tokens_from_config(tok, config)
+    assert (tok.bos_token, tok.eos_token, tok.pad_token) == right
+    tok.eos_token, tok.pad_token, tok.clean_up_tokenization_spaces = "<|im_start|>", None, True  # as 5.17 writes it
+    models._special_tokens_from_config(tok, config)
+    assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (1, 2, 2)
+    assert tok.clean_up_tokenization_spaces is False
+
+
+def test_conversion_of_an_older_converter_is_redone(monkeypatch, tmp_path):
+    """A cached conversion whose record predates the converter's version (or has no record) is
+    converted again; a current one is used as it is."""
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    out = tmp_path / models.TARGET_NAME
+    calls = []
+
+    def fake_convert(gguf, out_dir):
+        calls.append(Path(out_dir))
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        (Path(out_dir) / models._SOURCE_RECORD).write_text(json.dumps({"converter": models._CONVERTER_VERSION}))
+        return Path(out_dir)
+
+    monkeypatch.setattr(models, "convert_gguf", fake_convert)
+    monkeypatch.setattr(models, "find_target_gguf", lambda: Path("target.gguf"))
+    assert models.default_target_path() == str(out) and calls == [out]  # nothing cached
+    assert models.default_target_path() == str(out) and len(calls) == 1  # current: used
+    (out / models._SOURCE_RECORD).write_text(json.dumps({"source": "x", "transformers": "5.17.0"}))
+    assert models.default_target_path() == str(out) and len(calls) == 2  # version 1: converted again
 
 
 @needs_target

@@ -235,6 +235,29 @@ def test_triton_backend_on_cpu_without_interpreter_is_refused(monkeypatch):
         fused_verify(lg, x, q, backend="triton")
 
 
+@pytest.mark.parametrize("triton_v,numpy_v,refused", [
+    ("3.6.0", "2.4.6", True), ("3.6.0", "2.4.0rc1", True), ("3.6.0", "2.3.5", False), ("3.7.0", "2.4.6", False),
+    ("3.9.0", "2.4.6", False), ("3.6.0+git4f7a3b", "2.5.0", True), ("3.5.1", "1.26.4", False)])
+def test_interpreter_version_problem(triton_v, numpy_v, refused):
+    """Triton 3.6's interpreter cannot run with NumPy >= 2.4 (seen: TypeError "only 0-dimensional
+    arrays can be converted to Python scalars" in every kernel launch); the pair is named."""
+    problem = verify_mod._interpreter_problem(triton_v, numpy_v)
+    if refused:
+        assert problem == (f"Triton {triton_v}'s interpreter (TRITON_INTERPRET=1) cannot run with NumPy {numpy_v}: "
+                           f"install 'triton>=3.7' or 'numpy<2.4'")
+    else:
+        assert problem is None
+
+
+def test_triton_backend_on_cpu_with_a_broken_interpreter_is_refused(monkeypatch):
+    monkeypatch.setattr(verify_mod, "_interpreting", lambda: True)
+    monkeypatch.setattr(verify_mod, "_interpreter_problem", lambda: "Triton 3.6.0's interpreter ... NumPy 2.4.6")
+    lg, x, q = make_step(1, 2, 10)
+    with pytest.raises(RuntimeError, match=r"^backend='triton' on CPU tensors: Triton 3.6.0's interpreter"):
+        fused_verify(lg, x, q, backend="triton")
+    assert fused_verify(lg, x, q, backend="torch").tokens.shape == (1, 3)  # the torch path does not care
+
+
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU to mix devices")
 def test_cpu_cuda_mix_is_refused():
     lg, x, q = make_step(1, 2, 10)

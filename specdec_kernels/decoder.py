@@ -359,11 +359,14 @@ class SpeculativeDecoder:
             self.feature.to(_device_of(target))  # it runs on the target's features, where they are
         self.device = _device_of(target)
         if verify_backend == "triton" and self.device.type != "cuda":
-            from .verify import _interpreting
+            from .verify import _interpreter_problem, _interpreting
 
             if not _interpreting():
                 raise ValueError(f"verify_backend='triton' needs the models on CUDA (or TRITON_INTERPRET=1 for the "
                                  f"CPU), got them on {self.device}")
+            problem = _interpreter_problem()
+            if problem is not None:
+                raise RuntimeError(f"verify_backend='triton' on the CPU: {problem}")
         self.target = target.eval()
         self.draft = draft.eval() if draft is not None else None
         self.cpu_linear = self._resolve_cpu_linear(cpu_linear)

