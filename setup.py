@@ -145,6 +145,7 @@ setup(
         "tqdm",
         "safetensors",
         "numpy",
+        "packaging",
     ],
     extras_require={
         "test": ["pytest", "scipy"],

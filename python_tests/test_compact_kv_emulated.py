@@ -129,7 +129,7 @@ def test_emulated_out_of_range_values_are_skipped_or_clamped(emulated, block_dim
 # ------------------------------------------------------------------------------------------
 # The decoder's loop with its cache rollback through the emulated kernel
 # ------------------------------------------------------------------------------------------
-from test_decoder import PROMPTS, _one_thread, greedy_refs, pair  # noqa: E402,F401  (fixtures)
+from decoder_setup import PROMPTS, _one_thread, greedy_refs, pair  # noqa: E402,F401  (fixtures)
 from test_feature_draft import fgreedy_refs, fpair  # noqa: E402,F401  (fixtures)
 
 

@@ -21,7 +21,7 @@ import transformers as tf
 
 from specdec_kernels import SpeculativeDecoder
 
-from test_decoder import PROMPTS, _one_thread, _perturbed  # noqa: F401  (_one_thread: autouse fixture)
+from decoder_setup import PROMPTS, _one_thread, _perturbed  # noqa: F401  (_one_thread: autouse fixture)
 
 V = 64
 COMMON = dict(vocab_size=V, bos_token_id=None, eos_token_id=None, pad_token_id=None)

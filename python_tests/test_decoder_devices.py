@@ -19,7 +19,7 @@ import torch
 from specdec_kernels.decoder import SpeculativeDecoder
 
 from conftest import HAS_CUDA
-from test_decoder import PROMPTS, _llama, _one_thread, _perturbed  # noqa: F401  (_one_thread: fixture)
+from decoder_setup import PROMPTS, _llama, _one_thread, _perturbed  # noqa: F401  (_one_thread: fixture)
 from test_feature_draft import _damped_llama, _feature_draft, _fit
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(

@@ -19,7 +19,7 @@ import torch
 
 from specdec_kernels import SpeculativeDecoder
 
-from test_decoder import _llama, _one_thread, _perturbed  # noqa: F401  (_one_thread: autouse fixture)
+from decoder_setup import _llama, _one_thread, _perturbed  # noqa: F401  (_one_thread: autouse fixture)
 from test_feature_draft import _damped_llama, _feature_draft, _fit
 
 V, CONTEXT = 32, 48

@@ -19,7 +19,7 @@ import torch
 from specdec_kernels import SpeculativeDecoder
 from specdec_kernels.verify import _interpreting
 
-from test_decoder import PROMPTS, _one_thread, _synthetic_times, greedy_refs, pair  # noqa: F401  (fixtures)
+from decoder_setup import PROMPTS, _one_thread, _synthetic_times, greedy_refs, pair  # noqa: F401  (fixtures)
 from test_feature_draft import fgreedy_refs, fpair  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.skipif(not _interpreting() and not torch.cuda.is_available(),

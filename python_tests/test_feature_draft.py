@@ -28,7 +28,7 @@ from specdec_kernels.feature_draft import (
     target_identity,
 )
 
-from test_decoder import (  # noqa: F401  (fixtures and helpers shared with the decoder's tests)
+from decoder_setup import (  # noqa: F401  (fixtures and helpers shared with the decoder's tests)
     CACHE_ATOL,
     CACHE_RTOL,
     PROMPTS,

@@ -1,0 +1,356 @@
+"""SpeculativeDecoder as it is used: prompt lookup, stopping (EOS, stop strings,
+max_new_tokens), bad input (each error with ``match=``, before any model work), the pieces
+(the draft's warp and random numbers, the cost model, stats) and the CLI.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from scipy import stats as sps
+
+from specdec_kernels import reference
+from specdec_kernels.cli import build_tiny_random_pair, main as cli_main, tiny_char_tokenizer
+from specdec_kernels.decoder import SpeculativeDecoder
+from specdec_kernels.draft_sampling import _draft_key, _draft_uniforms, _sample_inverse_cdf, warp_probs
+from specdec_kernels.drafters import PromptLookupDrafter, prompt_lookup
+from specdec_kernels.stats import choose_num_draft_tokens, expected_tokens_per_step, predicted_speedup
+
+from decoder_setup import PROMPTS, SIGNIFICANCE, _CountingForward, _chisquare_pvalue, _llama, _naive_warp
+from decoder_setup import _one_thread, greedy_refs, pair  # noqa: F401  (fixtures; _one_thread: autouse)
+
+
+# ----------------------------------------------------------------------------------------------
+# Prompt lookup
+# ----------------------------------------------------------------------------------------------
+def test_prompt_lookup_function():
+    assert prompt_lookup([1, 2, 3, 4, 5, 1, 2, 3], 3) == [4, 5, 1]  # 3-gram match
+    assert prompt_lookup([1, 2, 3, 4, 9, 9, 3], 2) == [4, 9]  # falls back to a 1-gram
+    assert prompt_lookup([7, 1, 2, 8, 1, 2], 4) == [8, 1, 2]  # most recent match; stops at the end
+    assert prompt_lookup([5, 5, 5], 4) == [5]  # a repeat proposes its own continuation
+    assert prompt_lookup([1, 2, 3], 4) == []
+    assert prompt_lookup([1], 4) == []
+    assert PromptLookupDrafter().propose([[1, 2, 1], [3]], [2, 2]) == [[2, 1], []]
+
+
+@pytest.mark.parametrize("k", [4, "auto"])
+def test_prompt_lookup_greedy_matches_generate(pair, k):
+    _, target = pair
+    prompts = [[1, 2, 3, 4, 1, 2, 3, 4, 1, 2], [7, 8, 9], [5, 6, 5, 6, 5]]
+    with torch.inference_mode():
+        refs = [target.generate(torch.tensor([p]), do_sample=False, max_new_tokens=30,
+                                pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    dec = SpeculativeDecoder(target=target)  # draft=None: prompt lookup
+    assert dec.drafter == "prompt_lookup"
+    res = dec.generate(prompts, max_new_tokens=30, num_draft_tokens=k)
+    assert res.token_ids == refs
+    assert res.stats.accepted_tokens > 0  # greedy random models repeat themselves: lookup pays off
+    assert res.stats.mean_tokens_per_target_call > 1.0
+
+
+# ----------------------------------------------------------------------------------------------
+# Stopping: EOS, stop strings, max_new_tokens
+# ----------------------------------------------------------------------------------------------
+def test_eos_stops_only_its_row(pair, greedy_refs):
+    draft, target = pair
+    eos = greedy_refs[2][5]
+    first = [r.index(eos) if eos in r else None for r in greedy_refs]
+    res = SpeculativeDecoder(draft=draft, target=target).generate(PROMPTS, max_new_tokens=24, eos_token_id=eos)
+    for i, r in enumerate(greedy_refs):
+        if first[i] is None:
+            assert res.token_ids[i] == r and res.finish_reasons[i] == "length"
+        else:
+            assert res.token_ids[i] == r[: first[i] + 1] and res.finish_reasons[i] == "eos"
+    assert res.finish_reasons[2] == "eos"
+
+
+@pytest.mark.parametrize("k", [1, 8])
+def test_max_new_tokens_is_never_exceeded(pair, greedy_refs, k):
+    draft, target = pair
+    for m in (1, 2, 5):
+        res = SpeculativeDecoder(draft=draft, target=target).generate(PROMPTS, max_new_tokens=m, num_draft_tokens=k)
+        assert res.token_ids == [r[:m] for r in greedy_refs]
+        assert res.stats.generated_tokens == m * len(PROMPTS)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    draft, target, tok = build_tiny_random_pair(seed=0, noise=0.005)
+    return SpeculativeDecoder(draft=draft, target=target, tokenizer=tok), tok
+
+
+def test_stop_strings(tiny):
+    dec, tok = tiny
+    prompts = ["hello world", "the cat"]
+    free = dec.generate(prompts, max_new_tokens=30, eos_token_id=[])
+    text = free.texts[0]
+    stop = text[6:9]
+    ids = free.token_ids[0]
+    end = next(j for j in range(len(ids) + 1) if stop in tok.decode(ids[:j], skip_special_tokens=True))
+    res = dec.generate(prompts, max_new_tokens=30, stop=[stop, "will never appear ~"], eos_token_id=[])
+    assert res.token_ids[0] == ids[:end]
+    assert res.texts[0].endswith(stop) and stop not in res.texts[0][:-1]
+    assert res.finish_reasons[0] == "stop"
+    if stop not in free.texts[1]:
+        assert res.token_ids[1] == free.token_ids[1]
+
+
+def test_text_prompts_and_verbose(tiny):
+    dec, tok = tiny
+    buf = io.StringIO()
+    res = dec.generate("The Capital of France is", max_new_tokens=12, num_draft_tokens=4, verbose=buf)
+    ids = tok("The Capital of France is")["input_ids"]
+    assert res.token_ids == dec.generate([ids], max_new_tokens=12, num_draft_tokens=4).token_ids
+    out = buf.getvalue()
+    assert "Drafted:  '" in out and "Accepted: '" in out
+    assert " tokens)" in out and ("+ bonus: " in out or "+ recovered: " in out)
+
+
+def test_verbose_tells_a_step_without_drafts(tiny, monkeypatch):
+    """A K = 0 step ("auto") prints the target's own token as such, with no Drafted line."""
+    from specdec_kernels.stats import StatsRecorder
+
+    dec, _ = tiny
+    ks = iter([0, 3, 0, 3, 3, 3, 3, 3])
+    monkeypatch.setattr(StatsRecorder, "choose_k", lambda self, k_max, allow_zero=False: next(ks))
+    buf = io.StringIO()
+    res = dec.generate("The Capital of France is", max_new_tokens=8, num_draft_tokens="auto", verbose=buf)
+    lines = buf.getvalue().splitlines()
+    assert [h["k"] for h in res.stats.history][:3] == [0, 3, 0]
+    step1 = [ln for ln in lines if ln.startswith("[step 1 |")]
+    assert len(step1) == 1 and "+ target, no drafts: '" in step1[0]
+    assert any(ln.startswith("[step 2 |") and "Drafted:  '" in ln for ln in lines)
+
+
+# ----------------------------------------------------------------------------------------------
+# Bad input: ValueError/TypeError naming the argument, before any model work
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kwargs,exc,match", [
+    (dict(prompts=""), ValueError, r"prompts\[0\] must not be empty, got ''"),
+    (dict(prompts=[]), ValueError, "prompts must hold at least one prompt"),
+    (dict(prompts=[[1, 2], []]), ValueError, r"prompts\[1\] must not be empty, got 0 tokens"),
+    (dict(prompts=[[1, 99]]), ValueError, r"prompts\[0\] token ids must be in \[0, 32\), got 99"),
+    (dict(prompts=["text"]), TypeError, "prompts given as text need a tokenizer"),
+    (dict(prompts=[[1], [2, "x"]]), TypeError,
+     r"prompts\[1\] must be a str or a list of int token ids, got a list holding a str \('x'\)"),
+    (dict(prompts=[[1], 2.5]), TypeError, r"prompts\[1\] must be a str or a list of int token ids, got float"),
+    (dict(prompts=[[1]] , max_new_tokens=0), ValueError, "max_new_tokens must be > 0, got 0"),
+    (dict(prompts=[[1]], max_new_tokens=2.0), TypeError, "max_new_tokens must be an int, got float"),
+    (dict(prompts=[[1]], num_draft_tokens=0), ValueError, "num_draft_tokens must be a positive int or 'auto', got 0"),
+    (dict(prompts=[[1]], num_draft_tokens="fast"), ValueError, "num_draft_tokens must be a positive int or 'auto', got 'fast'"),
+    (dict(prompts=[[1]], temperature=-0.5), ValueError, r"temperature must be finite and >= 0 \(0 = greedy\), got -0.5"),
+    (dict(prompts=[[1]], top_k=-1), ValueError, r"top_k must be >= 0 \(0 = off\), got -1"),
+    (dict(prompts=[[1]], top_p=0.0), ValueError, r"top_p must be in \(0, 1\] \(1 = off\), got 0.0"),
+    (dict(prompts=[[1]], stop="x"), ValueError, "stop strings need a tokenizer"),
+    (dict(prompts=[[1], [2]], seed=[1]), ValueError, r"seed as a list must have one entry per prompt \(2\), got 1"),
+    (dict(prompts=[list(range(30)) * 5]), ValueError,
+     r"prompts\[0\] must fit the target's context \(max_position_embeddings = 128\), got 150 tokens"),
+])
+def test_bad_generate_arguments(pair, kwargs, exc, match):
+    draft, target = pair
+    dec = SpeculativeDecoder(draft=draft, target=target)
+    tc, dc = _CountingForward(dec, "target"), _CountingForward(dec, "draft")
+    try:
+        with pytest.raises(exc, match=match):
+            dec.generate(**kwargs)
+    finally:
+        tc.restore()
+        dc.restore()
+    assert tc.calls == [] and dc.calls == []  # refused before any generation work
+
+
+def test_bad_constructor_arguments(pair, tmp_path):
+    draft, target = pair
+    with pytest.raises(TypeError, match=r"target must be a model name/path or a PreTrainedModel, got None \(pass neither"):
+        SpeculativeDecoder(draft=draft)
+    with pytest.raises(ValueError, match="drafter must be one of"):
+        SpeculativeDecoder(draft=draft, target=target, drafter="medusa")
+    with pytest.raises(ValueError, match="draft and target must be on the same device, got draft on meta"):
+        SpeculativeDecoder(draft=copy.deepcopy(draft).to("meta"), target=target)
+    with pytest.raises(ValueError, match="the draft vocabulary must not exceed the target's: draft vocab_size = 40"):
+        SpeculativeDecoder(draft=_llama(40, 32, 1, 0.2, seed=0), target=target)
+    # Tokenizers from paths: a different vocabulary is refused before any weights load.
+    tok = tiny_char_tokenizer()
+    tok.save_pretrained(tmp_path / "target")
+    other = tiny_char_tokenizer()
+    other.add_tokens(["<extra>"])
+    other.save_pretrained(tmp_path / "draft")
+    with pytest.raises(ValueError, match="draft and target tokenizers must have the same vocabulary, got 52 vs 51"):
+        SpeculativeDecoder(draft=str(tmp_path / "draft"), target=str(tmp_path / "target"))
+
+
+def test_unusable_devices_are_refused_by_name(pair, capsys, monkeypatch):
+    # a CUDA device on a machine (or a torch) without one: a ValueError naming it, not the
+    # AssertionError from deep inside Module.to; a misspelt device: the same kind of error
+    draft, target = pair
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match=r"^device 'cuda' is not available: torch .* finds no CUDA GPU$"):
+        SpeculativeDecoder(draft=draft, target=target, device="cuda")
+    with pytest.raises(ValueError, match=r"^device must be a torch.device or a device name such as 'cpu' or "
+                                         r"'cuda:0', got 'gpu0'$"):
+        SpeculativeDecoder(draft=draft, target=target, device="gpu0")
+    assert next(target.parameters()).device.type == "cpu"  # nothing moved
+    with pytest.raises(SystemExit) as e:
+        cli_main(["generate", "hello", "--tiny-random", "--device", "cuda:1"])
+    assert e.value.code == 2
+    assert "device 'cuda:1' is not available" in capsys.readouterr().err
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match=r"^device 'cuda:1' is not available: torch finds 1 CUDA GPU\(s\)$"):
+        SpeculativeDecoder(draft=draft, target=target, device="cuda:1")
+
+
+def test_load_pair_from_paths(tiny, tmp_path):
+    dec, tok = tiny
+    for name, model in (("draft", dec.draft), ("target", dec.target)):
+        model.save_pretrained(tmp_path / name)
+        tok.save_pretrained(tmp_path / name)
+    loaded = SpeculativeDecoder(draft=str(tmp_path / "draft"), target=str(tmp_path / "target"), dtype="float32")
+    a = loaded.generate(["hello"], max_new_tokens=10)
+    b = dec.generate(["hello"], max_new_tokens=10)
+    assert a.texts == b.texts and a.token_ids == b.token_ids
+
+
+# ----------------------------------------------------------------------------------------------
+# Pieces: warp, draft random numbers, stats
+# ----------------------------------------------------------------------------------------------
+def test_warp_probs_matches_the_verifier_semantics():
+    g = torch.Generator().manual_seed(0)
+    B, V = 64, 17
+    logits = (torch.randn(B, V, generator=g) * 2).round(decimals=0)  # many ties
+    temp = torch.rand(B, generator=g) + 0.3
+    top_k = torch.randint(0, V + 3, (B,), generator=g)
+    top_p = torch.rand(B, generator=g).clamp(min=0.05)
+    top_p[::4] = 1.0
+    ours = warp_probs(logits, temp, top_k, top_p)
+    s, keep = reference.warp_logits(logits, 1.0 / temp, top_k, top_p)
+    m = s.masked_fill(~keep, float("-inf")).amax(-1, keepdim=True)
+    e = torch.where(keep, torch.exp(s - m), 0.0)
+    torch.testing.assert_close(ours, e / e.sum(-1, keepdim=True))
+    for b in range(8):  # and the hand-written float64 warp
+        want = _naive_warp((logits[b] / 1.0).tolist(), float(temp[b]), int(top_k[b]) if 0 < top_k[b] <= V else None,
+                           float(top_p[b]))
+        torch.testing.assert_close(ours[b].double(), torch.tensor(want, dtype=torch.float64), atol=1e-6, rtol=1e-5)
+    # Temperature 0: one-hot at the first maximum.
+    tied = torch.tensor([[0.0, 3.0, 3.0, 1.0]])
+    assert warp_probs(tied, 0.0).tolist() == [[0.0, 1.0, 0.0, 0.0]]
+
+
+def test_nan_draft_logits_with_top_p_end_the_row_cleanly(pair):
+    """A draft that emits NaN logits (top-p on, so the warp's sort/cumsum sees NaN) must not crash
+    the warp (it gathered index -1 before) nor emit a token: its rows end as 'nonfinite'."""
+    nan_logits = torch.tensor([[float("nan"), 1.0, 2.0], [0.5, 1.0, 2.0]])
+    probs = warp_probs(nan_logits, 1.0, None, 0.9)  # no IndexError
+    assert bool(probs[0].isnan().all()) and torch.allclose(probs[1].sum(), torch.tensor(1.0))
+    draft, target = pair
+    bad = copy.deepcopy(draft)
+    with torch.no_grad():
+        bad.lm_head.weight[3, 0] = float("nan")  # token 3's logit is NaN at every position
+    res = SpeculativeDecoder(bad, target).generate(PROMPTS[:2], max_new_tokens=8, num_draft_tokens=3,
+                                                   temperature=1.0, top_p=0.9, seed=0)
+    assert res.finish_reasons == ["nonfinite", "nonfinite"]
+    assert res.token_ids == [[], []]
+
+
+def test_draft_sampler_is_uniform_and_exact():
+    B = 20000
+    keys = [_draft_key(s) for s in range(B)]
+    lo = torch.tensor([k[0] for k in keys])
+    hi = torch.tensor([k[1] for k in keys])
+    u = _draft_uniforms(lo, hi, torch.full((B,), 3), 2)
+    assert ((u >= 0) & (u < 1)).all()
+    counts = torch.histc(u, bins=20, min=0, max=1)
+    assert sps.chisquare(counts.numpy()).pvalue > SIGNIFICANCE
+    # Different draft positions and steps give unrelated numbers.
+    u2 = _draft_uniforms(lo, hi, torch.full((B,), 3), 3)
+    assert abs(float(torch.corrcoef(torch.stack([u, u2]))[0, 1])) < 0.05
+    probs = torch.tensor([0.5, 0.0, 0.3, 0.2]).expand(B, 4)
+    x = _sample_inverse_cdf(probs, u)
+    observed = torch.bincount(x, minlength=4)
+    assert observed[1] == 0
+    assert _chisquare_pvalue(observed, probs[0].double()) > SIGNIFICANCE
+
+
+def test_speedup_model():
+    assert expected_tokens_per_step(0.5, 3) == pytest.approx(1.875)
+    assert expected_tokens_per_step(1.0, 4) == 5.0
+    assert expected_tokens_per_step(0.0, 4) == 1.0
+    assert predicted_speedup(0.8, 4, 0.0, 1.0) == pytest.approx(expected_tokens_per_step(0.8, 4))
+    assert choose_num_draft_tokens(0.9, 0.01, 1.0, 8) == 8
+    assert choose_num_draft_tokens(0.1, 0.5, 1.0, 8) == 1
+    k = choose_num_draft_tokens(0.7, 0.1, 1.0, 16)
+    rate = lambda k: expected_tokens_per_step(0.7, k) / (k * 0.1 + 1.0)  # noqa: E731
+    assert all(rate(k) >= rate(j) for j in range(1, 17))
+
+
+def test_stats_are_consistent(pair):
+    draft, target = pair
+    res = SpeculativeDecoder(draft=draft, target=target).generate(PROMPTS, max_new_tokens=20, num_draft_tokens=4)
+    s = res.stats
+    assert s.iterations == len(s.history)
+    assert s.row_steps == sum(len(h["rows"]) for h in s.history)
+    assert s.generated_tokens == sum(len(t) for t in res.token_ids)
+    assert s.accepted_tokens == sum(n * c for n, c in enumerate(s.accepted_length_histogram))
+    assert s.drafted_tokens == sum(sum(h["num_draft"]) for h in s.history)
+    assert s.acceptance_rate == pytest.approx(s.accepted_tokens / s.drafted_tokens)
+    assert 0 < s.acceptance_per_position[0] <= 1
+    assert s.mean_tokens_per_target_call == pytest.approx(s.generated_tokens / s.row_steps)
+    assert s.draft_time_s > 0 and s.target_time_s > 0 and s.tokens_per_s > 0
+    assert s.measured_speedup is None  # no baseline given
+    d = s.to_dict()
+    assert "history" not in d and json.dumps(d)
+
+
+# ----------------------------------------------------------------------------------------------
+# 6. CLI
+# ----------------------------------------------------------------------------------------------
+def test_cli_tiny_random_json(capsys):
+    assert cli_main(["generate", "hello world", "the cat", "--tiny-random", "--json", "-k", "auto",
+                     "--max-new-tokens", "12", "--temperature", "0.8", "--top-k", "10", "--seed", "3"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert len(out["texts"]) == 2 and all(len(t) <= 12 for t in out["token_ids"])
+    assert out["stats"]["iterations"] > 0 and "alpha" in out["stats"]
+
+
+def test_cli_requires_models(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli_main(["generate", "hello", "--draft", "some/path"])
+    assert e.value.code == 2
+    assert "--draft needs --target (without both, the embedded default pair is used)" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli_main(["generate", "hello", "--tiny-random", "-k", "0"])
+    assert "must be a positive int or 'auto', got 0" in capsys.readouterr().err
+
+
+def test_cli_chat(capsys):
+    from specdec_kernels.cli import chat_ids
+
+    tok = tiny_char_tokenizer()
+    with pytest.raises(ValueError, match=r"^--chat needs a tokenizer with a chat template, got \w+ without one$"):
+        chat_ids(tok, "hi")
+    with pytest.raises(ValueError, match="--chat needs a tokenizer with a chat template, got no tokenizer"):
+        chat_ids(None, "hi")
+    tok.chat_template = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}{% if add_generation_prompt %}>{% endif %}"
+    assert chat_ids(tok, "ab") == tok("[ab]>", add_special_tokens=False)["input_ids"]
+    with pytest.raises(SystemExit) as e:  # the tiny random pair's tokenizer has no template
+        cli_main(["generate", "hello", "--tiny-random", "--chat"])
+    assert e.value.code == 2 and "--chat needs a tokenizer with a chat template" in capsys.readouterr().err
+
+
+def test_python_dash_m_entry_point():
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    r = subprocess.run([sys.executable, "-m", "specdec_kernels", "generate", "abc", "--tiny-random", "--json",
+                        "--max-new-tokens", "5", "--verbose"],
+                       capture_output=True, text=True, timeout=240, env=env, cwd=root)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["stats"]["generated_tokens"] <= 5
+    assert "Drafted:" in r.stderr  # --verbose goes to stderr when --json owns stdout
