@@ -36,6 +36,18 @@ stamp "build (CUDAExtension, TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST)"
 # --no-deps: the image has every dependency and there is no network there.
 USE_CUDA=1 $PY -m pip install --no-build-isolation --no-deps --no-index -e . >"$OUT_DIR/build.log" 2>&1
 build_rc=$?
+if [ $build_rc -ne 0 ] && grep -q "cannot find -lcudart" "$OUT_DIR/build.log"; then
+    # torch links against CUDA_HOME/lib64/libcudart.so, and infers CUDA_HOME from where nvcc is;
+    # where nvcc sits outside its toolkit (seen on the CPU VMs: /usr/local/bin/nvcc, the
+    # libraries in /usr/local/cuda-13.0/lib), point CUDA_HOME at the toolkit holding libcudart.so.
+    cudart=$(find /usr/local /opt /usr/lib -name libcudart.so 2>/dev/null | head -n 1)
+    if [ -n "$cudart" ] && [ -x "$(dirname "$(dirname "$cudart")")/bin/nvcc" ]; then
+        export CUDA_HOME=$(dirname "$(dirname "$cudart")")
+        stamp "build again with CUDA_HOME=$CUDA_HOME (libcudart.so was not where torch looked)"
+        USE_CUDA=1 $PY -m pip install --no-build-isolation --no-deps --no-index -e . >>"$OUT_DIR/build.log" 2>&1
+        build_rc=$?
+    fi
+fi
 tail -n 5 "$OUT_DIR/build.log"
 $PY - <<'PYEOF'
 import torch
