@@ -188,3 +188,48 @@ def test_checked_entry_equals_fused_verify(K, warp, greedy):
     ref = verify_reference(logits, x, q, kb, temperature, top_k, top_p, philox_uniforms(seed, offset, K))
     assert torch.equal(got.tokens, want.tokens) and torch.equal(got.num_accepted, want.num_accepted)
     assert torch.equal(got.tokens, ref[0]) and torch.equal(got.num_accepted, ref[1])
+
+
+def _strided(t: torch.Tensor) -> torch.Tensor:
+    """The same values in another layout: a transposed copy seen through its transpose ([B, K]),
+    or every other element of a twice-as-long tensor ([B])."""
+    if t.dim() == 2:
+        return t.t().contiguous().t()
+    wide = torch.stack([t, torch.zeros_like(t)], 1)  # [B, 2]
+    return wide[:, 0]  # stride 2
+
+
+@pytest.mark.parametrize("layout", ["draft_tokens", "per_row_strided", "per_row_expanded", "logits_permuted"])
+@pytest.mark.parametrize("warp", [False, True], ids=["plain", "topk_topp"])
+def test_input_layouts_do_not_change_the_result(layout, warp, device):
+    """Strided, expanded and permuted inputs give what contiguous ones give, through both backends
+    (seen wrong before: the kernel read draft tokens and [B] parameters at ptr + index, whatever
+    their strides; the torch path's sampling route could not view permuted logits)."""
+    B, K, V = 3, 3, 40
+    logits, x, q = make_step(B, K, V, seed=17)
+    x = _greedy_friendly(logits, x)
+    kb, temperature, top_k, top_p = _row_params(B, K, V, warp)
+    seed, offset = torch.tensor([3, 4, 5]), torch.tensor([0, 7, 1])
+    if layout == "per_row_expanded":  # one value for every row, as a [1] tensor expanded to [B]
+        kb, temperature, seed = kb[:1], temperature[:1], seed[:1]
+        top_k, top_p = (None, None) if not warp else (top_k[:1], top_p[:1])
+        kb, temperature, seed, offset = (t.expand(B) for t in (kb, temperature, seed, offset[:1]))
+        top_k, top_p = (None, None) if not warp else (top_k.expand(B), top_p.expand(B))
+    kw = dict(num_draft_tokens=kb, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, offset=offset)
+    want = {be: fused_verify(logits.to(device), x.to(device), q.to(device), backend=be,
+                             **{k: None if v is None else v.contiguous().to(device) for k, v in kw.items()})
+            for be in ("triton", "torch")}
+    args = [logits, x, q]
+    if layout == "draft_tokens":
+        args[1] = _strided(x)
+    elif layout == "per_row_strided":
+        kw = {k: None if v is None else _strided(v) for k, v in kw.items()}
+    elif layout == "logits_permuted":
+        args[0] = logits.permute(1, 0, 2).contiguous().permute(1, 0, 2)
+    for be in ("triton", "torch"):
+        moved = [a.to(device) if device != "cpu" else a for a in args]  # .to(cpu) keeps the layout
+        got = fused_verify(*moved, backend=be, **{k: None if v is None else (v.to(device) if device != "cpu" else v)
+                                                   for k, v in kw.items()})
+        assert torch.equal(got.tokens, want[be].tokens) and torch.equal(got.num_accepted, want[be].num_accepted), (
+            be, got, want[be])
+    assert torch.equal(want["triton"].tokens, want["torch"].tokens)

@@ -68,7 +68,7 @@ def _per_row(name: str, value, B: int, dtype: torch.dtype, device: torch.device,
     if isinstance(value, torch.Tensor):
         ok = (torch.float32, torch.float64, torch.bfloat16, torch.float16) if kind is float else _INDEX_DTYPES
         _check_tensor(name, value, ok, [B], device)
-        return value.to(dtype)
+        return value.to(dtype).contiguous()  # the kernel reads row b at ptr + b (a view may be strided)
     if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
         article = "an" if kind is int else "a"
         raise TypeError(f"{name} must be {article} {kind.__name__} or a [B] = [{B}] tensor, got {type(value).__name__}")
@@ -208,10 +208,11 @@ def _launch_triton(a: _Args) -> tuple[torch.Tensor, torch.Tensor]:
     if q is not None and q.stride(-1) != 1:
         q = q.contiguous()
     uniforms = a.uniforms.contiguous() if a.uniforms is not None else None
+    x = a.draft_tokens if a.draft_tokens.stride(-1) == 1 else a.draft_tokens.contiguous()  # read at + j
     dummy = num_accepted  # stands in for absent optional pointers; never dereferenced
     _verify_kernel[(B,)](
         logits, logits.stride(0), logits.stride(1),
-        a.draft_tokens, a.draft_tokens.stride(0),
+        x, x.stride(0),
         q if q is not None else dummy, q.stride(0) if q is not None else 0, q.stride(1) if q is not None else 0,
         a.num_draft_tokens, a.temperature,
         a.top_k if a.top_k is not None else dummy,
@@ -383,7 +384,7 @@ def _verify_untruncated(a: _Args, u: torch.Tensor) -> tuple[torch.Tensor, torch.
     kb = a.num_draft_tokens.to(torch.int64)
     greedy, bad_param, inv_t = _row_parameters(kb, a.temperature, None, None, K)
     s = logits.float() * inv_t[:, None].expand(B, K1)[..., None]  # [B, K+1, V], as warp_logits
-    m, argmax = _max_and_first_argmax(s.view(B * K1, V))
+    m, argmax = _max_and_first_argmax(s.reshape(B * K1, V))  # a copy only for permuted logits
     m = m.view(B, K1, 1)
     argmax = argmax.view(B, K1)
     bad_pos = ~torch.isfinite(m[..., 0])  # [B, K+1]
