@@ -72,7 +72,12 @@ def _per_row(name: str, value, B: int, dtype: torch.dtype, device: torch.device,
     if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
         article = "an" if kind is int else "a"
         raise TypeError(f"{name} must be {article} {kind.__name__} or a [B] = [{B}] tensor, got {type(value).__name__}")
-    return torch.full((B,), value, dtype=dtype, device=device)
+    try:
+        return torch.full((B,), value, dtype=dtype, device=device)
+    except (OverflowError, RuntimeError):
+        info = torch.finfo(dtype) if dtype.is_floating_point else torch.iinfo(dtype)
+        lo, hi = (f"{info.min:.6g}", f"{info.max:.6g}") if dtype.is_floating_point else (info.min, info.max)
+        raise ValueError(f"{name} must fit in {str(dtype).replace('torch.', '')} ([{lo}, {hi}]), got {value!r}") from None
 
 
 def _check_values(t: torch.Tensor) -> bool:
