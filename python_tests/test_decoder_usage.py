@@ -102,6 +102,57 @@ def test_stop_strings(tiny):
         assert res.token_ids[1] == free.token_ids[1]
 
 
+def _byte_level_chain_model(chain_text: list):
+    """A byte-level BPE tokenizer (GPT-2 style: a character outside its merges is several byte
+    tokens) and a 1-layer Llama whose greedy next token depends only on the current one
+    (attention and MLP outputs zeroed, output rows on the normalised embeddings), rigged to emit
+    the tokens of ``chain_text`` in order."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    tk.train_from_iterator(["hello world a x y z w"] * 10, trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=["<eos>"]))
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<eos>")
+    chain = [i for part in chain_text for i in tok(part)["input_ids"]]
+    assert len(set(chain)) == len(chain)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, bos_token_id=None,
+                      eos_token_id=None, pad_token_id=None, tie_word_embeddings=False)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        model.model.layers[0].self_attn.o_proj.weight.zero_()
+        model.model.layers[0].mlp.down_proj.weight.zero_()
+        emb, head = model.model.embed_tokens.weight, model.lm_head.weight
+        head.zero_()
+        for a, b in zip(chain, chain[1:]):
+            head[b] = 50 * emb[a] / emb[a].norm()
+    return model, tok, chain
+
+
+def test_stop_strings_split_inside_a_character():
+    """A stop string whose characters are several byte tokens is found wherever the steps split
+    them (seen missed before: a character completed in a later step than its first bytes, or a
+    search window starting inside one)."""
+    emoji = "\U0001F600"
+    model, tok, chain = _byte_level_chain_model(["a", "x", emoji, "y", "z", "w"])
+    assert [tok.decode([i]) for i in chain[2:6]] == ["\ufffd"] * 4  # the emoji is four byte tokens
+    dec = SpeculativeDecoder(draft=copy.deepcopy(model), target=model, tokenizer=tok)
+    for prompt, stop, want in [("a", emoji, "x" + emoji), ("x", emoji, emoji), ("a", emoji + "y", "x" + emoji + "y"),
+                               ("a", "x" + emoji, "x" + emoji)]:
+        for k in (1, 2, 3, 5):
+            res = dec.generate([prompt], max_new_tokens=8, num_draft_tokens=k, stop=stop, eos_token_id=[])
+            assert (res.texts[0], res.finish_reasons[0]) == (want, "stop"), (prompt, stop, k, res.texts[0])
+        res = dec.generate_target_only([prompt], max_new_tokens=8, stop=stop, eos_token_id=[])
+        assert (res.texts[0], res.finish_reasons[0]) == (want, "stop"), (prompt, stop, "target only")
+    free = dec.generate(["a"], max_new_tokens=8, num_draft_tokens=2, eos_token_id=[])
+    assert free.texts[0] == "x" + emoji + "yzw" and free.finish_reasons[0] == "length"  # the chain, unstopped
+
+
 def test_text_prompts_and_verbose(tiny):
     dec, tok = tiny
     buf = io.StringIO()

@@ -991,15 +991,21 @@ class SpeculativeDecoder:
         Only matches that end in the new tokens count; they may start in earlier ones."""
         tok = self.tokenizer
         longest = max(len(s) for s in stop)
-        w = longest  # grow the window of earlier tokens until it holds a stop string's length
+        # Grow the window of earlier tokens until it holds a stop string's length in whole
+        # characters: with byte-level tokens a window may start inside a character, whose first
+        # bytes then decode as U+FFFD.
+        w = longest
         while True:
             window = generated[-w:] if w else []
-            base = len(tok.decode(window, skip_special_tokens=True))
-            if base >= longest - 1 or w >= len(generated):
+            old = tok.decode(window, skip_special_tokens=True)
+            if len(old.lstrip("\ufffd")) >= longest or w >= len(generated):
                 break
             w *= 2
         for j in range(1, len(new) + 1):
             text = tok.decode(window + new[:j], skip_special_tokens=True)
+            # The characters that were already there: a character whose last bytes were still to
+            # come decoded as U+FFFD in ``old`` and differs now, so the search starts before it.
+            base = len(os.path.commonprefix([old, text]))
             for s in stop:
                 if text.find(s, max(0, base - len(s) + 1)) != -1:
                     return j
