@@ -69,6 +69,10 @@ def test_eos_stops_only_its_row(pair, greedy_refs):
         else:
             assert res.token_ids[i] == r[: first[i] + 1] and res.finish_reasons[i] == "eos"
     assert res.finish_reasons[2] == "eos"
+    dec = SpeculativeDecoder(draft=draft, target=target)
+    for form in ([eos], (eos, 31), torch.tensor(eos), torch.tensor([eos])):  # other forms, the same ids
+        other = dec.generate(PROMPTS, max_new_tokens=24, eos_token_id=form)
+        assert other.token_ids[2] == res.token_ids[2] and other.finish_reasons[2] == "eos", form
 
 
 @pytest.mark.parametrize("k", [1, 8])
@@ -203,6 +207,19 @@ def test_verbose_tells_a_step_without_drafts(tiny, monkeypatch):
     (dict(prompts=[[1], [2]], seed=[1]), ValueError, r"seed as a list must have one entry per prompt \(2\), got 1"),
     (dict(prompts=[list(range(30)) * 5]), ValueError,
      r"prompts\[0\] must fit the target's context \(max_position_embeddings = 128\), got 150 tokens"),
+    # (seen accepted before, found by a review: a float tensor truncated to ids, a 2-D one
+    # flattened, eos "19" read as {1, 9}, verbose=1 failing after the first step)
+    (dict(prompts=[torch.tensor([1.7, 2.2])]), TypeError,
+     r"prompts\[0\] as a tensor must be 1-D integer token ids, got dtype float32 shape \[2\]"),
+    (dict(prompts=[torch.tensor([True, False])]), TypeError, r"got dtype bool shape \[2\]"),
+    (dict(prompts=[[3], torch.tensor([[1, 2], [3, 4]])]), TypeError,
+     r"prompts\[1\] as a tensor must be 1-D integer token ids, got dtype int64 shape \[2, 2\]"),
+    (dict(prompts=[[1]], eos_token_id="19"), TypeError, r"eos_token_id must be an int, a list of ints or None, got str"),
+    (dict(prompts=[[1]], eos_token_id=True), TypeError, r"eos_token_id must be .*, got bool"),
+    (dict(prompts=[[1]], eos_token_id=[5, 2.0]), TypeError, r"eos_token_id must be .*, got list"),
+    (dict(prompts=[[1]], verbose=1), TypeError, r"verbose must be a bool or a text stream \(with .write\), got int"),
+    (dict(prompts=[[1]], baseline_tokens_per_s="fast"), TypeError, "baseline_tokens_per_s must be None or a number, got str"),
+    (dict(prompts=[[1]], baseline_tokens_per_s=-5.0), ValueError, r"baseline_tokens_per_s must be finite and > 0, got -5.0"),
 ])
 def test_bad_generate_arguments(pair, kwargs, exc, match):
     draft, target = pair
@@ -219,6 +236,8 @@ def test_bad_generate_arguments(pair, kwargs, exc, match):
 
 def test_bad_constructor_arguments(pair, tmp_path):
     draft, target = pair
+    with pytest.raises(TypeError, match=r"^max_ngram must be an int, got float \(2.5\)"):
+        SpeculativeDecoder(target=target, drafter="prompt_lookup", max_ngram=2.5)
     with pytest.raises(TypeError, match=r"target must be a model name/path or a PreTrainedModel, got None \(pass neither"):
         SpeculativeDecoder(draft=draft)
     with pytest.raises(ValueError, match="drafter must be one of"):

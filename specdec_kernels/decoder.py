@@ -506,7 +506,10 @@ class SpeculativeDecoder:
                                         "SpeculativeDecoder, or give token ids")
                     rows.append(list(self.tokenizer(p)["input_ids"]))
                 elif isinstance(p, torch.Tensor):
-                    rows.append(p.reshape(-1).tolist())
+                    if p.dtype.is_floating_point or p.dtype.is_complex or p.dtype == torch.bool or p.dim() != 1:
+                        raise TypeError(f"prompts[{i}] as a tensor must be 1-D integer token ids, got dtype "
+                                        f"{str(p.dtype).replace('torch.', '')} shape {list(p.shape)}")
+                    rows.append(p.tolist())
                 elif isinstance(p, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
                     rows.append(list(p))
                 else:
@@ -549,9 +552,15 @@ class SpeculativeDecoder:
                 eos_token_id = self.tokenizer.eos_token_id
         if eos_token_id is None:
             return set()
-        if isinstance(eos_token_id, int):
-            return {eos_token_id}
-        return {int(e) for e in eos_token_id}
+        if isinstance(eos_token_id, torch.Tensor) and eos_token_id.dim() <= 1 and not (
+                eos_token_id.dtype.is_floating_point or eos_token_id.dtype == torch.bool):
+            eos_token_id = eos_token_id.reshape(-1).tolist()
+        ids = [eos_token_id] if isinstance(eos_token_id, int) else eos_token_id
+        if isinstance(eos_token_id, (str, bool)) or not isinstance(ids, (list, tuple, set)) or any(
+                isinstance(e, bool) or not isinstance(e, int) for e in ids):
+            raise TypeError(f"eos_token_id must be an int, a list of ints or None, got {type(eos_token_id).__name__}"
+                            f" ({eos_token_id!r:.40})")
+        return set(ids)
 
     # -- public -------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -595,6 +604,12 @@ class SpeculativeDecoder:
         output distribution does not depend on it (the draft side alone decides).
         baseline_tokens_per_s: the target alone's speed, for ``stats.measured_speedup``.
         """
+        if baseline_tokens_per_s is not None:
+            if isinstance(baseline_tokens_per_s, bool) or not isinstance(baseline_tokens_per_s, (int, float)):
+                raise TypeError(f"baseline_tokens_per_s must be None or a number, got "
+                                f"{type(baseline_tokens_per_s).__name__}")
+            if not (math.isfinite(baseline_tokens_per_s) and baseline_tokens_per_s > 0):
+                raise ValueError(f"baseline_tokens_per_s must be finite and > 0, got {baseline_tokens_per_s}")
         st = self._start(prompts, max_new_tokens, num_draft_tokens, temperature, top_k, top_p, seed, stop,
                          verbose, attention_mask, max_draft_tokens, eos_token_id, progress, target_only=False,
                          draft_confidence=draft_confidence)
@@ -691,6 +706,8 @@ class SpeculativeDecoder:
             verbose = sys.stdout
         elif verbose is False or verbose is None:
             verbose = None
+        elif not callable(getattr(verbose, "write", None)):
+            raise TypeError(f"verbose must be a bool or a text stream (with .write), got {type(verbose).__name__}")
 
         # Budgets: max_new_tokens, and the context (positions < context; the last emitted
         # token is never fed, so a sequence may reach context + 1 tokens).

@@ -46,6 +46,9 @@ class PromptLookupDrafter:
     """Batched prompt lookup: one list of drafts per row, padded into a [B, K] block."""
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+        for name, v in (("max_ngram", max_ngram), ("min_ngram", min_ngram)):
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TypeError(f"{name} must be an int, got {type(v).__name__} ({v!r})")
         if min_ngram < 1 or max_ngram < min_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got min_ngram={min_ngram}, max_ngram={max_ngram}")
         self.max_ngram = max_ngram
