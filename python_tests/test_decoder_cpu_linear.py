@@ -111,3 +111,39 @@ def test_cli_passes_cpu_linear(choice):
     parser = build_parser()
     args = parser.parse_args(["generate", "Hi", "--tiny-random", "--cpu-linear", choice])
     assert _make_decoder(args, parser).cpu_linear == choice
+
+
+def test_weights_written_through_data_are_seen():
+    """The fp16 copies of fp16-exact weights (kept on the layers between calls) follow the
+    weights: new storage (``p.data = ...``) is noticed by the same decoder; writes through
+    ``.data`` in place, which torch's version counter does not see, by a new decoder or after
+    ``cpu_linear.forget_weight_copies`` (seen stale before, found by a review)."""
+    def fp16_exact(seed):
+        _, t = _pair()
+        with torch.no_grad():
+            for p in t.parameters():
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(seed)).mul(0.2).half().float())
+        return t
+
+    def refs(model):
+        with torch.inference_mode():
+            return [model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=8,
+                                   pad_token_id=0)[0, len(p):].tolist() for p in PROMPTS[:3]]
+
+    target = fp16_exact(0)
+    draft = copy.deepcopy(target)
+    dec = SpeculativeDecoder(draft, target)
+    assert dec.cpu_linear == "skinny"
+    assert dec.generate(PROMPTS[:3], max_new_tokens=8).token_ids == refs(target)
+    assert any("_specdec_fp16" in m.__dict__ for m in target.modules())  # copies kept on the layers
+    for p, q in zip(target.parameters(), fp16_exact(1).parameters()):
+        p.data = q.data.clone()  # new storage, same object, same version
+    assert dec.generate(PROMPTS[:3], max_new_tokens=8).token_ids == refs(target)
+    for p, q in zip(target.parameters(), fp16_exact(2).parameters()):
+        p.data.copy_(q.data)  # in place, unseen by the version counter
+    want = refs(target)
+    assert SpeculativeDecoder(draft, target).generate(PROMPTS[:3], max_new_tokens=8).token_ids == want
+    for p, q in zip(target.parameters(), fp16_exact(3).parameters()):
+        p.data.copy_(q.data)
+    assert cpu_linear_mod.forget_weight_copies(target) > 0
+    assert dec.generate(PROMPTS[:3], max_new_tokens=8).token_ids == refs(target)

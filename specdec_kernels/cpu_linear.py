@@ -32,8 +32,8 @@ from torch import Tensor, nn
 from ._ext import HAS_EXT
 from .reference import skinny_linear_reference
 
-__all__ = ["AVX512_MAX_ROWS", "DEFAULT_MAX_ROWS", "SkinnyLinearHandle", "default_max_rows", "skinny_linear",
-           "supported_isas", "use_skinny_linear"]
+__all__ = ["AVX512_MAX_ROWS", "DEFAULT_MAX_ROWS", "SkinnyLinearHandle", "default_max_rows", "forget_weight_copies",
+           "skinny_linear", "supported_isas", "use_skinny_linear"]
 
 # Up to this many rows (the product of x's leading dims) the kernel beat torch's linear in
 # bench/bench_skinny_linear.py on the 2-core AVX2 machine (30-50% less time at 2-9 rows, on par
@@ -136,6 +136,31 @@ if HAS_EXT:
         return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
+_MISSING = object()
+
+
+def _cached_copy(m: nn.Module, key: str, w: Tensor, version: Optional[int]):
+    """The copy of ``w`` cached on ``m`` under ``key`` if it was made from ``w`` as it is now (the
+    same tensor, its version counter unchanged by in-place updates, the same storage: ``p.data =
+    ...`` keeps the object and the version), else _MISSING."""
+    c = m.__dict__.get(key)
+    if version is not None and c is not None and c[0]() is w and c[1] == version and c[2] == w.data_ptr():
+        return c[3]
+    return _MISSING
+
+
+def forget_weight_copies(model: nn.Module) -> int:
+    """Drop the fp16/int8 copies of ``model``'s linear weights that ``use_skinny_linear`` keeps
+    on the modules (returns how many). Needed only after writing weights through ``.data``
+    (``p.data.copy_(...)``), which torch's version counter does not see; in-place updates of the
+    parameters themselves (an optimizer, ``load_state_dict``) and new tensors are noticed."""
+    n = 0
+    for mod in model.modules():
+        for key in ("_specdec_fp16", "_specdec_int8"):
+            n += mod.__dict__.pop(key, None) is not None
+    return n
+
+
 def _exact_fp16_copy(m: nn.Linear) -> Optional[Tensor]:
     """``m.weight`` as fp16 if fp16 holds every value exactly (then the kernel's products are the
     same bits, from half the bytes), else None.  Cached on the module (``_specdec_fp16``) while
@@ -143,14 +168,14 @@ def _exact_fp16_copy(m: nn.Linear) -> Optional[Tensor]:
     ``generate`` pays the check once."""
     w = m.weight
     version = _tensor_version(w)
-    cached = m.__dict__.get("_specdec_fp16")
-    if version is not None and cached is not None and cached[0]() is w and cached[1] == version:
-        return cached[2]
+    cached = _cached_copy(m, "_specdec_fp16", w, version)
+    if cached is not _MISSING:
+        return cached
     w16 = w.detach().to(torch.float16)
     if not torch.equal(w16.float(), w.detach()):
         w16 = None
     if version is not None:  # an inference tensor has no version counter: checked on every call
-        m.__dict__["_specdec_fp16"] = (weakref.ref(w), version, w16)
+        m.__dict__["_specdec_fp16"] = (weakref.ref(w), version, w.data_ptr(), w16)
     return w16
 
 
@@ -161,9 +186,9 @@ def _int8_copy(m: nn.Linear) -> Optional[tuple]:
     is (``_specdec_int8``)."""
     w = m.weight
     version = _tensor_version(w)
-    cached = m.__dict__.get("_specdec_int8")
-    if version is not None and cached is not None and cached[0]() is w and cached[1] == version:
-        return cached[2]
+    cached = _cached_copy(m, "_specdec_int8", w, version)
+    if cached is not _MISSING:
+        return cached
     wd = w.detach().float()
     out = None
     if bool(torch.isfinite(wd).all()):
@@ -171,7 +196,7 @@ def _int8_copy(m: nn.Linear) -> Optional[tuple]:
         scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
         out = ((wd / scale[:, None]).round().clamp(-127, 127).to(torch.int8).contiguous(), scale.contiguous())
     if version is not None:
-        m.__dict__["_specdec_int8"] = (weakref.ref(w), version, out)
+        m.__dict__["_specdec_int8"] = (weakref.ref(w), version, w.data_ptr(), out)
     return out
 
 

@@ -370,6 +370,13 @@ class SpeculativeDecoder:
         self.target = target.eval()
         self.draft = draft.eval() if draft is not None else None
         self.cpu_linear = self._resolve_cpu_linear(cpu_linear)
+        # The fp16/int8 weight copies a previous decoder left on these models' layers: made again
+        # (once), in case the weights were written through .data since (no version bump).
+        from .cpu_linear import forget_weight_copies
+
+        for model in (target, draft):
+            if model is not None:
+                forget_weight_copies(model)
         self._t = _Runner(self.target, "target")
         self._d = _Runner(self.draft, "draft") if draft is not None else None
         if self.feature is not None:
