@@ -28,4 +28,10 @@ void check_compact_kv_meta(
     const at::Tensor& dst_start,  // [B] int64
     const at::Tensor& count);     // [B] int64
 
+// After the move: bump the caches' version counters, as torch's own in-place ops do, so that
+// autograd sees the mutation (a backward through a saved cache then fails with "modified by an
+// inplace operation" instead of silently using the moved values).  torch's autograd fallback,
+// registered for the op, does not look inside a Tensor(a!)[] argument.
+void bump_versions(at::TensorList caches);
+
 }  // namespace specdec

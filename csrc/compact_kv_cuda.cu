@@ -41,6 +41,7 @@ void compact_kv_cuda(
     const at::Tensor& dst_start,  // [B] int64, values checked in-kernel
     const at::Tensor& count) {    // [B] int64, values clamped in-kernel
   check_compact_kv_meta(caches, src_start, dst_start, count);
+  bump_versions(caches);  // (a refusal below leaves the data unchanged)
   const int64_t B = dst_start.size(0);
   TORCH_CHECK(
       B <= 0x7fffffff, "compact_kv_: B = dst_start.size(0) must be < 2^31 on CUDA, got ", B);

@@ -15,9 +15,12 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
+#include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
+#include <torch/csrc/autograd/variable.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <utility>
 #include <vector>
@@ -40,6 +43,31 @@ PyObject* PyInit__C(void) {
 }
 
 namespace specdec {
+
+namespace {
+
+// Whether no two elements of ``c`` share an address: sorted by stride, each dim of size > 1
+// steps past everything the smaller strides reach (a sufficient condition; it holds for
+// contiguous, transposed and cropped tensors).
+bool strides_separate_elements(const at::Tensor& c) {
+  std::vector<std::pair<int64_t, int64_t>> dims;  // (stride, size)
+  for (int64_t d = 0; d < c.dim(); ++d) {
+    if (c.size(d) > 1) {
+      dims.emplace_back(c.stride(d), c.size(d));
+    }
+  }
+  std::sort(dims.begin(), dims.end());
+  int64_t reach = 0;  // the largest offset the dims so far reach
+  for (const auto& [stride, size] : dims) {
+    if (stride <= reach) {
+      return false;
+    }
+    reach += (size - 1) * stride;
+  }
+  return true;
+}
+
+}  // namespace
 
 void check_compact_kv_meta(
     at::TensorList caches,
@@ -101,42 +129,68 @@ void check_compact_kv_meta(
         src_start >= 0 && src_start <= c.size(2),
         "compact_kv_: src_start must be in [0, T] = [0, ", c.size(2), "] (T = caches[", i,
         "].size(2)), got ", src_start);
-    // An expanded tensor (stride 0 over a dim of size > 1) would be written by several
-    // rows/heads at once.
+    // An expanded tensor (stride 0 over a dim of size > 1), or any layout whose elements may
+    // share memory, would be written by several rows/heads at once.  torch answers only for
+    // dense tensors (TooHard otherwise); strides that each step past everything the smaller
+    // strides reach are a sufficient test for the rest (cropped and transposed caches pass).
+    const at::MemOverlap internal = at::has_internal_overlap(c);
     TORCH_CHECK(
-        at::has_internal_overlap(c) != at::MemOverlap::Yes,
+        internal == at::MemOverlap::No ||
+            (internal == at::MemOverlap::TooHard && strides_separate_elements(c)),
         "compact_kv_: caches[", i, "] must not have internally overlapping memory (e.g. an "
         "expand()ed tensor), got strides ", c.strides(), " for shape ", c.sizes());
   }
 
   // Two caches sharing memory would be moved twice, and the result would depend on the order
-  // (and, in parallel, the timing) of the copies.  Group by storage so the check stays
-  // O(L log L) for the usual case of one buffer per cache; views of one buffer that do not
-  // overlap (keys and values of a fused KV tensor) are fine.
-  std::vector<std::pair<const void*, size_t>> by_storage;
-  by_storage.reserve(caches.size());
+  // (and, in parallel, the timing) of the copies.  Compare the address ranges the caches span
+  // (sorted by start: O(L log L) when they are apart, the usual case of one buffer per cache);
+  // for two that meet, torch tells dense tensors apart exactly, and views it cannot judge
+  // (non-dense ones: TooHard) are refused.  Views of one buffer that do not meet (keys and
+  // values as the two halves of one [2, B, H, T, D] tensor) are fine.
+  struct Span {
+    uintptr_t begin, end;
+    size_t index;
+  };
+  std::vector<Span> spans;
+  spans.reserve(caches.size());
   for (size_t i = 0; i < caches.size(); ++i) {
-    by_storage.emplace_back(caches[i].storage().data(), i);
+    const at::Tensor& c = caches[i];
+    if (c.numel() == 0) {
+      continue;
+    }
+    int64_t last = 0;  // the offset of the last element, in elements
+    for (int64_t d = 0; d < c.dim(); ++d) {
+      last += (c.size(d) - 1) * c.stride(d);
+    }
+    const auto begin = reinterpret_cast<uintptr_t>(c.data_ptr());
+    spans.push_back({begin, begin + static_cast<uintptr_t>((last + 1) * c.element_size()), i});
   }
-  std::sort(by_storage.begin(), by_storage.end());
-  for (size_t lo = 0; lo < by_storage.size();) {
-    size_t hi = lo + 1;
-    while (hi < by_storage.size() && by_storage[hi].first == by_storage[lo].first) {
-      ++hi;
+  std::sort(spans.begin(), spans.end(), [](const Span& x, const Span& y) { return x.begin < y.begin; });
+  for (size_t a = 0; a < spans.size(); ++a) {
+    for (size_t b = a + 1; b < spans.size() && spans[b].begin < spans[a].end; ++b) {
+      const size_t i = std::min(spans[a].index, spans[b].index);
+      const size_t j = std::max(spans[a].index, spans[b].index);
+      // Two storages over one memory (two from_numpy of one array, say): torch compares
+      // storages, so meeting ranges there are taken as overlapping.
+      const at::MemOverlapStatus s = caches[i].storage().is_alias_of(caches[j].storage())
+                                         ? at::get_overlap_status(caches[i], caches[j])
+                                         : at::MemOverlapStatus::Partial;
+      TORCH_CHECK(
+          s == at::MemOverlapStatus::No,
+          "compact_kv_: caches[", i, "] and caches[", j, "] must not share memory, got ",
+          s == at::MemOverlapStatus::Full      ? "the same memory"
+          : s == at::MemOverlapStatus::Partial ? "overlapping memory"
+                                               : "views whose memory ranges meet (not both dense)",
+          " (every cache in the list must be moved exactly once)");
     }
-    for (size_t a = lo; a < hi; ++a) {
-      for (size_t b = a + 1; b < hi; ++b) {
-        const size_t i = std::min(by_storage[a].second, by_storage[b].second);
-        const size_t j = std::max(by_storage[a].second, by_storage[b].second);
-        const at::MemOverlapStatus s = at::get_overlap_status(caches[i], caches[j]);
-        TORCH_CHECK(
-            s != at::MemOverlapStatus::Full && s != at::MemOverlapStatus::Partial,
-            "compact_kv_: caches[", i, "] and caches[", j, "] must not share memory, got ",
-            s == at::MemOverlapStatus::Full ? "the same memory" : "overlapping memory",
-            " (every cache in the list must be moved exactly once)");
-      }
+  }
+}
+
+void bump_versions(at::TensorList caches) {
+  for (const at::Tensor& c : caches) {
+    if (!c.is_inference()) {  // an inference tensor has no version counter
+      torch::autograd::impl::bump_version(c);
     }
-    lo = hi;
   }
 }
 
@@ -152,6 +206,7 @@ void compact_kv_cpu(
     const at::Tensor& dst_start,  // [B] int64, dst_start[b] in [0, src_start]
     const at::Tensor& count) {    // [B] int64, count[b] in [0, T - src_start]
   check_compact_kv_meta(caches, src_start, dst_start, count);
+  bump_versions(caches);  // (a refusal below leaves the data unchanged)
 
   // On CPU the index values are free to read, so they are checked here (the CUDA kernel
   // cannot check them without a device sync, and skips/clamps instead).
@@ -257,6 +312,14 @@ TORCH_LIBRARY(specdec, m) {
 
 TORCH_LIBRARY_IMPL(specdec, CPU, m) {
   m.impl("compact_kv_", &compact_kv_cpu);
+}
+
+// compact_kv_ writes its caches in place and has no derivative: torch's fallback refuses a leaf
+// that requires grad (as any in-place op does), and a backward through the op says it has none.
+// The kernels bump the caches' version counters themselves (bump_versions).
+
+TORCH_LIBRARY_IMPL(specdec, Autograd, m) {
+  m.impl("compact_kv_", torch::autograd::autogradNotImplementedFallback());
 }
 
 }  // namespace specdec

@@ -57,6 +57,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <optional>
 #include <string>
 #include <type_traits>
@@ -112,6 +113,11 @@ inline float to_float(float v) { return v; }
 inline float to_float(c10::Half v) { return static_cast<float>(v); }
 inline float to_float(int8_t v) { return static_cast<float>(v); }
 
+// A NaN result as the one quiet NaN: which operand's NaN (sign, payload) an x86 FMA passes on
+// depends on the instruction form the compiler picked for a tile shape, and std::fma differs
+// again, so without this a NaN's bits would depend on the path and the row count.
+inline float canonical_nan(float s) { return s != s ? std::numeric_limits<float>::quiet_NaN() : s; }
+
 // The end of one output element, the same on every path: reduce the 16 lanes, the k tail
 // (K % 16) in order with fused multiply-adds, the bias.
 template <typename WT>
@@ -120,7 +126,7 @@ inline float finish(const float* lanes, const float* xr, const WT* wr, int64_t K
   float s = reduce16(lanes);
   for (int64_t k = K16; k < K; ++k) s = std::fma(xr[k], to_float(wr[k]), s);
   if (bias != nullptr) s += bias[j];
-  return s;
+  return canonical_nan(s);
 }
 
 // y[i, j] for i in [i0, i0 + mr), j in [j0, j0 + nr): portable path.
@@ -177,7 +183,7 @@ __attribute__((target("avx2,fma,f16c"))) inline float finish(
   float s = reduce16(lo, hi);
   for (int64_t k = K16; k < K; ++k) s = std::fma(xr[k], to_float(wr[k]), s);
   if (bias != nullptr) s += bias[j];
-  return s;
+  return canonical_nan(s);
 }
 
 // Half h (lanes 8h .. 8h + 7) of one 16-lane step at k: the same per-lane order as the portable

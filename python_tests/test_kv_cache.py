@@ -13,6 +13,7 @@ import sys
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -306,6 +307,17 @@ ALIAS_ERRORS = [
      r"caches\[0\] and caches\[1\] must not share memory, got overlapping memory"),
     ("expanded", lambda: ([_c(2, 1, 12, 4).expand(2, 3, 12, 4)], 0, _idx([0, 0]), _idx([0, 0])),
      r"caches\[0\] must not have internally overlapping memory"),
+    # non-dense views torch cannot judge, and two storages over one memory (accepted and moved
+    # twice before, found by a review; the decoder's caches are cropped views of one buffer each)
+    ("cropped_views_of_one_buffer", lambda b=_c(2, 1, 14, 4): ([b[:, :, :12], b[:, :, :12]], 6, _idx([3, 4]), _idx([4, 4])),
+     r"caches\[0\] and caches\[1\] must not share memory, got views whose memory ranges meet \(not both dense\)"),
+    ("shifted_cropped_views", lambda b=_c(2, 1, 14, 4): ([b[:, :, :12], b[:, :, 1:13]], 6, _idx([3, 4]), _idx([4, 4])),
+     r"caches\[0\] and caches\[1\] must not share memory, got views whose memory ranges meet"),
+    ("two_storages_one_memory", lambda a=np.zeros((2, 1, 12, 4), np.float32): (
+        [_c(2, 1, 12, 4), torch.from_numpy(a), torch.from_numpy(a)], 6, _idx([3, 4]), _idx([4, 4])),
+     r"caches\[1\] and caches\[2\] must not share memory, got overlapping memory"),
+    ("overlapping_heads", lambda: ([_c(100).as_strided((1, 2, 8, 2), (999, 1, 2, 1))], 6, _idx([3]), _idx([2])),
+     r"caches\[0\] must not have internally overlapping memory .*got strides \[999, 1, 2, 1\]"),
 ]
 
 # Checked by the CPU op and the reference (they read the index values).
@@ -336,6 +348,39 @@ def test_wrapper_meta_errors(name, build, exc, pattern):
 def test_op_alias_errors(name, build, pattern):
     with pytest.raises(RuntimeError, match=r"^compact_kv_: " + pattern):
         compact_kv_(*build())
+
+
+@needs_ext
+def test_op_accepts_separate_views():
+    """Cropped and transposed caches, each over its own buffer, and the two halves of one
+    [2, B, H, T, D] buffer pass the memory checks and move as the reference does."""
+    kv = torch.randn(2, 2, 3, 14, 4)
+    caches = [torch.randn(2, 3, 14, 4)[:, :, :12], torch.randn(2, 12, 3, 4).transpose(1, 2), kv[0], kv[1]]
+    expected = [c.clone() for c in caches]
+    compact_kv_reference(expected, 6, _idx([3, 4]), _idx([4, 2]))
+    compact_kv_(caches, 6, _idx([3, 4]), _idx([4, 2]))
+    assert all(torch.equal(a, b) for a, b in zip(caches, expected))
+
+
+@needs_ext
+def test_op_tells_autograd_it_wrote():
+    """The op bumps its caches' version counters (a backward through a saved cache then fails as
+    after any in-place op; it silently used the moved values before), refuses a leaf that
+    requires grad, and leaves inference tensors (no version counter) alone."""
+    w = torch.arange(1.0, 7.0).view(1, 1, 6, 1).requires_grad_()
+    y = w * 1.0
+    z = (y * y).sum()  # saves y
+    v = y._version
+    torch.ops.specdec.compact_kv_([y], 3, _idx([0]), _idx([3]))
+    assert y._version > v
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        z.backward()
+    with pytest.raises(RuntimeError, match="a leaf Variable that requires grad is being used in an in-place operation"):
+        torch.ops.specdec.compact_kv_([torch.zeros(1, 1, 6, 1, requires_grad=True)], 3, _idx([0]), _idx([3]))
+    with torch.inference_mode():
+        c = torch.arange(6.0).view(1, 1, 6, 1)
+        torch.ops.specdec.compact_kv_([c], 3, _idx([0]), _idx([3]))
+    assert c.flatten().tolist() == [3.0, 4.0, 5.0, 3.0, 4.0, 5.0]
 
 
 @pytest.mark.parametrize("path", ["op", "fallback"])

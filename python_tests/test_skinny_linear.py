@@ -178,6 +178,32 @@ def test_nan_and_inf_stay_in_their_row():
         assert torch.equal(y[i : i + 1], skinny_linear(x[i : i + 1], w, b))
 
 
+def test_nan_results_have_the_same_bits_on_every_path():
+    """A NaN result is the one quiet NaN (0x7fc00000) whatever the path, the row count and the
+    NaN's sign and payload in x, the weight or the bias (x86 FMAs pass on one operand's NaN, which
+    one depending on the tile's instruction forms: the bits differed across row counts and paths
+    before, found by a review)."""
+    from specdec_kernels.cpu_linear import supported_isas
+
+    op = torch.ops.specdec.skinny_linear_isa
+    quiet = torch.tensor([0x7FC00000], dtype=torch.int32).view(torch.float32)
+    payload = lambda bits: torch.tensor([bits], dtype=torch.int32).view(torch.float32)[0]  # noqa: E731
+    for m in (1, 3, 6, 7, 12, 13):
+        x = torch.randn(m, 40, generator=torch.Generator().manual_seed(m))
+        w = torch.randn(5, 40, generator=torch.Generator().manual_seed(99))
+        b = torch.randn(5)
+        x[0, 3] = payload(-0x00400000)  # -NaN (0xffc00000)
+        w[1, 7] = payload(0x7FC01234)  # a NaN with a payload
+        b[2] = payload(0x7FC0BEEF)
+        for isa in ["portable", *supported_isas()]:
+            for weight in (w, w.half()):
+                y = op(x, weight, b, isa)
+                nan = y.isnan()
+                assert nan[0].all() and nan[:, 1].all() and nan[:, 2].all(), (m, isa)
+                assert torch.equal(y[nan].view(torch.int32), quiet.view(torch.int32).expand(int(nan.sum()))), (m, isa)
+                assert torch.equal(y[~nan], op(x, weight, b, "portable")[~nan])
+
+
 @pytest.mark.parametrize(
     "args, match",
     [
