@@ -578,3 +578,42 @@ def test_feature_head_streams_int8_on_the_cpu(fpair, fgreedy_refs):
             assert torch.equal(got, torch.ops.specdec.skinny_linear(fh, w8, None) * scale)
         else:
             assert torch.equal(got, torch.nn.functional.linear(fh, head.weight))
+
+
+def test_targets_that_scale_their_logits():
+    """A target whose forward rescales its output layer's result (Granite: / logits_scaling) is
+    verified on its own logits: off the lean path step_hidden takes them from the model's forward
+    (it applied the output layer itself before: logits 4x too large, the samples far from the
+    target's distribution; found by a review), and sampling matches the target (chi-square on the
+    first two tokens)."""
+    from transformers import GraniteConfig, GraniteForCausalLM
+
+    from specdec_kernels.kv_cache import _new_cache
+    from specdec_kernels.runners import _Runner
+
+    V, N = 8, 4000
+    cfg = GraniteConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+                        logits_scaling=4.0, initializer_range=0.5, bos_token_id=None, eos_token_id=None,
+                        pad_token_id=None)
+    with torch.random.fork_rng():
+        torch.manual_seed(3)
+        target = GraniteForCausalLM(cfg).eval()
+    r = _Runner(target, "target")
+    ids, pos = torch.tensor([[1, 2, 3, 4]]), torch.arange(4)[None]
+    with torch.inference_mode():
+        a = r.step(_new_cache(target), ids, None, pos, 0, 2)
+        b, h = r.step_hidden(_new_cache(target), ids, None, pos, 0, 2)
+        assert torch.equal(a, b)
+        torch.testing.assert_close(b, target.lm_head(h) / 4.0)
+        torch.testing.assert_close(h, target.model(input_ids=ids).last_hidden_state[:, 2:])
+    fd = _feature_draft(target, intermediate=32)
+    prompt = [1, 2, 3]
+    dec = SpeculativeDecoder(draft=fd, target=target, drafter="feature")
+    res = dec.generate([prompt] * N, max_new_tokens=2, num_draft_tokens=2, temperature=1.0, seed=7)
+    toks = torch.tensor([t[:2] for t in res.token_ids])
+    observed = torch.zeros((V, V), dtype=torch.int64)
+    observed.index_put_((toks[:, 0], toks[:, 1]), torch.ones(N, dtype=torch.int64), accumulate=True)
+    joint = _first_two_joint(target, prompt, 1.0, None, None)
+    assert _chisquare_pvalue(observed.sum(1), joint.sum(1)) > SIGNIFICANCE
+    assert _chisquare_pvalue(observed, joint) > SIGNIFICANCE

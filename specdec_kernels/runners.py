@@ -91,11 +91,22 @@ class _Runner:
     def step_hidden(self, cache, ids: torch.Tensor, mask: Optional[torch.Tensor], positions: torch.Tensor,
                     start: int, keep: int) -> tuple:
         """``step`` that also returns the final norm's output at those positions [B, keep, H]
-        (what a feature draft reads); the logits are the same bits as ``step``'s."""
+        (what a feature draft reads); the logits are the same bits as ``step``'s.  Off the lean
+        path the logits come from the model's own forward (a model may scale or cap what its
+        output layer gives: Granite, Cohere, Gemma 2) and the features from a hook on its final
+        norm for that one call."""
         if self.lean is not None:
             return self.lean.step(cache, ids, mask, positions, keep, head=self.head, return_hidden=True)
-        h = self.forward_hidden(cache, ids, mask, positions, start)[:, -keep:]
-        logits = self.model.get_output_embeddings()(h)
+        seen = []
+        handle = self.model.get_decoder().norm.register_forward_hook(lambda mod, args, out: seen.append(out))
+        try:
+            logits = self.forward(cache, ids, mask, positions, start, keep)
+        finally:
+            handle.remove()
+        if len(seen) != 1:
+            raise RuntimeError(f"the target's final norm ran {len(seen)} times in one forward; a feature draft "
+                               f"needs its output once (model.model.norm)")
+        h = seen[0][:, -keep:]
         return (logits if self.vocab_rows is None else logits.index_select(-1, self.vocab_rows)), h
 
     def forward_hidden(self, cache, ids: torch.Tensor, mask: Optional[torch.Tensor], positions: torch.Tensor,
