@@ -617,3 +617,15 @@ def test_targets_that_scale_their_logits():
     joint = _first_two_joint(target, prompt, 1.0, None, None)
     assert _chisquare_pvalue(observed.sum(1), joint.sum(1)) > SIGNIFICANCE
     assert _chisquare_pvalue(observed, joint) > SIGNIFICANCE
+
+
+def test_feature_draft_takes_the_targets_dtype(fpair):
+    """A feature draft in another dtype than its target runs in the target's (a bf16 target beside
+    a draft in fp32 failed in the first draft step: "expected m1 and m2 to have the same dtype";
+    found by a review)."""
+    fd, target = fpair
+    t16 = copy.deepcopy(target).to(torch.bfloat16)
+    dec = SpeculativeDecoder(draft=copy.deepcopy(fd).float(), target=t16, drafter="feature")
+    assert {p.dtype for p in dec.feature.parameters()} == {torch.bfloat16}
+    res = dec.generate([[1, 2, 3], [4]], max_new_tokens=6, num_draft_tokens=2)
+    assert all(len(t) == 6 and all(0 <= i < target.config.vocab_size for i in t) for t in res.token_ids)

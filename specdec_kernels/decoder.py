@@ -354,9 +354,9 @@ class SpeculativeDecoder:
                              f"and target on {_device_of(target)} (pass device=...)")
         if self.feature is not None:
             self.feature.check_target(target)
-            if dtype is not None:
-                self.feature.to(dtype)
-            self.feature.to(_device_of(target))  # it runs on the target's features, where they are
+            # It runs on the target's features, where they are and in their dtype (a bf16 target
+            # beside a draft loaded in fp32 failed in the first draft step).
+            self.feature.to(device=_device_of(target), dtype=next(target.parameters()).dtype)
         self.device = _device_of(target)
         if verify_backend == "triton" and self.device.type != "cuda":
             from .verify import _interpreter_problem, _interpreting
