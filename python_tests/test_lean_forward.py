@@ -173,15 +173,54 @@ def test_unsupported_models_are_named():
     assert "GPT2LMHeadModel" in LeanLlamaStep.unsupported(gpt2)
     with pytest.raises(ValueError, match="LeanLlamaStep: model not supported: .*GPT2LMHeadModel"):
         LeanLlamaStep(gpt2)
+    # whose own forward differs from the replay (taken before, found by a review): one module in
+    # training mode (dropout), a compiled model, global forward hooks
+    one_training = _llama(4, 2)
+    one_training.model.layers[0].self_attn.train()
+    assert "training" in LeanLlamaStep.unsupported(one_training)
+    compiled = _llama(4, 2)
+    compiled.compile()
+    assert "compiled" in LeanLlamaStep.unsupported(compiled)
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda *a: None)
+    try:
+        assert "global module forward hooks" in LeanLlamaStep.unsupported(_llama(4, 2))
+    finally:
+        handle.remove()
+    assert LeanLlamaStep.unsupported(_llama(4, 2)) is None
+
+
+def test_lean_step_with_an_all_valid_mask_over_one_token():
+    """One new token with an all-valid mask gives the model's bits (Hugging Face drops such a mask
+    and calls sdpa as without one; the lean step built a 4-D mask and differed in the last bits
+    before, found by a review)."""
+    from specdec_kernels.kv_cache import _new_cache
+    from specdec_kernels.runners import _cache_kw
+
+    model = _llama(4, 2)
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9]])
+    with torch.no_grad():
+        c1, c2 = _new_cache(model), _new_cache(model)
+        for c in (c1, c2):
+            model(input_ids=ids[:, :5], use_cache=True, **{_cache_kw(model): c})
+        want = model(input_ids=ids[:, 5:], attention_mask=torch.ones(1, 6, dtype=torch.long), use_cache=True,
+                     position_ids=torch.tensor([[5]]), **{_cache_kw(model): c1}).logits
+        got = LeanLlamaStep(model).step(c2, ids[:, 5:], torch.ones(1, 6, dtype=torch.bool), torch.tensor([[5]]), 1)
+    assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(ids=torch.zeros(3, dtype=torch.long)), r"ids must be a \[B, q >= 1\] tensor, got \(3,\)"),
     (dict(positions=torch.zeros(2, 2, dtype=torch.long)), r"positions must have the shape of ids \(1, 2\), got \(2, 2\)"),
-    (dict(mask=torch.ones(1, 7)), r"mask must be None or a bool \[B=1, T \+ q\] tensor with T \+ q >= 2, got torch.float32 \(1, 7\)"),
-    (dict(mask=torch.ones(2, 7, dtype=torch.bool)), r"mask must be None or a bool \[B=1, T \+ q\] tensor"),
+    (dict(mask=torch.ones(1, 2)), r"mask must be None or a bool \[B=1, T \+ q = 2\] tensor \(T = 0 cached columns\), "
+                                  r"got torch.float32 \(1, 2\)"),
+    (dict(mask=torch.ones(2, 2, dtype=torch.bool)), r"mask must be None or a bool \[B=1, T \+ q = 2\] tensor"),
+    # a width other than the cache's + q (accepted before: raised inside layer 0, after it had
+    # cached; found by a review), a bool keep
+    (dict(mask=torch.ones(1, 7, dtype=torch.bool)), r"mask must be None or a bool \[B=1, T \+ q = 2\] tensor "
+                                                    r"\(T = 0 cached columns\), got torch.bool \(1, 7\)"),
     (dict(keep=3), r"keep must be an int in \[1, 2\], got 3"),
     (dict(keep=0), r"keep must be an int in \[1, 2\], got 0"),
+    (dict(keep=True), r"keep must be an int in \[1, 2\], got True"),
 ])
 def test_lean_step_names_a_bad_argument(kwargs, match):
     model = _llama(4, 2)

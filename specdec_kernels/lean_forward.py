@@ -79,8 +79,11 @@ class LeanLlamaStep:
             return f"attention implementation {getattr(cfg, '_attn_implementation', None)!r}, not 'sdpa'"
         if (getattr(cfg, "pretraining_tp", 1) or 1) != 1:
             return f"pretraining_tp = {cfg.pretraining_tp}"
-        if model.training:
-            return "model in training mode"
+        containers = (torch.nn.ModuleList, torch.nn.ModuleDict)  # no forward: their flag changes nothing
+        if any(mod.training for mod in model.modules() if not isinstance(mod, containers)):
+            return "model (or one of its modules) in training mode"
+        if getattr(model, "_compiled_call_impl", None) is not None:
+            return "model compiled (model.compile()): its forward is the compiled one"
         base = model.model
         if len(base.layers) != cfg.num_hidden_layers:
             return f"{len(base.layers)} layers, config.num_hidden_layers = {cfg.num_hidden_layers}"
@@ -98,9 +101,15 @@ class LeanLlamaStep:
         for mod, cls in replayed:
             if "forward" in mod.__dict__:
                 return f"the forward of a {cls.__name__} was replaced"
+        from torch.nn.modules import module as nn_module
+
+        if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
+            return "global module forward hooks are registered (torch.nn.modules.module.register_module_forward_hook)"
         for mod in model.modules():
             if mod._forward_hooks or mod._forward_pre_hooks or hasattr(mod, "_hf_hook"):
                 return f"module {type(mod).__name__} has hooks"
+            if getattr(mod, "_compiled_call_impl", None) is not None:
+                return f"module {type(mod).__name__} compiled (.compile()): its forward is the compiled one"
         devices = {p.device.type for p in model.parameters()}
         if devices != {"cpu"}:
             return f"parameters on {sorted(devices)}, not the CPU only"
@@ -131,11 +140,14 @@ class LeanLlamaStep:
         if not isinstance(positions, Tensor) or positions.shape != ids.shape:
             raise ValueError(f"LeanLlamaStep.step: positions must have the shape of ids {(B, q)}, got "
                              f"{tuple(positions.shape) if isinstance(positions, Tensor) else type(positions).__name__}")
+        T = cache.get_seq_length()
         if mask is not None and (mask.dtype != torch.bool or mask.dim() != 2 or mask.shape[0] != B
-                                 or mask.shape[1] < q):
-            raise ValueError(f"LeanLlamaStep.step: mask must be None or a bool [B={B}, T + q] tensor with "
-                             f"T + q >= {q}, got {mask.dtype} {tuple(mask.shape)}")
-        if not isinstance(keep, int) or not 1 <= keep <= q:
+                                 or mask.shape[1] != T + q):
+            raise ValueError(f"LeanLlamaStep.step: mask must be None or a bool [B={B}, T + q = {T + q}] tensor "
+                             f"(T = {T} cached columns), got {mask.dtype} {tuple(mask.shape)}")
+        if mask is not None and q == 1 and bool(mask.all()):
+            mask = None  # what Hugging Face does with an all-valid mask (the same attention call, the same bits)
+        if isinstance(keep, bool) or not isinstance(keep, int) or not 1 <= keep <= q:
             raise ValueError(f"LeanLlamaStep.step: keep must be an int in [1, {q}], got {keep!r}")
         base = self.base
         x = base.embed_tokens(ids) if embeds is None else embeds
@@ -145,13 +157,13 @@ class LeanLlamaStep:
         if mask is None and q == 1:
             attn_mask = None  # one query, every column valid: what Hugging Face passes too
         else:
-            T = mask.shape[1] if mask is not None else cache.get_seq_length() + q
+            cols = T + q  # the cached columns and the new ones
             causal = torch.ones((q, q), dtype=torch.bool, device=ids.device).tril_()
             if mask is None:
-                attn_mask = torch.ones((1, 1, q, T), dtype=torch.bool, device=ids.device)
+                attn_mask = torch.ones((1, 1, q, cols), dtype=torch.bool, device=ids.device)
             else:
-                attn_mask = mask[:, None, None, :].expand(B, 1, q, T).clone()
-            attn_mask[..., T - q:] &= causal
+                attn_mask = mask[:, None, None, :].expand(B, 1, q, cols).clone()
+            attn_mask[..., T:] &= causal
         for layer in base.layers:
             a = layer.self_attn
             residual = x
