@@ -554,6 +554,22 @@ def test_feature_head_is_kept_until_the_target_changes(fpair):
     dec.generate([[1, 2, 3]], max_new_tokens=3)
     assert dec._d.head is not head
     assert torch.equal(dec._d.head.weight, target.lm_head.weight[[1, 5, 9]].half().float())
+    # a replaced output layer is taken (the runner kept the old module before, found by a review);
+    # a write through .data (no version bump) after forget_weight_copies, or by a new decoder
+    want = lambda: target.lm_head.weight[[1, 5, 9]].half().float()  # noqa: E731
+    target.lm_head = torch.nn.Linear(target.lm_head.in_features, target.lm_head.out_features, bias=False)
+    dec.generate([[1, 2, 3]], max_new_tokens=3)
+    assert torch.equal(dec._d.head.weight, want())
+    target.lm_head.weight.data.mul_(3.0)
+    dec2 = SpeculativeDecoder(draft=fd, target=target, drafter="feature", draft_vocab=[1, 5, 9])
+    dec2.generate([[1, 2, 3]], max_new_tokens=3)
+    assert torch.equal(dec2._d.head.weight, want())
+    target.lm_head.weight.data.mul_(0.5)
+    from specdec_kernels.cpu_linear import forget_weight_copies
+
+    assert forget_weight_copies(target) >= 1
+    dec2.generate([[1, 2, 3]], max_new_tokens=3)
+    assert torch.equal(dec2._d.head.weight, want())
 
 
 def test_feature_head_streams_int8_on_the_cpu(fpair, fgreedy_refs):
@@ -629,3 +645,13 @@ def test_feature_draft_takes_the_targets_dtype(fpair):
     assert {p.dtype for p in dec.feature.parameters()} == {torch.bfloat16}
     res = dec.generate([[1, 2, 3], [4]], max_new_tokens=6, num_draft_tokens=2)
     assert all(len(t) == 6 and all(0 <= i < target.config.vocab_size for i in t) for t in res.token_ids)
+
+
+def test_save_feature_draft_checks_its_dtype(fpair, tmp_path):
+    """dtype must be a floating torch.dtype (int8 saved all-zero weights before; a string gave
+    "Invalid device string"; found by a review)."""
+    fd, _ = fpair
+    for bad in (torch.int8, "float16"):
+        with pytest.raises(TypeError, match=r"save_feature_draft: dtype must be a floating torch.dtype, got"):
+            save_feature_draft(fd, tmp_path / "x", dtype=bad)
+        assert not (tmp_path / "x").exists()

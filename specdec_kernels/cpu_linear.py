@@ -151,12 +151,13 @@ def _cached_copy(m: nn.Module, key: str, w: Tensor, version: Optional[int]):
 
 def forget_weight_copies(model: nn.Module) -> int:
     """Drop the fp16/int8 copies of ``model``'s linear weights that ``use_skinny_linear`` keeps
-    on the modules (returns how many). Needed only after writing weights through ``.data``
+    on the modules, and a feature draft's copy of its output layer (returns how many).  A new
+    ``SpeculativeDecoder`` calls it.  Needed only after writing weights through ``.data``
     (``p.data.copy_(...)``), which torch's version counter does not see; in-place updates of the
     parameters themselves (an optimizer, ``load_state_dict``) and new tensors are noticed."""
     n = 0
     for mod in model.modules():
-        for key in ("_specdec_fp16", "_specdec_int8"):
+        for key in ("_specdec_fp16", "_specdec_int8", "_specdec_head"):  # _specdec_head: runners._FeatureRunner
             n += mod.__dict__.pop(key, None) is not None
     return n
 

@@ -162,6 +162,8 @@ def save_feature_draft(draft: FeatureDraft, directory, vocab: Optional[Tensor] =
 
     if not isinstance(draft, FeatureDraft):
         raise TypeError(f"save_feature_draft: draft must be a FeatureDraft, got {type(draft).__name__}")
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"save_feature_draft: dtype must be a floating torch.dtype, got {dtype!r}")
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     cfg = {"layers": draft.config.to_dict(), "target": draft.target, "format": 1}

@@ -150,6 +150,7 @@ class _FeatureRunner:
         self.fd = fd
         self.model = fd.lm  # what LeanLlamaStep and the cache run
         self.name = "draft"
+        self.target = target
         self.embed = target.get_input_embeddings()
         self.out = target.get_output_embeddings()
         self.vocab_size = int(self.embed.num_embeddings)
@@ -166,21 +167,28 @@ class _FeatureRunner:
         fp32 weights rounded to fp16 values (a draft may compute anything, the verifier uses the
         target's own logits; ``skinny_linear`` then streams half the bytes on the CPU)."""
         self.vocab_rows = rows
-        out = self.out
-        # The copy (40-50 ms for 12,288 x 576 on the CPU) is kept while the rows and the target's
-        # weights are unchanged (same storage, same version counter: an in-place update bumps it;
-        # weights made under inference mode have no counter, so their copy is taken every call).
+        # The target's layers as they are now (a module replaced since is taken).
+        self.embed = self.target.get_input_embeddings()
+        out = self.out = self.target.get_output_embeddings()
+        # The copy (40-50 ms for 12,288 x 576 on the CPU) is kept on the output layer while the
+        # rows and its weights are unchanged (the same tensors, storage and version counter: an
+        # in-place update bumps it; weights made under inference mode have no counter, so their
+        # copy is taken every call; cpu_linear.forget_weight_copies drops it).
         from .cpu_linear import _tensor_version
 
         params = [out.weight] + ([] if out.bias is None else [out.bias])
         versions = [_tensor_version(t) for t in params]
         key = None
         if None not in versions:
-            key = (None if rows is None else rows.tolist(), [t.data_ptr() for t in params], versions)
-        if key is not None and self.head is not None and key == getattr(self, "_head_key", None):
+            key = (None if rows is None else rows.tolist(), [id(t) for t in params], [t.data_ptr() for t in params],
+                   versions)
+        cached = out.__dict__.get("_specdec_head")
+        if key is not None and cached is not None and cached[0] == key:
+            self.head = cached[1]
             return
-        self._head_key = key
         self.head = _output_rows(out, rows, fp16_values=True)
+        if key is not None:
+            out.__dict__["_specdec_head"] = (key, self.head)
 
     def step(self, cache, tokens: torch.Tensor, feats: torch.Tensor, mask: Optional[torch.Tensor],
              positions: torch.Tensor, keep: int, model_path: bool = False) -> torch.Tensor:
