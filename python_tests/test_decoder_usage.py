@@ -275,6 +275,13 @@ def test_unusable_devices_are_refused_by_name(pair, capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(ValueError, match=r"^device 'cuda:1' is not available: torch finds 1 CUDA GPU\(s\)$"):
         SpeculativeDecoder(draft=draft, target=target, device="cuda:1")
+    # other device types: only CUDA was checked before (found by a review)
+    with pytest.raises(ValueError, match=r"^device 'meta' holds no data: models cannot run there$"):
+        SpeculativeDecoder(draft=draft, target=target, device="meta")
+    if not (hasattr(torch, "xpu") and torch.xpu.is_available()):
+        with pytest.raises(ValueError, match=r"^device 'xpu' is not available: "):
+            SpeculativeDecoder(draft=draft, target=target, device="xpu")
+    assert next(target.parameters()).device.type == "cpu"
 
 
 def test_load_pair_from_paths(tiny, tmp_path):
@@ -397,6 +404,43 @@ def test_cli_requires_models(capsys):
     with pytest.raises(SystemExit):
         cli_main(["generate", "hello", "--tiny-random", "-k", "0"])
     assert "must be a positive int or 'auto', got 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,says", [
+    # (found by a review: tracebacks with exit status 1, or an option silently ignored)
+    (["--target", "/nonexistent/model", "--draft", "/nonexistent/draft"], "/nonexistent"),
+    (["--tiny-random", "--tokenizer", "/nonexistent"],
+     "--tokenizer applies to --target/--draft models; the embedded pair and --tiny-random bring their own"),
+    (["--tiny-random", "--dtype", "complex64"], "dtype must be float32, float16 or bfloat16 (a torch.dtype or its name), "
+                                               "got 'complex64'"),
+    (["--tiny-random", "--device", "meta"], "device 'meta' holds no data: models cannot run there"),
+    (["--tiny-random", "--draft-vocab", "BAD"], "header"),  # a file that is not safetensors
+])
+def test_cli_user_errors_are_one_line(argv, says, capsys, tmp_path):
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"\xff" * 64)
+    with pytest.raises(SystemExit) as e:
+        cli_main(["generate", "hello", *[str(bad) if a == "BAD" else a for a in argv]])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and says in err and "Traceback" not in err, err
+    assert len(err.strip().splitlines()) == 2  # usage, then the one error line
+
+
+def test_cli_baseline_when_the_target_emits_nothing(capsys, tmp_path):
+    """--baseline where the target alone emits no token (a NaN in its output layer: every row ends
+    "nonfinite"): the measured speed-up is n/a (the run stopped with an error about
+    baseline_tokens_per_s before, found by a review)."""
+    draft, target, tok = build_tiny_random_pair(seed=0)
+    with torch.no_grad():
+        target.lm_head.weight[5] = float("nan")
+    target.save_pretrained(tmp_path / "t")
+    tok.save_pretrained(tmp_path / "t")
+    draft.save_pretrained(tmp_path / "d")
+    tok.save_pretrained(tmp_path / "d")
+    assert cli_main(["generate", "hi", "--target", str(tmp_path / "t"), "--draft", str(tmp_path / "d"),
+                     "--max-new-tokens", "4", "--baseline", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["finish_reasons"] == ["nonfinite"] and out["stats"]["measured_speedup"] is None
 
 
 def test_cli_chat(capsys):

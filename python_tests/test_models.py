@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -98,6 +99,30 @@ def test_converted_tokenizer_takes_the_models_special_tokens():
     models._special_tokens_from_config(tok, config)
     assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (1, 2, 2)
     assert tok.clean_up_tokenization_spaces is False
+
+
+def test_unusable_cache_and_damaged_records(monkeypatch, tmp_path):
+    """A cache that cannot be written is said before the minute of conversion (after it before,
+    with a traceback); a record whose converter field is not an int counts as no conversion;
+    temporary directories of conversions whose process is gone are removed (a killed conversion
+    left ~540 MB behind). Found by a review."""
+    if not CAN_CONVERT:
+        pytest.skip(f"converting needs gguf and accelerate (run: {models.INSTALL_COMMAND})")
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    with pytest.raises(ValueError, match=r"^the model cache '.*a_file' is not writable \(.*\): set SPECDEC_CACHE"):
+        models.convert_gguf(tmp_path / "never_read.gguf", blocker / models.TARGET_NAME)
+    out = tmp_path / "cache" / models.TARGET_NAME
+    out.mkdir(parents=True)
+    for record in ('{"converter": null}', '{"converter": "2"}', "[]", "not json"):
+        (out / models._SOURCE_RECORD).write_text(record)
+        assert models._converter_version(out) == 0, record
+    dead = out.parent / f".{out.name}.tmp-{2**22 + 12345}"  # above Linux's largest pid (2**22): no such process
+    live = out.parent / f".{out.name}.tmp-{os.getppid()}"
+    for d in (dead, live):
+        d.mkdir()
+    models._remove_abandoned_conversions(out)
+    assert not dead.exists() and live.exists()
 
 
 def test_conversion_of_an_older_converter_is_redone(monkeypatch, tmp_path):

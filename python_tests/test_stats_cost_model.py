@@ -193,7 +193,7 @@ def test_predicted_speedup_with_verify_cost():
     e4 = expected_tokens_per_step(0.8, 4)
     assert predicted_speedup(0.8, 4, 0.1, 1.0) == pytest.approx(e4 / 1.4)
     assert predicted_speedup(0.8, 4, 0.1, 1.0, 2.0) == pytest.approx(e4 / 2.4)
-    with pytest.raises(ValueError, match="t_verify must be > 0"):
+    with pytest.raises(ValueError, match="t_verify must be finite and > 0, got 0.0"):
         predicted_speedup(0.8, 4, 0.1, 1.0, 0.0)
 
 
@@ -253,3 +253,21 @@ def test_cpu_slope_prior_refuses_a_bad_batch(batch):
 
     with pytest.raises(ValueError, match=f"batch must be an int >= 1, got {batch!r}"):
         cpu_slope_prior(batch)
+
+
+@pytest.mark.parametrize("call,match", [
+    # (found by a review: a ZeroDivisionError, or NaN/K = 1 returned silently)
+    (lambda: choose_num_draft_tokens(0.5, 0.0, 0.0, 8), r"t_target must be finite and > 0, got 0.0 for K = 1"),
+    (lambda: choose_num_draft_tokens(0.5, 0.1, float("nan"), 8), r"t_target must be finite and > 0, got nan"),
+    (lambda: choose_num_draft_tokens(0.5, 0.1, lambda k: 1.0 if k < 3 else float("inf"), 8),
+     r"t_target must be finite and > 0, got inf for K = 3"),
+    (lambda: choose_num_draft_tokens(float("nan"), 0.1, 1.0, 8), r"alpha must be a number in \[0, 1\], got nan"),
+    (lambda: choose_num_draft_tokens(0.9, float("nan"), 1.0, 8), r"t_draft must be finite, got nan"),
+    (lambda: predicted_speedup(0.5, 4, 0.1, float("inf")), r"t_target must be finite and > 0, got inf"),
+    (lambda: predicted_speedup(0.5, -0.5, 0.1, 1.0), r"k must be finite and >= 0, got -0.5"),
+    (lambda: predicted_speedup(0.5, 2, 0.1, 1.0, t_verify=float("nan")), r"t_verify must be finite and > 0, got nan"),
+    (lambda: expected_tokens_per_step(float("nan"), 3), r"alpha must be a number in \[0, 1\], got nan"),
+])
+def test_cost_model_refuses_unusable_numbers(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()

@@ -139,6 +139,10 @@ def chat_ids(tokenizer, text: str) -> list:
 def _make_decoder(args, parser):
     from .decoder import SpeculativeDecoder, _resolve_dtype
 
+    if args.tokenizer is not None and (args.tiny_random or args.target is None):
+        parser.error("--tokenizer applies to --target/--draft models; the embedded pair and --tiny-random bring "
+                     "their own")
+
     # how the models run, and what the draft may propose
     paths = dict(cpu_linear=args.cpu_linear, lean_forward=not args.no_lean_forward,
                  draft_vocab=None if args.draft_vocab == "full" else args.draft_vocab)
@@ -183,13 +187,27 @@ def _make_decoder(args, parser):
                               dtype=args.dtype, drafter=args.drafter, **paths)
 
 
+def _user_errors() -> tuple:
+    errors = (ValueError, TypeError, OSError)  # OSError: FileNotFoundError, a path that holds no model
+    try:
+        from safetensors import SafetensorError
+
+        errors += (SafetensorError,)
+    except ImportError:  # pragma: no cover - safetensors is a dependency
+        pass
+    return errors
+
+
+_USER_ERRORS = _user_errors()
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         dec = _make_decoder(args, parser)
-    except (ValueError, TypeError, FileNotFoundError) as e:
-        parser.error(str(e))
+    except _USER_ERRORS as e:  # a path that is no model, a damaged file, an unwritable cache: one line
+        parser.error(str(e) or repr(e))
     prompts = list(args.prompts)
     inputs = prompts
     if args.chat:
@@ -203,7 +221,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         baseline = None
         if args.baseline:
-            baseline = dec.generate_target_only(inputs, progress=progress, **common).stats.tokens_per_s
+            # None when the target alone emitted nothing (every row stopped at once): no ratio
+            baseline = dec.generate_target_only(inputs, progress=progress, **common).stats.tokens_per_s or None
         res = dec.generate(inputs, num_draft_tokens=args.num_draft_tokens, max_draft_tokens=args.max_draft_tokens,
                            draft_confidence=args.draft_confidence,
                            verbose=(sys.stderr if args.json else True) if args.verbose else False,

@@ -210,16 +210,21 @@ class _State:
 # ----------------------------------------------------------------------------------------------
 # The decoder
 # ----------------------------------------------------------------------------------------------
+_MODEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
 def _resolve_dtype(dtype):
-    if dtype is None or isinstance(dtype, torch.dtype):
-        return dtype
+    """None, or one of the model dtypes (float32, float16, bfloat16), given as a dtype or a name."""
+    if dtype is None:
+        return None
+    d = dtype
     if isinstance(dtype, str):
         name = dtype.replace("torch.", "")
         aliases = {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16", "float": "float32"}
         d = getattr(torch, aliases.get(name, name), None)
-        if isinstance(d, torch.dtype):
-            return d
-    raise ValueError(f"dtype must be a torch.dtype or one of 'float32', 'float16', 'bfloat16', got {dtype!r}")
+    if d in _MODEL_DTYPES:
+        return d
+    raise ValueError(f"dtype must be float32, float16 or bfloat16 (a torch.dtype or its name), got {dtype!r}")
 
 
 def _vocab_mismatch(a: dict, b: dict) -> Optional[str]:
@@ -596,7 +601,8 @@ class SpeculativeDecoder:
         optional ``attention_mask`` marking the valid tokens of padded rows).
         num_draft_tokens: K, or "auto" to pick K in 1..max_draft_tokens every step from the
         running acceptance rate, the measured draft forward time and the target's step time
-        per verified length K + 1 (see ``stats.StatsRecorder``).
+        per verified length K + 1 (see ``stats.StatsRecorder``); with a draft model or a feature
+        draft it may also pick K = 0 (a step of the target alone, no draft forward).
         temperature 0 is greedy; top_k/top_p warp the target (and the draft) before sampling.
         seed: row p uses ``seed + p`` (or ``seed[p]``); None draws one.
         stop: strings that end a row once its generated text contains one (the tokens up to

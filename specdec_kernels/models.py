@@ -99,6 +99,15 @@ def convert_gguf(gguf_path, out_dir) -> Path:
                               f"installed. Install the target's requirements with:\n    {INSTALL_COMMAND}")
     gguf_path = Path(gguf_path)
     out_dir = Path(out_dir)
+    try:  # before a minute of work: the cache must be writable
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        probe = out_dir.parent / f".{out_dir.name}.probe-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise ValueError(f"the model cache {str(out_dir.parent)!r} is not writable ({e.strerror or e}): set "
+                         f"SPECDEC_CACHE to a writable directory") from None
+    _remove_abandoned_conversions(out_dir)
     folder, name = str(gguf_path.parent), gguf_path.name
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
@@ -142,6 +151,21 @@ def convert_gguf(gguf_path, out_dir) -> Path:
     return out_dir
 
 
+def _remove_abandoned_conversions(out_dir: Path) -> None:
+    """Remove the temporary directories of conversions whose process is gone (a killed conversion
+    leaves ~540 MB behind as ``.<name>.tmp-<pid>``)."""
+    for tmp in out_dir.parent.glob(f".{out_dir.name}.tmp-*"):
+        try:
+            pid = int(tmp.name.rsplit("-", 1)[1])
+            os.kill(pid, 0)  # raises if no such process
+            if pid == os.getpid():
+                raise ProcessLookupError
+        except (ValueError, ProcessLookupError):
+            shutil.rmtree(tmp, ignore_errors=True)
+        except PermissionError:  # another user's live process
+            pass
+
+
 def _special_tokens_from_config(tokenizer, config) -> None:
     """Give ``tokenizer`` the model's bos/eos/pad tokens (``config``'s ids: the GGUF metadata's).
 
@@ -161,9 +185,10 @@ def _converter_version(out_dir: Path) -> int:
     directory holds no complete conversion."""
     try:
         record = json.loads((Path(out_dir) / _SOURCE_RECORD).read_text())
-    except (OSError, ValueError):
+        version = record.get("converter", 1)
+    except (OSError, ValueError, AttributeError):  # unreadable, not JSON, not an object
         return 0
-    return int(record.get("converter", 1)) if isinstance(record, dict) else 0
+    return version if isinstance(version, int) and not isinstance(version, bool) else 0
 
 
 def default_target_path(convert: bool = True) -> str:
@@ -205,6 +230,15 @@ def resolve_device(device):
         if d.index is not None and d.index >= torch.cuda.device_count():
             raise ValueError(f"device {str(device)!r} is not available: torch finds "
                              f"{torch.cuda.device_count()} CUDA GPU(s)")
+    elif d.type == "meta":
+        raise ValueError(f"device {str(device)!r} holds no data: models cannot run there")
+    elif d.type != "cpu":  # xpu, mps, ...: usable if a tensor can be made there
+        try:
+            torch.empty(1, device=d)
+        except (RuntimeError, AssertionError, AttributeError) as e:
+            why = str(e).splitlines()[0] if str(e) else type(e).__name__
+            why = why.split(". ")[0] if len(why) > 160 else why  # torch's backend list is long
+            raise ValueError(f"device {str(device)!r} is not available: {why}") from None
     return d
 
 

@@ -75,6 +75,8 @@ def expected_tokens_per_step(alpha: float, k: int) -> float:
     draft is accepted with probability alpha given that the ones before it were."""
     if k < 0:
         raise ValueError(f"k must be >= 0, got {k}")
+    if not math.isfinite(alpha):
+        raise ValueError(f"alpha must be a number in [0, 1], got {alpha}")
     alpha = min(max(float(alpha), 0.0), 1.0)
     if alpha >= 1.0:
         return float(k + 1)
@@ -87,12 +89,16 @@ def predicted_speedup(alpha: float, k: float, t_draft: float, t_target: float,
     the target alone pays per token), T_verify its step verifying K drafts (K + 1 tokens); None
     takes T_verify = T_target (a cost independent of K).  A fractional K (the mean of a run that
     varied K) interpolates E linearly between its neighbours."""
-    if t_target <= 0:
-        raise ValueError(f"t_target must be > 0, got {t_target}")
+    if not (math.isfinite(t_target) and t_target > 0):
+        raise ValueError(f"t_target must be finite and > 0, got {t_target}")
     if t_verify is None:
         t_verify = t_target
-    if t_verify <= 0:
-        raise ValueError(f"t_verify must be > 0, got {t_verify}")
+    if not (math.isfinite(t_verify) and t_verify > 0):
+        raise ValueError(f"t_verify must be finite and > 0, got {t_verify}")
+    if not (math.isfinite(k) and k >= 0):
+        raise ValueError(f"k must be finite and >= 0, got {k}")
+    if not math.isfinite(t_draft):
+        raise ValueError(f"t_draft must be finite, got {t_draft}")
     lo = int(k)
     frac = k - lo
     e = expected_tokens_per_step(alpha, lo)
@@ -109,10 +115,15 @@ def choose_num_draft_tokens(alpha: float, t_draft: float, t_target: Union[float,
     (the step that verifies K drafts, i.e. a forward over K + 1 tokens)."""
     if k_max < 1:
         raise ValueError(f"k_max must be >= 1, got {k_max}")
+    if not math.isfinite(t_draft):
+        raise ValueError(f"t_draft must be finite, got {t_draft}")
     cost = t_target if callable(t_target) else (lambda k: t_target)
     best_k, best = 1, -1.0
     for k in range(1, k_max + 1):
-        rate = expected_tokens_per_step(alpha, k) / (k * max(t_draft, 0.0) + cost(k))
+        c = cost(k)
+        if not (math.isfinite(c) and c > 0):
+            raise ValueError(f"t_target must be finite and > 0, got {c} for K = {k}")
+        rate = expected_tokens_per_step(alpha, k) / (k * max(t_draft, 0.0) + c)
         if rate > best * (1 + 1e-9):
             best_k, best = k, rate
     return best_k
