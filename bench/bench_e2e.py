@@ -29,7 +29,8 @@ tokens per target call, the accepted-length histogram, and the speed-up the mode
 ``specdec_kernels.stats`` predicts from the measured alpha and step times,
 E(K) * T_target(0) / (K * T_draft + T_target(K)), E(K) = (1 - alpha^(K+1)) / (1 - alpha), with
 T_target(K) the decoder's line fitted to its verify steps per verified length
-(predicted_speedup), and the same from this run's direct measurements,
+(predicted_speedup: each generate call's ``stats.predicted_speedup``, averaged over the calls
+weighted by their tokens), and the same from this run's direct measurements,
 E(K) * T_1 / (K * T_draft + T_verify) with T_1 the one-token step of specdec_target_only and
 T_verify the run's mean verify step (predicted_speedup_t1).
 
@@ -290,13 +291,14 @@ class Bench:
         return RunOut(out_ids, time.perf_counter() - t0, stats)
 
 
-def assistant_config(k) -> Optional[dict]:
-    """The assistant's generation-config fields set for assisted generation at K (None: HF defaults).
+def assistant_config(k) -> dict:
+    """The assistant's generation-config fields set for assisted generation at K ({}: HF's
+    defaults, the assistant still used; ``hf`` runs the target alone only for None).
     'K@c': K tokens at most, and HF's own confidence stop at c (``assistant_confidence_threshold``:
     it stops when one draft's probability is below c; ours when the product of them is)."""
     k, conf = split_k(k)
-    if k == "auto":
-        return None if conf == 0 else dict(assistant_confidence_threshold=conf)
+    if k == "auto":  # (returned None before 2026-12-01: "HF auto" was the target alone)
+        return {} if conf == 0 else dict(assistant_confidence_threshold=conf)
     return dict(num_assistant_tokens=int(k), num_assistant_tokens_schedule="constant",
                 assistant_confidence_threshold=conf)
 
@@ -350,9 +352,13 @@ def merge_stats(stats: list) -> dict:
     mean_k = k_sum / iterations if iterations else None
     td = t_draft / draft_fwd if draft_fwd else None
     tt = t_target / iterations if iterations else None
-    pred = None
-    if alpha is not None and tt and mean_k:
-        pred = predicted_speedup(alpha, mean_k, td or 0.0, tt)
+    # The decoder's own prediction per call (its fitted verify cost per verified length, the
+    # one-token step for the target alone), averaged over the calls weighted by their tokens.
+    # (Until 2026-12-01 this was recomputed here with the mean verify step standing in for
+    # both, which ignored how the verify grows with K: batch 8, K = 4 read 1.58x for a 0.53x.)
+    weighted = [(s.predicted_speedup, s.generated_tokens) for s in stats
+                if s.predicted_speedup is not None and s.generated_tokens]
+    pred = (sum(p * w for p, w in weighted) / sum(w for _, w in weighted)) if weighted else None
     return dict(alpha=alpha, mean_k=mean_k, tokens_per_target_call=generated / row_steps if row_steps else None,
                 hist=hist, draft_ms_per_forward=None if td is None else td * 1e3,
                 target_ms_per_step=None if tt is None else tt * 1e3, predicted_speedup=pred,

@@ -124,8 +124,7 @@ def test_greedy_mismatch_refuses_the_speedup(capsys):
     assert any("specdec K=4 prompt 1" in n for n in notes)
 
 
-def test_k_entries_with_a_confidence():
-    import argparse
+def _load_bench_module():
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("bench_e2e", SCRIPT)
@@ -141,13 +140,20 @@ def test_k_entries_with_a_confidence():
             del sys.modules[spec.name]
         else:
             sys.modules[spec.name] = saved
+    return mod
+
+
+def test_k_entries_with_a_confidence():
+    import argparse
+
+    mod = _load_bench_module()
     assert mod._k_list("1,4@0.3,auto,auto@0.25") == [1, "4@0.3", "auto", "auto@0.25"]
     assert [mod.split_k(k) for k in (1, "4@0.3", "auto", "auto@0.25")] == [
         (1, 0.0), (4, 0.3), ("auto", 0.0), ("auto", 0.25)]
     assert mod.assistant_config("4@0.3") == dict(num_assistant_tokens=4, num_assistant_tokens_schedule="constant",
                                                  assistant_confidence_threshold=0.3)
     assert mod.assistant_config("auto@0.3") == dict(assistant_confidence_threshold=0.3)
-    assert mod.assistant_config("auto") is None
+    assert mod.assistant_config("auto") == {}  # HF's defaults, with the assistant (None ran the target alone)
     for bad, msg in (("4@x", "must be a float, got 'x'"), ("4@1.5", r"must be in \(0, 1\), got 1.5"),
                      ("0@0.3", "must be a positive int or 'auto', got 0")):
         with pytest.raises(argparse.ArgumentTypeError, match=msg):
@@ -273,3 +279,24 @@ def test_demo_speed_smoke(tmp_path):
     for bad in (["--rounds", "0"], ["--tiny-random"]):  # the tiny pair has no feature draft
         with pytest.raises(SystemExit):
             mod.main(bad)
+
+
+@pytest.mark.parametrize("k", ["auto", 2])
+def test_assisted_generation_uses_the_draft(k):
+    """The assisted_hf rows run the draft as Hugging Face's assistant, at K = auto too (its "auto"
+    ran target.generate alone before, found by a review: every "HF auto" figure until 2026-12-01
+    was the target's)."""
+    import torch
+
+    from specdec_kernels.cli import build_tiny_random_pair
+
+    mod = _load_bench_module()
+    draft, target, tok = build_tiny_random_pair(seed=0)
+    bench = mod.Bench(draft, target, tok, torch.device("cpu"), [[5, 6, 7], [8, 9]], 12, "ignore", 0)
+    calls = []
+    handle = draft.register_forward_hook(lambda *a: calls.append(1))
+    try:
+        out = bench.hf(1, 0.0, mod.assistant_config(k))
+    finally:
+        handle.remove()
+    assert len(calls) > 0 and all(len(t) == 12 for t in out.token_ids)
