@@ -60,20 +60,24 @@ if e.HAS_EXT:  # the OpenMP build: its loops on torch's threads, one libgomp in 
 PYEOF
 
 stamp "tests on CUDA"
-timeout 300 $PY -m pytest python_tests -q -n 4 -rs -p no:cacheprovider >"$OUT_DIR/tests.log" 2>&1
+timeout 240 $PY -m pytest python_tests -q -n 8 -rs -p no:cacheprovider >"$OUT_DIR/tests.log" 2>&1
 tests_rc=$?
 tail -n 25 "$OUT_DIR/tests.log"
 
 stamp "bench_verify (gpu grid)"
-timeout 180 $PY bench/bench_verify.py --grid gpu --out "$OUT_DIR"
+timeout 150 $PY bench/bench_verify.py --grid gpu --out "$OUT_DIR"
 verify_rc=$?
 
 stamp "bench_e2e (random weights of the default pair's and feature draft's shapes, fp32)"
 PAIR=$(mktemp -d)
 $PY bench/random_pair.py "$PAIR" && \
+# Sized to finish inside its limit (its defaults, every K at batch 1 and 8 and both temperatures,
+# would not, and bench_e2e writes its files only at the end): greedy, K = 2 and auto, 4 prompts
+# at batch 1 and 8 at batch 8, 64 tokens, the median of 3 runs after a short warm-up.
 timeout 180 $PY bench/bench_e2e.py --draft "$PAIR/draft" --target "$PAIR/target" --tokenizer "$PAIR/target" \
-    --feature-draft "$PAIR/feature_draft" --feature-ks 2,4 \
-    --device cuda --dtype fp32 --out "$OUT_DIR" --repeats 2 --max-new-tokens 64
+    --feature-draft "$PAIR/feature_draft" --feature-ks 2 --ks 2,auto --batch 1,8 --temperatures 0 \
+    --num-prompts 8 --batch1-prompts 4 --warmup-tokens 8 \
+    --device cuda --dtype fp32 --out "$OUT_DIR" --repeats 3 --max-new-tokens 64
 e2e_rc=$?
 
 stamp "done: build=$build_rc tests=$tests_rc bench_verify=$verify_rc bench_e2e=$e2e_rc"
