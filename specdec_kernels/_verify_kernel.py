@@ -261,7 +261,10 @@ def _verify_kernel(
             offs, mask, p, q, r = _draw_tile(pos_ptr, q_ptr, start, V, q_len, x_j, inv_t, m_j, S_j, thr_j,
                                              rejected & ~use_p, HAS_DRAFT_PROBS, BLOCK_V)
             cdf = carry + tl.cumsum(r, axis=0)
-            hit = tl.min(tl.where(mask & (cdf > target), offs, _INT32_MAX), axis=0)
+            # r > 0: a token of weight 0 is never the hit, whatever order tl.cumsum adds in (a
+            # tree order may round cdf[v] above cdf[v - 1] where r[v] = 0; a sequential sum,
+            # the reference's, cannot, so the two pick the same token)
+            hit = tl.min(tl.where(mask & (r > 0.0) & (cdf > target), offs, _INT32_MAX), axis=0)
             found = tl.where(hit < _INT32_MAX, hit, found)
             last_nz = tl.maximum(last_nz, tl.max(tl.where(mask & (r > 0.0), offs, -1), axis=0))
             carry += tl.sum(r, axis=0)
