@@ -146,4 +146,6 @@ def test_weights_written_through_data_are_seen():
     for p, q in zip(target.parameters(), fp16_exact(3).parameters()):
         p.data.copy_(q.data)
     assert cpu_linear_mod.forget_weight_copies(target) > 0
+    with pytest.raises(TypeError, match=r"^forget_weight_copies: model must be a torch.nn.Module, got list$"):
+        cpu_linear_mod.forget_weight_copies([target])
     assert dec.generate(PROMPTS[:3], max_new_tokens=8).token_ids == refs(target)

@@ -155,6 +155,8 @@ def forget_weight_copies(model: nn.Module) -> int:
     ``SpeculativeDecoder`` calls it.  Needed only after writing weights through ``.data``
     (``p.data.copy_(...)``), which torch's version counter does not see; in-place updates of the
     parameters themselves (an optimizer, ``load_state_dict``) and new tensors are noticed."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"forget_weight_copies: model must be a torch.nn.Module, got {type(model).__name__}")
     n = 0
     for mod in model.modules():
         for key in ("_specdec_fp16", "_specdec_int8", "_specdec_head"):  # _specdec_head: runners._FeatureRunner
