@@ -201,6 +201,7 @@ def test_verbose_tells_a_step_without_drafts(tiny, monkeypatch):
     (dict(prompts=[[1]], num_draft_tokens=0), ValueError, "num_draft_tokens must be a positive int or 'auto', got 0"),
     (dict(prompts=[[1]], num_draft_tokens="fast"), ValueError, "num_draft_tokens must be a positive int or 'auto', got 'fast'"),
     (dict(prompts=[[1]], temperature=-0.5), ValueError, r"temperature must be finite and >= 0 \(0 = greedy\), got -0.5"),
+    (dict(prompts=[[1]], temperature=1e-39), ValueError, r"temperature must be 0 \(greedy\) or >= 1.1754944e-38 \(the smallest normal fp32\), got 1e-39"),
     (dict(prompts=[[1]], top_k=-1), ValueError, r"top_k must be >= 0 \(0 = off\), got -1"),
     (dict(prompts=[[1]], top_p=0.0), ValueError, r"top_p must be in \(0, 1\] \(1 = off\), got 0.0"),
     (dict(prompts=[[1]], stop="x"), ValueError, "stop strings need a tokenizer"),

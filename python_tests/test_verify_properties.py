@@ -179,6 +179,10 @@ def test_bad_tensor_values_mark_rows_invalid_where_not_checked_on_host(backend, 
     tokens, n = _call(backend, dev, logits[:3], x[:3], q[:3], top_k=torch.tensor([2, -1, 0]),
                       top_p=torch.tensor([0.5, 0.5, 1.5]), seed=1)
     assert n.tolist()[1:] == [-1, -1] and n[0] >= 0
+    # A positive temperature below the smallest normal fp32: 1 / T overflows (a subnormal may be
+    # flushed to 0 on a GPU), so the row is refused rather than sampled; 1e-30 is still a temperature.
+    tokens, n = _call(backend, dev, logits[:3], x[:3], q[:3], temperature=torch.tensor([1.0, 1e-39, 1e-30]), seed=1)
+    assert n[1] == -1 and (tokens[1] == -1).all() and n[0] >= 0 and n[2] >= 0
 
 
 # ----------------------------------------------------------------------------------------------
@@ -204,6 +208,9 @@ def _bad_argument_cases():
         ("temperature_nan", dict(temperature=float("nan")), ValueError, r"temperature must be finite and >= 0 \(0 = greedy\), got nan"),
         ("temperature_inf", dict(temperature=float("inf")), ValueError, r"temperature must be finite and >= 0 \(0 = greedy\), got inf"),
         ("temperature_negative_tensor", dict(temperature=torch.tensor([1.0, -0.5])), ValueError, r"temperature must be finite and >= 0 \(0 = greedy\), got \[1.0, -0.5\]"),
+        ("temperature_subnormal", dict(temperature=1e-39), ValueError, r"temperature must be 0 \(greedy\) or >= 1.1754944e-38 \(the smallest normal fp32\), got 1e-39"),
+        ("temperature_below_fp32", dict(temperature=1e-46), ValueError, r"temperature must be 0 \(greedy\) or >= 1.1754944e-38 \(the smallest normal fp32\), got 1e-46"),
+        ("temperature_subnormal_tensor", dict(temperature=torch.tensor([1.0, 1e-39])), ValueError, r"temperature must be 0 \(greedy\) or >= 1.1754944e-38 \(the smallest normal fp32\), got \[1.0, 1.0\d*e-39\]"),
         ("temperature_type", dict(temperature="hot"), TypeError, r"temperature must be a float or a \[B\] = \[2\] tensor, got str"),
         ("top_p_zero", dict(top_p=0.0), ValueError, r"top_p must be in \(0, 1\] \(1 = off\), got 0.0"),
         ("top_p_above_one", dict(top_p=1.5), ValueError, r"top_p must be in \(0, 1\] \(1 = off\), got 1.5"),

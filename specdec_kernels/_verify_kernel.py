@@ -171,7 +171,9 @@ def _verify_kernel(
     kb = tl.load(num_draft_ptr + b)
     temp = tl.load(temperature_ptr + b)
     greedy = temp == 0.0
-    bad_param = (temp != temp) | (temp < 0.0) | (temp == float("inf")) | (kb < 0) | (kb > K)
+    # (0, 2^-126): 1 / T overflows, or a subnormal T is flushed to 0 (reference.FLT_MIN)
+    bad_param = ((temp != temp) | (temp < 0.0) | (temp == float("inf")) | ((temp > 0.0) & (temp < 1.1754943508222875e-38))
+                 | (kb < 0) | (kb > K))
     top_k = 0
     top_p = 1.0
     if HAS_TOP_K:
@@ -181,7 +183,7 @@ def _verify_kernel(
         top_p = tl.load(top_p_ptr + b)
         bad_param = bad_param | ~(top_p > 0.0) | (top_p > 1.0)
     # Greedy rows need only the argmax: no temperature, no warp.
-    inv_t = tl.where(greedy | bad_param, 1.0, 1.0 / tl.where(greedy, 1.0, temp))
+    inv_t = tl.where(greedy | bad_param, 1.0, 1.0 / tl.where(greedy | bad_param, 1.0, temp))
     top_k = tl.where(greedy, 0, top_k)
     top_p = tl.where(greedy, 1.0, top_p)
     seed = tl.load(seed_ptr + b)

@@ -40,6 +40,8 @@ __all__ = [
 ]
 
 _MASK32 = 0xFFFFFFFF
+# The smallest positive temperature accepted: the smallest normal fp32 (2^-126).
+FLT_MIN = 2.0 ** -126
 
 
 # ----------------------------------------------------------------------------------------------
@@ -243,11 +245,14 @@ def _row_parameters(
     top_p: torch.Tensor | None,  # [B] fp32
     K: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(greedy, bad_param, inv_t), each [B]: temperature 0 (-0.0 too); a parameter out of range;
+    """(greedy, bad_param, inv_t), each [B]: temperature 0 (-0.0 too); a parameter out of range
+    (temperature NaN, inf, negative or in (0, FLT_MIN));
     1 / T (1 for greedy and bad rows)."""
     temp = temperature.float()
     greedy = temp == 0
-    bad_param = ~torch.isfinite(temp) | (temp < 0) | (kb < 0) | (kb > K)
+    # A positive temperature below the smallest normal fp32 (2^-126) is refused: its reciprocal
+    # overflows (or, subnormal, may be flushed to 0 on a GPU) and no logit survives the scaling.
+    bad_param = ~torch.isfinite(temp) | (temp < 0) | ((temp > 0) & (temp < FLT_MIN)) | (kb < 0) | (kb > K)
     if top_k is not None:
         bad_param |= top_k < 0
     if top_p is not None:

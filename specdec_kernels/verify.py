@@ -22,7 +22,7 @@ try:  # loads the C++ op namespace first, when built
 except ImportError:  # pragma: no cover - _ext is part of the package
     pass
 from . import reference as _ref
-from .reference import (_drafts, _final_token, _outputs, _philox_uniforms_host, _row_parameters, _stop_position,
+from .reference import (FLT_MIN, _drafts, _final_token, _outputs, _philox_uniforms_host, _row_parameters, _stop_position,
                         philox_uniforms, verify_reference)
 
 __all__ = ["VerifyOutput", "fused_verify"]
@@ -135,6 +135,9 @@ def _normalize(target_logits, draft_tokens, draft_probs, num_draft_tokens, tempe
     temp = _per_row("temperature", temperature, B, torch.float32, dev, float)
     if _check_values(temp) and B > 0 and not bool((torch.isfinite(temp) & (temp >= 0)).all()):
         raise ValueError(f"temperature must be finite and >= 0 (0 = greedy), got {temp.tolist()}")
+    if _check_values(temp) and B > 0 and bool(((temp > 0) & (temp < FLT_MIN)).any()):
+        raise ValueError(f"temperature must be 0 (greedy) or >= {FLT_MIN:.8g} (the smallest normal fp32), "
+                         f"got {temp.tolist()}")
     if top_k is not None:
         top_k = _per_row("top_k", top_k, B, torch.int64, dev, int)
         if _check_values(top_k) and B > 0 and bool((top_k < 0).any()):
@@ -489,7 +492,7 @@ def fused_verify(
     draft_probs: Optional[torch.Tensor] = None,  # [B, K, Vd] fp32, Vd <= V; None = one-hot q
     *,
     num_draft_tokens=None,  # None, int or [B] int: row b uses its first K_b <= K drafts
-    temperature=1.0,  # float or [B]: 0 = greedy verification for that row
+    temperature=1.0,  # float or [B]: 0 = greedy verification for that row, else >= 2^-126
     top_k=None,  # None, int or [B] int (0 = off)
     top_p=None,  # None, float or [B] (1.0 = off)
     seed=None,  # None (torch's default generator), int, or [B] int64
@@ -521,6 +524,9 @@ def fused_verify(
     """
     if isinstance(temperature, float) and not (temperature >= 0 and temperature != float("inf")):
         raise ValueError(f"temperature must be finite and >= 0 (0 = greedy), got {temperature}")
+    if isinstance(temperature, float) and 0 < temperature < FLT_MIN:
+        raise ValueError(f"temperature must be 0 (greedy) or >= {FLT_MIN:.8g} (the smallest normal fp32), "
+                         f"got {temperature}")
     if isinstance(top_k, int) and not isinstance(top_k, bool) and top_k < 0:
         raise ValueError(f"top_k must be >= 0 (0 = off), got {top_k}")
     if isinstance(top_p, float) and not 0.0 < top_p <= 1.0:
