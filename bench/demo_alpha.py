@@ -10,6 +10,7 @@ No timings (those are bench_e2e.py's).
     python bench/demo_alpha.py                                  # the embedded pair + feature draft
     python bench/demo_alpha.py --drafters model --ks 2 --feature-draft DIR
     python bench/demo_alpha.py --ks auto --threads 2                 # K chosen each step, as the main job
+    python bench/demo_alpha.py --drafters feature --ks 2,3 --draft-confidence 0.4   # drafts stop when unsure
     python bench/demo_alpha.py --tiny-random --drafters model --kinds plain   # smoke run
 """
 
@@ -50,6 +51,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--feature-draft", default=None, help="default: the embedded one")
     ap.add_argument("--tiny-random", action="store_true", help="the CLI's tiny random pair (smoke runs)")
+    ap.add_argument("--draft-confidence", type=float, default=0.0,
+                    help="generate's draft_confidence: a row stops drafting below this estimate (0: off)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", default=None, help="also write the figures to this file")
     args = ap.parse_args(argv)
@@ -84,15 +87,18 @@ def main(argv=None) -> dict:
 
             decs[name] = SpeculativeDecoder(draft=args.feature_draft or default_feature_draft_path(), target=target,
                                             tokenizer=tok, drafter="feature")
-    out = {"max_new_tokens": args.max_new_tokens, "threads": args.threads, "sets": [], "prompts": []}
-    print(f"# alpha = drafts accepted / drafts reached; batch 1, greedy, {args.max_new_tokens} new tokens")
+    out = {"max_new_tokens": args.max_new_tokens, "threads": args.threads, "draft_confidence": args.draft_confidence,
+           "sets": [], "prompts": []}
+    print(f"# alpha = drafts accepted / drafts reached; batch 1, greedy, {args.max_new_tokens} new tokens, "
+          f"draft_confidence {args.draft_confidence}")
     for kind in kinds:
         prompts = [(p, encode(tok, kind, p)) for p in DEMO_PROMPTS]
         for name, dec in decs.items():
             for k in args.ks:
                 acc = reached = steps = toks = 0
                 for text, ids in prompts:
-                    s = dec.generate([ids], max_new_tokens=args.max_new_tokens, num_draft_tokens=k).stats
+                    s = dec.generate([ids], max_new_tokens=args.max_new_tokens, num_draft_tokens=k,
+                                     draft_confidence=args.draft_confidence).stats
                     acc, reached = acc + s.accepted_tokens, reached + _reached(s)
                     steps, toks = steps + s.row_steps, toks + s.generated_tokens
                     out["prompts"].append(dict(kind=kind, drafter=name, k=k, prompt=text, alpha=s.alpha,
