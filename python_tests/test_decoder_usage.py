@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import io
 import json
+import math
 import os
 import subprocess
 import sys
@@ -354,6 +355,37 @@ def test_draft_sampler_is_uniform_and_exact():
     observed = torch.bincount(x, minlength=4)
     assert observed[1] == 0
     assert _chisquare_pvalue(observed, probs[0].double()) > SIGNIFICANCE
+
+
+def test_draft_sampler_resolves_the_tail_of_a_large_vocabulary():
+    """The draft must be drawn from the q the verifier is told.  With fp32 uniforms (24 bits) and
+    an fp32 CDF, a token of probability below ~2^-24 was drawn with probability 0 or 2^-24, not q
+    (over a 49,152-token softmax, a total variation of ~4.5e-4 between the two).  The uniforms
+    now carry 53 bits and the CDF is summed in float64: a uniform inside a tiny token's interval
+    draws that token, and the uniforms are not on fp32's 2^-24 grid."""
+    g = torch.Generator().manual_seed(0)
+    V = 49152
+    q = torch.softmax(torch.randn(V, generator=g) * 3.0, -1)  # fp32, a long tail
+    tiny = ((q > 0) & (q < 2.0 ** -26)).nonzero()[:, 0]
+    assert len(tiny) > 100  # the tail this is about
+    cdf = torch.cumsum(q.double(), 0)
+    picked = tiny[torch.randperm(len(tiny), generator=g)[:64]]
+    for v in picked.tolist():
+        lo = float(cdf[v - 1]) if v > 0 else 0.0
+        u = (lo + float(q[v]) / 2) / float(cdf[-1])  # the middle of token v's interval
+        u = math.floor(u * 2.0 ** 53) / 2.0 ** 53  # on the sampler's grid
+        got = _sample_inverse_cdf(q[None], torch.tensor([u], dtype=torch.float64))
+        assert got.item() == v, (v, float(q[v]), got.item())
+    B = 4096
+    keys = [_draft_key(s) for s in range(B)]
+    u = _draft_uniforms(torch.tensor([k[0] for k in keys]), torch.tensor([k[1] for k in keys]), torch.full((B,), 7), 1)
+    assert u.dtype == torch.float64
+    scaled = u * 2.0 ** 53
+    assert torch.equal(scaled, scaled.floor())  # multiples of 2^-53
+    assert float((u * 2.0 ** 24 != (u * 2.0 ** 24).floor()).double().mean()) > 0.99  # below fp32's grid
+    # A zero-probability token is never drawn, even where its CDF value would pass the threshold.
+    z = torch.tensor([[0.25, 0.0, 0.75]])
+    assert _sample_inverse_cdf(z, torch.tensor([0.25], dtype=torch.float64)).item() == 2
 
 
 def test_speedup_model():

@@ -4,8 +4,9 @@
 verifier applies the same warp to the target inside ``fused_verify``).  The draft's random
 numbers are hashes of (a key derived from the row's seed, the row's step, the draft position):
 no generator state, so a row's drafts never depend on the other rows of a batch, and they are
-independent of the verifier's Philox stream.  ``_sample_inverse_cdf`` turns one uniform into a
-token by inverse CDF (no ``torch.multinomial``).
+independent of the verifier's Philox stream.  ``_sample_inverse_cdf`` turns one uniform (53
+bits) into a token by inverse CDF in float64 (no ``torch.multinomial``), so that the token is
+drawn from the q the verifier is told, not from its fp32 rounding.
 """
 
 from __future__ import annotations
@@ -108,21 +109,41 @@ def _draft_key(seed: int) -> tuple[int, int]:
     return k & _MASK32, k >> 32
 
 
-def _draft_uniforms(key_lo: torch.Tensor, key_hi: torch.Tensor, step: torch.Tensor, j: int) -> torch.Tensor:
-    """[B] fp32 uniforms in [0, 1) for draft position j of each row's step (24 random bits)."""
+def _draft_hash(key_lo: torch.Tensor, key_hi: torch.Tensor, step: torch.Tensor, c: int) -> torch.Tensor:
+    """[B] 32-bit hashes (in int64) of (the row's key, its step, a counter c)."""
     h = _fmix32(key_lo ^ (step & _MASK32))
     h = _fmix32(h ^ key_hi)
-    h = _fmix32(h ^ ((j * 0x9E3779B9 + 0x7F4A7C15) & _MASK32))
-    h = _fmix32(h ^ key_lo)
-    return (h >> 8).to(torch.float32) * (1.0 / (1 << 24))
+    h = _fmix32(h ^ ((c * 0x9E3779B9 + 0x7F4A7C15) & _MASK32))
+    return _fmix32(h ^ key_lo)
+
+
+def _draft_uniforms(key_lo: torch.Tensor, key_hi: torch.Tensor, step: torch.Tensor, j: int) -> torch.Tensor:
+    """[B] float64 uniforms in [0, 1) for draft position j of each row's step: 53 random bits
+    (27 from one hash, 26 from another), multiples of 2^-53.
+
+    53 bits rather than fp32's 24: with a 24-bit uniform and an fp32 CDF, a token whose
+    probability is below ~2^-24 is drawn with probability 0 or 2^-24 instead of q (the whole
+    tail of a 49,152-token softmax: a total variation of ~4.5e-4 between what was drawn and the
+    q the verifier is told), and speculative sampling is exact only if the draft was drawn from
+    the q it reports."""
+    a = _draft_hash(key_lo, key_hi, step, 2 * j) >> 5  # 27 bits
+    b = _draft_hash(key_lo, key_hi, step, 2 * j + 1) >> 6  # 26 bits
+    return ((a << 26) | b).to(torch.float64) * (1.0 / (1 << 53))
 
 
 def _sample_inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """The first v with cumsum(p)[v] > u * sum(p) (never a zero-probability token: the last
-    token with p > 0 if rounding leaves none).  probs [B, V] fp32, u [B] -> [B] int64."""
-    cdf = torch.cumsum(probs, dim=-1)  # [B, V]
-    idx = (cdf <= (u * cdf[:, -1])[:, None]).sum(-1)
+    """The first v with p[v] > 0 and cumsum(p)[v] > u * sum(p), the sums in float64 (never a
+    zero-probability token; the last token with p > 0 if rounding leaves none).
+    probs [B, V] fp32 (or float64), u [B] float64 -> [B] int64.
+
+    In float64 every partial sum of fp32 probabilities (24-bit mantissas, V < 2^29 of them) is
+    exact up to ~2^-53 relative, so token v is drawn with probability q_v / sum(q) up to ~2^-52
+    (with ``_draft_uniforms``' 53-bit grid)."""
+    p = probs.double()
+    cdf = torch.cumsum(p, dim=-1)  # [B, V]
+    thr = (u.double() * cdf[:, -1])[:, None]
     V = probs.shape[-1]
     ar = torch.arange(V, device=probs.device)
-    last_nonzero = torch.where(probs > 0, ar, -1).amax(-1)
+    idx = torch.where((cdf > thr) & (p > 0), ar, V).amin(-1)
+    last_nonzero = torch.where(p > 0, ar, -1).amax(-1)
     return torch.where(idx >= V, last_nonzero, idx).clamp(min=0)
