@@ -317,6 +317,18 @@ def test_warp_probs_matches_the_verifier_semantics():
         want = _naive_warp((logits[b] / 1.0).tolist(), float(temp[b]), int(top_k[b]) if 0 < top_k[b] <= V else None,
                            float(top_p[b]))
         torch.testing.assert_close(ours[b].double(), torch.tensor(want, dtype=torch.float64), atol=1e-6, rtol=1e-5)
+    # top-p's mass is renormalised over the top-k set: over {0, 1}, token 0 holds 0.73 >= 0.7, so
+    # top-p keeps it alone; over the whole vocabulary (e^3 of 44.2) it would keep both.
+    two = torch.tensor([[3.0, 2.0, 1.0] + [0.0] * 14])
+    assert warp_probs(two, 1.0, 2, 0.7).tolist() == [[1.0] + [0.0] * 16]
+    assert reference.warp_logits(two, torch.ones(1), torch.tensor([2]), torch.tensor([0.7]))[1].tolist() == \
+        [[True] + [False] * 16]
+    # Rows with both warps active, each cutting something, against the reference.
+    k2 = torch.randint(1, V, (B,), generator=g)
+    p2 = torch.rand(B, generator=g) * 0.6 + 0.3
+    s2, keep2 = reference.warp_logits(logits, 1.0 / temp, k2, p2)
+    e2 = torch.where(keep2, torch.exp(s2 - s2.masked_fill(~keep2, float("-inf")).amax(-1, keepdim=True)), 0.0)
+    torch.testing.assert_close(warp_probs(logits, temp, k2, p2), e2 / e2.sum(-1, keepdim=True))
     # Temperature 0: one-hot at the first maximum.
     tied = torch.tensor([[0.0, 3.0, 3.0, 1.0]])
     assert warp_probs(tied, 0.0).tolist() == [[0.0, 1.0, 0.0, 0.0]]
