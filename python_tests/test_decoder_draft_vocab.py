@@ -167,6 +167,9 @@ def test_draft_vocab_choices_and_errors(pair, tmp_path):
     with pytest.raises(ValueError, match=r"draft_vocab ids must be in \[0, 32\) \(the draft's vocab_size\), "
                                          r"got min 0, max 32"):
         mk(draft_vocab=[0, 32])
+    with pytest.raises(ValueError, match=r"draft_vocab ids must be in \[0, 32\) \(the draft's vocab_size\), "
+                                         r"got min -1, max 5"):
+        mk(draft_vocab=[-1, 5])
     with pytest.raises(ValueError, match="draft_vocab ids must be unique, got 3 more than once"):
         mk(draft_vocab=[3, 1, 3])
     with pytest.raises(ValueError, match=r"draft_vocab must be a non-empty 1-D tensor of token ids, got shape \(0,\)"):

@@ -348,6 +348,7 @@ def test_nan_draft_logits_with_top_p_end_the_row_cleanly(pair):
                                                    temperature=1.0, top_p=0.9, seed=0)
     assert res.finish_reasons == ["nonfinite", "nonfinite"]
     assert res.token_ids == [[], []]
+    assert res.stats.drafted_tokens == 0 and res.stats.accepted_tokens == 0  # unusable steps: not counted
 
 
 def test_draft_sampler_is_uniform_and_exact():
@@ -423,6 +424,17 @@ def test_stats_are_consistent(pair):
     assert s.drafted_tokens == sum(sum(h["num_draft"]) for h in s.history)
     assert s.acceptance_rate == pytest.approx(s.accepted_tokens / s.drafted_tokens)
     assert 0 < s.acceptance_per_position[0] <= 1
+    # Per draft position, from the step history: draft i of a row-step that accepted n of its K_b
+    # drafts was reached when i < min(n + 1, K_b) and accepted when i < n.
+    reached, accepted = [0] * 4, [0] * 4
+    for h in s.history:
+        for kb, n in zip(h["num_draft"], h["accepted"]):
+            for i in range(min(n + 1, kb)):
+                reached[i] += 1
+                accepted[i] += i < n
+    last = max(i for i in range(4) if reached[i])
+    assert s.acceptance_per_position == [accepted[i] / reached[i] if reached[i] else None for i in range(last + 1)]
+    assert s.alpha == pytest.approx(sum(accepted) / sum(reached))
     assert s.mean_tokens_per_target_call == pytest.approx(s.generated_tokens / s.row_steps)
     assert s.draft_time_s > 0 and s.target_time_s > 0 and s.tokens_per_s > 0
     assert s.measured_speedup is None  # no baseline given

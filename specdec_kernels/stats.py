@@ -158,7 +158,7 @@ class DecodingStats:
     iterations: int = 0  # target verify forwards (steps), the prefill not counted
     row_steps: int = 0  # sum over steps of the rows active in it
     generated_tokens: int = 0  # tokens emitted, after truncation at EOS/stop/max_new_tokens
-    drafted_tokens: int = 0  # sum of K_b over row-steps
+    drafted_tokens: int = 0  # sum of K_b over row-steps (a row's unusable step, n = -1, not counted)
     accepted_tokens: int = 0  # sum of n_b over row-steps
     acceptance_rate: Optional[float] = None  # accepted / drafted
     alpha: Optional[float] = None  # accepted / reached: the per-position acceptance (see module doc)
