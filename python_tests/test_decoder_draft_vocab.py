@@ -258,6 +258,7 @@ def test_draft_confidence_rule(pair):
         assert torch.equal(kb, want)
         if X.shape[1] < K:
             assert (kb <= X.shape[1]).all() and below[:, -1].any()
+        assert X.shape[1] == int(kb.max())  # no draft forward after the last row stopped
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
