@@ -39,6 +39,13 @@ def test_prompt_lookup_function():
     assert prompt_lookup([1, 2, 3], 4) == []
     assert prompt_lookup([1], 4) == []
     assert PromptLookupDrafter().propose([[1, 2, 1], [3]], [2, 2]) == [[2, 1], []]
+    assert prompt_lookup([1, 2, 7, 1, 2, 8, 1, 2], 1) == [8]  # the most recent of two matches
+    assert prompt_lookup([1, 2, 3, 9, 5, 3, 6, 1, 2, 3], 1) == [9]  # the longest n-gram first
+    assert prompt_lookup([1, 2, 3, 9, 5, 3, 6, 1, 2, 3], 1, max_ngram=1) == [6]
+    with pytest.raises(ValueError, match=r"need 1 <= min_ngram <= max_ngram, got min_ngram=0, max_ngram=3"):
+        PromptLookupDrafter(min_ngram=0)
+    with pytest.raises(ValueError, match=r"need 1 <= min_ngram <= max_ngram, got min_ngram=3, max_ngram=2"):
+        prompt_lookup([1, 2], 1, max_ngram=2, min_ngram=3)
 
 
 @pytest.mark.parametrize("k", [4, "auto"])
