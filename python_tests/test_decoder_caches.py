@@ -281,3 +281,29 @@ def test_each_token_is_fed_once(pair, temperature, path):
     assert fed_t == res.stats.accepted_tokens + steps_rows + rejected + sum(
         (h["k"] - kb) for h in hist for kb in h["num_draft"])
     assert fed_d > 0 and catch_ups > 0  # the two-column catch-up forward happened
+
+
+def test_a_ragged_catch_up_block_over_a_dense_draft_cache(pair):
+    """K = 1 over prompts of one length: after a step every row's draft cache can have the same
+    length while only the rows that accepted their draft catch up, so the next draft block is
+    ragged (filler columns) over a dense cache and needs its mask.  The draft cache must equal a
+    fresh forward after each step, and seeded sampling stays batch invariant (a mutant that
+    dropped the mask there survived the suite before; found by a review's mutation run)."""
+    draft, target = pair
+    dec = SpeculativeDecoder(draft=draft, target=target)
+    prompts = [[1, 2, 3], [4, 5, 6], [7, 8, 9]]
+    st = dec._start(prompts, 12, 1, 0.0, None, None, 0, None, False, None, 4, None, False, target_only=False)
+    hit = 0
+    with torch.inference_mode():
+        dec._prefill(st)
+        for _ in range(8):
+            hit += min(st.ld_host) == st.Td and len(set(st.catch_host)) > 1
+            dec._step(st)
+            for b, p in enumerate(st.rows):
+                _assert_row_cache(st.dc, b, st.ld_host[b], draft, st.seqs[p][: st.ld_host[b]])
+    assert hit > 0  # the case this is about was reached
+    kw = dict(max_new_tokens=16, num_draft_tokens=1, temperature=1.0)
+    prompts = prompts + [[10, 11, 12]]
+    batch = dec.generate(prompts, seed=50, **kw)
+    for i, p in enumerate(prompts):
+        assert dec.generate([p], seed=50 + i, **kw).token_ids[0] == batch.token_ids[i], i

@@ -283,3 +283,34 @@ def test_draft_confidence_errors(pair):
     with pytest.raises(ValueError, match="draft_confidence needs a draft model's probabilities; "
                                          "drafter='prompt_lookup' has none, got draft_confidence=0.5"):
         SpeculativeDecoder(target=target).generate([[1]], draft_confidence=0.5)
+
+
+def test_greedy_draft_confidence_is_the_running_product(pair, monkeypatch):
+    """Greedy: K_b is the first draft j (1-based) at which the product of the draft's softmax
+    probabilities of its argmaxes falls below the threshold, else K; the draft stops as soon as
+    every row has stopped (a mutant using the current probability alone survived before)."""
+    from specdec_kernels import draft_steps
+
+    seen = []
+    orig_add = draft_steps._Drafts.add
+
+    def add(self, logits, j):
+        if j == 0:
+            seen.append([])
+        seen[-1].append(torch.softmax(logits.float(), -1).amax(-1))
+        return orig_add(self, logits, j)
+
+    monkeypatch.setattr(draft_steps._Drafts, "add", add)
+    draft, target = pair
+    dec = SpeculativeDecoder(draft=draft, target=target)
+    rec = _DraftRecorder(dec)
+    # this model's argmax probabilities are 0.14-0.42: a threshold of 0.15 stops rows at 1-2 drafts
+    dec.generate([[1, 2, 3], [5, 6, 7, 8, 9]], max_new_tokens=12, num_draft_tokens=6, temperature=0.0,
+                 draft_confidence=0.15)
+    assert rec.calls and any(X.shape[1] < K for (X, _), (K, _) in zip(rec.out, rec.calls))
+    for (X, _), (K, kb), probs in zip(rec.out, rec.calls, seen):
+        cum = torch.stack(probs, 1).cumprod(1)  # [B, K']
+        below = cum < 0.15
+        want = torch.where(below.any(1), below.int().argmax(1) + 1, torch.full_like(kb, K))
+        assert torch.equal(kb, want.clamp(max=X.shape[1]))
+        assert X.shape[1] == int(kb.max())

@@ -44,6 +44,12 @@ def test_prompt_lookup_function():
     assert prompt_lookup([1, 2, 3, 9, 5, 3, 6, 1, 2, 3], 1, max_ngram=1) == [6]
     with pytest.raises(ValueError, match=r"need 1 <= min_ngram <= max_ngram, got min_ngram=0, max_ngram=3"):
         PromptLookupDrafter(min_ngram=0)
+    with pytest.raises(ValueError, match=r"need 1 <= min_ngram <= max_ngram, got min_ngram=1, max_ngram=0"):
+        PromptLookupDrafter(max_ngram=0)
+    # u = 0 never draws a leading zero-probability token; u * sum at the end draws the last nonzero one
+    edge = torch.tensor([[0.0, 0.5, 0.5, 0.0]])
+    assert _sample_inverse_cdf(edge, torch.tensor([0.0], dtype=torch.float64)).tolist() == [1]
+    assert _sample_inverse_cdf(edge, torch.tensor([1.0], dtype=torch.float64)).tolist() == [2]
     with pytest.raises(ValueError, match=r"need 1 <= min_ngram <= max_ngram, got min_ngram=3, max_ngram=2"):
         prompt_lookup([1, 2], 1, max_ngram=2, min_ngram=3)
 

@@ -655,3 +655,15 @@ def test_save_feature_draft_checks_its_dtype(fpair, tmp_path):
         with pytest.raises(TypeError, match=r"save_feature_draft: dtype must be a floating torch.dtype, got"):
             save_feature_draft(fd, tmp_path / "x", dtype=bad)
         assert not (tmp_path / "x").exists()
+
+
+def test_output_rows_restricts_weight_and_bias():
+    """A draft vocabulary's output layer keeps the chosen rows of the weight and of the bias."""
+    from specdec_kernels.runners import _output_rows
+
+    out = torch.nn.Linear(4, 6, bias=True)
+    rows = torch.tensor([1, 4])
+    head = _output_rows(out, rows)
+    assert torch.equal(head.bias, out.bias[rows]) and torch.equal(head.weight, out.weight[rows])
+    half = _output_rows(out, None, fp16_values=True)
+    assert torch.equal(half.weight, out.weight.half().float()) and torch.equal(half.bias, out.bias)

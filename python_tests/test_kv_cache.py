@@ -569,3 +569,12 @@ def test_cuda_opcheck_and_compile():
     compact_kv_(eager, src_start, _idx(dst, "cuda"), _idx(cnt, "cuda"))
     assert all(torch.equal(a, b) for a, b in zip(compiled, eager))
     assert torch.equal(out, eager[0].float().sum(dim=(1, 3)))
+
+
+def test_src_start_at_the_end_without_the_extension(monkeypatch):
+    """src_start == T (nothing after it) with count 0 is valid in the pure-PyTorch fallback too."""
+    c = [torch.randn(2, 1, 6, 4)]
+    before = c[0].clone()
+    monkeypatch.setattr(kv_cache, "HAS_EXT", False)
+    kv_cache.compact_kv_(c, 6, torch.tensor([5, 6]), torch.tensor([0, 0]))
+    assert torch.equal(c[0], before)

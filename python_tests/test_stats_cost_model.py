@@ -271,3 +271,35 @@ def test_cpu_slope_prior_refuses_a_bad_batch(batch):
 def test_cost_model_refuses_unusable_numbers(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+def test_stats_by_hand():
+    """finalize's figures on a hand-made history (a review's mutation run found these unchecked):
+    K_b / accepted per step (3, 2), (3, 3), (1, 1), (3, 0) and an unusable step (3, -1)."""
+    rec = StatsRecorder(4, 0.05)
+    for k, n in [(3, 2), (3, 3), (1, 1), (3, 0)]:
+        rec.record_step(k, [0], [k], [n], [n + 1])
+    rec.record_step(3, [0], [3], [-1], [0])  # an unusable row: neither drafted nor reached
+    s = rec.finalize(1.0, 0.0, ["length"], None)
+    assert s.drafted_tokens == 10 and s.accepted_tokens == 6
+    assert s.alpha == pytest.approx(6 / 8)  # reached 3 + 3 + 1 + 1: drafts after a rejection are not
+    assert s.acceptance_per_position == [pytest.approx(3 / 4), 1.0, pytest.approx(1 / 2)]
+    assert choose_num_draft_tokens(0.0, 0.0, 1.0, 8) == 1  # a tie goes to the smaller K
+    a, b = fit_step_cost([(2, 0.1, 3), (4, 1.0, 1)])  # a line through the origin, weighted
+    assert a == 0.0 and b == pytest.approx((3 * 0.2 + 4.0) / (3 * 4 + 16))
+
+
+def test_prompt_lookup_predicted_speedup_counts_its_cost_per_draft():
+    rec = StatsRecorder(4, 0.0)
+    for i in range(3):
+        rec.record_step(2, [0], [2], [1], [2])
+        rec.record_times(0.02, 0, 1.0, first_step=i == 0, k=2)
+    s = rec.finalize(1.0, 0.0, ["length"], None, draft_is_free=True)
+    # the lookup's 0.02 s a step is 0.01 s a draft at K = 2
+    assert s.predicted_speedup == pytest.approx(predicted_speedup(0.5, 2, 0.01, rec.target_time(1), rec.target_time(3)))
+
+
+def test_an_untypical_draft_time_is_not_averaged_in():
+    rec = StatsRecorder(4, 0.05)
+    rec.record_times(5.0, 1, 1.0, first_step=False, k=1, draft_typical=False)
+    assert rec.times()[0] == 0.05
