@@ -172,8 +172,8 @@ def _verify_kernel(
     temp = tl.load(temperature_ptr + b)
     greedy = temp == 0.0
     # (0, 2^-126): 1 / T overflows, or a subnormal T is flushed to 0 (reference.FLT_MIN)
-    bad_param = ((temp != temp) | (temp < 0.0) | (temp == float("inf")) | ((temp > 0.0) & (temp < 1.1754943508222875e-38))
-                 | (kb < 0) | (kb > K))
+    bad_param = ((temp != temp) | (temp < 0.0) | (temp == float("inf"))
+                 | ((temp > 0.0) & (temp < 1.1754943508222875e-38)) | (kb < 0) | (kb > K))
     top_k = 0
     top_p = 1.0
     if HAS_TOP_K:

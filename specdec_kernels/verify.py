@@ -22,8 +22,8 @@ try:  # loads the C++ op namespace first, when built
 except ImportError:  # pragma: no cover - _ext is part of the package
     pass
 from . import reference as _ref
-from .reference import (FLT_MIN, _drafts, _final_token, _outputs, _philox_uniforms_host, _row_parameters, _stop_position,
-                        philox_uniforms, verify_reference)
+from .reference import (FLT_MIN, _drafts, _final_token, _outputs, _philox_uniforms_host, _row_parameters,
+                        _stop_position, philox_uniforms, verify_reference)
 
 __all__ = ["VerifyOutput", "fused_verify"]
 
