@@ -164,6 +164,13 @@ def test_draft_past_the_draft_vocabulary_has_q_zero(backend, dev):
     assert n.tolist() == [1] and tokens[0, 0] == 4
 
 
+def test_the_kernel_and_the_reference_share_the_smallest_temperature():
+    from specdec_kernels._verify_kernel import _FLT_MIN
+    from specdec_kernels.reference import FLT_MIN
+
+    assert getattr(_FLT_MIN, "value", _FLT_MIN) == FLT_MIN == 2.0 ** -126
+
+
 def test_inverse_cdf_fallback_is_the_last_positive_weight():
     """With a subnormal total (a residual max(0, p - q) can be), u * total rounds to total and
     no cdf entry exceeds it: the draw must fall back to the last token with weight > 0, never

@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 _INT32_MAX = tl.constexpr(2147483647)
+_FLT_MIN = tl.constexpr(1.1754943508222875e-38)  # 2^-126, reference.FLT_MIN: the smallest temperature
 
 
 @triton.jit
@@ -171,9 +172,9 @@ def _verify_kernel(
     kb = tl.load(num_draft_ptr + b)
     temp = tl.load(temperature_ptr + b)
     greedy = temp == 0.0
-    # (0, 2^-126): 1 / T overflows, or a subnormal T is flushed to 0 (reference.FLT_MIN)
-    bad_param = ((temp != temp) | (temp < 0.0) | (temp == float("inf"))
-                 | ((temp > 0.0) & (temp < 1.1754943508222875e-38)) | (kb < 0) | (kb > K))
+    # (0, 2^-126): 1 / T overflows, or a subnormal T is flushed to 0
+    bad_param = ((temp != temp) | (temp < 0.0) | (temp == float("inf")) | ((temp > 0.0) & (temp < _FLT_MIN))
+                 | (kb < 0) | (kb > K))
     top_k = 0
     top_p = 1.0
     if HAS_TOP_K:

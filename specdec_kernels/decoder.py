@@ -63,7 +63,7 @@ from .draft_steps import (draft_with_features, draft_with_model, feature_after_v
                           model_after_verify_, model_wait_)
 from .drafters import PromptLookupDrafter
 from .kv_cache import _crop_, _new_cache, _stack_caches_, compact_dynamic_cache_
-from .reference import FLT_MIN
+from .verify import check_temperature
 from .runners import _FeatureRunner, _Runner
 from .stats import TARGET_SLOPE_PRIOR, DecodingStats, StatsRecorder, cpu_slope_prior
 
@@ -718,11 +718,7 @@ class SpeculativeDecoder:
             k_max = num_draft_tokens
         if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
             raise TypeError(f"temperature must be a float, got {type(temperature).__name__}")
-        if not (math.isfinite(temperature) and temperature >= 0):
-            raise ValueError(f"temperature must be finite and >= 0 (0 = greedy), got {temperature}")
-        if 0 < temperature < FLT_MIN:
-            raise ValueError(f"temperature must be 0 (greedy) or >= {FLT_MIN:.8g} (the smallest normal fp32), "
-                             f"got {temperature}")
+        check_temperature(temperature)
         if top_k is not None:
             if isinstance(top_k, bool) or not isinstance(top_k, int):
                 raise TypeError(f"top_k must be an int or None, got {type(top_k).__name__}")

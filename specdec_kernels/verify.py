@@ -12,6 +12,7 @@ probabilities fp32, temperature and top-p fp32, seeds/offsets/top-k int64, token
 from __future__ import annotations
 
 import functools
+import math
 import os
 from typing import NamedTuple, Optional
 
@@ -486,6 +487,16 @@ def _(target_logits, draft_tokens, draft_probs, num_draft_tokens, temperature, t
             target_logits.new_empty((B,), dtype=torch.int64))
 
 
+def check_temperature(temperature: float) -> None:
+    """A scalar temperature's range (``fused_verify`` and ``SpeculativeDecoder.generate``): 0
+    (greedy) or finite and at least 2^-126, the smallest normal fp32 (below it 1 / T overflows)."""
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"temperature must be finite and >= 0 (0 = greedy), got {temperature}")
+    if 0 < temperature < FLT_MIN:
+        raise ValueError(f"temperature must be 0 (greedy) or >= {FLT_MIN:.8g} (the smallest normal fp32), "
+                         f"got {temperature}")
+
+
 def fused_verify(
     target_logits: torch.Tensor,  # [B, K+1, V] fp32/bf16/fp16: raw target logits
     draft_tokens: torch.Tensor,  # [B, K] int32/int64
@@ -522,11 +533,8 @@ def fused_verify(
     parameters (num_draft_tokens, temperature, top_k, top_p) are range-checked on CPU, where
     that is free; on CUDA an out-of-range value marks its row invalid instead (no host sync).
     """
-    if isinstance(temperature, float) and not (temperature >= 0 and temperature != float("inf")):
-        raise ValueError(f"temperature must be finite and >= 0 (0 = greedy), got {temperature}")
-    if isinstance(temperature, float) and 0 < temperature < FLT_MIN:
-        raise ValueError(f"temperature must be 0 (greedy) or >= {FLT_MIN:.8g} (the smallest normal fp32), "
-                         f"got {temperature}")
+    if isinstance(temperature, float):
+        check_temperature(temperature)
     if isinstance(top_k, int) and not isinstance(top_k, bool) and top_k < 0:
         raise ValueError(f"top_k must be >= 0 (0 = off), got {top_k}")
     if isinstance(top_p, float) and not 0.0 < top_p <= 1.0:
