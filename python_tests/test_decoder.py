@@ -149,6 +149,9 @@ def test_padded_target_vocabulary(pair):
     (1.0, None, None, "conf", None),
     # "auto" choosing K = 0 (no draft forward: its tokens wait), then K = 1, which feeds them
     (1.0, None, None, "zero", None),
+    # the draft's logits are NaN at about half its positions (a function of its own logits):
+    # a row verifies only the drafts before its first such position, the target samples that one
+    (1.0, None, 0.9, "nan", None),
 ])
 def test_sampling_matches_target_distribution(temperature, top_k, top_p, k, vocab):
     V, N = 8, 4000
@@ -159,6 +162,15 @@ def test_sampling_matches_target_distribution(temperature, top_k, top_p, k, voca
     # "conf": K = 3 with the confidence rule, 4 new tokens (so K is not cut by the budget) of which
     # the first two are tested
     conf = dict(num_draft_tokens=3, draft_confidence=0.1) if k == "conf" else dict(num_draft_tokens=k)
+    if k == "nan":
+        conf = dict(num_draft_tokens=3)
+        draft_step = dec._d.step
+
+        def nan_step(*args, **kwargs):
+            logits = draft_step(*args, **kwargs)  # [B, C, V]
+            return logits.masked_fill((logits[..., 0] > logits[..., 1])[..., None], float("nan"))
+
+        dec._d.step = nan_step
     if k == "zero":
         from specdec_kernels.stats import StatsRecorder
 
@@ -168,13 +180,18 @@ def test_sampling_matches_target_distribution(temperature, top_k, top_p, k, voca
         StatsRecorder.choose_k = lambda self, k_max, allow_zero=False: next(chosen)
     # One batch of N copies of the prompt: row p samples with seed 1000 + p.
     try:
-        res = dec.generate([prompt] * N, max_new_tokens={"conf": 4, "zero": 3}.get(k, 2),
+        res = dec.generate([prompt] * N, max_new_tokens={"conf": 4, "zero": 3, "nan": 4}.get(k, 2),
                            temperature=temperature, top_k=top_k, top_p=top_p, seed=1000, **conf)
     finally:
         if k == "zero":
             StatsRecorder.choose_k = orig_choose
     if k == "conf":  # in the first step, rows verified 1, 2 and 3 drafts
         assert set(res.stats.history[0]["num_draft"]) == {1, 2, 3}
+    if k == "nan":  # rows cut at 1 and 2 drafts in the first step (its first draft is the same for
+        # all: one prompt), at 0 later; none ended "nonfinite"
+        assert set(res.stats.history[0]["num_draft"]) == {1, 2, 3}
+        assert any(0 in h["num_draft"] for h in res.stats.history[1:])
+        assert set(res.finish_reasons) == {"length"}
     if k == "zero":  # a K = 0 step (no draft forward), then steps that verified a draft
         ks = [h["k"] for h in res.stats.history]
         assert ks[:2] == [0, 1] and res.stats.draft_forwards == sum(ks) >= 1

@@ -347,9 +347,12 @@ def test_warp_probs_matches_the_verifier_semantics():
     assert warp_probs(tied, 0.0).tolist() == [[0.0, 1.0, 0.0, 0.0]]
 
 
-def test_nan_draft_logits_with_top_p_end_the_row_cleanly(pair):
+def test_nan_draft_logits_leave_the_target_to_decode(pair):
     """A draft that emits NaN logits (top-p on, so the warp's sort/cumsum sees NaN) must not crash
-    the warp (it gathered index -1 before) nor emit a token: its rows end as 'nonfinite'."""
+    the warp (it gathered index -1 before) nor stop the row: a position without a distribution is
+    not verified (K_b cut before it), so the target samples it itself.  With a draft broken at
+    every position each step verifies nothing and the output is the target alone's, token for
+    token (the same seeds).  (Before, such rows ended "nonfinite" with no token, the target fine.)"""
     nan_logits = torch.tensor([[float("nan"), 1.0, 2.0], [0.5, 1.0, 2.0]])
     probs = warp_probs(nan_logits, 1.0, None, 0.9)  # no IndexError
     assert bool(probs[0].isnan().all()) and torch.allclose(probs[1].sum(), torch.tensor(1.0))
@@ -357,11 +360,18 @@ def test_nan_draft_logits_with_top_p_end_the_row_cleanly(pair):
     bad = copy.deepcopy(draft)
     with torch.no_grad():
         bad.lm_head.weight[3, 0] = float("nan")  # token 3's logit is NaN at every position
-    res = SpeculativeDecoder(bad, target).generate(PROMPTS[:2], max_new_tokens=8, num_draft_tokens=3,
-                                                   temperature=1.0, top_p=0.9, seed=0)
-    assert res.finish_reasons == ["nonfinite", "nonfinite"]
-    assert res.token_ids == [[], []]
-    assert res.stats.drafted_tokens == 0 and res.stats.accepted_tokens == 0  # unusable steps: not counted
+    dec = SpeculativeDecoder(bad, target)
+    kw = dict(max_new_tokens=8, temperature=1.0, top_p=0.9, seed=[5, 6])
+    res = dec.generate(PROMPTS[:2], num_draft_tokens=3, **kw)
+    alone = dec.generate_target_only(PROMPTS[:2], **kw)
+    assert res.finish_reasons == ["length", "length"]
+    assert res.token_ids == alone.token_ids and all(len(t) == 8 for t in res.token_ids)
+    assert res.stats.drafted_tokens == 0 and res.stats.accepted_tokens == 0  # nothing verified
+    assert all(h["num_draft"] == [0, 0] for h in res.stats.history)
+    # Each step stops drafting after the first position (every row's K_b is 0): one draft forward
+    # (none in the last step, where no row has room for a draft)
+    assert [h["k"] for h in res.stats.history] == [1] * 7 + [0]
+    assert res.stats.draft_forwards == 7
 
 
 def test_draft_sampler_is_uniform_and_exact():

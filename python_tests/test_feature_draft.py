@@ -184,6 +184,21 @@ def test_feature_sampling_matches_target_distribution(temperature, top_k, k, voc
     assert _chisquare_pvalue(observed, joint) > SIGNIFICANCE
 
 
+def test_a_nan_feature_draft_leaves_the_target_to_decode(fpair):
+    """A feature draft whose every output is NaN proposes nothing it can be verified on (each
+    step's K_b is 0), so the target decodes alone: the tokens of the target-only loop with the
+    same seeds, every row to its length (before, the rows ended "nonfinite" with no token)."""
+    fd, target = fpair
+    bad = copy.deepcopy(fd)
+    with torch.no_grad():
+        bad.fc.weight[0, 0] = float("nan")
+    dec = SpeculativeDecoder(draft=bad, target=target, drafter="feature")
+    kw = dict(max_new_tokens=6, temperature=1.0, top_k=20, seed=[3, 4, 5])
+    res = dec.generate(PROMPTS[:3], num_draft_tokens=2, **kw)
+    assert res.finish_reasons == ["length"] * 3 and res.stats.drafted_tokens == 0
+    assert res.token_ids == dec.generate_target_only(PROMPTS[:3], **kw).token_ids
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_feature_row_equals_prompt_decoded_alone(fpair, temperature):
     fd, target = fpair

@@ -178,7 +178,9 @@ class _Clock:
 class GenerationResult:
     """texts[p]: the generated text of prompt p (None without a tokenizer); token_ids[p]: its
     generated ids (ending with the EOS or the token that completed a stop string, if any);
-    finish_reasons[p]: eos | stop | length | context | nonfinite; stats: see DecodingStats."""
+    finish_reasons[p]: eos | stop | length | context | nonfinite (the target's logits were NaN/inf
+    where the row needed them; a draft's NaN/inf only costs its drafts: the target decodes that
+    position itself); stats: see DecodingStats."""
 
     texts: Optional[list]
     token_ids: list
@@ -948,11 +950,11 @@ class SpeculativeDecoder:
         elif st.pend_tok is not None and K == 0:
             skipped = True
         elif st.pend_tok is not None:  # a feature draft (not the target-only baseline)
-            X, Q, kb_conf = self._draft_with_features(st, K)
+            X, Q, kb_draft = self._draft_with_features(st, K)
             drafted = X is not None
             n_draft_fwd = X.shape[1]
         elif K > 0 and self.draft is not None:
-            X, Q, block, kb_conf = self._draft_with_model(st, K)
+            X, Q, block, kb_draft = self._draft_with_model(st, K)
             drafted, n_draft_fwd, Xd = True, X.shape[1], X
         elif K > 0:
             want = [min(K, st.budget_host[p] - len(st.generated[p]) - 1) for p in st.rows]
@@ -962,10 +964,10 @@ class SpeculativeDecoder:
             X = torch.tensor([x + [0] * (K - len(x)) for x in props], dtype=torch.int64).reshape(B, K).to(dev)
             kb = torch.tensor(kb_host, dtype=torch.int64, device=dev)
         if drafted:
-            K = X.shape[1]  # fewer when every row stopped on confidence
+            K = X.shape[1]  # fewer when the draft cut every row short (confidence, no distribution)
             kb = torch.clamp(remaining - 1, max=K)  # [B]
-            if kb_conf is not None:
-                kb = torch.minimum(kb, kb_conf)
+            if kb_draft is not None:
+                kb = torch.minimum(kb, kb_draft)
         if X is None:
             K = 0
             X = torch.zeros((B, 0), dtype=torch.int64, device=dev)

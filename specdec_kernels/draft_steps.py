@@ -17,7 +17,8 @@ docstring) and never feed a token twice:
   K = 0 step (``feature_wait_``) feeds nothing: the step's one new pair joins the pending ones.
 
 ``_Drafts`` picks each position's draft (greedy argmax, or the warped distribution sampled by
-inverse CDF with the row's counter-based uniforms) and applies ``draft_confidence``.
+inverse CDF with the row's counter-based uniforms), applies ``draft_confidence`` and cuts a
+row's K_b before a position whose distribution is not finite (a NaN/inf draft logit).
 
 Internal to ``SpeculativeDecoder``: every function takes the decoder's own ``_State``, whose
 parameters ``generate`` has checked, so none of them checks its arguments again.
@@ -50,8 +51,18 @@ def _append_right(block: torch.Tensor, cnt: torch.Tensor, x: torch.Tensor, valid
 
 class _Drafts:
     """A step's drafts as they are picked: each position's token ids [B] (full-vocabulary ids),
-    when sampling the distribution each was drawn from (zero outside a draft vocabulary), and,
-    under ``draft_confidence``, the running product of their probabilities and each row's K_b."""
+    when sampling the distribution each was drawn from (zero outside a draft vocabulary), and
+    each row's K_b where the draft cut it short: under ``draft_confidence`` where the running
+    product of its probabilities fell below the threshold, and when sampling at the first
+    position whose distribution is not finite.
+
+    A draft whose logits hold NaN or +inf at position j has no distribution there
+    (``warp_probs`` gives NaN), so the row verifies only its drafts before j: the target then
+    samples position j itself, from its own distribution, and the row goes on (decoded by the
+    target alone while its draft stays broken).  Whether a position is usable depends on the
+    draft alone, never on the target or on the verifier's random numbers, so the output stays
+    exactly the target's distribution.  (With temperature 0 the draft's argmax is verified
+    against the target's whatever it is: a broken greedy draft is only rejected.)"""
 
     def __init__(self, st: "_State", K: int, rows: Optional[torch.Tensor], Vd: int):
         self.st, self.K, self.rows, self.Vd = st, K, rows, Vd
@@ -60,11 +71,12 @@ class _Drafts:
         self.qs: list = []
         on = st.draft_confidence > 0
         self.cum = torch.ones(B, dtype=torch.float32, device=dev) if on else None  # P(all accepted)
-        self.kb = torch.full((B,), K, dtype=torch.int64, device=dev) if on else None
+        cuts = on or st.temperature != 0
+        self.kb = torch.full((B,), K, dtype=torch.int64, device=dev) if cuts else None
 
     def add(self, logits: torch.Tensor, j: int) -> bool:
         """Pick draft j from ``logits`` [B, Vd] (or [B, N] over the draft vocabulary).  True when
-        every row has stopped on its confidence (checked on the CPU only: no host sync elsewhere)."""
+        every row's K_b is cut to j + 1 or less (checked on the CPU only: no host sync elsewhere)."""
         st, rows = self.st, self.rows
         if st.temperature == 0:
             x = logits.argmax(-1)
@@ -75,13 +87,16 @@ class _Drafts:
             x = _sample_inverse_cdf(q, _draft_uniforms(st.key_lo, st.key_hi, st.step, j))
             if self.cum is not None:
                 self.cum = self.cum * q.gather(1, x[:, None])[:, 0]
+            unusable = ~torch.isfinite(q.sum(-1))  # [B]: no distribution at this position
+            self.kb = torch.where(unusable, self.kb.clamp(max=j), self.kb)
             if rows is not None:
                 q = q.new_zeros((q.shape[0], self.Vd)).index_copy_(1, rows, q)
             self.qs.append(q)
         self.xs.append(x if rows is None else rows[x])
-        if self.cum is None:
+        if self.kb is None:
             return False
-        self.kb = torch.where((self.cum < st.draft_confidence) & (self.kb == self.K), j + 1, self.kb)
+        if self.cum is not None:  # a NaN product (an unusable position, already cut) compares False
+            self.kb = torch.where((self.cum < st.draft_confidence) & (self.kb == self.K), j + 1, self.kb)
         return j + 1 < self.K and st.device.type == "cpu" and bool((self.kb <= j + 1).all())
 
     def result(self) -> tuple:
@@ -115,8 +130,9 @@ def draft_with_model(d, st: "_State", K: int):
     """The draft model ``d`` (a ``_Runner``) drafts: up to K forwards, the first over the block of ``model_block`` (usually
     [last], or [catch-up, last]), then one per draft.  Returns (X [B, K'] int64, Q [B, K', Vd]
     fp32 or None, the block (block, cnt, cnt host list), K_b [B] int64 or None): K' = K
-    unless ``st.draft_confidence`` stopped every row sooner (CPU only; a row's K_b is where it
-    stopped, None when the rule is off).  With a draft vocabulary the draft picks among its
+    unless ``_Drafts`` cut every row sooner (CPU only); a row's K_b is where its confidence
+    stopped it or before its first position without a distribution (None when greedy without
+    ``st.draft_confidence``: nothing cuts).  With a draft vocabulary the draft picks among its
     tokens (logits [B, N]) and Q is zero on the others."""
     rows = d.vocab_rows  # [N] or None
     dev = st.device
@@ -149,7 +165,7 @@ def draft_with_model(d, st: "_State", K: int):
         logits = d.step(st.dc, ids, mask, pos, T, 1)[:, -1]  # [B, Vd], or [B, N] over rows
         T += ids.shape[1]
         if picks.add(logits, j):
-            break  # every row has stopped on its confidence
+            break  # every row's K_b is cut before here
     st.Td = T
     st.wait = st.wait_cnt = st.wait_host = None  # taken
     X, Q, kb = picks.result()
