@@ -10,7 +10,8 @@ import math
 import pytest
 import torch
 
-from specdec_kernels.decoder import _PREFILL_GROUP_COST, SpeculativeDecoder, _prefill_groups
+from specdec_kernels.decoder import SpeculativeDecoder
+from specdec_kernels.prefill import _PREFILL_GROUP_COST, _prefill_groups
 
 from decoder_setup import PROMPTS, SKEWED, _CountingForward, _CountingModelForward, _assert_row_cache
 from decoder_setup import _one_thread, greedy_refs, pair  # noqa: F401  (fixtures; _one_thread: autouse)

@@ -273,7 +273,7 @@ def test_feature_grouped_prefill(fpair, temperature):
     made for a draft model that is None here): both caches equal fresh forwards after the prefill
     and after each step, each row's pending pairs hold its last token with the target's feature,
     every row equals its prompt decoded alone, and greedy equals target.generate."""
-    from specdec_kernels.decoder import _PREFILL_GROUP_COST, _prefill_groups
+    from specdec_kernels.prefill import _PREFILL_GROUP_COST, _prefill_groups
 
     fd, target = fpair
     assert len(_prefill_groups([len(p) - 1 for p in SKEWED], _PREFILL_GROUP_COST["cpu"])) > 1

@@ -137,7 +137,8 @@ def chat_ids(tokenizer, text: str) -> list:
 
 
 def _make_decoder(args, parser):
-    from .decoder import SpeculativeDecoder, _resolve_dtype
+    from .arguments import resolve_dtype
+    from .decoder import SpeculativeDecoder
 
     if args.tokenizer is not None and (args.tiny_random or args.target is None):
         parser.error("--tokenizer applies to --target/--draft models; the embedded pair and --tiny-random bring "
@@ -169,7 +170,7 @@ def _make_decoder(args, parser):
             except FileNotFoundError as e:
                 parser.error(f"--drafter feature: {e} (here: pass --draft DIR and --target)")
         try:
-            draft, target, tokenizer = default_pair(device=args.device, dtype=_resolve_dtype(args.dtype),
+            draft, target, tokenizer = default_pair(device=args.device, dtype=resolve_dtype(args.dtype),
                                                     with_draft=args.drafter in (None, "model"))
         except (FileNotFoundError, ImportError) as e:
             parser.error(f"the embedded default pair is not available: {e}")

@@ -26,7 +26,8 @@ draft has not taken waits, and its next step feeds it all in one right-aligned b
 drafts.  Nothing already cached is ever fed again.
 Finished rows are sliced out of both caches.  This module holds the loop and the target's side;
 each drafter's forwards and cache bookkeeping are in ``draft_steps.py``, the draft's warp and
-random numbers in ``draft_sampling.py``, the DynamicCache helpers in ``kv_cache.py``.
+random numbers in ``draft_sampling.py``, the prefill in ``prefill.py``, the checks of the
+arguments in ``arguments.py``, the DynamicCache helpers in ``kv_cache.py``.
 
 Host synchronisation: one device-to-host copy per step (the accepted counts and tokens, needed
 to detokenise, check stop strings and EOS, and crop the caches); everything else stays on the
@@ -51,7 +52,6 @@ from __future__ import annotations
 
 import math
 import os
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence, TextIO, Union
@@ -61,84 +61,17 @@ import torch
 from .draft_sampling import _draft_key, warp_probs
 from .draft_steps import (draft_with_features, draft_with_model, feature_after_verify_, feature_wait_,
                           model_after_verify_, model_wait_)
+from .arguments import (check_context, check_generate_args, encode_prompts, eos_ids, resolve_dtype, row_seeds,
+                        verbose_stream, vocab_mismatch)
 from .drafters import PromptLookupDrafter
-from .kv_cache import _crop_, _new_cache, _stack_caches_, compact_dynamic_cache_
-from .verify import check_temperature
+from .kv_cache import _crop_, _new_cache, compact_dynamic_cache_
+from .prefill import prefill_
 from .runners import _FeatureRunner, _Runner
 from .stats import TARGET_SLOPE_PRIOR, DecodingStats, StatsRecorder, cpu_slope_prior
 
 __all__ = ["SpeculativeDecoder", "GenerationResult", "warp_probs"]
 
 _DRAFTERS = ("model", "prompt_lookup", "feature")
-
-
-# ----------------------------------------------------------------------------------------------
-# Prefill groups
-# ----------------------------------------------------------------------------------------------
-# The prefill's fixed cost of one more forward, in padded prompt tokens: what a forward over a
-# [rows, P] block costs is about this + rows * P tokens.  On the CPU a forward's fixed part (the
-# Python of the layers, one pass over the weights) weighs about as much as 12 tokens of
-# arithmetic (SmolLM2-135M, fp32, 1 thread, AMD EPYC: about 44 ms + 3.5 ms per token for 1-128
-# tokens); on a GPU the arithmetic of a few thousand tokens hides behind the launch overhead, so
-# rows are split only when the lengths differ by thousands.
-_PREFILL_GROUP_COST = {"cpu": 12, "other": 4096}
-
-
-def _prefill_groups(lens: Sequence[int], fixed_cost: float) -> list:
-    """Rows with ``lens[i] > 0`` tokens to prefill, partitioned into groups of similar lengths
-    that minimise the sum over groups of ``fixed_cost + len(group) * max length in the group``.
-    Each group is a list of row indices; rows with nothing to prefill are in none.
-
-    The optimum groups consecutive lengths and never splits rows of one length (moving them to
-    the group of their longest does not raise its maximum and may save a forward), so this is a
-    dynamic programme over the D distinct lengths in increasing order, L_1 < ... < L_D with N_j
-    rows of length <= L_j: best_j = fixed_cost + N_j * L_j + min_{i<j} (best_i - N_i * L_j), a
-    minimum over lines of slope -N_i queried at increasing L_j, kept as a lower envelope (the
-    convex hull trick): O(B log B) for B rows rather than the O(B^2) of trying every cut."""
-    order = sorted((i for i in range(len(lens)) if lens[i] > 0), key=lambda i: (lens[i], i))
-    if not order:
-        return []
-    L, N, ends = [], [0], []  # distinct lengths; N[j]: rows in the first j of them; ends: their run ends
-    for pos, i in enumerate(order):
-        if L and lens[i] == L[-1]:
-            N[-1] += 1
-            ends[-1] = pos + 1
-        else:
-            L.append(lens[i])
-            N.append(N[-1] + 1)
-            ends.append(pos + 1)
-    D = len(L)
-    best = [0.0] * (D + 1)  # best[j]: the cost of the rows of the first j lengths
-    cut = [0] * (D + 1)
-    hull: list = []  # line indices i (slope -N[i], intercept best[i]), slopes decreasing
-    head = 0
-
-    def value(i: int, x: float) -> float:
-        return best[i] - N[i] * x
-
-    for j in range(1, D + 1):
-        i3 = j - 1  # the line of a group starting after length j - 1
-        while len(hull) - head >= 2:
-            i1, i2 = hull[-2], hull[-1]
-            # i2 is never below both neighbours once i3 meets i1 at or before i2 does
-            if (best[i3] - best[i1]) * (N[i2] - N[i1]) <= (best[i2] - best[i1]) * (N[i3] - N[i1]):
-                hull.pop()
-            else:
-                break
-        hull.append(i3)
-        head = min(head, len(hull) - 1)
-        x = L[j - 1]
-        while len(hull) - head >= 2 and value(hull[head + 1], x) <= value(hull[head], x):
-            head += 1
-        i = hull[head]
-        best[j] = fixed_cost + N[j] * x + value(i, x)
-        cut[j] = i
-    groups, j = [], D
-    while j > 0:
-        i = cut[j]
-        groups.append(sorted(order[(ends[i - 1] if i > 0 else 0):ends[j - 1]]))
-        j = i
-    return groups[::-1]
 
 
 def _device_of(model) -> torch.device:
@@ -249,38 +182,9 @@ class _State:
     waited: bool = False  # the pending pairs include some that waited through K = 0 steps
 
 
-
 # ----------------------------------------------------------------------------------------------
 # The decoder
 # ----------------------------------------------------------------------------------------------
-_MODEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def _resolve_dtype(dtype):
-    """None, or one of the model dtypes (float32, float16, bfloat16), given as a dtype or a name."""
-    if dtype is None:
-        return None
-    d = dtype
-    if isinstance(dtype, str):
-        name = dtype.replace("torch.", "")
-        aliases = {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16", "float": "float32"}
-        d = getattr(torch, aliases.get(name, name), None)
-    if d in _MODEL_DTYPES:
-        return d
-    raise ValueError(f"dtype must be float32, float16 or bfloat16 (a torch.dtype or its name), got {dtype!r}")
-
-
-def _vocab_mismatch(a: dict, b: dict) -> Optional[str]:
-    if a == b:
-        return None
-    if len(a) != len(b):
-        return f"{len(a)} vs {len(b)} entries"
-    for tok, i in a.items():
-        if b.get(tok) != i:
-            return f"token {tok!r} has id {i} in the draft's and {b.get(tok)} in the target's"
-    return "different entries"  # pragma: no cover
-
-
 class SpeculativeDecoder:
     """Exact speculative decoding with a draft model (or prompt lookup) and a target model.
 
@@ -345,7 +249,7 @@ class SpeculativeDecoder:
                 from .feature_draft import embedded_feature_draft_dir
 
                 feature_dir = embedded_feature_draft_dir()
-            draft, target, default_tokenizer = default_pair(device=device, dtype=_resolve_dtype(dtype),
+            draft, target, default_tokenizer = default_pair(device=device, dtype=resolve_dtype(dtype),
                                                             with_draft=drafter != "feature")
             tokenizer = default_tokenizer if tokenizer is None else tokenizer
             if drafter == "feature":
@@ -361,7 +265,7 @@ class SpeculativeDecoder:
             raise ValueError("drafter='model' needs a draft model, got draft=None")
         if drafter == "prompt_lookup" and draft is not None:
             raise ValueError(f"drafter='prompt_lookup' takes no draft model, got draft={type(draft).__name__}")
-        dtype = _resolve_dtype(dtype)
+        dtype = resolve_dtype(dtype)
         self.feature = None  # a FeatureDraft (drafter="feature")
         feature_vocab = None
         if drafter == "feature":
@@ -385,7 +289,7 @@ class SpeculativeDecoder:
             tokenizer = AutoTokenizer.from_pretrained(target)
         draft_tokenizer = AutoTokenizer.from_pretrained(draft) if isinstance(draft, str) else None
         if draft_tokenizer is not None and tokenizer is not None:
-            why = _vocab_mismatch(draft_tokenizer.get_vocab(), tokenizer.get_vocab())
+            why = vocab_mismatch(draft_tokenizer.get_vocab(), tokenizer.get_vocab())
             if why is not None:
                 raise ValueError(f"draft and target tokenizers must have the same vocabulary, got {why}")
         self.tokenizer = tokenizer
@@ -525,98 +429,6 @@ class SpeculativeDecoder:
             model.to(dtype)
         return model
 
-    # -- input --------------------------------------------------------------------------------
-    def _encode(self, prompts, attention_mask) -> list:
-        """prompts -> list of token-id lists (ValueError on an empty prompt)."""
-        if isinstance(prompts, str):
-            prompts = [prompts]
-        if isinstance(prompts, torch.Tensor):
-            if prompts.dtype.is_floating_point or prompts.dtype == torch.bool:
-                raise TypeError(f"prompts as a tensor must hold integer token ids, got dtype {prompts.dtype}")
-            if prompts.dim() == 1:
-                prompts = prompts[None]
-            if prompts.dim() != 2:
-                raise ValueError(f"prompts as a tensor must be [B, T] token ids, got shape {list(prompts.shape)}")
-            if prompts.shape[0] == 0:
-                raise ValueError("prompts must hold at least one prompt, got a [0, T] tensor")
-            if attention_mask is not None:
-                if not isinstance(attention_mask, torch.Tensor) or list(attention_mask.shape) != list(prompts.shape):
-                    got = list(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask).__name__
-                    raise ValueError(f"attention_mask must be [B, T] = {list(prompts.shape)} like prompts, got {got}")
-                rows = [row[m.bool()].tolist() for row, m in zip(prompts.cpu(), attention_mask.cpu())]
-            else:
-                rows = prompts.cpu().tolist()
-        elif isinstance(prompts, (list, tuple)):
-            if len(prompts) == 0:
-                raise ValueError("prompts must hold at least one prompt, got an empty list")
-            if attention_mask is not None:
-                raise ValueError("attention_mask is only taken with prompts given as a [B, T] tensor")
-            rows = []
-            for i, p in enumerate(prompts):
-                if isinstance(p, str):
-                    if p == "":
-                        raise ValueError(f"prompts[{i}] must not be empty, got ''")
-                    if self.tokenizer is None:
-                        raise TypeError("prompts given as text need a tokenizer: pass tokenizer=... to "
-                                        "SpeculativeDecoder, or give token ids")
-                    rows.append(list(self.tokenizer(p)["input_ids"]))
-                elif isinstance(p, torch.Tensor):
-                    if p.dtype.is_floating_point or p.dtype.is_complex or p.dtype == torch.bool or p.dim() != 1:
-                        raise TypeError(f"prompts[{i}] as a tensor must be 1-D integer token ids, got dtype "
-                                        f"{str(p.dtype).replace('torch.', '')} shape {list(p.shape)}")
-                    rows.append(p.tolist())
-                elif isinstance(p, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
-                    rows.append(list(p))
-                else:
-                    what = type(p).__name__
-                    if isinstance(p, (list, tuple)):  # say which element is not an int id
-                        bad = next(t for t in p if not isinstance(t, int) or isinstance(t, bool))
-                        what = f"a {what} holding a {type(bad).__name__} ({bad!r:.40})"
-                    raise TypeError(f"prompts[{i}] must be a str or a list of int token ids, got {what}")
-        else:
-            raise TypeError(f"prompts must be a str, a list of str, a list of token-id lists or a [B, T] "
-                            f"tensor, got {type(prompts).__name__}")
-        for i, r in enumerate(rows):
-            if len(r) == 0:
-                raise ValueError(f"prompts[{i}] must not be empty, got 0 tokens")
-            bad = [t for t in r if not 0 <= t < self._t.vocab_size]
-            if bad:
-                raise ValueError(f"prompts[{i}] token ids must be in [0, {self._t.vocab_size}), got {bad[0]}")
-        return rows
-
-    def _check_context(self, rows: list) -> Optional[int]:
-        """The longest sequence allowed (the smaller max_position_embeddings); prompts above it
-        are refused."""
-        limits = [(r.name, r.context) for r in (self._t, self._d) if r is not None and r.context]
-        if not limits:
-            return None
-        for i, r in enumerate(rows):
-            for name, ctx in limits:
-                if len(r) > ctx:
-                    raise ValueError(f"prompts[{i}] must fit the {name}'s context (max_position_embeddings = "
-                                     f"{ctx}), got {len(r)} tokens")
-        return min(c for _, c in limits)
-
-    def _eos_ids(self, eos_token_id) -> set:
-        if eos_token_id is None:
-            gc = getattr(self.target, "generation_config", None)
-            eos_token_id = getattr(gc, "eos_token_id", None) if gc is not None else None
-            if eos_token_id is None:
-                eos_token_id = getattr(self.target.config, "eos_token_id", None)
-            if eos_token_id is None and self.tokenizer is not None:
-                eos_token_id = self.tokenizer.eos_token_id
-        if eos_token_id is None:
-            return set()
-        if isinstance(eos_token_id, torch.Tensor) and eos_token_id.dim() <= 1 and not (
-                eos_token_id.dtype.is_floating_point or eos_token_id.dtype == torch.bool):
-            eos_token_id = eos_token_id.reshape(-1).tolist()
-        ids = [eos_token_id] if isinstance(eos_token_id, int) else eos_token_id
-        if isinstance(eos_token_id, (str, bool)) or not isinstance(ids, (list, tuple, set)) or any(
-                isinstance(e, bool) or not isinstance(e, int) for e in ids):
-            raise TypeError(f"eos_token_id must be an int, a list of ints or None, got {type(eos_token_id).__name__}"
-                            f" ({eos_token_id!r:.40})")
-        return set(ids)
-
     # -- public -------------------------------------------------------------------------------
     @torch.inference_mode()
     def generate(
@@ -693,76 +505,14 @@ class SpeculativeDecoder:
                verbose, attention_mask, max_draft_tokens, eos_token_id, progress, target_only,
                draft_confidence: float = 0.0) -> _State:
         """Validate everything, encode, allocate the state (no model work yet)."""
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
-            raise TypeError(f"max_new_tokens must be an int, got {type(max_new_tokens).__name__}")
-        if max_new_tokens <= 0:
-            raise ValueError(f"max_new_tokens must be > 0, got {max_new_tokens}")
-        if isinstance(max_draft_tokens, bool) or not isinstance(max_draft_tokens, int):
-            raise TypeError(f"max_draft_tokens must be an int, got {type(max_draft_tokens).__name__}")
-        if max_draft_tokens <= 0:
-            raise ValueError(f"max_draft_tokens must be > 0, got {max_draft_tokens}")
-        if isinstance(draft_confidence, bool) or not isinstance(draft_confidence, (int, float)):
-            raise TypeError(f"draft_confidence must be a float, got {type(draft_confidence).__name__}")
-        if not 0.0 <= draft_confidence < 1.0:
-            raise ValueError(f"draft_confidence must be in [0, 1) (0 = off), got {draft_confidence}")
-        if draft_confidence > 0 and self._d is None:
-            raise ValueError(f"draft_confidence needs a draft model's probabilities; drafter={self.drafter!r} "
-                             f"has none, got draft_confidence={draft_confidence}")
-        if isinstance(num_draft_tokens, str):
-            if num_draft_tokens != "auto":
-                raise ValueError(f"num_draft_tokens must be a positive int or 'auto', got {num_draft_tokens!r}")
-            k_max = max_draft_tokens
-        elif isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int):
-            raise TypeError(f"num_draft_tokens must be a positive int or 'auto', got {type(num_draft_tokens).__name__}")
-        elif num_draft_tokens <= 0:
-            raise ValueError(f"num_draft_tokens must be a positive int or 'auto', got {num_draft_tokens}")
-        else:
-            k_max = num_draft_tokens
-        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
-            raise TypeError(f"temperature must be a float, got {type(temperature).__name__}")
-        check_temperature(temperature)
-        if top_k is not None:
-            if isinstance(top_k, bool) or not isinstance(top_k, int):
-                raise TypeError(f"top_k must be an int or None, got {type(top_k).__name__}")
-            if top_k < 0:
-                raise ValueError(f"top_k must be >= 0 (0 = off), got {top_k}")
-        if top_p is not None:
-            if isinstance(top_p, bool) or not isinstance(top_p, (int, float)):
-                raise TypeError(f"top_p must be a float or None, got {type(top_p).__name__}")
-            if not 0.0 < top_p <= 1.0:
-                raise ValueError(f"top_p must be in (0, 1] (1 = off), got {top_p}")
-        if stop is None:
-            stop = []
-        elif isinstance(stop, str):
-            stop = [stop]
-        elif not (isinstance(stop, (list, tuple)) and all(isinstance(s, str) for s in stop)):
-            raise TypeError(f"stop must be a str or a list of str, got {type(stop).__name__}")
-        if any(s == "" for s in stop):
-            raise ValueError("stop strings must not be empty, got ''")
-        if stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer to detokenise the output, got tokenizer=None")
-
-        rows = self._encode(prompts, attention_mask)
-        context = self._check_context(rows)
+        k_max, stop = check_generate_args(max_new_tokens, num_draft_tokens, temperature, top_k, top_p, stop,
+                                          max_draft_tokens, draft_confidence, drafter=self.drafter,
+                                          has_draft=self._d is not None, has_tokenizer=self.tokenizer is not None)
+        rows = encode_prompts(prompts, attention_mask, self.tokenizer, self._t.vocab_size)
+        context = check_context(rows, (self._t, self._d))
         B = len(rows)
-        if seed is None:
-            seed = int(torch.randint(0, 2**62, ()).item())
-        if isinstance(seed, int) and not isinstance(seed, bool):
-            seeds = [seed + p for p in range(B)]
-        elif isinstance(seed, (list, tuple)) and all(isinstance(s, int) and not isinstance(s, bool) for s in seed):
-            if len(seed) != B:
-                raise ValueError(f"seed as a list must have one entry per prompt ({B}), got {len(seed)}")
-            seeds = list(seed)
-        else:
-            raise TypeError(f"seed must be an int, a list of ints or None, got {type(seed).__name__}")
-        if any(not -(2**63) <= s < 2**63 for s in seeds):
-            raise ValueError("seed must fit in int64")
-        if verbose is True:
-            verbose = sys.stdout
-        elif verbose is False or verbose is None:
-            verbose = None
-        elif not callable(getattr(verbose, "write", None)):
-            raise TypeError(f"verbose must be a bool or a text stream (with .write), got {type(verbose).__name__}")
+        seeds = row_seeds(seed, B)
+        verbose = verbose_stream(verbose)
 
         # Budgets: max_new_tokens, and the context (positions < context; the last emitted
         # token is never fed, so a sequence may reach context + 1 tokens).
@@ -783,7 +533,7 @@ class SpeculativeDecoder:
             rows=list(range(B)), seqs=[list(r) for r in rows], prompt_lens=[len(r) for r in rows],
             generated=[[] for _ in rows], finish=[None] * B,
             k=num_draft_tokens, k_max=k_max, temperature=float(temperature), top_k=top_k,
-            top_p=None if top_p is None else float(top_p), eos=self._eos_ids(eos_token_id), stop=list(stop),
+            top_p=None if top_p is None else float(top_p), eos=eos_ids(eos_token_id, self.target, self.tokenizer), stop=list(stop),
             max_new=max_new_tokens, context=context, target_only=target_only,
             # K = 0 steps run no draft forward (see _step)
             recorder=StatsRecorder(k_max, self._t_draft_prior if self._d is not None else 0.0,
@@ -824,78 +574,8 @@ class SpeculativeDecoder:
         return GenerationResult(texts=texts, token_ids=st.generated, stats=stats, finish_reasons=list(st.finish))
 
     def _prefill(self, st: _State) -> None:
-        """Cache every prompt token but the last, which becomes the first step's ``last``."""
-        t0 = time.perf_counter()
-        dev = st.device
-        lens = [st.prompt_lens[p] for p in st.rows]
-        B, P = len(lens), max(lens) - 1
-        st.last = torch.tensor([st.seqs[p][-1] for p in st.rows], dtype=torch.int64, device=dev)
-        st.lt_host = [n - 1 for n in lens]
-        st.ld_host = list(st.lt_host)
-        st.lt = torch.tensor(st.lt_host, dtype=torch.int64, device=dev)
-        st.ld = st.lt.clone()
-        st.catch = torch.full((B,), -1, dtype=torch.int64, device=dev)
-        st.catch_host = [False] * B
-        if self.feature is not None and st.dc is not None:
-            # the first pending pair: (the target's feature at the prompt's second-to-last token,
-            # or 0 for a one-token prompt, as at column 0; the last token), filled in by the prefill
-            st.pend_tok = st.last[:, None]
-            st.pend_feat = torch.zeros((B, 1, self.feature.hidden_size), dtype=self.feature.fc.weight.dtype,
-                                       device=dev)
-            st.pend_cnt = torch.ones(B, dtype=torch.int64, device=dev)
-            st.pend_cnt_host = [1] * B
-        groups = _prefill_groups(st.lt_host, _PREFILL_GROUP_COST.get(dev.type, _PREFILL_GROUP_COST["other"]))
-        if P > 0 and len(groups) == 1:
-            # One forward over all rows (right-padded to P).  A row whose prompt is one token has
-            # no valid column here; column 0 stands in as a valid key for this forward only, so
-            # no query row is fully masked (sdpa would write NaN into the cache).  Later masks
-            # drop it and compaction overwrites it.
-            self._prefill_rows(st, list(range(B)), P, st.tc, st.dc)
-        elif P > 0:
-            # Prompts of very different lengths: one forward per group of similar lengths (no
-            # row is padded to the longest prompt), then the groups' caches stacked, right-padded
-            # to P columns, into the batch's caches.  Rows with nothing to cache are in no group.
-            parts = []
-            for g in groups:
-                Pg = max(st.lt_host[i] for i in g)
-                tc = _new_cache(self.target)
-                dc = _new_cache(self._d.model) if st.dc is not None else None
-                self._prefill_rows(st, g, Pg, tc, dc)
-                parts.append((torch.tensor(g, dtype=torch.int64, device=dev), tc, dc))
-            _stack_caches_(st.tc, [(g, tc) for g, tc, _ in parts], B, P)
-            if st.dc is not None:
-                _stack_caches_(st.dc, [(g, dc) for g, _, dc in parts], B, P)
-        st.Tt = st.Td = P
-        if st.clock.cuda:
-            torch.cuda.synchronize(dev)
-        st.prefill_time = time.perf_counter() - t0
-
-    def _prefill_rows(self, st: _State, rows: list, P: int, tc, dc) -> None:
-        """Cache the prompts (all tokens but the last) of batch rows ``rows`` into ``tc``/``dc``
-        in one forward each, right-padded to ``P`` columns."""
-        dev = st.device
-        n = len(rows)
-        ids = torch.zeros((n, P), dtype=torch.int64)  # right-padded; the pad id is irrelevant
-        for j, i in enumerate(rows):
-            L = st.lt_host[i]
-            ids[j, :L] = torch.tensor(st.seqs[st.rows[i]][:L])
-        ids = ids.to(dev)
-        lt = torch.tensor([max(st.lt_host[i], 1) for i in rows], dtype=torch.int64, device=dev)
-        mask = torch.arange(P, device=dev)[None, :] < lt[:, None]  # [n, P]
-        pos = torch.arange(P, device=dev)[None, :].expand(n, P)
-        if self.feature is not None and dc is not None:
-            # the target's features h; the draft's column t takes (h[t - 1], x_t), h[-1] = 0
-            h = self._t.forward_hidden(tc, ids, mask, pos, 0)  # [n, P, H]
-            feats = torch.cat([torch.zeros_like(h[:, :1]), h[:, :-1]], 1).to(st.pend_feat.dtype)
-            self._d.step(dc, ids, feats, mask, pos, 1, model_path=True)
-            idx = torch.tensor(rows, dtype=torch.int64, device=dev)
-            last_col = (lt - 1)[:, None, None].expand(n, 1, h.shape[-1])
-            has = torch.tensor([st.lt_host[i] > 0 for i in rows], device=dev)[:, None]  # else f = 0
-            st.pend_feat[idx, 0] = torch.where(has, h.gather(1, last_col)[:, 0], 0).to(st.pend_feat.dtype)
-            return
-        self._t.forward(tc, ids, mask, pos, 0, 1)
-        if dc is not None:
-            self._d.forward(dc, ids.clamp(max=self._d.vocab_size - 1), mask, pos, 0, 1)
+        """``prefill.prefill_`` with this decoder's models (a method: tests call it)."""
+        prefill_(st, self._t, self._d, self.feature)
 
     def _choose_k(self, st: _State) -> int:
         """K, the drafts of this step.  ``"auto"`` may choose K = 0 with a draft model or a
