@@ -1,6 +1,6 @@
 """SpeculativeDecoder as it is used: prompt lookup, stopping (EOS, stop strings,
 max_new_tokens), bad input (each error with ``match=``, before any model work), the pieces
-(the draft's warp and random numbers, the cost model, stats) and the CLI.
+(the draft's warp and random numbers, the cost model, stats); the CLI is in test_cli.py.
 """
 
 from __future__ import annotations
@@ -9,9 +9,6 @@ import copy
 import io
 import json
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -463,88 +460,3 @@ def test_stats_are_consistent(pair):
     assert s.measured_speedup is None  # no baseline given
     d = s.to_dict()
     assert "history" not in d and json.dumps(d)
-
-
-# ----------------------------------------------------------------------------------------------
-# 6. CLI
-# ----------------------------------------------------------------------------------------------
-def test_cli_tiny_random_json(capsys):
-    assert cli_main(["generate", "hello world", "the cat", "--tiny-random", "--json", "-k", "auto",
-                     "--max-new-tokens", "12", "--temperature", "0.8", "--top-k", "10", "--seed", "3"]) == 0
-    out = json.loads(capsys.readouterr().out)
-    assert len(out["texts"]) == 2 and all(len(t) <= 12 for t in out["token_ids"])
-    assert out["stats"]["iterations"] > 0 and "alpha" in out["stats"]
-
-
-def test_cli_requires_models(capsys):
-    with pytest.raises(SystemExit) as e:
-        cli_main(["generate", "hello", "--draft", "some/path"])
-    assert e.value.code == 2
-    assert "--draft needs --target (without both, the embedded default pair is used)" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        cli_main(["generate", "hello", "--tiny-random", "-k", "0"])
-    assert "must be a positive int or 'auto', got 0" in capsys.readouterr().err
-
-
-@pytest.mark.parametrize("argv,says", [
-    # (found by a review: tracebacks with exit status 1, or an option silently ignored)
-    (["--target", "/nonexistent/model", "--draft", "/nonexistent/draft"], "/nonexistent"),
-    (["--tiny-random", "--tokenizer", "/nonexistent"],
-     "--tokenizer applies to --target/--draft models; the embedded pair and --tiny-random bring their own"),
-    (["--tiny-random", "--dtype", "complex64"], "dtype must be float32, float16 or bfloat16 (a torch.dtype or its name), "
-                                               "got 'complex64'"),
-    (["--tiny-random", "--device", "meta"], "device 'meta' holds no data: models cannot run there"),
-    (["--tiny-random", "--draft-vocab", "BAD"], "header"),  # a file that is not safetensors
-])
-def test_cli_user_errors_are_one_line(argv, says, capsys, tmp_path):
-    bad = tmp_path / "bad.safetensors"
-    bad.write_bytes(b"\xff" * 64)
-    with pytest.raises(SystemExit) as e:
-        cli_main(["generate", "hello", *[str(bad) if a == "BAD" else a for a in argv]])
-    err = capsys.readouterr().err
-    assert e.value.code == 2 and says in err and "Traceback" not in err, err
-    assert len(err.strip().splitlines()) == 2  # usage, then the one error line
-
-
-def test_cli_baseline_when_the_target_emits_nothing(capsys, tmp_path):
-    """--baseline where the target alone emits no token (a NaN in its output layer: every row ends
-    "nonfinite"): the measured speed-up is n/a (the run stopped with an error about
-    baseline_tokens_per_s before, found by a review)."""
-    draft, target, tok = build_tiny_random_pair(seed=0)
-    with torch.no_grad():
-        target.lm_head.weight[5] = float("nan")
-    target.save_pretrained(tmp_path / "t")
-    tok.save_pretrained(tmp_path / "t")
-    draft.save_pretrained(tmp_path / "d")
-    tok.save_pretrained(tmp_path / "d")
-    assert cli_main(["generate", "hi", "--target", str(tmp_path / "t"), "--draft", str(tmp_path / "d"),
-                     "--max-new-tokens", "4", "--baseline", "--json"]) == 0
-    out = json.loads(capsys.readouterr().out)
-    assert out["finish_reasons"] == ["nonfinite"] and out["stats"]["measured_speedup"] is None
-
-
-def test_cli_chat(capsys):
-    from specdec_kernels.cli import chat_ids
-
-    tok = tiny_char_tokenizer()
-    with pytest.raises(ValueError, match=r"^--chat needs a tokenizer with a chat template, got \w+ without one$"):
-        chat_ids(tok, "hi")
-    with pytest.raises(ValueError, match="--chat needs a tokenizer with a chat template, got no tokenizer"):
-        chat_ids(None, "hi")
-    tok.chat_template = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}{% if add_generation_prompt %}>{% endif %}"
-    assert chat_ids(tok, "ab") == tok("[ab]>", add_special_tokens=False)["input_ids"]
-    with pytest.raises(SystemExit) as e:  # the tiny random pair's tokenizer has no template
-        cli_main(["generate", "hello", "--tiny-random", "--chat"])
-    assert e.value.code == 2 and "--chat needs a tokenizer with a chat template" in capsys.readouterr().err
-
-
-def test_python_dash_m_entry_point():
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    r = subprocess.run([sys.executable, "-m", "specdec_kernels", "generate", "abc", "--tiny-random", "--json",
-                        "--max-new-tokens", "5", "--verbose"],
-                       capture_output=True, text=True, timeout=240, env=env, cwd=root)
-    assert r.returncode == 0, r.stderr
-    assert json.loads(r.stdout)["stats"]["generated_tokens"] <= 5
-    assert "Drafted:" in r.stderr  # --verbose goes to stderr when --json owns stdout
