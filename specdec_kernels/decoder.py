@@ -111,8 +111,9 @@ class _Clock:
 class GenerationResult:
     """texts[p]: the generated text of prompt p (None without a tokenizer); token_ids[p]: its
     generated ids (ending with the EOS or the token that completed a stop string, if any);
-    finish_reasons[p]: eos | stop | length | context | nonfinite (the target's logits were NaN/inf
-    where the row needed them; a draft's NaN/inf only costs its drafts: the target decodes that
+    finish_reasons[p]: eos | stop | length | context | nonfinite (the target's logits, or logit / T,
+    were NaN/inf where the row needed them, which includes a verify block whose drafts make the
+    target's forward NaN; a draft's own NaN/inf only costs its drafts: the target decodes that
     position itself); stats: see DecodingStats."""
 
     texts: Optional[list]

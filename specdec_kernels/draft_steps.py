@@ -56,13 +56,18 @@ class _Drafts:
     product of its probabilities fell below the threshold, and when sampling at the first
     position whose distribution is not finite.
 
-    A draft whose logits hold NaN or +inf at position j has no distribution there
-    (``warp_probs`` gives NaN), so the row verifies only its drafts before j: the target then
-    samples position j itself, from its own distribution, and the row goes on (decoded by the
-    target alone while its draft stays broken).  Whether a position is usable depends on the
-    draft alone, never on the target or on the verifier's random numbers, so the output stays
-    exactly the target's distribution.  (With temperature 0 the draft's argmax is verified
-    against the target's whatever it is: a broken greedy draft is only rejected.)"""
+    A draft whose distribution at position j is not finite (``warp_probs`` gives NaN where a
+    NaN or +inf logit survives the warp, or where logit / T overflows; top-k or top-p may drop
+    such a logit, and the q then reported is the one sampled from) has none there, so the row
+    verifies only its drafts before j: the target samples position j itself, from its own
+    distribution, and the row goes on (decoded by the target alone while its draft stays
+    broken).  Whether a position is usable depends on the draft alone, never on the target or on
+    the verifier's random numbers, so the output stays exactly the target's distribution.  (A
+    draft that writes NaN into its cache can make a row's later drafts NaN in a batch and not
+    alone: a rejected column stays in the batch's cache, masked, until the longest row moves
+    past it, and masked attention still multiplies its NaN by 0; the tokens then differ from the
+    row decoded alone, in distribution they do not.  With temperature 0 the draft's argmax is
+    verified against the target's whatever it is: a broken greedy draft is only rejected.)"""
 
     def __init__(self, st: "_State", K: int, rows: Optional[torch.Tensor], Vd: int):
         self.st, self.K, self.rows, self.Vd = st, K, rows, Vd
