@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -191,3 +192,71 @@ def test_top_k_keeps_all_ties_at_the_boundary(backend, dev):
     logits = torch.tensor([2.0, 1.0, 1.0, 0.0])
     assert _bonus_tokens(backend, dev, logits, top_k=2) == {0, 1, 2}
     assert _bonus_tokens(backend, dev, logits, top_k=2, top_p=0.99) == {0, 1, 2}
+
+
+@pytest.mark.parametrize("backend,dev", BACKENDS)
+def test_recovered_draw_resolves_weights_below_fp32s_grid(backend, dev):
+    """The final draw's uniform has 53 bits and its inverse CDF sums in float64, so a token of
+    weight far below fp32's resolution is drawn with its own probability.  Built so that every
+    weight is exact on both backends: V = 2^15 equal logits give p = 2^-15 exactly (exp(0) = 1,
+    a sum of ones); q makes the residual max(0, p - q) = 2^-15 on 10 tokens, then j * 2^-39
+    (j = 1..7, exact differences) on 64 tokens, 0 elsewhere.  The tiny tokens sit at a CDF of
+    about 10 * 2^-15, where fp32's spacing is 2^-35: an fp32 running sum does not move over them,
+    so an fp32 CDF never drew them (before: an fp32 uniform and CDF).  A uniform in the middle of each one's
+    interval draws it.  (A rejected draft x with q(x) = 2 p(x) leaves the residual.)"""
+    V, n_big, n_tiny = 2**15, 10, 64
+    p = 2.0 ** -15
+    q = torch.full((V,), p)
+    q[:n_big] = 0.0
+    d = torch.tensor([(j % 7 + 1) * 2.0 ** -39 for j in range(n_tiny)])
+    q[n_big:n_big + n_tiny] = p - d
+    x = V - 1
+    q[x] = 2 * p  # rejected: u * q(x) >= p(x) for u near 1
+    w = torch.clamp(torch.full((V,), p) - q, min=0.0)  # the residual, as the verifier computes it
+    assert torch.equal(w[n_big:n_big + n_tiny], d) and float(w.double().sum()) == n_big * p + float(d.double().sum())
+    cdf = torch.cumsum(w.double(), 0)
+    total = float(cdf[-1])
+    tiny = torch.arange(n_big, n_big + n_tiny)
+    run32 = torch.from_numpy(np.cumsum(w.numpy(), dtype=np.float32))  # an fp32 running sum
+    assert bool((run32[tiny] == run32[n_big - 1]).all())  # does not move over them
+    u_final = (cdf[tiny - 1] + w[tiny].double() / 2) / total
+    u_final = torch.floor(u_final * 2.0 ** 53) / 2.0 ** 53  # on the Philox draw's grid
+    u = torch.stack([torch.full((n_tiny,), 1 - 2.0 ** -53, dtype=torch.float64), u_final], 1)
+    logits = torch.zeros(n_tiny, 2, V)
+    qs = q.reshape(1, 1, V).expand(n_tiny, 1, V).contiguous()
+    tokens, num = _verify(backend, dev, logits, torch.full((n_tiny, 1), x), qs, temperature=1.0, uniforms=u)
+    assert num.tolist() == [0] * n_tiny
+    assert tokens[:, 0].tolist() == tiny.tolist()
+
+
+def test_bonus_draw_resolves_the_tail_of_a_large_vocabulary():
+    """The same for the bonus from a 49,152-token softmax with a long tail (torch path = the
+    reference): tokens of p in (2^-29, 2^-25) past the middle of the CDF, whose intervals are
+    empty in fp32, are each drawn by a uniform in the middle of their interval.  (Before: an fp32
+    uniform and an fp32 CDF, which drew such a token with probability 0 or 2^-24: over such a
+    softmax a total variation of ~4.5e-4, the floor a helper measured for the draft's sampler.)
+    The kernel computes its own fp32 p, a last bit away from the reference's here and there, so
+    which tiny token a given uniform hits is defined by its p, which a test cannot see; the
+    kernel's float64 draw is checked on exact weights above."""
+    from specdec_kernels.reference import _target_probs, warp_logits
+
+    g = torch.Generator().manual_seed(1)
+    V, n = 49152, 16
+    logits = torch.randn(1, 2, V, generator=g) * 3.0
+    s, keep = warp_logits(logits, torch.ones(1, 2), None, None)
+    w = _target_probs(s, keep)[0, 1]  # the bonus position's p
+    cdf = torch.cumsum(w.double(), 0)
+    total = float(cdf[-1])
+    cdf32 = cdf.float()
+    empty32 = cdf32 == torch.roll(cdf32, 1)
+    tail = ((w > 2.0 ** -29) & (w < 2.0 ** -25) & (torch.roll(cdf, 1) > 0.5 * total) & empty32).nonzero()[:, 0]
+    assert len(tail) > 200  # the tail this is about
+    picked = tail[torch.randperm(len(tail), generator=g)[:n]]
+    u_final = (cdf[picked - 1] + w[picked].double() / 2) / total  # the middle of each one's interval
+    u_final = torch.floor(u_final * 2.0 ** 53) / 2.0 ** 53
+    x = int(logits[0, 0].argmax())  # accepted with u = 0 (q one-hot): the bonus comes from position 1
+    u = torch.stack([torch.zeros(n, dtype=torch.float64), u_final], 1)
+    tokens, num = _verify("torch", "cpu", logits.expand(n, 2, V).contiguous(), torch.full((n, 1), x),
+                          temperature=1.0, uniforms=u)
+    assert num.tolist() == [1] * n
+    assert tokens[:, 1].tolist() == picked.tolist()

@@ -124,7 +124,7 @@ def test_host_philox_equals_tensor_philox():
                   for _ in range(B)]
         a = philox_uniforms(torch.tensor(seed, dtype=torch.int64), torch.tensor(offset, dtype=torch.int64), K)
         b = _philox_uniforms_host(seed, offset, K)
-        assert a.dtype == b.dtype == torch.float32 and a.shape == b.shape == (B, K + 1)
+        assert a.dtype == b.dtype == torch.float64 and a.shape == b.shape == (B, K + 1)
         assert torch.equal(a, b), (seed, offset, K)
 
 
@@ -145,26 +145,36 @@ def test_seeded_torch_path_equals_explicit_uniforms(B, monkeypatch):
 
 
 def test_philox_uniforms_match_triton_rand(device):
-    """The reference's Philox reproduces triton.language.rand bit for bit."""
+    """The reference's Philox reproduces Triton's bit for bit: the acceptance tests' numbers are
+    ``tl.rand`` (fp32), the final draw's are 53 bits of ``tl.randint4x``'s first two words."""
     import triton
     import triton.language as tl
 
     @triton.jit
-    def _rand_kernel(seed_ptr, offset_ptr, out_ptr, N):
+    def _rand_kernel(seed_ptr, offset_ptr, out_ptr, words_ptr, N):
         b = tl.program_id(0)
         seed = tl.load(seed_ptr + b)
         base = tl.load(offset_ptr + b) << 32
         for c in range(0, N):
             tl.store(out_ptr + b * N + c, tl.rand(seed, base | c))
+            r0, r1, _, _ = tl.randint4x(seed, base | c)
+            tl.store(words_ptr + (b * N + c) * 2, r0.to(tl.int64))
+            tl.store(words_ptr + (b * N + c) * 2 + 1, r1.to(tl.int64))
 
     seed = torch.tensor([0, 1, -7, 2**62 + 5, 123456789], dtype=torch.int64)
     offset = torch.tensor([0, 1, 2, 2**31 + 3, 77], dtype=torch.int64)
     out = torch.empty(5, 6, dtype=torch.float32, device=device)
-    _rand_kernel[(5,)](seed.to(device), offset.to(device), out, 6)
+    words = torch.empty(5, 6, 2, dtype=torch.int64, device=device)
+    _rand_kernel[(5,)](seed.to(device), offset.to(device), out, words, 6)
     u = philox_uniforms(seed, offset, 5)  # counters 1..5 then 0
-    expected = torch.cat([u[:, 5:], u[:, :5]], dim=1)
-    assert torch.equal(out.cpu(), expected)
-    assert ((u >= 0) & (u < 1)).all()
+    assert u.dtype == torch.float64 and ((u >= 0) & (u < 1)).all()
+    assert torch.equal(out.cpu()[:, 1:].double(), u[:, :5])  # the acceptance tests: tl.rand's values
+    w = words.cpu()[:, 0]  # counter 0: the final draw
+    assert ((w >= 0) & (w < 2**32)).all()
+    want = ((w[:, 0] >> 5) * 2**26 + (w[:, 1] >> 6)).double() / 2**53
+    assert torch.equal(u[:, 5], want)
+    # 53 bits, not an fp32 value widened: the final draws are off fp32's grid
+    assert not torch.equal(u[:, 5].float().double(), u[:, 5])
 
 
 @pytest.mark.parametrize("warp", [False, True], ids=["plain", "topk_topp"])

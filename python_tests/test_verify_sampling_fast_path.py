@@ -177,7 +177,8 @@ def test_knife_edge_acceptance_and_draw(dtype, counted):
     ulp away from the reference's flips an outcome: with q one-hot, x is accepted iff u < p(x), so
     u = p(x) rejects and the next float below accepts; the bonus draw returns the first v with
     cdf(v) > u * cdf(V-1), so a u for which u * cdf(V-1) equals cdf(v) exactly lands on v + 1 and
-    the float below lands at or before v (the first index whose cdf exceeds it: a flat cdf ties)."""
+    the float below lands at or before v (the first index whose cdf exceeds it: a flat cdf ties).
+    The uniforms, the test u * q(x) < p(x) and the cdf are float64 (the reference's)."""
     g = torch.Generator().manual_seed(21)
     B, K, V = 64, 1, 3000
     logits = (torch.randn(B, K + 1, V, generator=g) * 2.5).to(dtype)
@@ -186,8 +187,8 @@ def test_knife_edge_acceptance_and_draw(dtype, counted):
     # the 5th likeliest token: p(x) well inside (0, 1), and not the maximum (whose e = exp(0) = 1
     # would make e / sum and e * (1 / sum) agree)
     x = p[:, 0].topk(5, -1).indices[:, 4:5]
-    p_x = p[:, 0].gather(-1, x)[:, 0]
-    cdf = torch.cumsum(p[:, 1], -1)
+    p_x = p[:, 0].gather(-1, x)[:, 0].double()
+    cdf = torch.cumsum(p[:, 1].double(), -1)
     total = cdf[:, -1]
     below = lambda v: torch.nextafter(v, torch.zeros_like(v))  # noqa: E731
     # a u with u * total == cdf[v] exactly, for a v in the middle of each row
@@ -202,7 +203,8 @@ def test_knife_edge_acceptance_and_draw(dtype, counted):
     exact = u_draw * total == target
     assert exact.sum() > B // 2, "enough rows with an exact boundary"
     for u0, u1 in ((p_x, u_draw), (below(p_x), u_draw), (below(p_x), below(u_draw))):
-        u = torch.stack([u0, u1], 1).float()
+        u = torch.stack([u0, u1], 1)
+        assert u.dtype == torch.float64
         out = fused_verify(logits, x, None, temperature=t, uniforms=u, backend="torch")
         ref = verify_reference(logits, x, None, torch.full((B,), K), t, None, None, u)
         assert torch.equal(out.tokens, ref[0]) and torch.equal(out.num_accepted, ref[1])

@@ -105,7 +105,7 @@ def verify_signature(logits: str, tokens: str, meta: dict) -> dict:
         num_draft_ptr="*i64", temperature_ptr="*fp32",
         top_k_ptr="*i64", top_p_ptr="*fp32" if meta["HAS_TOP_P"] else placeholder,
         seed_ptr="*i64", offset_ptr="*i64",
-        uniforms_ptr="*fp32" if meta["HAS_UNIFORMS"] else placeholder,
+        uniforms_ptr="*fp64" if meta["HAS_UNIFORMS"] else placeholder,
         tokens_ptr="*i64", num_accepted_ptr="*i64",
         K="i32", V="i32", Vd="i32",
     )

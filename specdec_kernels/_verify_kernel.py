@@ -15,7 +15,8 @@ accepts everything), with V the vocabulary and E the logit element size (4, or 2
 - writes (K + 2) * 8 bytes (tokens and the accepted count).
 
 The floor for one step is the (j + 1) * V * E bytes of logits that a correct verification must
-look at; the plain path reads about (j + 2.5) * V * E.  Everything is accumulated in fp32.
+look at; the plain path reads about (j + 2.5) * V * E.  The softmax is accumulated in fp32; the
+acceptance tests and the final draw's masses and cumulative sums in float64 (see below).
 
 Parallelism: one program per batch row, so at small B the step is bound by one streaming
 multiprocessor per row, not by the device's bandwidth. Splitting the vocabulary across programs
@@ -23,10 +24,12 @@ needs a grid-wide barrier between the softmax statistics and the final draw (the
 max(0, e/S - q) is not decomposable before S is known); that variant is future work, to be
 measured against this one on a GPU.
 
-Randomness is counter-based: the uniform with counter c of row b is
-``tl.rand(seed_b, (offset_b << 32) | c)`` (c = i + 1 for the acceptance test of draft i, c = 0
-for the final draw), so a row's numbers never depend on the other rows, on B or on K, and the
-kernel can be captured in a CUDA graph.  ``reference.philox_uniforms`` reproduces them.
+Randomness is counter-based: the numbers of row b come from Philox at counter
+``(offset_b << 32) | c``: ``tl.rand`` (fp32, 24 bits) with c = i + 1 for the acceptance test of
+draft i, and 53 bits of ``tl.randint4x`` with c = 0 for the final draw, whose inverse CDF sums
+in float64: a token is drawn with its probability down to ~2^-53, not only down to fp32's
+2^-24.  A row's numbers never depend on the other rows, on B or on K, and the kernel can be
+captured in a CUDA graph.  ``reference.philox_uniforms`` reproduces them.
 """
 
 from __future__ import annotations
@@ -157,7 +160,7 @@ def _verify_kernel(
     top_k_ptr,  # [B] int64, 0 = off
     top_p_ptr,  # [B] fp32, 1 = off
     seed_ptr, offset_ptr,  # [B] int64 each
-    uniforms_ptr,  # [B, K+1] fp32, contiguous
+    uniforms_ptr,  # [B, K+1] float64, contiguous
     tokens_ptr,  # out [B, K+1] int64, contiguous
     num_accepted_ptr,  # out [B] int64
     K, V, Vd,
@@ -208,17 +211,18 @@ def _verify_kernel(
         x_safe = tl.where(x_ok, x, 0)
         s_x = tl.load(pos_ptr + x_safe).to(tl.float32) * inv_t
         p_x = tl.where(_order_key(s_x).to(tl.int64) >= thr, tl.exp(s_x - m) / S, 0.0)
-        q_x = 1.0
+        q_x = tl.full([], 1.0, tl.float32)
         if HAS_DRAFT_PROBS:
             q_x = tl.load(draft_probs_ptr + b * stride_qb + j * stride_qk + x_safe,
                           mask=x_safe < Vd, other=0.0)
         if HAS_UNIFORMS:
             u = tl.load(uniforms_ptr + b * (K + 1) + j)
         else:
-            u = tl.rand(seed, counter_base | (j + 1))
+            u = tl.rand(seed, counter_base | (j + 1)).to(tl.float64)
         bad_q = ~greedy & ((q_x != q_x) | (q_x < 0.0) | (q_x == float("inf")))
         bad = bad_pos | ~x_ok | bad_q
-        accept = tl.where(greedy, x == amax, u * q_x < p_x)
+        # in float64: u * q(x) of a 24-bit u and an fp32 q is exact
+        accept = tl.where(greedy, x == amax, u * q_x.to(tl.float64) < p_x.to(tl.float64))
         rejected = (~accept & ~bad).to(tl.int32)
         j = tl.where(accept & ~bad, j + 1, j)
         m_j, S_j, thr_j, amax_j = m, S, thr, amax
@@ -236,41 +240,56 @@ def _verify_kernel(
         q_len = tl.where(rejected, Vd, 0)
         x_j = tl.load(draft_tokens_ptr + b * stride_tb + j, mask=j < K, other=-1).to(tl.int64)
         x_j = tl.where(rejected, x_j, -1)
-        # Pass A: the residual mass R = sum max(0, p - q), the mass of p, and a check of q_j.
-        acc_r = tl.zeros([BLOCK_V], dtype=tl.float32)
-        acc_p = tl.zeros([BLOCK_V], dtype=tl.float32)
+        # Pass A: the residual mass R = sum max(0, p - q) and a check of q_j, summed in float64
+        # (per lane, then across lanes) like the scan below, so that the final draw's total and
+        # its cumulative sums agree to ~2^-53.
+        acc_r = tl.zeros([BLOCK_V], dtype=tl.float64)
         n_bad_q = 0
         for start in range(0, V, BLOCK_V):
             offs, mask, p, q, r = _draw_tile(pos_ptr, q_ptr, start, V, q_len, x_j, inv_t, m_j, S_j, thr_j,
                                              rejected, HAS_DRAFT_PROBS, BLOCK_V)
             n_bad_q += tl.sum(((q != q) | (q < 0.0) | (q == float("inf"))).to(tl.int32), axis=0)
-            acc_r += tl.where(r == r, r, 0.0)
-            acc_p += p
+            acc_r += tl.where(r == r, r, 0.0).to(tl.float64)
         bad = n_bad_q > 0
-        R = tl.sum(acc_r, axis=0)
-        use_p = R <= 0.0
-        total = tl.where(use_p, tl.sum(acc_p, axis=0), R)
+        total = tl.sum(acc_r, axis=0)
+        use_p = total <= 0.0
+        if use_p:
+            # The residual sums to zero (q >= p everywhere in floating point): draw from p itself,
+            # its mass summed the same way.  Rare, so it is a pass of its own rather than a second
+            # float64 accumulator in Pass A (registers: one accumulator keeps the kernel near the
+            # fp32 version's count).
+            acc_p = tl.zeros([BLOCK_V], dtype=tl.float64)
+            for start in range(0, V, BLOCK_V):
+                offs, mask, p, q, r = _draw_tile(pos_ptr, q_ptr, start, V, 0, -1, inv_t, m_j, S_j, thr_j,
+                                                 False, HAS_DRAFT_PROBS, BLOCK_V)
+                acc_p += p.to(tl.float64)
+            total = tl.sum(acc_p, axis=0)
         if HAS_UNIFORMS:
             u_final = tl.load(uniforms_ptr + b * (K + 1) + K)
         else:
-            u_final = tl.rand(seed, counter_base)
+            # 53 random bits (27 of Philox's first word, 26 of its second) on the 2^-53 grid: with
+            # fp32's 24, a token of probability below ~2^-24 would be drawn with probability 0
+            # or 2^-24, not its own
+            r0, r1, _, _ = tl.randint4x(seed, counter_base)
+            u_final = ((r0 >> 5).to(tl.float64) * 67108864.0 + (r1 >> 6).to(tl.float64)) * 1.1102230246251565e-16
         target = u_final * total
         # Pass B: inverse CDF, stopping at the first token whose cumulative weight passes target.
-        carry = 0.0
+        carry = tl.full([], 0.0, tl.float64)
         found = tl.full([], -1, tl.int32)
         last_nz = tl.full([], -1, tl.int32)
         start = tl.full([], 0, tl.int32)
         while (start < V) & (found < 0):
             offs, mask, p, q, r = _draw_tile(pos_ptr, q_ptr, start, V, q_len, x_j, inv_t, m_j, S_j, thr_j,
                                              rejected & ~use_p, HAS_DRAFT_PROBS, BLOCK_V)
-            cdf = carry + tl.cumsum(r, axis=0)
+            r64 = r.to(tl.float64)
+            cdf = carry + tl.cumsum(r64, axis=0)  # float64: no weight swallowed by a larger sum
             # r > 0: a token of weight 0 is never the hit, whatever order tl.cumsum adds in (a
             # tree order may round cdf[v] above cdf[v - 1] where r[v] = 0; a sequential sum,
             # the reference's, cannot, so the two pick the same token)
             hit = tl.min(tl.where(mask & (r > 0.0) & (cdf > target), offs, _INT32_MAX), axis=0)
             found = tl.where(hit < _INT32_MAX, hit, found)
             last_nz = tl.maximum(last_nz, tl.max(tl.where(mask & (r > 0.0), offs, -1), axis=0))
-            carry += tl.sum(r, axis=0)
+            carry += tl.sum(r64, axis=0)
             start += BLOCK_V
         final = tl.where(found >= 0, found, last_nz)
         bad = bad | (final < 0)

@@ -21,9 +21,15 @@ Speculative Sampling"):
   logits are all -inf, a NaN/inf/negative draft probability, a draft token outside [0, V), a
   bad per-row parameter). It emits nothing: ``num_accepted = -1`` and ``tokens`` all -1.
 
-Random numbers: ``uniforms`` is [B, K+1] fp32 in [0, 1); ``uniforms[b, i]`` (i < K) is the
-acceptance test of draft i and ``uniforms[b, K]`` drives the final inverse-CDF draw (recovered
-or bonus).  ``philox_uniforms`` produces exactly the numbers the Triton kernel draws itself.
+Random numbers: ``uniforms`` is [B, K+1] float64 (or fp32) in [0, 1); ``uniforms[b, i]``
+(i < K) is the acceptance test of draft i and ``uniforms[b, K]`` drives the final inverse-CDF
+draw (recovered or bonus).  ``philox_uniforms`` produces exactly the numbers the Triton kernel
+draws itself: 24-bit fp32 values for the acceptance tests (``tl.rand``) and a 53-bit value for
+the final draw.  The acceptance test and the final draw compute in float64: u * q(x) of an fp32
+q is exact there, and the inverse CDF sums fp32 weights exactly up to ~2^-53 relative, so that
+a token of probability below fp32's resolution (~2^-24) is drawn with its own probability, not 0
+or 2^-24 (a 53-bit uniform over an fp32 cumulative sum would not be enough: the sum itself
+swallows such tokens).
 """
 
 from __future__ import annotations
@@ -74,9 +80,15 @@ def _uint32_to_uniform(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.float32) * torch.tensor(4.6566127342e-10, dtype=torch.float32)
 
 
-def _philox_r0_host(seed: int, offset: int, counter: int) -> int:
-    """The first output word of ``_philox4x32`` for one (seed, offset, counter), in Python ints:
-    the same uint32 arithmetic without a tensor op per step (for small batches on the host)."""
+def _uint53_to_uniform(r0: torch.Tensor, r1: torch.Tensor) -> torch.Tensor:
+    """Two uint32 words (in int64) -> a float64 uniform in [0, 1) on the 2^-53 grid: 27 bits of
+    r0 and 26 of r1, every value equally likely (the final draw's uniform)."""
+    return ((r0 >> 5) * 67108864 + (r1 >> 6)).to(torch.float64) * (1.0 / 9007199254740992.0)
+
+
+def _philox_r01_host(seed: int, offset: int, counter: int) -> tuple[int, int]:
+    """The first two output words of ``_philox4x32`` for one (seed, offset, counter), in Python
+    ints: the same uint32 arithmetic without a tensor op per step (for small batches on the host)."""
     c0, c1, c2, c3 = counter, offset & _MASK32, 0, 0
     k0, k1 = seed & _MASK32, (seed >> 32) & _MASK32
     for _ in range(10):
@@ -85,26 +97,36 @@ def _philox_r0_host(seed: int, offset: int, counter: int) -> int:
         c0, c1, c2, c3 = ((pb >> 32) & _MASK32) ^ c1 ^ k0, pb & _MASK32, ((pa >> 32) & _MASK32) ^ c3 ^ k1, pa & _MASK32
         k0 = (k0 + 0x9E3779B9) & _MASK32
         k1 = (k1 + 0xBB67AE85) & _MASK32
-    return c0
+    return c0, c1
 
 
 def _philox_uniforms_host(seed: list, offset: list, num_draft_slots: int) -> torch.Tensor:
     """``philox_uniforms`` computed in Python ints (seed, offset: lists of B ints in int64 range):
-    the same [B, K+1] fp32 values, for CPU batches small enough that ~360 tensor ops per call
+    the same [B, K+1] float64 values, for CPU batches small enough that ~360 tensor ops per call
     cost more than B * (K+1) Philox evaluations on the host."""
     K1 = num_draft_slots + 1
     counters = [i + 1 if i < num_draft_slots else 0 for i in range(K1)]
-    r0 = [[_philox_r0_host(s, o, c) for c in counters] for s, o in zip(seed, offset)]
-    return _uint32_to_uniform(torch.tensor(r0, dtype=torch.int64).reshape(len(seed), K1))
+    words = torch.tensor([[_philox_r01_host(s, o, c) for c in counters] for s, o in zip(seed, offset)],
+                         dtype=torch.int64).reshape(len(seed), K1, 2)
+    return _uniforms_from_words(words[..., 0], words[..., 1])
+
+
+def _uniforms_from_words(r0: torch.Tensor, r1: torch.Tensor) -> torch.Tensor:
+    """[B, K+1] Philox words (counters 1..K, then 0) -> the uniforms [B, K+1] float64: the
+    acceptance tests' fp32 ``tl.rand`` values (of r0), the final draw's 53 bits (of r0 and r1)."""
+    u = _uint32_to_uniform(r0).to(torch.float64)
+    u[:, -1] = _uint53_to_uniform(r0[:, -1], r1[:, -1])
+    return u
 
 
 def philox_uniforms(seed: torch.Tensor, offset: torch.Tensor, num_draft_slots: int) -> torch.Tensor:
-    """The uniforms fused_verify draws for (seed, offset): [B, K+1] fp32 in [0, 1).
+    """The uniforms fused_verify draws for (seed, offset): [B, K+1] float64 in [0, 1).
 
-    Each number is ``tl.rand(seed_b, (offset_b << 32) | c)``, i.e. Philox with counter
-    (c, offset_b, 0, 0) and key seed_b: counter c = i + 1 for the acceptance test of draft i
-    and c = 0 for the final draw.  So a row's numbers depend on its own seed and offset only,
-    never on B, K or the other rows.
+    Number i comes from Philox4x32-10 with counter (c, offset_b, 0, 0) and key seed_b (what
+    ``tl.randint4x(seed_b, (offset_b << 32) | c)`` computes): counter c = i + 1 for the
+    acceptance test of draft i, which is ``tl.rand``'s fp32 value of the first word, and c = 0
+    for the final draw, whose 53 bits are 27 of the first word and 26 of the second.  So a row's
+    numbers depend on its own seed and offset only, never on B, K or the other rows.
     """
     seed = seed.to(torch.int64)  # [B]
     offset = offset.to(torch.int64)  # [B]
@@ -116,8 +138,8 @@ def philox_uniforms(seed: torch.Tensor, offset: torch.Tensor, num_draft_slots: i
     zero = torch.zeros_like(c0)
     k0 = (seed & _MASK32)[:, None].expand_as(c0)
     k1 = ((seed >> 32) & _MASK32)[:, None].expand_as(c0)
-    r0, _, _, _ = _philox4x32(c0, c1, zero, zero, k0, k1)
-    return _uint32_to_uniform(r0)
+    r0, r1, _, _ = _philox4x32(c0, c1, zero, zero, k0, k1)
+    return _uniforms_from_words(r0, r1)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -178,8 +200,9 @@ def _target_probs(s: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
 
 
 def _accept(u: torch.Tensor, p_x: torch.Tensor, q_x: torch.Tensor) -> torch.Tensor:
-    """Accept with probability min(1, p(x) / q(x)): u * q(x) < p(x), with no division."""
-    return u * q_x < p_x
+    """Accept with probability min(1, p(x) / q(x)): u * q(x) < p(x), with no division, in
+    float64 (u float64; p(x), q(x) fp32, so the product of a 24-bit u and q is exact)."""
+    return u.double() * q_x.double() < p_x.double()
 
 
 def _residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -188,10 +211,12 @@ def _residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
 
 def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Index of the first v with cumsum(w)[v] > u * sum(w); the last v with w > 0 if rounding
-    leaves none.  weights [N, V] >= 0 with a positive sum, u [N] in [0, 1).  Returns [N] int64."""
-    cdf = torch.cumsum(weights, dim=-1)
-    target = u * cdf[:, -1]
+    """Index of the first v with cumsum(w)[v] > u * sum(w), summed in float64 (each partial sum
+    of fp32 weights exact up to ~2^-53 relative: no weight is swallowed by a larger sum); the
+    last v with w > 0 if rounding leaves none.  weights [N, V] >= 0 with a positive sum, u [N]
+    float64 in [0, 1).  Returns [N] int64."""
+    cdf = torch.cumsum(weights.double(), dim=-1)
+    target = u.double() * cdf[:, -1]
     idx = (cdf <= target[:, None]).sum(-1)
     V = weights.shape[-1]
     ar = torch.arange(V, device=weights.device)
@@ -210,7 +235,7 @@ def verify_reference(
     temperature: torch.Tensor,  # [B] fp32, 0 = greedy
     top_k: torch.Tensor | None,  # [B] int, 0 = off
     top_p: torch.Tensor | None,  # [B] fp32, 1 = off
-    uniforms: torch.Tensor,  # [B, K+1] fp32 in [0, 1)
+    uniforms: torch.Tensor,  # [B, K+1] float64 (or fp32) in [0, 1)
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One speculative-decoding verification step. Returns (tokens [B, K+1] int64,
     num_accepted [B] int64); row b emits tokens[b, :num_accepted[b] + 1]."""
@@ -227,7 +252,7 @@ def verify_reference(
 
     x, x_safe, q_x, bad_x = _drafts(draft_tokens, draft_probs, greedy, V)
     p_x = p[:, :K].gather(-1, x_safe[..., None])[..., 0]  # [B, K]
-    u = uniforms.float()
+    u = uniforms.double()
     accept = torch.where(greedy[:, None], x == argmax[:, :K], _accept(u[:, :K], p_x, q_x))  # [B, K]
 
     j, rejected, bad_row = _stop_position(accept, bad_x, bad_pos, bad_param, kb)
@@ -293,7 +318,7 @@ def _final_token(
     bad_row: torch.Tensor,  # [B] bool
     greedy: torch.Tensor,  # [B] bool
     argmax: torch.Tensor,  # [B, K+1] int64: first index of the maximum of s
-    u_final: torch.Tensor,  # [B] fp32: the final draw's uniform
+    u_final: torch.Tensor,  # [B] float64: the final draw's uniform
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The recovered (after a rejection: residual norm(max(0, p_j - q_j))) or bonus (p_j) token
     of each row, its argmax for greedy rows; and bad_row, extended by an unusable q_j."""

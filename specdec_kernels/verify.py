@@ -97,7 +97,7 @@ class _Args(NamedTuple):
     top_p: Optional[torch.Tensor]  # [B] fp32
     seed: torch.Tensor  # [B] int64
     offset: torch.Tensor  # [B] int64
-    uniforms: Optional[torch.Tensor]  # [B, K+1] fp32
+    uniforms: Optional[torch.Tensor]  # [B, K+1] float64
 
 
 def _normalize(target_logits, draft_tokens, draft_probs, num_draft_tokens, temperature, top_k,
@@ -153,9 +153,10 @@ def _normalize(target_logits, draft_tokens, draft_probs, num_draft_tokens, tempe
         seed = _per_row("seed", seed, B, torch.int64, dev, int)
     offset = _per_row("offset", offset, B, torch.int64, dev, int)
     if uniforms is not None:
-        _check_tensor("uniforms", uniforms, (torch.float32,), [B, K + 1], dev)
+        _check_tensor("uniforms", uniforms, (torch.float64, torch.float32), [B, K + 1], dev)
         if _check_values(uniforms) and uniforms.numel() and not bool(((uniforms >= 0) & (uniforms < 1)).all()):
             raise ValueError("uniforms must lie in [0, 1), got values outside it")
+        uniforms = uniforms.to(torch.float64)  # the tests and the final draw compute in float64
     return _Args(target_logits, draft_tokens, draft_probs, kb, temp, top_k, top_p, seed, offset, uniforms)
 
 
@@ -216,7 +217,7 @@ def _launch_triton(a: _Args) -> tuple[torch.Tensor, torch.Tensor]:
     q = a.draft_probs
     if q is not None and q.stride(-1) != 1:
         q = q.contiguous()
-    uniforms = a.uniforms.contiguous() if a.uniforms is not None else None
+    uniforms = a.uniforms.to(torch.float64).contiguous() if a.uniforms is not None else None
     x = a.draft_tokens if a.draft_tokens.stride(-1) == 1 else a.draft_tokens.contiguous()  # read at + j
     dummy = num_accepted  # stands in for absent optional pointers; never dereferenced
     _verify_kernel[(B,)](
@@ -508,7 +509,7 @@ def fused_verify(
     top_p=None,  # None, float or [B] (1.0 = off)
     seed=None,  # None (torch's default generator), int, or [B] int64
     offset=0,  # int or [B] int64: a step counter
-    uniforms: Optional[torch.Tensor] = None,  # [B, K+1] fp32 in [0, 1): explicit random numbers
+    uniforms: Optional[torch.Tensor] = None,  # [B, K+1] float64 (or fp32) in [0, 1): explicit random numbers
     backend: str = "auto",  # "auto" | "triton" | "torch"
 ) -> VerifyOutput:
     """Verify K drafted tokens against the target in one step (Leviathan et al. 2023; Chen et al. 2023).
@@ -524,7 +525,10 @@ def fused_verify(
     Randomness: the numbers of row b depend only on (seed[b], offset[b]) (Philox, counter-based),
     never on the other rows of the batch; an int seed is used by every row.  ``uniforms``
     replaces them: ``uniforms[b, i]`` (i < K) tests draft i and ``uniforms[b, K]`` drives the
-    final draw.  The CPU torch path and the Triton kernel draw the same numbers.
+    final draw.  The CPU torch path and the Triton kernel draw the same numbers
+    (``reference.philox_uniforms``): 24-bit ones for the tests, 53 bits for the final draw, whose
+    inverse CDF sums in float64, so that a token of probability far below fp32's 2^-24 is
+    still drawn with its own probability.
 
     Unusable input never yields a token: a row that meets a NaN or +inf logit, a position with
     no finite logit, a NaN/inf/negative draft probability or a draft id outside [0, V) at a
