@@ -27,8 +27,8 @@ measured against this one on a GPU.
 Randomness is counter-based: the numbers of row b come from Philox at counter
 ``(offset_b << 32) | c``: ``tl.rand`` (fp32, 24 bits) with c = i + 1 for the acceptance test of
 draft i, and 53 bits of ``tl.randint4x`` with c = 0 for the final draw, whose inverse CDF sums
-in float64: a token is drawn with its probability down to ~2^-53, not only down to fp32's
-2^-24.  A row's numbers never depend on the other rows, on B or on K, and the kernel can be
+in float64: a token is drawn with its probability to within ~2^-53 of the total (a total
+variation of at most ~V * 2^-54), not only to within fp32's 2^-24.  A row's numbers never depend on the other rows, on B or on K, and the kernel can be
 captured in a CUDA graph.  ``reference.philox_uniforms`` reproduces them.
 """
 
@@ -241,8 +241,11 @@ def _verify_kernel(
         x_j = tl.load(draft_tokens_ptr + b * stride_tb + j, mask=j < K, other=-1).to(tl.int64)
         x_j = tl.where(rejected, x_j, -1)
         # Pass A: the residual mass R = sum max(0, p - q) and a check of q_j, summed in float64
-        # (per lane, then across lanes) like the scan below, so that the final draw's total and
-        # its cumulative sums agree to ~2^-53.
+        # per lane, then across lanes.  The scan below sums per tile instead, so the total and the
+        # last cumulative sum agree to ~V * 2^-53 relative, not bit for bit: a uniform within that
+        # of 1 may find no hit and take the last positive weight, where the reference's sequential
+        # sums may pick the token before it (a probability of ~1e-15 a draw; summing per tile here
+        # too would cost a cross-warp reduction per tile).
         acc_r = tl.zeros([BLOCK_V], dtype=tl.float64)
         n_bad_q = 0
         for start in range(0, V, BLOCK_V):
@@ -282,7 +285,7 @@ def _verify_kernel(
             offs, mask, p, q, r = _draw_tile(pos_ptr, q_ptr, start, V, q_len, x_j, inv_t, m_j, S_j, thr_j,
                                              rejected & ~use_p, HAS_DRAFT_PROBS, BLOCK_V)
             r64 = r.to(tl.float64)
-            cdf = carry + tl.cumsum(r64, axis=0)  # float64: no weight swallowed by a larger sum
+            cdf = carry + tl.cumsum(r64, axis=0)  # float64: tiny weights keep their intervals
             # r > 0: a token of weight 0 is never the hit, whatever order tl.cumsum adds in (a
             # tree order may round cdf[v] above cdf[v - 1] where r[v] = 0; a sequential sum,
             # the reference's, cannot, so the two pick the same token)

@@ -528,7 +528,7 @@ def fused_verify(
     final draw.  The CPU torch path and the Triton kernel draw the same numbers
     (``reference.philox_uniforms``): 24-bit ones for the tests, 53 bits for the final draw, whose
     inverse CDF sums in float64, so that a token of probability far below fp32's 2^-24 is
-    still drawn with its own probability.
+    still drawn with its own probability (to within ~2^-53 of the total).
 
     Unusable input never yields a token: a row that meets a NaN or +inf logit, a position with
     no finite logit, a NaN/inf/negative draft probability or a draft id outside [0, V) at a
