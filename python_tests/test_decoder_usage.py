@@ -1,6 +1,7 @@
 """SpeculativeDecoder as it is used: prompt lookup, stopping (EOS, stop strings,
 max_new_tokens), bad input (each error with ``match=``, before any model work), the pieces
-(the draft's warp and random numbers, the cost model, stats); the CLI is in test_cli.py.
+(the draft's warp and random numbers, the cost model, stats); the CLI's own tests are in
+test_cli.py (its device refusal is checked beside the constructor's, here).
 """
 
 from __future__ import annotations

@@ -15,6 +15,8 @@ from typing import Union
 
 import torch
 
+from .reference import _inverse_cdf, _uint53_to_uniform
+
 __all__ = ["warp_probs"]
 
 _MASK32 = 0xFFFFFFFF
@@ -126,24 +128,16 @@ def _draft_uniforms(key_lo: torch.Tensor, key_hi: torch.Tensor, step: torch.Tens
     tail of a 49,152-token softmax: a total variation of ~4.5e-4 between what was drawn and the
     q the verifier is told), and speculative sampling is exact only if the draft was drawn from
     the q it reports."""
-    a = _draft_hash(key_lo, key_hi, step, 2 * j) >> 5  # 27 bits
-    b = _draft_hash(key_lo, key_hi, step, 2 * j + 1) >> 6  # 26 bits
-    return ((a << 26) | b).to(torch.float64) * (1.0 / (1 << 53))
+    return _uint53_to_uniform(_draft_hash(key_lo, key_hi, step, 2 * j), _draft_hash(key_lo, key_hi, step, 2 * j + 1))
 
 
 def _sample_inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """The first v with p[v] > 0 and cumsum(p)[v] > u * sum(p), the sums in float64 (never a
-    zero-probability token; the last token with p > 0 if rounding leaves none).
+    zero-probability token; the last token with p > 0 if rounding leaves none; 0 for a row
+    without a distribution): the verifier's own inverse CDF, ``reference._inverse_cdf``.
     probs [B, V] fp32 (or float64), u [B] float64 -> [B] int64.
 
-    In float64 every partial sum of fp32 probabilities (24-bit mantissas, V < 2^29 of them) is
-    exact up to ~2^-53 relative, so token v is drawn with probability q_v / sum(q) up to ~2^-52
-    (with ``_draft_uniforms``' 53-bit grid)."""
-    p = probs.double()
-    cdf = torch.cumsum(p, dim=-1)  # [B, V]
-    thr = (u.double() * cdf[:, -1])[:, None]
-    V = probs.shape[-1]
-    ar = torch.arange(V, device=probs.device)
-    idx = torch.where((cdf > thr) & (p > 0), ar, V).amin(-1)
-    last_nonzero = torch.where(p > 0, ar, -1).amax(-1)
-    return torch.where(idx >= V, last_nonzero, idx).clamp(min=0)
+    In float64 each addition rounds by ~2^-53 of the running sum, so token v is drawn with
+    probability q_v / sum(q) to within ~2^-53 of the total (with ``_draft_uniforms``' 53-bit
+    grid)."""
+    return _inverse_cdf(probs, u).clamp(min=0)  # the verifier's own sampler (0 for a NaN row)

@@ -82,8 +82,9 @@ def _uint32_to_uniform(x: torch.Tensor) -> torch.Tensor:
 
 
 def _uint53_to_uniform(r0: torch.Tensor, r1: torch.Tensor) -> torch.Tensor:
-    """Two uint32 words (in int64) -> a float64 uniform in [0, 1) on the 2^-53 grid: 27 bits of
-    r0 and 26 of r1, every value equally likely (the final draw's uniform)."""
+    """Two uint32 words r0, r1 [...] (in int64) -> float64 uniforms [...] in [0, 1) on the 2^-53
+    grid: 27 bits of r0 and 26 of r1, every value equally likely (the final draw's uniform, and
+    the draft's, from its hashes)."""
     return ((r0 >> 5) * 67108864 + (r1 >> 6)).to(torch.float64) * (1.0 / 9007199254740992.0)
 
 
@@ -108,7 +109,7 @@ def _philox_uniforms_host(seed: list, offset: list, num_draft_slots: int) -> tor
     K1 = num_draft_slots + 1
     counters = [i + 1 if i < num_draft_slots else 0 for i in range(K1)]
     words = torch.tensor([[_philox_r01_host(s, o, c) for c in counters] for s, o in zip(seed, offset)],
-                         dtype=torch.int64).reshape(len(seed), K1, 2)
+                         dtype=torch.int64).reshape(len(seed), K1, 2)  # [B, K+1, (r0, r1)]
     return _uniforms_from_words(words[..., 0], words[..., 1])
 
 
@@ -212,17 +213,19 @@ def _residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
 
 def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Index of the first v with cumsum(w)[v] > u * sum(w), summed in float64 (each addition
-    rounds by at most ~2^-53 of the running sum: a weight below ~2^-54 of it still vanishes, a
-    total variation of at most ~V * 2^-54 in all, against ~2^-24-sized errors of an fp32 sum);
-    the last v with w > 0 if rounding leaves none.  weights [N, V] >= 0 with a positive sum, u [N]
-    float64 in [0, 1).  Returns [N] int64."""
-    cdf = torch.cumsum(weights.double(), dim=-1)
-    target = u.double() * cdf[:, -1]
-    idx = (cdf <= target[:, None]).sum(-1)
+    """Index of the first v with w[v] > 0 and cumsum(w)[v] > u * sum(w), summed in float64 (each
+    addition rounds by at most ~2^-53 of the running sum: a weight below ~2^-54 of it still
+    vanishes, a total variation of at most ~V * 2^-54 in all, against ~2^-24-sized errors of an
+    fp32 sum); the last v with w > 0 if rounding leaves none (-1 if there is none).  A weight
+    of 0 is never the pick, however the sum is ordered (the kernel tests w > 0 the same way).
+    weights [N, V] >= 0 with a positive sum, u [N] float64 in [0, 1).  Returns [N] int64."""
+    w = weights.double()
+    cdf = torch.cumsum(w, dim=-1)  # [N, V]
+    target = u.double() * cdf[:, -1]  # [N]
     V = weights.shape[-1]
     ar = torch.arange(V, device=weights.device)
-    last_nonzero = torch.where(weights > 0, ar, -1).amax(-1)
+    idx = torch.where((cdf > target[:, None]) & (w > 0), ar, V).amin(-1)
+    last_nonzero = torch.where(w > 0, ar, -1).amax(-1)
     return torch.where(idx >= V, last_nonzero, idx)
 
 

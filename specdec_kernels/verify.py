@@ -5,8 +5,10 @@ launcher here (validates, allocates, picks the grid and launches), and the publi
 ``fused_verify``, registered with ``torch.library`` as ``specdec::fused_verify`` so that
 ``torch.compile(fullgraph=True)`` traces through it.
 
-Dtypes are decided here: logits fp32/bf16/fp16 (read as they are, accumulated in fp32), draft
-probabilities fp32, temperature and top-p fp32, seeds/offsets/top-k int64, tokens int64 out.
+Dtypes are decided here: logits fp32/bf16/fp16 (read as they are, the softmax accumulated in
+fp32), draft probabilities fp32, temperature and top-p fp32, seeds/offsets/top-k int64, explicit
+uniforms float64 (fp32 accepted and widened), tokens int64 out; the acceptance test and the final
+draw's masses and cumulative sums compute in float64.
 """
 
 from __future__ import annotations
@@ -217,7 +219,7 @@ def _launch_triton(a: _Args) -> tuple[torch.Tensor, torch.Tensor]:
     q = a.draft_probs
     if q is not None and q.stride(-1) != 1:
         q = q.contiguous()
-    uniforms = a.uniforms.to(torch.float64).contiguous() if a.uniforms is not None else None
+    uniforms = a.uniforms.contiguous() if a.uniforms is not None else None  # float64 (_normalize)
     x = a.draft_tokens if a.draft_tokens.stride(-1) == 1 else a.draft_tokens.contiguous()  # read at + j
     dummy = num_accepted  # stands in for absent optional pointers; never dereferenced
     _verify_kernel[(B,)](
