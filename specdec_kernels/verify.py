@@ -510,7 +510,7 @@ def fused_verify(
     top_k=None,  # None, int or [B] int (0 = off)
     top_p=None,  # None, float or [B] (1.0 = off)
     seed=None,  # None (torch's default generator), int, or [B] int64
-    offset=0,  # int or [B] int64: a step counter
+    offset=0,  # int or [B] int64: a step counter (its low 32 bits enter Philox's counter)
     uniforms: Optional[torch.Tensor] = None,  # [B, K+1] float64 (or fp32) in [0, 1): explicit random numbers
     backend: str = "auto",  # "auto" | "triton" | "torch"
 ) -> VerifyOutput:
