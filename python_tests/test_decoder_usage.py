@@ -391,6 +391,30 @@ def test_draft_sampler_is_uniform_and_exact():
     assert _chisquare_pvalue(observed, probs[0].double()) > SIGNIFICANCE
 
 
+def test_draft_hash_on_the_host_equals_the_tensor_ops(monkeypatch):
+    """The draft's uniforms of small CPU batches come from Python ints (_draft_hash_int), of
+    large ones from tensor ops (_draft_hash): the same values, for random and extreme keys,
+    steps and positions."""
+    import random
+
+    from specdec_kernels import draft_sampling as ds
+
+    rng = random.Random(3)
+    B = 200
+    keys = [_draft_key(rng.choice([rng.randint(-(2**63), 2**63 - 1), 0, -1, 2**63 - 1])) for _ in range(B)]
+    lo = torch.tensor([k[0] for k in keys])
+    hi = torch.tensor([k[1] for k in keys])
+    step = torch.tensor([rng.choice([0, 1, rng.randint(0, 2**40), 2**32 - 1, 2**32]) for _ in range(B)])
+    for j in (0, 1, 7):
+        tensor_ops = ds._draft_uniforms(lo, hi, step, j)  # 200 rows > _HOST_HASH_MAX
+        host = torch.cat([ds._draft_uniforms(lo[i:i + 50], hi[i:i + 50], step[i:i + 50], j) for i in range(0, B, 50)])
+        assert B > ds._HOST_HASH_MAX >= 50
+        assert tensor_ops.dtype == host.dtype == torch.float64 and torch.equal(tensor_ops, host), j
+    small = ds._draft_uniforms(lo[:3], hi[:3], step[:3], 2)  # the host path
+    monkeypatch.setattr(ds, "_HOST_HASH_MAX", 0)  # the same small batch through the tensor ops
+    assert torch.equal(ds._draft_uniforms(lo[:3], hi[:3], step[:3], 2), small)
+
+
 def test_draft_sampler_resolves_the_tail_of_a_large_vocabulary():
     """The draft must be drawn from the q the verifier is told.  With fp32 uniforms (24 bits) and
     an fp32 CDF, a token of probability below ~2^-24 was drawn with probability 0 or 2^-24, not q

@@ -73,7 +73,9 @@ class _Drafts:
         self.st, self.K, self.rows, self.Vd = st, K, rows, Vd
         B, dev = len(st.rows), st.device
         self.xs: list = []
-        self.qs: list = []
+        # when sampling, the distributions of all K positions, written in place (zero outside a
+        # draft vocabulary): one allocation a step, no stacking
+        self.Q = torch.zeros((B, K, Vd), dtype=torch.float32, device=dev) if st.temperature != 0 else None
         on = st.draft_confidence > 0
         self.cum = torch.ones(B, dtype=torch.float32, device=dev) if on else None  # P(all accepted)
         cuts = on or st.temperature != 0
@@ -95,8 +97,9 @@ class _Drafts:
             unusable = ~torch.isfinite(q.sum(-1))  # [B]: no distribution at this position
             self.kb = torch.where(unusable, self.kb.clamp(max=j), self.kb)
             if rows is not None:
-                q = q.new_zeros((q.shape[0], self.Vd)).index_copy_(1, rows, q)
-            self.qs.append(q)
+                self.Q[:, j].index_copy_(1, rows, q)
+            else:
+                self.Q[:, j] = q
         self.xs.append(x if rows is None else rows[x])
         if self.kb is None:
             return False
@@ -107,7 +110,7 @@ class _Drafts:
     def result(self) -> tuple:
         """(X [B, K'] int64, Q [B, K', Vd] or None, K_b [B] or None)."""
         X = torch.stack(self.xs, 1)
-        Q = torch.stack(self.qs, 1) if self.qs else None
+        Q = None if self.Q is None else self.Q[:, :X.shape[1]]
         return X, Q, None if self.kb is None else self.kb.clamp(max=X.shape[1])
 
 
