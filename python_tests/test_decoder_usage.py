@@ -393,8 +393,8 @@ def test_draft_sampler_is_uniform_and_exact():
 
 def test_draft_hash_on_the_host_equals_the_tensor_ops(monkeypatch):
     """The draft's uniforms of small CPU batches come from Python ints (_draft_hash_int), of
-    large ones from tensor ops (_draft_hash): the same values, for random and extreme keys,
-    steps and positions."""
+    large ones (and on a GPU) from tensor ops (_draft_hash), a step's positions at once: the
+    same values, for random and extreme keys, steps and positions."""
     import random
 
     from specdec_kernels import draft_sampling as ds
@@ -410,6 +410,13 @@ def test_draft_hash_on_the_host_equals_the_tensor_ops(monkeypatch):
         host = torch.cat([ds._draft_uniforms(lo[i:i + 50], hi[i:i + 50], step[i:i + 50], j) for i in range(0, B, 50)])
         assert B > ds._HOST_HASH_MAX >= 50
         assert tensor_ops.dtype == host.dtype == torch.float64 and torch.equal(tensor_ops, host), j
+    # A step's K positions at once (what _Drafts draws): the same numbers, column by column, on
+    # either path.
+    all_k = ds._draft_uniforms_k(lo, hi, step, range(8))  # [200, 8], tensor ops
+    assert all_k.shape == (B, 8)
+    assert torch.equal(all_k, torch.cat([ds._draft_uniforms_k(lo[i:i + 50], hi[i:i + 50], step[i:i + 50], range(8))
+                                         for i in range(0, B, 50)]))
+    assert torch.equal(all_k[:, 7], ds._draft_uniforms(lo, hi, step, 7))
     small = ds._draft_uniforms(lo[:3], hi[:3], step[:3], 2)  # the host path
     monkeypatch.setattr(ds, "_HOST_HASH_MAX", 0)  # the same small batch through the tensor ops
     assert torch.equal(ds._draft_uniforms(lo[:3], hi[:3], step[:3], 2), small)

@@ -113,8 +113,9 @@ def _draft_key(seed: int) -> tuple[int, int]:
     return k & _MASK32, k >> 32
 
 
-def _draft_hash(key_lo: torch.Tensor, key_hi: torch.Tensor, step: torch.Tensor, c: int) -> torch.Tensor:
-    """[B] 32-bit hashes (in int64) of (the row's key, its step, a counter c)."""
+def _draft_hash(key_lo: torch.Tensor, key_hi: torch.Tensor, step: torch.Tensor, c) -> torch.Tensor:
+    """32-bit hashes (in int64) of (the row's key, its step, a counter c): key_lo, key_hi, step
+    [B] (or [B, 1]) and c an int (or [1, C] int64) broadcast together."""
     h = _fmix32(key_lo ^ (step & _MASK32))
     h = _fmix32(h ^ key_hi)
     h = _fmix32(h ^ ((c * 0x9E3779B9 + 0x7F4A7C15) & _MASK32))
@@ -122,8 +123,8 @@ def _draft_hash(key_lo: torch.Tensor, key_hi: torch.Tensor, step: torch.Tensor, 
 
 
 # Up to this many rows the CPU computes the draft's hashes in Python ints (a few microseconds a
-# row) rather than with ~120 elementwise tensor ops per position (~0.15 ms whatever the batch);
-# the two give the same values (tested).
+# row) rather than with ~120 elementwise tensor ops (~0.15 ms whatever the batch); the two give
+# the same values (tested).
 _HOST_HASH_MAX = 64
 
 
@@ -146,19 +147,31 @@ def _draft_hash_int(key_lo: int, key_hi: int, step: int, c: int) -> int:
 
 def _draft_uniforms(key_lo: torch.Tensor, key_hi: torch.Tensor, step: torch.Tensor, j: int) -> torch.Tensor:
     """[B] float64 uniforms in [0, 1) for draft position j of each row's step: 53 random bits
-    (27 from one hash, 26 from another), multiples of 2^-53.
+    (27 from one hash, 26 from another), multiples of 2^-53 (``_draft_uniforms_k``'s column j).
 
     53 bits rather than fp32's 24: with a 24-bit uniform and an fp32 CDF, a token whose
     probability is below ~2^-24 is drawn with probability 0 or 2^-24 instead of q (the whole
     tail of a 49,152-token softmax: a total variation of ~4.5e-4 between what was drawn and the
     q the verifier is told), and speculative sampling is exact only if the draft was drawn from
     the q it reports."""
+    return _draft_uniforms_k(key_lo, key_hi, step, [j])[:, 0]
+
+
+def _draft_uniforms_k(key_lo: torch.Tensor, key_hi: torch.Tensor, step: torch.Tensor, positions) -> torch.Tensor:
+    """[B, P] float64 uniforms of the draft positions ``positions`` (P ints) of each row's step,
+    all at once: one set of elementwise ops for the step instead of one per position (on a GPU
+    each op is a kernel launch), or Python ints on the CPU for small batches."""
+    js = list(positions)
     if key_lo.device.type == "cpu" and key_lo.numel() <= _HOST_HASH_MAX and not torch.compiler.is_compiling():
         lo, hi, st = key_lo.tolist(), key_hi.tolist(), step.tolist()  # CPU tensors: no device sync
-        a = [_draft_hash_int(x, y, s, 2 * j) for x, y, s in zip(lo, hi, st)]
-        b = [_draft_hash_int(x, y, s, 2 * j + 1) for x, y, s in zip(lo, hi, st)]
-        return _uint53_to_uniform(torch.tensor(a, dtype=torch.int64), torch.tensor(b, dtype=torch.int64))
-    return _uint53_to_uniform(_draft_hash(key_lo, key_hi, step, 2 * j), _draft_hash(key_lo, key_hi, step, 2 * j + 1))
+        a = [[_draft_hash_int(x, y, s, 2 * j) for j in js] for x, y, s in zip(lo, hi, st)]
+        b = [[_draft_hash_int(x, y, s, 2 * j + 1) for j in js] for x, y, s in zip(lo, hi, st)]
+        shape = (len(lo), len(js))
+        return _uint53_to_uniform(torch.tensor(a, dtype=torch.int64).reshape(shape),
+                                  torch.tensor(b, dtype=torch.int64).reshape(shape))
+    c = torch.tensor([[2 * j for j in js] + [2 * j + 1 for j in js]], dtype=torch.int64, device=key_lo.device)
+    h = _draft_hash(key_lo[:, None], key_hi[:, None], step[:, None], c)  # [B, 2P]
+    return _uint53_to_uniform(h[:, :len(js)], h[:, len(js):])
 
 
 def _sample_inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from .draft_sampling import _draft_uniforms, _sample_inverse_cdf, warp_probs
+from .draft_sampling import _draft_uniforms_k, _sample_inverse_cdf, warp_probs
 from .kv_cache import compact_dynamic_cache_
 
 __all__: list = []  # nothing public: see the module docstring
@@ -76,6 +76,8 @@ class _Drafts:
         # when sampling, the distributions of all K positions, written in place (zero outside a
         # draft vocabulary): one allocation a step, no stacking
         self.Q = torch.zeros((B, K, Vd), dtype=torch.float32, device=dev) if st.temperature != 0 else None
+        # and the uniforms of all K positions, drawn at once
+        self.u = _draft_uniforms_k(st.key_lo, st.key_hi, st.step, range(K)) if st.temperature != 0 else None  # [B, K]
         on = st.draft_confidence > 0
         self.cum = torch.ones(B, dtype=torch.float32, device=dev) if on else None  # P(all accepted)
         cuts = on or st.temperature != 0
@@ -91,7 +93,7 @@ class _Drafts:
                 self.cum = self.cum * torch.softmax(logits.float(), -1).gather(1, x[:, None])[:, 0]
         else:
             q = warp_probs(logits, st.temperature, st.top_k, st.top_p)  # [B, Vd] (or [B, N]) fp32
-            x = _sample_inverse_cdf(q, _draft_uniforms(st.key_lo, st.key_hi, st.step, j))
+            x = _sample_inverse_cdf(q, self.u[:, j])
             if self.cum is not None:
                 self.cum = self.cum * q.gather(1, x[:, None])[:, 0]
             unusable = ~torch.isfinite(q.sum(-1))  # [B]: no distribution at this position
