@@ -116,6 +116,8 @@ def test_untruncated_route_equals_reference_on_random_cases(counted, monkeypatch
     for case in range(N):
         kw = _random_case(rng, g)
         monkeypatch.setattr(verify_mod, "_ARGMAX_CHUNK", rng.choice([1, 3, 16, 256]))
+        # the final draw row by row (up to 8 rows) or batched (0: never row by row)
+        monkeypatch.setattr(verify_mod, "_ROW_DRAW_MAX", rng.choice([0, 8]))
         out = fused_verify(**kw)
         tokens, n_acc = _reference(kw)
         assert out.tokens.dtype == tokens.dtype and out.tokens.shape == tokens.shape, case
@@ -171,14 +173,16 @@ def _ref_probs(logits: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     return _target_probs(s, keep)
 
 
+@pytest.mark.parametrize("row_draw", [False, True], ids=["batched_draw", "row_draw"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16", "fp16"])
-def test_knife_edge_acceptance_and_draw(dtype, counted):
+def test_knife_edge_acceptance_and_draw(dtype, row_draw, counted, monkeypatch):
     """Uniforms placed exactly on the reference's decision boundaries, so that a p(x) or a p_j one
     ulp away from the reference's flips an outcome: with q one-hot, x is accepted iff u < p(x), so
     u = p(x) rejects and the next float below accepts; the bonus draw returns the first v with
     cdf(v) > u * cdf(V-1), so a u for which u * cdf(V-1) equals cdf(v) exactly lands on v + 1 and
     the float below lands at or before v (the first index whose cdf exceeds it: a flat cdf ties).
     The uniforms, the test u * q(x) < p(x) and the cdf are float64 (the reference's)."""
+    monkeypatch.setattr(verify_mod, "_ROW_DRAW_MAX", 64 if row_draw else 0)
     g = torch.Generator().manual_seed(21)
     B, K, V = 64, 1, 3000
     logits = (torch.randn(B, K + 1, V, generator=g) * 2.5).to(dtype)
@@ -216,3 +220,36 @@ def test_knife_edge_acceptance_and_draw(dtype, counted):
             assert torch.equal(bonus[exact], want[exact])
             assert bool((want[exact] >= v[exact] + 1).all() if u1 is u_draw else (want[exact] <= v[exact]).all())
     assert len(counted) == 3
+
+
+@pytest.mark.parametrize("row_draw", [False, True], ids=["batched_draw", "row_draw"])
+def test_final_draw_edges_equal_the_reference(row_draw, counted, monkeypatch):
+    """The final draw's edges on the untruncated route, row by row and batched, against the
+    reference: a residual that sums to zero (q >= p everywhere: q = p * (1 + 2^-20), a draft
+    rejected by u = 1 - 2^-53) falls back to p; a rejected one-hot draft; a rejected draft past
+    a draft vocabulary Vd < V; a NaN q at the rejected position (the row is invalid); final
+    uniforms 0 and 1 - 2^-53; K_b = 0 (the bonus from position 0)."""
+    monkeypatch.setattr(verify_mod, "_ROW_DRAW_MAX", 64 if row_draw else 0)
+    g = torch.Generator().manual_seed(5)
+    V, B = 37, 6
+    logits = torch.randn(B, 2, V, generator=g) * 2
+    p0 = torch.softmax(logits[:, 0], -1)
+    x = p0.argmax(-1, keepdim=True)  # [B, 1]
+    q = torch.softmax(torch.randn(B, 1, V, generator=g), -1)
+    q[0, 0] = p0[0] * (1 + 2.0 ** -20)  # row 0: q >= p everywhere
+    q[3, 0, x[3, 0]] = 1.0  # row 3: rejected (q(x) > p(x)), with an unusable q elsewhere, read then
+    q[3, 0, (int(x[3, 0]) + 1) % V] = float("nan")
+    near_one = 1 - 2.0 ** -53
+    for u_final in (0.0, 0.37, near_one):
+        u = torch.tensor([[near_one, u_final]] * B, dtype=torch.float64)
+        for draft_probs, kb in ((q, None), (None, None), (q[:, :, :20].contiguous(), None), (q, torch.tensor([1, 0, 1, 1, 0, 1]))):
+            kw = dict(num_draft_tokens=kb) if kb is not None else {}
+            out = fused_verify(logits, x, draft_probs, temperature=1.0, uniforms=u, backend="torch", **kw)
+            ref = verify_reference(logits, x, draft_probs, kb if kb is not None else torch.ones(B, dtype=torch.int64),
+                                   torch.ones(B), None, None, u)
+            assert torch.equal(out.tokens, ref[0]) and torch.equal(out.num_accepted, ref[1]), (u_final, kb)
+            if draft_probs is q and kb is None:
+                assert out.num_accepted[0] == 0 and out.num_accepted[3] == -1  # rejected; invalid
+                # row 0's residual is empty: its token is drawn from p_0 (which has no zero)
+                assert 0 <= int(out.tokens[0, 0]) < V
+    assert len(counted) == 12
