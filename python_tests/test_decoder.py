@@ -152,8 +152,12 @@ def test_padded_target_vocabulary(pair):
     # the draft's logits are NaN at about half its positions (a function of its own logits):
     # a row verifies only the drafts before its first such position, the target samples that one
     (1.0, None, 0.9, "nan", None),
+    # the CPU verify's final draw row by row for every row (it takes batches of up to 8 rows;
+    # 4,000 here), so that its residual and bonus draws meet the chi-square themselves
+    (1.0, None, None, "rows", None),
+    (0.7, None, None, "rows", [0, 2, 3, 5, 6]),
 ])
-def test_sampling_matches_target_distribution(temperature, top_k, top_p, k, vocab):
+def test_sampling_matches_target_distribution(temperature, top_k, top_p, k, vocab, monkeypatch):
     V, N = 8, 4000
     target = _llama(V, 16, 2, 0.3, seed=0, max_pos=64)
     draft = _perturbed(target, 0.05, seed=1)  # alpha ~ 0.5: rejections, recoveries and bonuses
@@ -162,6 +166,15 @@ def test_sampling_matches_target_distribution(temperature, top_k, top_p, k, voca
     # "conf": K = 3 with the confidence rule, 4 new tokens (so K is not cut by the budget) of which
     # the first two are tested
     conf = dict(num_draft_tokens=3, draft_confidence=0.1) if k == "conf" else dict(num_draft_tokens=k)
+    if k == "rows":
+        from specdec_kernels import verify as verify_mod
+
+        monkeypatch.setattr(verify_mod, "_ROW_DRAW_MAX", 10**6)
+        row_draws = []
+        orig_rows = verify_mod._final_token_rows
+        monkeypatch.setattr(verify_mod, "_final_token_rows",
+                            lambda *a: row_draws.append(a[0].shape[0]) or orig_rows(*a))
+        conf = dict(num_draft_tokens=2)
     if k == "nan":
         conf = dict(num_draft_tokens=3)
         draft_step = dec._d.step
@@ -185,6 +198,8 @@ def test_sampling_matches_target_distribution(temperature, top_k, top_p, k, voca
     finally:
         if k == "zero":
             StatsRecorder.choose_k = orig_choose
+    if k == "rows":  # every step's final draw went row by row, over all 4,000 rows at first
+        assert row_draws and row_draws[0] == N
     if k == "conf":  # in the first step, rows verified 1, 2 and 3 drafts
         assert set(res.stats.history[0]["num_draft"]) == {1, 2, 3}
     if k == "nan":  # rows cut at 1 and 2 drafts in the first step (its first draft is the same for
