@@ -253,3 +253,26 @@ def test_final_draw_edges_equal_the_reference(row_draw, counted, monkeypatch):
                 # row 0's residual is empty: its token is drawn from p_0 (which has no zero)
                 assert 0 <= int(out.tokens[0, 0]) < V
     assert len(counted) == 12
+
+
+@pytest.mark.parametrize("V", [4095, 4096])
+def test_row_draw_takes_large_vocabularies_at_any_batch(V, counted, monkeypatch):
+    """B = 12 rows (above _ROW_DRAW_MAX): row by row from V = 4,096 on (_ROW_DRAW_MIN_V), batched
+    below it; either way the reference's tokens, rejections and an invalid row included."""
+    rows = []
+    orig = verify_mod._final_token
+    monkeypatch.setattr(verify_mod, "_final_token", lambda *a: rows.append("batched") or orig(*a))
+    g = torch.Generator().manual_seed(V)
+    B, K = 12, 2
+    logits = torch.randn(B, K + 1, V, generator=g) * 3
+    q = torch.softmax(torch.randn(B, K, V, generator=g) * 3, -1)
+    q[5, 1, 7] = float("nan")
+    x = torch.randint(0, V, (B, K), generator=g)
+    x[:, 0] = logits[:, 0].argmax(-1)  # accepted often
+    seed = torch.arange(B) + 100
+    out = fused_verify(logits, x, q, temperature=0.9, seed=seed, offset=3, backend="torch")
+    ref = verify_reference(logits, x, q, torch.full((B,), K), torch.full((B,), 0.9), None, None,
+                           philox_uniforms(seed, torch.full((B,), 3), K))
+    assert torch.equal(out.tokens, ref[0]) and torch.equal(out.num_accepted, ref[1])
+    assert rows == ([] if V >= verify_mod._ROW_DRAW_MIN_V else ["batched"])
+    assert len(counted) == 1 and (out.num_accepted < K).any()
