@@ -434,7 +434,8 @@ def _final_token_rows(p_j, x_safe, draft_probs, j, rejected, bad_row, greedy, ar
     weights, so non-decreasing, and flat exactly where w[v] = 0: the first index past the target
     has w > 0, as the reference requires); the last positive weight if none."""
     B, V = p_j.shape
-    if B > _ROW_DRAW_MAX and V < _ROW_DRAW_MIN_V:
+    if ((B > _ROW_DRAW_MAX and V < _ROW_DRAW_MIN_V) or p_j.device.type != "cpu"
+            or torch.compiler.is_compiling()):  # row by row reads values on the host: CPU only
         return _final_token(p_j, x_safe, draft_probs, j, rejected, bad_row, greedy, argmax, u_final)
     K = x_safe.shape[1]
     j_h, rej, gr, u = j.tolist(), rejected.tolist(), greedy.tolist(), u_final.tolist()
