@@ -412,9 +412,9 @@ def test_draft_hash_on_the_host_equals_the_tensor_ops(monkeypatch):
         assert tensor_ops.dtype == host.dtype == torch.float64 and torch.equal(tensor_ops, host), j
     # A step's K positions at once (what _Drafts draws): the same numbers, column by column, on
     # either path.
-    all_k = ds._draft_uniforms_k(lo, hi, step, range(8))  # [200, 8], tensor ops
+    all_k = ds._draft_uniforms_k(lo, hi, step, 8)  # [200, 8], tensor ops
     assert all_k.shape == (B, 8)
-    assert torch.equal(all_k, torch.cat([ds._draft_uniforms_k(lo[i:i + 50], hi[i:i + 50], step[i:i + 50], range(8))
+    assert torch.equal(all_k, torch.cat([ds._draft_uniforms_k(lo[i:i + 50], hi[i:i + 50], step[i:i + 50], 8)
                                          for i in range(0, B, 50)]))
     assert torch.equal(all_k[:, 7], ds._draft_uniforms(lo, hi, step, 7))
     small = ds._draft_uniforms(lo[:3], hi[:3], step[:3], 2)  # the host path

@@ -242,7 +242,8 @@ def test_final_draw_edges_equal_the_reference(row_draw, counted, monkeypatch):
     near_one = 1 - 2.0 ** -53
     for u_final in (0.0, 0.37, near_one):
         u = torch.tensor([[near_one, u_final]] * B, dtype=torch.float64)
-        for draft_probs, kb in ((q, None), (None, None), (q[:, :, :20].contiguous(), None), (q, torch.tensor([1, 0, 1, 1, 0, 1]))):
+        cases = ((q, None), (None, None), (q[:, :, :20].contiguous(), None), (q, torch.tensor([1, 0, 1, 1, 0, 1])))
+        for draft_probs, kb in cases:
             kw = dict(num_draft_tokens=kb) if kb is not None else {}
             out = fused_verify(logits, x, draft_probs, temperature=1.0, uniforms=u, backend="torch", **kw)
             ref = verify_reference(logits, x, draft_probs, kb if kb is not None else torch.ones(B, dtype=torch.int64),

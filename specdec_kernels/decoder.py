@@ -534,7 +534,8 @@ class SpeculativeDecoder:
             rows=list(range(B)), seqs=[list(r) for r in rows], prompt_lens=[len(r) for r in rows],
             generated=[[] for _ in rows], finish=[None] * B,
             k=num_draft_tokens, k_max=k_max, temperature=float(temperature), top_k=top_k,
-            top_p=None if top_p is None else float(top_p), eos=eos_ids(eos_token_id, self.target, self.tokenizer), stop=list(stop),
+            top_p=None if top_p is None else float(top_p), eos=eos_ids(eos_token_id, self.target, self.tokenizer),
+            stop=stop,
             max_new=max_new_tokens, context=context, target_only=target_only,
             # K = 0 steps run no draft forward (see _step)
             recorder=StatsRecorder(k_max, self._t_draft_prior if self._d is not None else 0.0,

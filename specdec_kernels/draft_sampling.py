@@ -154,14 +154,16 @@ def _draft_uniforms(key_lo: torch.Tensor, key_hi: torch.Tensor, step: torch.Tens
     tail of a 49,152-token softmax: a total variation of ~4.5e-4 between what was drawn and the
     q the verifier is told), and speculative sampling is exact only if the draft was drawn from
     the q it reports."""
-    return _draft_uniforms_k(key_lo, key_hi, step, [j])[:, 0]
+    return _draft_uniforms_k(key_lo, key_hi, step, 1, start=j)[:, 0]
 
 
-def _draft_uniforms_k(key_lo: torch.Tensor, key_hi: torch.Tensor, step: torch.Tensor, positions) -> torch.Tensor:
-    """[B, P] float64 uniforms of the draft positions ``positions`` (P ints) of each row's step,
-    all at once: one set of elementwise ops for the step instead of one per position (on a GPU
-    each op is a kernel launch), or Python ints on the CPU for small batches."""
-    js = list(positions)
+def _draft_uniforms_k(key_lo: torch.Tensor, key_hi: torch.Tensor, step: torch.Tensor, P: int,
+                      start: int = 0) -> torch.Tensor:
+    """[B, P] float64 uniforms of draft positions start .. start + P - 1 of each row's step, all
+    at once: one set of elementwise ops for the step instead of one per position (on a GPU each
+    op is a kernel launch; the counters come from ``arange`` on the device, not a host-to-device
+    copy, which would wait for the stream), or Python ints on the CPU for small batches."""
+    js = range(start, start + P)
     if key_lo.device.type == "cpu" and key_lo.numel() <= _HOST_HASH_MAX and not torch.compiler.is_compiling():
         lo, hi, st = key_lo.tolist(), key_hi.tolist(), step.tolist()  # CPU tensors: no device sync
         a = [[_draft_hash_int(x, y, s, 2 * j) for j in js] for x, y, s in zip(lo, hi, st)]
@@ -169,9 +171,10 @@ def _draft_uniforms_k(key_lo: torch.Tensor, key_hi: torch.Tensor, step: torch.Te
         shape = (len(lo), len(js))
         return _uint53_to_uniform(torch.tensor(a, dtype=torch.int64).reshape(shape),
                                   torch.tensor(b, dtype=torch.int64).reshape(shape))
-    c = torch.tensor([[2 * j for j in js] + [2 * j + 1 for j in js]], dtype=torch.int64, device=key_lo.device)
+    even = 2 * (start + torch.arange(P, dtype=torch.int64, device=key_lo.device))  # [P]: counters 2j
+    c = torch.cat([even, even + 1])[None, :]  # [1, 2P]: 2j, then 2j + 1
     h = _draft_hash(key_lo[:, None], key_hi[:, None], step[:, None], c)  # [B, 2P]
-    return _uint53_to_uniform(h[:, :len(js)], h[:, len(js):])
+    return _uint53_to_uniform(h[:, :P], h[:, P:])
 
 
 def _sample_inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

@@ -73,15 +73,14 @@ class _Drafts:
         self.st, self.K, self.rows, self.Vd = st, K, rows, Vd
         B, dev = len(st.rows), st.device
         self.xs: list = []
+        sampling = st.temperature != 0
         # when sampling, the distributions of all K positions, written in place (zero outside a
-        # draft vocabulary): one allocation a step, no stacking
-        self.Q = torch.zeros((B, K, Vd), dtype=torch.float32, device=dev) if st.temperature != 0 else None
-        # and the uniforms of all K positions, drawn at once
-        self.u = _draft_uniforms_k(st.key_lo, st.key_hi, st.step, range(K)) if st.temperature != 0 else None  # [B, K]
+        # draft vocabulary): one allocation a step, no stacking; and their uniforms, drawn at once
+        self.Q = torch.zeros((B, K, Vd), dtype=torch.float32, device=dev) if sampling else None
+        self.u = _draft_uniforms_k(st.key_lo, st.key_hi, st.step, K) if sampling else None  # [B, K]
         on = st.draft_confidence > 0
         self.cum = torch.ones(B, dtype=torch.float32, device=dev) if on else None  # P(all accepted)
-        cuts = on or st.temperature != 0
-        self.kb = torch.full((B,), K, dtype=torch.int64, device=dev) if cuts else None
+        self.kb = torch.full((B,), K, dtype=torch.int64, device=dev) if (on or sampling) else None
 
     def add(self, logits: torch.Tensor, j: int) -> bool:
         """Pick draft j from ``logits`` [B, Vd] (or [B, N] over the draft vocabulary).  True when
