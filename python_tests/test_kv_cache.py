@@ -495,9 +495,12 @@ def test_cuda_op_matches_reference(B, case, dtype, layout):
     before = [c.clone() for c in caches]
     expected = [c.cpu() for c in caches]
     compact_kv_reference(expected, src_start, _idx(dst), _idx(cnt))
+    # torch.tensor(..., device="cuda") is a synchronising host-to-device copy: made before the check
+    dst_c, cnt_c = _idx(dst, "cuda"), _idx(cnt, "cuda")
+    torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")  # any host sync inside the op raises
     try:
-        _run_op(caches, src_start, _idx(dst, "cuda"), _idx(cnt, "cuda"))
+        _run_op(caches, src_start, dst_c, cnt_c)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     for got, want in zip(caches, expected):

@@ -347,12 +347,16 @@ def test_one_launch_and_no_host_sync(monkeypatch):
     monkeypatch.setattr(kmod, "_verify_kernel", counter)
     lg, x, q = make_step(3, 4, 64, seed=1)
     dev = KERNEL_DEVICE
+    # the inputs' host-to-device copies synchronise (torch.tensor(..., device="cuda") included):
+    # made before the check, which is about the call
+    lg, x, q = lg.to(dev), x.to(dev), q.to(dev)
+    kb, temp = torch.tensor([4, 1, 3], device=dev), torch.tensor([1.0, 0.0, 0.5], device=dev)
     if HAS_CUDA:
+        torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
     try:
         with rec:
-            out = fused_verify(lg.to(dev), x.to(dev), q.to(dev), num_draft_tokens=torch.tensor([4, 1, 3], device=dev),
-                               temperature=torch.tensor([1.0, 0.0, 0.5], device=dev), top_k=8, top_p=0.9,
+            out = fused_verify(lg, x, q, num_draft_tokens=kb, temperature=temp, top_k=8, top_p=0.9,
                                seed=None, offset=2, backend="triton")
     finally:
         if HAS_CUDA:
