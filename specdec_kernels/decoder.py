@@ -86,7 +86,8 @@ def _num_params(model) -> int:
 
 
 class _Clock:
-    """Wall-clock marks; on CUDA, events resolved after the step's single host sync."""
+    """Wall-clock marks; on CUDA, events recorded before the step's single host sync and
+    resolved after it."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
@@ -674,9 +675,11 @@ class SpeculativeDecoder:
         temp, top_k, top_p = self._row_params(st, B)
         out = _verify_checked(logits, X, Q, kb, temp, top_k, top_p, st.seed, st.step, backend=self.verify_backend)
         n = out.num_accepted  # [B] int64 in [-1, K_b]
+        # On CUDA the mark goes before the sync, which then guarantees that the event has
+        # completed (elapsed_time raises on one that has not).
+        t_c = clock.mark()
         # The step's one host sync: counts, tokens, drafts, K_b.
         packed = torch.cat([n[:, None], kb[:, None], out.tokens[:, : K + 1], X], 1).cpu()
-        t_c = clock.mark()
         n_host = packed[:, 0].tolist()
         kb_host = packed[:, 1].tolist()
         tok_host = packed[:, 2:3 + K].tolist()
