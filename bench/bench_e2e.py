@@ -515,12 +515,20 @@ def main(argv=None) -> int:
     print("\n".join(header), flush=True)
 
     rows, notes = [], []
-    for temperature in args.temperatures:
-        for batch in batches:
-            r, n = run_config(bench, batch, temperature, args.ks, args.repeats, args.warmup_tokens,
-                              feature_ks=args.feature_ks)
-            rows += r
-            notes += n
+    interrupted = False
+    try:
+        for temperature in args.temperatures:
+            for batch in batches:
+                r, n = run_config(bench, batch, temperature, args.ks, args.repeats, args.warmup_tokens,
+                                  feature_ks=args.feature_ks)
+                rows += r
+                notes += n
+    except KeyboardInterrupt:  # a time limit (gpu_check.sh's SIGINT): keep the configurations done
+        interrupted = True
+        print(f"# interrupted: writing the {len(rows)} rows of the configurations completed", flush=True)
+        notes.append("# interrupted at a time limit: the configurations after these were not measured")
+        if not rows:
+            return 130
     for r in rows:
         r.update(pair=pair, device=dev_name, dtype=args.dtype, threads=torch.get_num_threads(),
                  max_new_tokens=args.max_new_tokens, repeats=args.repeats, eos=args.eos, date=stamp, **ver)
@@ -541,7 +549,7 @@ def main(argv=None) -> int:
         f.write("\n".join(header) + "\n" + text + "\n" + "\n".join(footer) + "\n")
     plot(rows, os.path.join(args.out, "bench_e2e.png"), pair, dev_name, args)
     print(f"wrote {csv_path}, bench_e2e.txt and bench_e2e.png in {args.out}")
-    return 0
+    return 130 if interrupted else 0
 
 
 def run_config(bench: Bench, batch: int, temperature: float, ks: list, repeats: int,

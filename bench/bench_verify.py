@@ -96,6 +96,43 @@ def build_providers(logits, x, q, temperature, warp, device, compiled_cache):
     return providers
 
 
+def measure_case(B, K, V, dt, temperature, warp, device, wanted, compiled_cache, dev_name, peak, ver, stamp):
+    """Every wanted provider on one (B, K, V, dtype, T, warp) case: its CSV rows, also printed
+    as they are measured (a run stopped at a time limit keeps them in its log)."""
+    if temperature == 0 and warp:
+        return []  # greedy ignores the warp
+    logits, x, q = make_inputs(B, K, V, DTYPES[dt], device)
+    providers = build_providers(logits, x, q, temperature, warp, device, compiled_cache)
+    times, graph_ms = {}, {}
+    for name in PROVIDERS:
+        fn = providers.get(name)
+        if name not in wanted or fn is None:
+            continue
+        # Every provider is timed the same way (do_bench: launches included, cold L2), so the
+        # ratios compare like with like; the one-launch kernel at small B is also timed as a
+        # CUDA graph replay (no launch overhead, warm L2), reported beside it only (the ratios
+        # used that replay against the others' do_bench until 2026-12-01, found by a review).
+        times[name] = time_fn(fn, device)
+        if device.type == "cuda" and name == "fused_triton" and B <= 16:
+            graph_ms[name] = time_fn(fn, device, cuda_graph=True)[0]
+    print(f"# B={B} K={K} V={V} {dt} T={temperature} warp={bool(warp)}: "
+          + ", ".join(f"{n} {t[0]:.4g} ms" for n, t in times.items())
+          + "".join(f", {n} graph {t:.4g} ms" for n, t in graph_ms.items()), flush=True)
+    nbytes = bytes_moved(B, K, V, logits.element_size())
+    rows = []
+    for name, (med, q20, q80) in times.items():
+        gbps = nbytes / (med * 1e-3) / 1e9
+        row = dict(op="verify", provider=name, B=B, K=K, V=V, dtype=dt, temperature=temperature,
+                   warp="topk50_topp0.9" if warp else "none", device=dev_name, median_ms=med,
+                   q20_ms=q20, q80_ms=q80, cuda_graph_median_ms=graph_ms.get(name), bytes=nbytes, gbps=gbps,
+                   pct_peak=(100 * gbps / peak) if peak else None, date=stamp, **ver)
+        for other, (omed, _, _) in times.items():
+            if other != name:
+                row[f"speedup_vs_{other}"] = omed / med
+        rows.append(row)
+    return rows
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--grid", choices=sorted(GRIDS), default=None, help="default: gpu on CUDA, cpu otherwise")
@@ -113,50 +150,36 @@ def main(argv=None):
     print(f"# bench_verify on {dev_name}; {ver}; {stamp}")
     rows = []
     compiled_cache: dict = {}
-    for B, K, V, dt, temperature, warp in itertools.product(
-            grid["B"], grid["K"], grid["V"], grid["dtype"], grid["temperature"], grid["warp"]):
-        if temperature == 0 and warp:
-            continue  # greedy ignores the warp
-        logits, x, q = make_inputs(B, K, V, DTYPES[dt], device)
-        providers = build_providers(logits, x, q, temperature, warp, device, compiled_cache)
-        times, graph_ms = {}, {}
-        for name in PROVIDERS:
-            fn = providers.get(name)
-            if name not in wanted or fn is None:
-                continue
-            # Every provider is timed the same way (do_bench: launches included, cold L2), so the
-            # ratios compare like with like; the one-launch kernel at small B is also timed as a
-            # CUDA graph replay (no launch overhead, warm L2), reported beside it only (the ratios
-            # used that replay against the others' do_bench until 2026-12-01, found by a review).
-            times[name] = time_fn(fn, device)
-            if device.type == "cuda" and name == "fused_triton" and B <= 16:
-                graph_ms[name] = time_fn(fn, device, cuda_graph=True)[0]
-        nbytes = bytes_moved(B, K, V, logits.element_size())
-        for name, (med, q20, q80) in times.items():
-            gbps = nbytes / (med * 1e-3) / 1e9
-            row = dict(op="verify", provider=name, B=B, K=K, V=V, dtype=dt, temperature=temperature,
-                       warp="topk50_topp0.9" if warp else "none", device=dev_name, median_ms=med,
-                       q20_ms=q20, q80_ms=q80, cuda_graph_median_ms=graph_ms.get(name), bytes=nbytes, gbps=gbps,
-                       pct_peak=(100 * gbps / peak) if peak else None, date=stamp, **ver)
-            for other, (omed, _, _) in times.items():
-                if other != name:
-                    row[f"speedup_vs_{other}"] = omed / med
-            rows.append(row)
+    interrupted = False
+    try:
+        for case in itertools.product(grid["B"], grid["K"], grid["V"], grid["dtype"], grid["temperature"],
+                                      grid["warp"]):
+            rows += measure_case(*case, device, wanted, compiled_cache, dev_name, peak, ver, stamp)
+    except KeyboardInterrupt:  # a time limit (gpu_check.sh's SIGINT): keep the cases measured
+        interrupted = True
+        print(f"# interrupted: writing the {len(rows)} rows measured so far", flush=True)
+    if rows:
+        write_results(rows, args.out, dev_name, ver, stamp)
+    if interrupted:
+        sys.exit(130)
+
+
+def write_results(rows, out, dev_name, ver, stamp):
     for r in rows:  # one schema for the CSV: every speed-up column, None where not measured
         for p in PROVIDERS:
             r.setdefault(f"speedup_vs_{p}", None)
-    os.makedirs(args.out, exist_ok=True)
-    csv_path = os.path.join(args.out, "bench_verify.csv")
+    os.makedirs(out, exist_ok=True)
+    csv_path = os.path.join(out, "bench_verify.csv")
     cols = ["provider", "B", "K", "V", "dtype", "temperature", "warp", "median_ms", "q20_ms", "q80_ms",
             "cuda_graph_median_ms", "gbps", "pct_peak"]
     cols += [f"speedup_vs_{p}" for p in PROVIDERS]
     rows = [{k: r[k] for k in sorted(r, key=lambda k: (k.startswith("speedup"), k))} for r in rows]
     append_csv(csv_path, rows)
     text = print_table(rows, cols)
-    with open(os.path.join(args.out, "bench_verify.txt"), "w") as f:
+    with open(os.path.join(out, "bench_verify.txt"), "w") as f:
         f.write(f"# bench_verify on {dev_name}; {ver}; {stamp}\n{text}\n")
-    plot(rows, os.path.join(args.out, "bench_verify.png"), dev_name)
-    print(f"wrote {csv_path} and bench_verify.png in {args.out}")
+    plot(rows, os.path.join(out, "bench_verify.png"), dev_name)
+    print(f"wrote {csv_path} and bench_verify.png in {out}")
 
 
 def plot(rows, path, dev_name):

@@ -300,3 +300,26 @@ def test_assisted_generation_uses_the_draft(k):
     finally:
         handle.remove()
     assert len(calls) > 0 and all(len(t) == 12 for t in out.token_ids)
+
+
+def test_a_run_stopped_at_its_time_limit_writes_the_configurations_done(tmp_path, monkeypatch):
+    """bench/gpu_check.sh stops bench_e2e with SIGINT at its limit: the configurations measured
+    by then are written (CSV, table, plot), with a note, and the exit status says it was cut."""
+    mod = _load_bench_module()
+    real, calls = mod.run_config, []
+
+    def run_config(bench, batch, temperature, *args, **kwargs):
+        calls.append((batch, temperature))
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # what SIGINT raises in the main thread
+        return real(bench, batch, temperature, *args, **kwargs)
+
+    monkeypatch.setattr(mod, "run_config", run_config)
+    rc = mod.main(["--quick", "--out", str(tmp_path), "--ks", "1", "--temperatures", "0"])
+    assert rc == 130
+    assert calls == [(1, 0.0), (8, 0.0)]
+    with open(tmp_path / "bench_e2e.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert rows and {r["batch"] for r in rows} == {"1"}
+    assert "interrupted at a time limit" in (tmp_path / "bench_e2e.txt").read_text()
+    assert (tmp_path / "bench_e2e.png").stat().st_size > 0
