@@ -55,6 +55,31 @@ def test_invariants(backend, dev, drafter):
             assert int(tokens[b, nb]) == int(logits[b, nb].float().argmax())
 
 
+@pytest.mark.parametrize("backend,dev", BACKENDS)
+@pytest.mark.parametrize("route", ["greedy", "untruncated", "untruncated_one_hot", "warped", "row_draw", "nan"])
+def test_the_inputs_are_left_as_they_were(backend, dev, route):
+    """The op writes only its outputs: the CPU routes compute in place on their own temporaries
+    (to spare malloc's page faults), never on the caller's logits, drafts or q."""
+    B, K, V = (3, 2, 5000) if route == "row_draw" else (6, 3, 97)
+    logits, x, q = make_step(B, K, V, seed=7, draft_noise=0.3)
+    if route == "untruncated_one_hot":
+        q = None
+    if route == "nan":
+        logits[1, 0, 3] = float("nan")
+        q[2, 1, 5] = float("nan")
+    kw = dict(temperature=0.0 if route == "greedy" else torch.tensor([1.0, 0.7, 1.3, 1.0, 0.0, 2.0][:B]),
+              seed=torch.arange(B), offset=1)
+    if route == "warped":
+        kw.update(top_k=5, top_p=0.9)
+    logits, x = logits.to(dev), x.to(dev)
+    q = None if q is None else q.to(dev)
+    before = [t.clone() for t in (logits, x, q) if t is not None]
+    fused_verify(logits, x, q, backend=backend, **kw)
+    for got, want in zip([t for t in (logits, x, q) if t is not None], before):
+        assert torch.equal(got.view(torch.int32) if got.is_floating_point() else got,
+                           want.view(torch.int32) if want.is_floating_point() else want)  # NaNs too
+
+
 # ----------------------------------------------------------------------------------------------
 # Determinism and batch invariance
 # ----------------------------------------------------------------------------------------------
