@@ -277,3 +277,71 @@ def test_row_draw_takes_large_vocabularies_at_any_batch(V, counted, monkeypatch)
     assert torch.equal(out.tokens, ref[0]) and torch.equal(out.num_accepted, ref[1])
     assert rows == ([] if V >= verify_mod._ROW_DRAW_MIN_V else ["batched"])
     assert len(counted) == 1 and (out.num_accepted < K).any()
+
+
+# ----------------------------------------------------------------------------------------------
+# Rows with top-k / top-p: the reference's computation with NumPy's sort on the CPU
+# ----------------------------------------------------------------------------------------------
+def test_sort_descending_cpu_equals_torchs_sort():
+    """The same values in the same places as torch.sort(descending=True), NaN first, over ties,
+    signed zeros, +-inf and NaN, in 1 to 49,152 tokens; torch's own sort off the fast path."""
+    from specdec_kernels.reference import sort_descending_cpu
+
+    g = torch.Generator().manual_seed(5)
+    for V in (1, 2, 7, 300, 49152):
+        for case in range(6):
+            s = torch.randint(-3, 4, (3, 2, V), generator=g).float() if case % 2 else torch.randn(3, 2, V, generator=g)
+            s[0, 0, ::3] = 0.0
+            s[0, 1, ::5] = -0.0
+            s[1, 0, V // 2] = float("nan")
+            s[2, 1, : V // 2] = float("-inf")
+            s[2, 0, 0] = float("inf")
+            want = torch.sort(s, dim=-1, descending=True).values
+            got = sort_descending_cpu(s)
+            assert got.shape == s.shape and got.is_contiguous()
+            assert torch.equal(got.isnan(), want.isnan())
+            assert torch.equal(torch.nan_to_num(got, nan=0.5), torch.nan_to_num(want, nan=0.5))
+            view = s[:, :, : V // 2 + 1].transpose(0, 1)  # not contiguous
+            got, want = sort_descending_cpu(view), torch.sort(view, dim=-1, descending=True).values
+            assert torch.equal(got.nan_to_num(nan=0.5), want.nan_to_num(nan=0.5))
+    s = torch.randn(2, 50, generator=g, requires_grad=True)
+    assert torch.equal(sort_descending_cpu(s), torch.sort(s, -1, descending=True).values)
+
+
+def test_warped_rows_equal_the_reference_on_random_cases(counted):
+    """fused_verify's torch path with top-k / top-p (the reference with NumPy's sort) against
+    verify_reference with torch's sort: the same tokens and counts on 400 random batches (ties,
+    signed zeros, NaN/inf positions, bad ids and q, ragged K, greedy rows, fp32/bf16/fp16)."""
+    rng = random.Random(97)
+    g = torch.Generator().manual_seed(97)
+    n_kept_few = 0
+    for case in range(400):
+        kw = _random_case(rng, g)
+        logits = kw["target_logits"]
+        B, K1, V = logits.shape
+        top_k = top_p = None
+        if rng.random() < 0.7:
+            top_k = torch.randint(0, V + 2, (B,), generator=g) if rng.random() < 0.7 else rng.randint(1, V)
+        if top_k is None or rng.random() < 0.6:
+            top_p = torch.empty(B).uniform_(0.05, 1.0, generator=g) if rng.random() < 0.7 else rng.choice([0.3, 0.9])
+        kw.update(top_k=top_k, top_p=top_p)
+        out = fused_verify(**kw)
+        ref_kw = dict(kw)
+        t = kw["temperature"]
+        t = t.float() if isinstance(t, torch.Tensor) else torch.full((B,), float(t))
+        kb = kw.get("num_draft_tokens", K1 - 1)
+        kb = kb if isinstance(kb, torch.Tensor) else torch.full((B,), kb, dtype=torch.int64)
+        per_row = lambda v, dt: None if v is None else (v.to(dt) if isinstance(v, torch.Tensor)  # noqa: E731
+                                                        else torch.full((B,), v, dtype=dt))
+        if "uniforms" in kw:
+            u = kw["uniforms"]
+        else:
+            seed = kw["seed"]
+            seed = seed if isinstance(seed, torch.Tensor) else torch.full((B,), seed, dtype=torch.int64)
+            u = philox_uniforms(seed, torch.full((B,), kw["offset"], dtype=torch.int64), K1 - 1)
+        tokens, n_acc = verify_reference(logits, kw["draft_tokens"], kw["draft_probs"], kb, t,
+                                         per_row(top_k, torch.int64), per_row(top_p, torch.float32), u)
+        assert torch.equal(out.tokens, tokens) and torch.equal(out.num_accepted, n_acc), (case, ref_kw)
+        n_kept_few += int(isinstance(top_p, float) and top_p < 0.5)
+    assert counted == [], "rows with a warp take the reference's route"
+    assert n_kept_few > 20

@@ -15,7 +15,7 @@ from typing import Union
 
 import torch
 
-from .reference import _inverse_cdf, _uint53_to_uniform
+from .reference import _inverse_cdf, _uint53_to_uniform, sort_descending_cpu
 
 __all__ = ["warp_probs"]
 
@@ -56,7 +56,7 @@ def warp_probs(
     s = s0 * inv_t[..., None]  # [..., V]
     keep = torch.ones_like(s, dtype=torch.bool)
     if top_k is not None or top_p is not None:
-        s_sorted = torch.sort(s, dim=-1, descending=True).values  # [..., V]
+        s_sorted = sort_descending_cpu(s)  # [..., V] (torch's sort off the CPU)
         if top_k is not None:
             k = _per_row_param(top_k, bshape, torch.int64, s0.device)
             k = torch.where((k <= 0) | (k > V), V, k)

@@ -153,11 +153,33 @@ def order_key(x: torch.Tensor) -> torch.Tensor:
     return torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
 
 
+def _torch_sort_descending(s: torch.Tensor) -> torch.Tensor:
+    return torch.sort(s, dim=-1, descending=True).values
+
+
+def sort_descending_cpu(s: torch.Tensor) -> torch.Tensor:
+    """``torch.sort(s, dim=-1, descending=True).values`` of an fp32 tensor, through NumPy's sort
+    on CPU tensors (its SIMD sort: [3, 49,152] in 0.28 ms against torch's 9.2 ms on the Zen 5 VM).
+    The same values in the same places: a sort's output is fixed by its input, but for the order
+    of -0.0 and +0.0, which compare equal and which every use here treats alike; NaN comes first
+    in both (NumPy sorts it last, then the order is reversed).  torch's sort elsewhere (a GPU,
+    torch.compile tracing, a tensor that requires grad)."""
+    if s.device.type != "cpu" or s.requires_grad or torch.compiler.is_compiling() or s.dtype != torch.float32:
+        return _torch_sort_descending(s)
+    try:
+        import numpy as np
+    except ImportError:  # pragma: no cover - numpy comes with transformers
+        return _torch_sort_descending(s)
+    ascending = np.sort(s.contiguous().numpy(), axis=-1)
+    return torch.from_numpy(ascending[..., ::-1].copy())
+
+
 def warp_logits(
     logits: torch.Tensor,  # [..., V] any float dtype
     inv_temperature: torch.Tensor,  # [...] fp32: 1 / temperature
     top_k: torch.Tensor | None,  # [...] int, 0 = off
     top_p: torch.Tensor | None,  # [...] fp32, >= 1 = off
+    sort_descending=_torch_sort_descending,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Scaled logits s = logits * (1 / T) and the mask of the tokens the warp keeps.
 
@@ -165,6 +187,8 @@ def warp_logits(
     kept; k >= V keeps all).  top-p then keeps token v iff the probability mass, renormalised
     over the top-k set, of the tokens with s strictly greater than s_v is < top_p: the smallest
     set of most likely tokens whose mass reaches top_p, with ties kept together.
+    ``sort_descending`` sorts s's last dimension (torch's sort; the CPU path passes
+    ``sort_descending_cpu``, the same values faster).
     Returns (s [..., V] fp32, keep [..., V] bool).
     """
     s = logits.float() * inv_temperature[..., None]
@@ -172,7 +196,7 @@ def warp_logits(
     keep = torch.ones_like(s, dtype=torch.bool)
     if top_k is None and top_p is None:
         return s, keep
-    s_sorted = torch.sort(s, dim=-1, descending=True).values  # [..., V]
+    s_sorted = sort_descending(s)  # [..., V]
     if top_k is not None:
         k = top_k.to(torch.int64)
         k = torch.where((k <= 0) | (k > V), V, k)
@@ -241,6 +265,8 @@ def verify_reference(
     top_k: torch.Tensor | None,  # [B] int, 0 = off
     top_p: torch.Tensor | None,  # [B] fp32, 1 = off
     uniforms: torch.Tensor,  # [B, K+1] float64 (or fp32) in [0, 1)
+    *,
+    sort_descending=_torch_sort_descending,  # the warp's sort (see warp_logits)
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One speculative-decoding verification step. Returns (tokens [B, K+1] int64,
     num_accepted [B] int64); row b emits tokens[b, :num_accepted[b] + 1]."""
@@ -249,7 +275,8 @@ def verify_reference(
     kb = num_draft_tokens.to(torch.int64)  # [B]
     greedy, bad_param, inv_t = _row_parameters(kb, temperature, top_k, top_p, K)
     per_pos = lambda t: None if t is None else t[:, None].expand(B, K1)  # noqa: E731
-    s, keep = warp_logits(target_logits, inv_t[:, None].expand(B, K1), per_pos(top_k), per_pos(top_p))
+    s, keep = warp_logits(target_logits, inv_t[:, None].expand(B, K1), per_pos(top_k), per_pos(top_p),
+                          sort_descending)
     # A position is unusable if any logit is NaN or +inf, or if nothing has a finite logit.
     bad_pos = torch.isnan(s).any(-1) | torch.isposinf(s).any(-1) | torch.isneginf(s).all(-1)  # [B, K+1]
     p = _target_probs(s, keep)  # [B, K+1, V]

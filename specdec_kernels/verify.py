@@ -26,7 +26,7 @@ except ImportError:  # pragma: no cover - _ext is part of the package
     pass
 from . import reference as _ref
 from .reference import (FLT_MIN, _drafts, _final_token, _outputs, _philox_uniforms_host, _row_parameters,
-                        _stop_position, philox_uniforms, verify_reference)
+                        _stop_position, philox_uniforms, sort_descending_cpu, verify_reference)
 
 __all__ = ["VerifyOutput", "fused_verify"]
 
@@ -506,7 +506,7 @@ def _run_torch(a: _Args) -> tuple[torch.Tensor, torch.Tensor]:
     if a.top_k is None and a.top_p is None and a.target_logits.shape[0] > 0:
         return _verify_untruncated(a, u)
     return verify_reference(a.target_logits, a.draft_tokens, a.draft_probs, a.num_draft_tokens,
-                            a.temperature, a.top_k, a.top_p, u)
+                            a.temperature, a.top_k, a.top_p, u, sort_descending=sort_descending_cpu)
 
 
 def _verify_impl(target_logits, draft_tokens, draft_probs, num_draft_tokens, temperature, top_k,
