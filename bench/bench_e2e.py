@@ -3,8 +3,8 @@
 On the same prompts, seeds, max_new_tokens, dtype and device, for one draft/target pair:
 
   target_hf            the target alone with its KV cache: Hugging Face ``target.generate``
-                       (greedy: do_sample=False; sampling: do_sample=True, temperature=1,
-                       top_k=0, top_p=1, so no hidden warp)
+                       (greedy: do_sample=False; sampling: do_sample=True, temperature=T,
+                       top_k=0, top_p=--top-p (1 by default), so no hidden warp)
   assisted_hf          Hugging Face assisted generation, ``target.generate(assistant_model=draft)``;
                        batch 1 only (transformers refuses batches).  Fixed K: the assistant's
                        num_assistant_tokens=K, num_assistant_tokens_schedule="constant",
@@ -174,11 +174,12 @@ def generation_settings(model, **values):
 
 class Bench:
     def __init__(self, draft, target, tok, device, prompt_ids, max_new, eos_mode, seed, linear="auto",
-                 lean_forward=True):
+                 lean_forward=True, top_p=1.0):
         self.draft, self.target, self.tok, self.device = draft, target, tok, device
         self.prompt_ids = prompt_ids  # list of list of ints
         self.max_new = max_new
         self.seed = seed
+        self.top_p = float(top_p)  # every sampling method's nucleus (1 = off); greedy ignores it
         self.batch1_prompts = None  # batch 1 decodes the first N prompts only (None: all)
         self.pad = tok.pad_token_id
         self.dec = SpeculativeDecoder(draft=draft, target=target, tokenizer=tok, cpu_linear=linear,
@@ -208,7 +209,7 @@ class Bench:
         if temperature == 0:
             kw.update(do_sample=False)
         else:
-            kw.update(do_sample=True, temperature=float(temperature), top_k=0, top_p=1.0, min_p=None,
+            kw.update(do_sample=True, temperature=float(temperature), top_k=0, top_p=self.top_p, min_p=None,
                       typical_p=1.0)
         return kw
 
@@ -268,6 +269,9 @@ class Bench:
         return ids.to(self.device), mask.to(self.device)
 
     # -- SpeculativeDecoder --------------------------------------------------------------------
+    def _top_p(self):
+        return None if self.top_p >= 1.0 else self.top_p
+
     def specdec(self, batch: int, temperature: float, k, target_only: bool = False, feature: bool = False) -> RunOut:
         dec = self.fdec if feature else self.dec
         out_ids, stats = [], []
@@ -278,12 +282,12 @@ class Bench:
             seeds = [self.seed + p for p in chunk]  # the same row seeds at batch 1 and batch 8
             if target_only:
                 res = self.dec.generate_target_only(prompts, max_new_tokens=self.max_new, temperature=temperature,
-                                                    seed=seeds, eos_token_id=self.dec_eos)
+                                                    top_p=self._top_p(), seed=seeds, eos_token_id=self.dec_eos)
             else:
                 kk, conf = split_k(k)
                 res = dec.generate(prompts, max_new_tokens=self.max_new, num_draft_tokens=kk,
-                                        temperature=temperature, seed=seeds, eos_token_id=self.dec_eos,
-                                        max_draft_tokens=8, draft_confidence=conf)
+                                   temperature=temperature, top_p=self._top_p(), seed=seeds,
+                                   eos_token_id=self.dec_eos, max_draft_tokens=8, draft_confidence=conf)
             out_ids.extend(res.token_ids)
             stats.append(res.stats)
         _sync(self.device)
@@ -428,6 +432,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--eos", choices=["ignore", "stop"], default="ignore",
                     help="ignore: every row generates max_new_tokens (default); stop: rows end at EOS")
     ap.add_argument("--seed", type=int, default=0, help="prompt p uses seed + p")
+    ap.add_argument("--top-p", type=float, default=1.0,
+                    help="nucleus sampling for every method at T > 0 (default 1: off)")
     ap.add_argument("--linear", choices=["auto", "skinny", "torch"], default="auto",
                     help="how every method runs the linear layers: SpeculativeDecoder's cpu_linear "
                          "(auto: skinny_linear on fp32 CPU)")
@@ -460,7 +466,7 @@ def main(argv=None) -> int:
     t_load = time.perf_counter() - t_load
     prompt_ids = [list(tok(p)["input_ids"]) for p in prompts]
     bench = Bench(draft, target, tok, device, prompt_ids, args.max_new_tokens, args.eos, args.seed, args.linear,
-                  lean_forward=not args.no_lean_forward)
+                  lean_forward=not args.no_lean_forward, top_p=args.top_p)
     bench.batch1_prompts = args.batch1_prompts
     if args.feature_ks:
         fdir = args.feature_draft
@@ -489,7 +495,8 @@ def main(argv=None) -> int:
         f"# timing: tokens/s = generated tokens / wall time of the whole run (batch 1: the prompts one "
         f"after the other); median of {args.repeats} timed run(s) after 1 warm-up"
         f"{f' of {args.warmup_tokens} tokens' if args.warmup_tokens else ''}; methods interleaved",
-        "# target_hf: target.generate (greedy do_sample=False; T>0: do_sample=True, top_k=0, top_p=1)",
+        f"# target_hf: target.generate (greedy do_sample=False; T>0: do_sample=True, top_k=0, top_p={args.top_p:g})"
+        + (f"; SpeculativeDecoder: top_p={args.top_p:g}" if args.top_p < 1 else ""),
         "# assisted_hf: target.generate(assistant_model=draft); fixed K: " + hf_config_text(1).replace("=1,", "=K,")
         + "; K=auto: " + hf_config_text("auto"),
         "# specdec: SpeculativeDecoder.generate(num_draft_tokens=K, max_draft_tokens=8; K@c: and "
@@ -530,7 +537,7 @@ def main(argv=None) -> int:
         if not rows:
             return 130
     for r in rows:
-        r.update(pair=pair, device=dev_name, dtype=args.dtype, threads=torch.get_num_threads(),
+        r.update(pair=pair, device=dev_name, dtype=args.dtype, threads=torch.get_num_threads(), top_p=args.top_p,
                  max_new_tokens=args.max_new_tokens, repeats=args.repeats, eos=args.eos, date=stamp, **ver)
 
     os.makedirs(args.out, exist_ok=True)

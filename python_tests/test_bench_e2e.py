@@ -323,3 +323,34 @@ def test_a_run_stopped_at_its_time_limit_writes_the_configurations_done(tmp_path
     assert rows and {r["batch"] for r in rows} == {"1"}
     assert "interrupted at a time limit" in (tmp_path / "bench_e2e.txt").read_text()
     assert (tmp_path / "bench_e2e.png").stat().st_size > 0
+
+
+def test_top_p_reaches_every_sampling_method(tmp_path, monkeypatch):
+    """--top-p 0.5: Hugging Face's generate (the target alone and assisted) samples with
+    top_p=0.5, and so do SpeculativeDecoder's generate and its target-only loop; the CSV says so."""
+    import transformers
+
+    from specdec_kernels import SpeculativeDecoder
+
+    mod = _load_bench_module()
+    seen = []
+    for cls, name in ((SpeculativeDecoder, "generate"), (SpeculativeDecoder, "generate_target_only"),
+                      (transformers.GenerationMixin, "generate")):
+        real = getattr(cls, name)
+
+        def wrapped(self, *args, _real=real, _who=f"{cls.__name__}.{name}", **kwargs):
+            # the bench's own calls (assisted generation calls the assistant's generate inside)
+            if _who != "GenerationMixin.generate" or "do_sample" in kwargs:
+                seen.append((_who, kwargs.get("top_p"), "assistant_model" in kwargs))
+            return _real(self, *args, **kwargs)
+
+        monkeypatch.setattr(cls, name, wrapped)
+    rc = mod.main(["--quick", "--out", str(tmp_path), "--ks", "1", "--temperatures", "1", "--batch", "1",
+                   "--top-p", "0.5", "--num-prompts", "2"])
+    assert rc == 0
+    assert {s[1] for s in seen} == {0.5}, seen
+    assert {(s[0], s[2]) for s in seen} == {("SpeculativeDecoder.generate", False),
+                                            ("SpeculativeDecoder.generate_target_only", False),
+                                            ("GenerationMixin.generate", False), ("GenerationMixin.generate", True)}
+    with open(tmp_path / "bench_e2e.csv", newline="") as f:
+        assert {r["top_p"] for r in csv.DictReader(f)} == {"0.5"}
