@@ -80,6 +80,55 @@ def test_the_inputs_are_left_as_they_were(backend, dev, route):
                            want.view(torch.int32) if want.is_floating_point() else want)  # NaNs too
 
 
+@pytest.mark.parametrize("warp", [None, "top_p"])
+@pytest.mark.parametrize("grad_on", ["draft_probs", "logits"])
+def test_inputs_that_require_grad(grad_on, warp):
+    """Logits or q straight from a model, outside no_grad: the torch path gives the tokens it
+    gives without grad (its in-place temporaries never meet autograd; a review found an out=
+    argument raising there)."""
+    B, K, V = 3, 3, 50
+    logits, x, q = make_step(B, K, V, seed=5, draft_noise=2.0)  # noisy drafts: rejections
+    kw = dict(temperature=torch.tensor([1.0, 0.8, 1.3]), seed=torch.arange(B), offset=4, backend="torch",
+              top_p=0.9 if warp else None)
+    want = fused_verify(logits, x, q, **kw)
+    assert bool((want.num_accepted < K).any()), "a rejection, so the residual is computed"
+    got = fused_verify(logits.clone().requires_grad_(grad_on == "logits"), x,
+                       q.clone().requires_grad_(grad_on == "draft_probs"), **kw)
+    assert torch.equal(got.tokens, want.tokens) and torch.equal(got.num_accepted, want.num_accepted)
+
+
+def test_traced_and_vmapped_calls_read_no_values_on_the_host():
+    """Under make_fx (real and fake tensors) and vmap the CPU routes that read values on the host
+    (the NumPy sort, the row-by-row draw, the host Philox) step aside for their tensor paths, so
+    a traced graph gives the eager result on new inputs instead of the tracing input's baked-in
+    values."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from specdec_kernels.draft_sampling import warp_probs
+
+    g = torch.Generator().manual_seed(3)
+    x1, x2 = torch.randn(2, 4, 300, generator=g), torch.randn(2, 4, 300, generator=g)
+    f = lambda t: warp_probs(t, 0.7, 5, 0.9)  # noqa: E731
+    for mode in ("real", "fake", "symbolic"):
+        gm = make_fx(f, tracing_mode=mode)(x1)
+        assert torch.equal(gm(x2), f(x2)), mode
+    assert torch.equal(torch.vmap(f)(x2), f(x2))
+
+    B, K, V = 3, 2, 5000  # V >= 4,096: the row-by-row draw, when the values may be read
+    l1, d1, q1 = make_step(B, K, V, seed=1, draft_noise=2.0)
+    l2, d2, q2 = make_step(B, K, V, seed=2, draft_noise=2.0)
+    seed = torch.arange(B)
+
+    def verify(lg, x, q, top_p):
+        out = fused_verify(lg, x, q, temperature=1.0, top_p=top_p, seed=seed, offset=1, backend="torch")
+        return out.tokens, out.num_accepted
+
+    for top_p in (None, 0.9):
+        gm = make_fx(lambda a, b, c: verify(a, b, c, top_p))(l1, d1, q1)
+        for got, want in zip(gm(l2, d2, q2), verify(l2, d2, q2, top_p)):
+            assert torch.equal(got, want), top_p
+
+
 # ----------------------------------------------------------------------------------------------
 # Determinism and batch invariance
 # ----------------------------------------------------------------------------------------------

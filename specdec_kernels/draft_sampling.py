@@ -15,7 +15,7 @@ from typing import Union
 
 import torch
 
-from .reference import _inverse_cdf, _uint53_to_uniform, sort_descending_cpu
+from .reference import _inverse_cdf, _uint53_to_uniform, host_readable, sort_descending_cpu
 
 __all__ = ["warp_probs"]
 
@@ -164,7 +164,7 @@ def _draft_uniforms_k(key_lo: torch.Tensor, key_hi: torch.Tensor, step: torch.Te
     op is a kernel launch; the counters come from ``arange`` on the device, not a host-to-device
     copy, which would wait for the stream), or Python ints on the CPU for small batches."""
     js = range(start, start + P)
-    if key_lo.device.type == "cpu" and key_lo.numel() <= _HOST_HASH_MAX and not torch.compiler.is_compiling():
+    if host_readable(key_lo) and key_lo.numel() <= _HOST_HASH_MAX:
         lo, hi, st = key_lo.tolist(), key_hi.tolist(), step.tolist()  # CPU tensors: no device sync
         a = [[_draft_hash_int(x, y, s, 2 * j) for j in js] for x, y, s in zip(lo, hi, st)]
         b = [[_draft_hash_int(x, y, s, 2 * j + 1) for j in js] for x, y, s in zip(lo, hi, st)]

@@ -26,7 +26,7 @@ except ImportError:  # pragma: no cover - _ext is part of the package
     pass
 from . import reference as _ref
 from .reference import (FLT_MIN, _drafts, _final_token, _outputs, _philox_uniforms_host, _row_parameters,
-                        _stop_position, philox_uniforms, sort_descending_cpu, verify_reference)
+                        _stop_position, host_readable, philox_uniforms, sort_descending_cpu, verify_reference)
 
 __all__ = ["VerifyOutput", "fused_verify"]
 
@@ -86,7 +86,7 @@ def _per_row(name: str, value, B: int, dtype: torch.dtype, device: torch.device,
 def _check_values(t: torch.Tensor) -> bool:
     """Whether a tensor's values may be read for validation: only where reading is free (CPU,
     not while tracing). On CUDA a bad value makes its row invalid in-kernel instead of a sync."""
-    return t.device.type == "cpu" and not torch.compiler.is_compiling()
+    return host_readable(t)
 
 
 class _Args(NamedTuple):
@@ -261,7 +261,7 @@ def _all_greedy(a: _Args) -> bool:
     reference's definition of a greedy row: ``temperature.float() == 0``, so -0.0 counts).
     CPU only: on CUDA the test would be a host sync."""
     t = a.temperature
-    return t.device.type == "cpu" and t.numel() > 0 and bool((t == 0).all())
+    return host_readable(t) and t.numel() > 0 and bool((t == 0).all())
 
 
 # The chunk of _max_and_first_argmax: small enough that argmax over one chunk per row is cheap.
@@ -317,7 +317,7 @@ def _verify_greedy(a: _Args) -> tuple[torch.Tensor, torch.Tensor]:
     # Maxima and their first indices in the logits' own dtype: a bf16/fp16 -> fp32 conversion
     # is exact and monotone, so both are those of the reference's s = logits.float().
     m, argmax = _max_and_first_argmax(logits.reshape(B * K1, V))
-    if B * K1 <= _HOST_GREEDY_MAX and logits.device.type == "cpu" and not torch.compiler.is_compiling():
+    if B * K1 <= _HOST_GREEDY_MAX and host_readable(logits):
         # (CPU only: reading device tensors on the host would be a sync per call)
         return _greedy_host(a, m, argmax, B, K, V)
     _, bad_param, _ = _row_parameters(kb, a.temperature, a.top_k, a.top_p, K)
@@ -438,8 +438,7 @@ def _final_token_rows(p_j, x_safe, draft_probs, j, rejected, bad_row, greedy, ar
     weights, so non-decreasing, and flat exactly where w[v] = 0: the first index past the target
     has w > 0, as the reference requires); the last positive weight if none."""
     B, V = p_j.shape
-    if ((B > _ROW_DRAW_MAX and V < _ROW_DRAW_MIN_V) or p_j.device.type != "cpu"
-            or torch.compiler.is_compiling()):  # row by row reads values on the host: CPU only
+    if (B > _ROW_DRAW_MAX and V < _ROW_DRAW_MIN_V) or not host_readable(p_j):  # it reads values on the host
         return _final_token(p_j, x_safe, draft_probs, j, rejected, bad_row, greedy, argmax, u_final)
     K = x_safe.shape[1]
     j_h, rej, gr, u = j.tolist(), rejected.tolist(), greedy.tolist(), u_final.tolist()
@@ -492,7 +491,7 @@ _HOST_PHILOX_MAX = 128
 def _uniforms(a: _Args, K: int) -> torch.Tensor:
     if a.uniforms is not None:
         return a.uniforms
-    if (a.seed.device.type == "cpu" and not torch.compiler.is_compiling()
+    if (host_readable(a.seed)
             and a.seed.shape[0] * (K + 1) <= _HOST_PHILOX_MAX):
         return _philox_uniforms_host(a.seed.tolist(), a.offset.tolist(), K)  # CPU: no device sync
     return philox_uniforms(a.seed, a.offset, K)
@@ -515,7 +514,8 @@ def _verify_impl(target_logits, draft_tokens, draft_probs, num_draft_tokens, tem
               seed, offset, uniforms)
     if _resolve_backend(backend, target_logits.device) == "triton":
         return _launch_triton(a)
-    return _run_torch(a)
+    with torch.no_grad():  # integer outputs; its in-place and out= temporaries must not meet autograd
+        return _run_torch(a)
 
 
 def _verify_checked(target_logits, draft_tokens, draft_probs, num_draft_tokens, temperature, top_k, top_p,
