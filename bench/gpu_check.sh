@@ -3,9 +3,12 @@
 # kernel for real, not interpreted; the decoder's CUDA paths in test_decoder_devices.py),
 # bench_verify on a reduced grid, bench_e2e on random-weight models of the embedded pair's and
 # feature draft's shapes (the target's GGUF does not travel; acceptance figures come from CPU
-# runs). Works offline from a fresh copy of the repository; its limits add up to 440 s
-# (500 s with the grace periods; the build and set-up take ~1 minute), inside one 10-minute
-# device call. bench_verify and bench_e2e write what they measured when stopped at their limit.
+# runs). Works offline from a fresh copy of the repository. The limits of the tests and the two
+# benchmarks add up to 440 s (500 s with the grace periods); the build, random_pair.py and the
+# set-up take about a minute (on the VM: 24 s to build on 2 cores, 9 s for the random pair), and
+# the embedded target's conversion up to 90 s more where its wheel is installed (not in the GPU
+# image): inside one 10-minute device call. bench_verify and bench_e2e write what they measured
+# when stopped at their limit (timeout then exits 124).
 #
 #   bash bench/gpu_check.sh [OUT_DIR]      # default: $OUT, else bench/results/gpu-<date>
 #
