@@ -308,15 +308,33 @@ def test_sort_descending_cpu_equals_torchs_sort():
     assert torch.equal(sort_descending_cpu(s), torch.sort(s, -1, descending=True).values)
 
 
-def test_warped_rows_equal_the_reference_on_random_cases(counted):
-    """fused_verify's torch path with top-k / top-p (the reference with NumPy's sort) against
-    verify_reference with torch's sort: the same tokens and counts on 400 random batches (ties,
-    signed zeros, NaN/inf positions, bad ids and q, ragged K, greedy rows, fp32/bf16/fp16)."""
+@pytest.fixture
+def counted_warped(monkeypatch):
+    calls = []
+    orig = verify_mod._verify_warped
+
+    def wrapped(a, u):
+        calls.append(a.target_logits.shape)
+        return orig(a, u)
+
+    monkeypatch.setattr(verify_mod, "_verify_warped", wrapped)
+    return calls
+
+
+def test_warped_rows_equal_the_reference_on_random_cases(counted, counted_warped, monkeypatch):
+    """fused_verify's torch path with top-k / top-p (``verify._verify_warped``: the reference's
+    warp through NumPy's sort, the unmasked maximum, in place, the row-by-row or batched draw)
+    against verify_reference with torch's sort: the same tokens and counts on 600 random batches
+    (ties, signed zeros, NaN/inf positions, bad ids and q, ragged K, greedy rows, fp32/bf16/fp16,
+    top-k and top-p alone and together, per row or shared)."""
     rng = random.Random(97)
     g = torch.Generator().manual_seed(97)
     n_kept_few = 0
-    for case in range(400):
+    N = 600
+    for case in range(N):
         kw = _random_case(rng, g)
+        monkeypatch.setattr(verify_mod, "_ARGMAX_CHUNK", rng.choice([1, 3, 16, 256]))
+        monkeypatch.setattr(verify_mod, "_ROW_DRAW_MAX", rng.choice([0, 8]))
         logits = kw["target_logits"]
         B, K1, V = logits.shape
         top_k = top_p = None
@@ -343,5 +361,25 @@ def test_warped_rows_equal_the_reference_on_random_cases(counted):
                                          per_row(top_k, torch.int64), per_row(top_p, torch.float32), u)
         assert torch.equal(out.tokens, tokens) and torch.equal(out.num_accepted, n_acc), (case, ref_kw)
         n_kept_few += int(isinstance(top_p, float) and top_p < 0.5)
-    assert counted == [], "rows with a warp take the reference's route"
+    assert counted == [] and len(counted_warped) == N, "every batch with a warp takes the warped route"
     assert n_kept_few > 20
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16", "fp16"])
+def test_warped_route_on_large_vocabulary(dtype, counted_warped):
+    """V = 49,152, B = 8, K = 4, per-row top-k and top-p (some off), against verify_reference."""
+    g = torch.Generator().manual_seed(12)
+    B, K, V = 8, 4, 49152
+    logits = (torch.randn(B, K + 1, V, generator=g) * 4).to(dtype)
+    q = torch.softmax(torch.randn(B, K, V, generator=g) * 4, -1)
+    x = torch.multinomial(q.view(B * K, V), 1, generator=g).view(B, K)
+    logits[5, 3, 17] = float("nan")
+    t = torch.tensor([1.0, 0.7, 0.0, 1.3, 1.0, 1.0, 0.0, 2.0])
+    top_k = torch.tensor([0, 50, 5, 0, 1000, 2, 0, 40000])
+    top_p = torch.tensor([0.9, 1.0, 0.5, 0.95, 0.3, 1.0, 0.8, 0.99])
+    out = fused_verify(logits, x, q, temperature=t, top_k=top_k, top_p=top_p, seed=torch.arange(B), offset=3,
+                       backend="torch")
+    u = philox_uniforms(torch.arange(B), torch.full((B,), 3), K)
+    ref = verify_reference(logits, x, q, torch.full((B,), K), t, top_k, top_p, u)
+    assert torch.equal(out.tokens, ref[0]) and torch.equal(out.num_accepted, ref[1])
+    assert len(counted_warped) == 1 and bool((ref[1] >= 0).sum() >= 6)

@@ -26,7 +26,8 @@ except ImportError:  # pragma: no cover - _ext is part of the package
     pass
 from . import reference as _ref
 from .reference import (FLT_MIN, _drafts, _final_token, _outputs, _philox_uniforms_host, _row_parameters,
-                        _stop_position, host_readable, philox_uniforms, sort_descending_cpu, verify_reference)
+                        _stop_position, host_readable, philox_uniforms, sort_descending_cpu, verify_reference,
+                        warp_logits)
 
 __all__ = ["VerifyOutput", "fused_verify"]
 
@@ -378,7 +379,17 @@ def _greedy_host(a: _Args, m: torch.Tensor, argmax: torch.Tensor, B: int, K: int
 
 
 def _verify_untruncated(a: _Args, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``verify_reference`` when no row has top-k or top-p, with fewer passes over the [B, K+1, V]
+    """``verify_reference`` when no row has top-k or top-p (``_verify_sampled``)."""
+    return _verify_sampled(a, u, warped=False)
+
+
+def _verify_warped(a: _Args, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``verify_reference`` with top-k / top-p rows (``_verify_sampled``)."""
+    return _verify_sampled(a, u, warped=True)
+
+
+def _verify_sampled(a: _Args, u: torch.Tensor, warped: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``verify_reference`` when not every row is greedy, with fewer passes over the [B, K+1, V]
     logits; bit-identical to it (tests: test_verify_sampling_fast_path.py).
 
     Without a warp the keep mask is all true, so the reference's masked max, masked exp and
@@ -389,13 +400,27 @@ def _verify_untruncated(a: _Args, u: torch.Tensor) -> tuple[torch.Tensor, torch.
     position (p_j), which are the same quotients e / sum(e) the reference gathers.  The sums are
     the same reductions over the same [B, K+1, V] tensor.  The rest (stop position, residual,
     final draw, outputs) is the reference's own code.
+
+    With a warp (``warped``), the keep mask is the reference's own ``warp_logits`` (through
+    NumPy's sort), and e is zeroed outside it, as the reference's ``where``.  The maximum stays
+    the unmasked one: top-k keeps every token >= the k-th largest and top-p at least the most
+    likely ones, so at a usable position (no NaN or +inf, not all -inf) the maximum is kept and
+    the masked maximum is the same number; at an unusable position the row is invalid as soon as
+    the position is reached, and its values are never read.  The reference's scans for unusable
+    positions are over the unmasked s too.
     """
     logits = a.target_logits
     B, K1, V = logits.shape
     K = K1 - 1
     kb = a.num_draft_tokens.to(torch.int64)
-    greedy, bad_param, inv_t = _row_parameters(kb, a.temperature, None, None, K)
-    s = logits.float() * inv_t[:, None].expand(B, K1)[..., None]  # [B, K+1, V], as warp_logits
+    greedy, bad_param, inv_t = _row_parameters(kb, a.temperature, a.top_k, a.top_p, K)
+    keep = None
+    if warped:
+        per_pos = lambda t: None if t is None else t[:, None].expand(B, K1)  # noqa: E731
+        s, keep = warp_logits(logits, inv_t[:, None].expand(B, K1), per_pos(a.top_k), per_pos(a.top_p),
+                              sort_descending_cpu)  # s fresh, keep [B, K+1, V] bool
+    else:
+        s = logits.float() * inv_t[:, None].expand(B, K1)[..., None]  # [B, K+1, V], as warp_logits
     m, argmax = _max_and_first_argmax(s.reshape(B * K1, V))  # a copy only for permuted logits
     m = m.view(B, K1, 1)
     argmax = argmax.view(B, K1)
@@ -405,6 +430,8 @@ def _verify_untruncated(a: _Args, u: torch.Tensor) -> tuple[torch.Tensor, torch.
     # (B = 4, V = 32,000: 4.2 ms a call with the temporaries, against 2.0 with malloc told to
     # keep its memory).
     e = s.sub_(m).exp_()  # [B, K+1, V]
+    if keep is not None:
+        e.masked_fill_(~keep, 0.0)  # the reference's where(keep, exp(s - m), 0)
     total = e.sum(-1, keepdim=True)  # [B, K+1, 1]
 
     x, x_safe, q_x, bad_x = _drafts(a.draft_tokens, a.draft_probs, greedy, V)
@@ -502,10 +529,12 @@ def _run_torch(a: _Args) -> tuple[torch.Tensor, torch.Tensor]:
         return _verify_greedy(a)
     K = a.target_logits.shape[1] - 1
     u = _uniforms(a, K)
-    if a.top_k is None and a.top_p is None and a.target_logits.shape[0] > 0:
+    if a.target_logits.shape[0] == 0:
+        return verify_reference(a.target_logits, a.draft_tokens, a.draft_probs, a.num_draft_tokens,
+                                a.temperature, a.top_k, a.top_p, u)
+    if a.top_k is None and a.top_p is None:
         return _verify_untruncated(a, u)
-    return verify_reference(a.target_logits, a.draft_tokens, a.draft_probs, a.num_draft_tokens,
-                            a.temperature, a.top_k, a.top_p, u, sort_descending=sort_descending_cpu)
+    return _verify_warped(a, u)
 
 
 def _verify_impl(target_logits, draft_tokens, draft_probs, num_draft_tokens, temperature, top_k,
