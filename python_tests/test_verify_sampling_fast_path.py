@@ -24,17 +24,27 @@ from specdec_kernels.reference import philox_uniforms, verify_reference
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
-@pytest.fixture
-def counted(monkeypatch):
+def _count_calls(monkeypatch, route: str) -> list:
+    """The shapes of the logits each call of verify.<route> saw, in order."""
     calls = []
-    orig = verify_mod._verify_untruncated
+    orig = getattr(verify_mod, route)
 
     def wrapped(a, u):
         calls.append(a.target_logits.shape)
         return orig(a, u)
 
-    monkeypatch.setattr(verify_mod, "_verify_untruncated", wrapped)
+    monkeypatch.setattr(verify_mod, route, wrapped)
     return calls
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    return _count_calls(monkeypatch, "_verify_untruncated")
+
+
+@pytest.fixture
+def counted_warped(monkeypatch):
+    return _count_calls(monkeypatch, "_verify_warped")
 
 
 def _random_case(rng: random.Random, g: torch.Generator) -> dict:
@@ -105,7 +115,10 @@ def _reference(kw) -> tuple[torch.Tensor, torch.Tensor]:
         seed = kw["seed"]
         seed = seed if isinstance(seed, torch.Tensor) else torch.full((B,), seed, dtype=torch.int64)
         u = philox_uniforms(seed, torch.full((B,), kw["offset"], dtype=torch.int64), K)
-    return verify_reference(logits, kw["draft_tokens"], kw["draft_probs"], kb, t, None, None, u)
+    per_row = lambda v, dt: None if v is None else (v.to(dt) if isinstance(v, torch.Tensor)  # noqa: E731
+                                                    else torch.full((B,), v, dtype=dt))
+    return verify_reference(logits, kw["draft_tokens"], kw["draft_probs"], kb, t,
+                            per_row(kw.get("top_k"), torch.int64), per_row(kw.get("top_p"), torch.float32), u)
 
 
 def test_untruncated_route_equals_reference_on_random_cases(counted, monkeypatch):
@@ -133,21 +146,27 @@ def test_untruncated_route_equals_reference_on_random_cases(counted, monkeypatch
         (n_invalid, n_rejected, n_all, n_greedy_rows)
 
 
+@pytest.mark.parametrize("warped", [False, True], ids=["untruncated", "warped"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16", "fp16"])
-def test_untruncated_route_on_large_vocabulary(dtype, counted):
-    """V = 49,152 (the default pair's), B = 8, K = 4, against verify_reference itself."""
-    g = torch.Generator().manual_seed(11)
+def test_sampling_routes_on_large_vocabulary(dtype, warped, counted, counted_warped):
+    """V = 49,152 (the default pair's), B = 8, K = 4, against verify_reference itself; warped:
+    per-row top-k and top-p, some off."""
+    g = torch.Generator().manual_seed(11 + warped)
     B, K, V = 8, 4, 49152
     logits = (torch.randn(B, K + 1, V, generator=g) * 4).to(dtype)
     q = torch.softmax(torch.randn(B, K, V, generator=g) * 4, -1)
     x = torch.multinomial(q.view(B * K, V), 1, generator=g).view(B, K)
     logits[5, 3, 17] = float("nan")
     t = torch.tensor([1.0, 0.7, 0.0, 1.3, 1.0, 1.0, 0.0, 2.0])
-    out = fused_verify(logits, x, q, temperature=t, seed=torch.arange(B), offset=3, backend="torch")
+    top_k = torch.tensor([0, 50, 5, 0, 1000, 2, 0, 40000]) if warped else None
+    top_p = torch.tensor([0.9, 1.0, 0.5, 0.95, 0.3, 1.0, 0.8, 0.99]) if warped else None
+    out = fused_verify(logits, x, q, temperature=t, top_k=top_k, top_p=top_p, seed=torch.arange(B), offset=3,
+                       backend="torch")
     u = philox_uniforms(torch.arange(B), torch.full((B,), 3), K)
-    ref = verify_reference(logits, x, q, torch.full((B,), K), t, None, None, u)
+    ref = verify_reference(logits, x, q, torch.full((B,), K), t, top_k, top_p, u)
     assert torch.equal(out.tokens, ref[0]) and torch.equal(out.num_accepted, ref[1])
-    assert len(counted) == 1
+    assert (len(counted), len(counted_warped)) == ((0, 1) if warped else (1, 0))
+    assert int((ref[1] >= 0).sum()) >= 6
 
 
 def test_route_not_taken_with_a_warp_or_all_greedy(counted):
@@ -308,19 +327,6 @@ def test_sort_descending_cpu_equals_torchs_sort():
     assert torch.equal(sort_descending_cpu(s), torch.sort(s, -1, descending=True).values)
 
 
-@pytest.fixture
-def counted_warped(monkeypatch):
-    calls = []
-    orig = verify_mod._verify_warped
-
-    def wrapped(a, u):
-        calls.append(a.target_logits.shape)
-        return orig(a, u)
-
-    monkeypatch.setattr(verify_mod, "_verify_warped", wrapped)
-    return calls
-
-
 def test_warped_rows_equal_the_reference_on_random_cases(counted, counted_warped, monkeypatch):
     """fused_verify's torch path with top-k / top-p (``verify._verify_warped``: the reference's
     warp through NumPy's sort, the unmasked maximum, in place, the row-by-row or batched draw)
@@ -344,42 +350,8 @@ def test_warped_rows_equal_the_reference_on_random_cases(counted, counted_warped
             top_p = torch.empty(B).uniform_(0.05, 1.0, generator=g) if rng.random() < 0.7 else rng.choice([0.3, 0.9])
         kw.update(top_k=top_k, top_p=top_p)
         out = fused_verify(**kw)
-        ref_kw = dict(kw)
-        t = kw["temperature"]
-        t = t.float() if isinstance(t, torch.Tensor) else torch.full((B,), float(t))
-        kb = kw.get("num_draft_tokens", K1 - 1)
-        kb = kb if isinstance(kb, torch.Tensor) else torch.full((B,), kb, dtype=torch.int64)
-        per_row = lambda v, dt: None if v is None else (v.to(dt) if isinstance(v, torch.Tensor)  # noqa: E731
-                                                        else torch.full((B,), v, dtype=dt))
-        if "uniforms" in kw:
-            u = kw["uniforms"]
-        else:
-            seed = kw["seed"]
-            seed = seed if isinstance(seed, torch.Tensor) else torch.full((B,), seed, dtype=torch.int64)
-            u = philox_uniforms(seed, torch.full((B,), kw["offset"], dtype=torch.int64), K1 - 1)
-        tokens, n_acc = verify_reference(logits, kw["draft_tokens"], kw["draft_probs"], kb, t,
-                                         per_row(top_k, torch.int64), per_row(top_p, torch.float32), u)
-        assert torch.equal(out.tokens, tokens) and torch.equal(out.num_accepted, n_acc), (case, ref_kw)
+        tokens, n_acc = _reference(kw)  # torch's sort
+        assert torch.equal(out.tokens, tokens) and torch.equal(out.num_accepted, n_acc), (case, kw)
         n_kept_few += int(isinstance(top_p, float) and top_p < 0.5)
     assert counted == [] and len(counted_warped) == N, "every batch with a warp takes the warped route"
     assert n_kept_few > 20
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16", "fp16"])
-def test_warped_route_on_large_vocabulary(dtype, counted_warped):
-    """V = 49,152, B = 8, K = 4, per-row top-k and top-p (some off), against verify_reference."""
-    g = torch.Generator().manual_seed(12)
-    B, K, V = 8, 4, 49152
-    logits = (torch.randn(B, K + 1, V, generator=g) * 4).to(dtype)
-    q = torch.softmax(torch.randn(B, K, V, generator=g) * 4, -1)
-    x = torch.multinomial(q.view(B * K, V), 1, generator=g).view(B, K)
-    logits[5, 3, 17] = float("nan")
-    t = torch.tensor([1.0, 0.7, 0.0, 1.3, 1.0, 1.0, 0.0, 2.0])
-    top_k = torch.tensor([0, 50, 5, 0, 1000, 2, 0, 40000])
-    top_p = torch.tensor([0.9, 1.0, 0.5, 0.95, 0.3, 1.0, 0.8, 0.99])
-    out = fused_verify(logits, x, q, temperature=t, top_k=top_k, top_p=top_p, seed=torch.arange(B), offset=3,
-                       backend="torch")
-    u = philox_uniforms(torch.arange(B), torch.full((B,), 3), K)
-    ref = verify_reference(logits, x, q, torch.full((B,), K), t, top_k, top_p, u)
-    assert torch.equal(out.tokens, ref[0]) and torch.equal(out.num_accepted, ref[1])
-    assert len(counted_warped) == 1 and bool((ref[1] >= 0).sum() >= 6)
