@@ -223,11 +223,14 @@ def warp_logits(
         kth = s_sorted.gather(-1, (k - 1)[..., None])  # [..., 1]
         keep = s >= kth
     if top_p is not None:
-        kept_sorted = s_sorted >= s.masked_fill(~keep, float("inf")).amin(-1, keepdim=True)
+        kept_lo = (s if top_k is None else s.masked_fill(~keep, float("inf"))).amin(-1, keepdim=True)
+        kept_sorted = s_sorted >= kept_lo
         m = s_sorted[..., :1]
-        e = torch.where(kept_sorted, torch.exp(s_sorted - m), 0.0)  # [..., V]
+        # In place on one fresh buffer: exp(s_sorted - m) where kept, else 0, then the mass
+        # before each token (on the CPU each fresh [..., V] temporary costs malloc's page faults).
+        e = torch.sub(s_sorted, m).exp_().masked_fill_(~kept_sorted, 0.0)  # [..., V]
         csum = torch.cumsum(e, dim=-1)
-        mass_before = csum - e  # mass of the tokens sorted ahead of this one
+        mass_before = torch.sub(csum, e, out=e)  # mass of the tokens sorted ahead of this one
         p_lim = top_p.float()[..., None] * csum[..., -1:]
         n_keep = (mass_before < p_lim).sum(-1, keepdim=True)  # >= 1: mass_before[0] = 0
         # ... except where the mass is NaN (a NaN, +inf or all--inf position: its row is marked
