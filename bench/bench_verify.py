@@ -40,7 +40,7 @@ GRIDS = {
     # the reduced grid of bench/gpu_check.sh: a few minutes including torch.compile
     "gpu": dict(B=[1, 4, 16, 64, 256], K=[4], V=[128256], dtype=["bf16"], temperature=[1.0, 0.0],
                 warp=[False, True]),
-    "cpu": dict(B=[1, 4, 16], K=[4], V=[32000, 128256], dtype=["fp32"], temperature=[1.0, 0.0], warp=[False]),
+    "cpu": dict(B=[1, 4, 16], K=[4], V=[32000, 128256], dtype=["fp32"], temperature=[1.0, 0.0], warp=[False, True]),
     "smoke": dict(B=[1, 4], K=[2], V=[1000], dtype=["fp32"], temperature=[1.0], warp=[False, True]),
 }
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
