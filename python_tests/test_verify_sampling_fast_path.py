@@ -304,7 +304,7 @@ def test_row_draw_takes_large_vocabularies_at_any_batch(V, counted, monkeypatch)
 def test_sort_descending_cpu_equals_torchs_sort():
     """The same values in the same places as torch.sort(descending=True), NaN first, over ties,
     signed zeros, +-inf and NaN, in 1 to 49,152 tokens; torch's own sort off the fast path."""
-    from specdec_kernels.reference import sort_descending_cpu
+    from specdec_kernels._host import sort_descending_cpu
 
     g = torch.Generator().manual_seed(5)
     for V in (1, 2, 7, 300, 49152):

@@ -15,7 +15,8 @@ from typing import Union
 
 import torch
 
-from .reference import _inverse_cdf, _uint53_to_uniform, host_readable, sort_descending_cpu
+from ._host import host_readable, sort_descending_cpu
+from .reference import _inverse_cdf, _uint53_to_uniform
 
 __all__ = ["warp_probs"]
 

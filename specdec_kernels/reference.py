@@ -157,43 +157,6 @@ def _torch_sort_descending(s: torch.Tensor) -> torch.Tensor:
     return torch.sort(s, dim=-1, descending=True).values
 
 
-def host_readable(t: torch.Tensor) -> bool:
-    """Whether ``t``'s values may be read on the host (``.tolist()``, ``bool()``, ``.numpy()``):
-    a plain CPU tensor outside any tracing or transform.  Not on a GPU (a sync), not while
-    torch.compile, make_fx or another dispatch mode traces (a value read would be baked into the
-    graph as a constant, or fail on a fake tensor), not under vmap/grad transforms (wrapped
-    tensors have no data).  The CPU routes that read values check this and take their tensor
-    path otherwise."""
-    if t.device.type != "cpu" or type(t) is not torch.Tensor or torch.compiler.is_compiling():
-        return False
-    try:
-        from torch.utils._python_dispatch import _get_current_dispatch_mode
-
-        if _get_current_dispatch_mode() is not None or torch._C._functorch.is_functorch_wrapped_tensor(t):
-            return False
-    except (ImportError, AttributeError):  # pragma: no cover - torch's private API moved
-        pass
-    return True
-
-
-def sort_descending_cpu(s: torch.Tensor) -> torch.Tensor:
-    """``torch.sort(s, dim=-1, descending=True).values`` of an fp32 tensor, through NumPy's sort
-    on CPU tensors (its SIMD sort: [3, 49,152] in 0.28 ms against torch's 9.2 ms on the Zen 5 VM).
-    The same values in the same places, but for the order among equal values that are told
-    apart by their bits only: -0.0 and +0.0, which every use here treats alike, and NaNs (first
-    in both, as NumPy sorts them last and the order is reversed; their signs and payloads may
-    land in another order, and a NaN row is invalid anyway).  torch's sort where the values may
-    not be read on the host (``host_readable``) or the tensor requires grad."""
-    if not host_readable(s) or s.requires_grad or s.dtype != torch.float32:
-        return _torch_sort_descending(s)
-    try:
-        import numpy as np
-    except ImportError:  # pragma: no cover - numpy comes with transformers
-        return _torch_sort_descending(s)
-    ascending = np.sort(s.contiguous().numpy(), axis=-1)
-    return torch.from_numpy(ascending[..., ::-1].copy())
-
-
 def warp_logits(
     logits: torch.Tensor,  # [..., V] any float dtype
     inv_temperature: torch.Tensor,  # [...] fp32: 1 / temperature
@@ -208,7 +171,7 @@ def warp_logits(
     over the top-k set, of the tokens with s strictly greater than s_v is < top_p: the smallest
     set of most likely tokens whose mass reaches top_p, with ties kept together.
     ``sort_descending`` sorts s's last dimension (torch's sort; the CPU path passes
-    ``sort_descending_cpu``, the same values faster).
+    ``_host.sort_descending_cpu``, the same values faster).
     Returns (s [..., V] fp32, keep [..., V] bool).
     """
     s = logits.float() * inv_temperature[..., None]
@@ -297,9 +260,8 @@ def verify_reference(
     K = K1 - 1
     kb = num_draft_tokens.to(torch.int64)  # [B]
     greedy, bad_param, inv_t = _row_parameters(kb, temperature, top_k, top_p, K)
-    per_pos = lambda t: None if t is None else t[:, None].expand(B, K1)  # noqa: E731
-    s, keep = warp_logits(target_logits, inv_t[:, None].expand(B, K1), per_pos(top_k), per_pos(top_p),
-                          sort_descending)
+    s, keep = warp_logits(target_logits, inv_t[:, None].expand(B, K1), _per_position(top_k, K1),
+                          _per_position(top_p, K1), sort_descending)
     # A position is unusable if any logit is NaN or +inf, or if nothing has a finite logit.
     bad_pos = torch.isnan(s).any(-1) | torch.isposinf(s).any(-1) | torch.isneginf(s).all(-1)  # [B, K+1]
     p = _target_probs(s, keep)  # [B, K+1, V]
@@ -316,6 +278,11 @@ def verify_reference(
     p_j = p.gather(1, j[:, None, None].expand(B, 1, V))[:, 0]  # [B, V]
     final, bad_row = _final_token(p_j, x_safe, draft_probs, j, rejected, bad_row, greedy, argmax, u[:, K])
     return _outputs(x, j, final, bad_row)
+
+
+def _per_position(t: torch.Tensor | None, K1: int) -> torch.Tensor | None:
+    """A per-row parameter [B] as one per verify position [B, K+1] (a view); None stays None."""
+    return None if t is None else t[:, None].expand(t.shape[0], K1)
 
 
 def _row_parameters(

@@ -25,9 +25,9 @@ try:  # loads the C++ op namespace first, when built
 except ImportError:  # pragma: no cover - _ext is part of the package
     pass
 from . import reference as _ref
-from .reference import (FLT_MIN, _drafts, _final_token, _outputs, _philox_uniforms_host, _row_parameters,
-                        _stop_position, host_readable, philox_uniforms, sort_descending_cpu, verify_reference,
-                        warp_logits)
+from ._host import host_readable, sort_descending_cpu
+from .reference import (FLT_MIN, _drafts, _final_token, _outputs, _per_position, _philox_uniforms_host,
+                        _row_parameters, _stop_position, philox_uniforms, verify_reference, warp_logits)
 
 __all__ = ["VerifyOutput", "fused_verify"]
 
@@ -416,9 +416,8 @@ def _verify_sampled(a: _Args, u: torch.Tensor, warped: bool) -> tuple[torch.Tens
     greedy, bad_param, inv_t = _row_parameters(kb, a.temperature, a.top_k, a.top_p, K)
     keep = None
     if warped:
-        per_pos = lambda t: None if t is None else t[:, None].expand(B, K1)  # noqa: E731
-        s, keep = warp_logits(logits, inv_t[:, None].expand(B, K1), per_pos(a.top_k), per_pos(a.top_p),
-                              sort_descending_cpu)  # s fresh, keep [B, K+1, V] bool
+        s, keep = warp_logits(logits, inv_t[:, None].expand(B, K1), _per_position(a.top_k, K1),
+                              _per_position(a.top_p, K1), sort_descending_cpu)  # s fresh, keep [B, K+1, V] bool
     else:
         s = logits.float() * inv_t[:, None].expand(B, K1)[..., None]  # [B, K+1, V], as warp_logits
     m, argmax = _max_and_first_argmax(s.reshape(B * K1, V))  # a copy only for permuted logits

@@ -1,0 +1,46 @@
+"""Reading tensor values on the host, where that is free and safe: the CPU routes' guard
+(``host_readable``) and the warp's sort through NumPy (``sort_descending_cpu``).  Not
+references: ``reference.py`` stays pure PyTorch, and takes the sort as an argument."""
+
+from __future__ import annotations
+
+import torch
+
+from .reference import _torch_sort_descending
+
+
+def host_readable(t: torch.Tensor) -> bool:
+    """Whether ``t``'s values may be read on the host (``.tolist()``, ``bool()``, ``.numpy()``):
+    a plain CPU tensor outside any tracing or transform.  Not on a GPU (a sync), not while
+    torch.compile, make_fx or another dispatch mode traces (a value read would be baked into the
+    graph as a constant, or fail on a fake tensor), not under vmap/grad transforms (wrapped
+    tensors have no data).  The CPU routes that read values check this and take their tensor
+    path otherwise."""
+    if t.device.type != "cpu" or type(t) is not torch.Tensor or torch.compiler.is_compiling():
+        return False
+    try:
+        from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+        if _get_current_dispatch_mode() is not None or torch._C._functorch.is_functorch_wrapped_tensor(t):
+            return False
+    except (ImportError, AttributeError):  # pragma: no cover - torch's private API moved
+        pass
+    return True
+
+
+def sort_descending_cpu(s: torch.Tensor) -> torch.Tensor:
+    """``torch.sort(s, dim=-1, descending=True).values`` of an fp32 tensor, through NumPy's sort
+    on CPU tensors (its SIMD sort: [3, 49,152] in 0.28 ms against torch's 9.2 ms on the Zen 5 VM).
+    The same values in the same places, but for the order among equal values that are told
+    apart by their bits only: -0.0 and +0.0, which every use here treats alike, and NaNs (first
+    in both, as NumPy sorts them last and the order is reversed; their signs and payloads may
+    land in another order, and a NaN row is invalid anyway).  torch's sort where the values may
+    not be read on the host (``host_readable``) or the tensor requires grad."""
+    if not host_readable(s) or s.requires_grad or s.dtype != torch.float32:
+        return _torch_sort_descending(s)
+    try:
+        import numpy as np
+    except ImportError:  # pragma: no cover - numpy comes with transformers
+        return _torch_sort_descending(s)
+    ascending = np.sort(s.contiguous().numpy(), axis=-1)
+    return torch.from_numpy(ascending[..., ::-1].copy())
