@@ -452,6 +452,8 @@ def main(argv=None) -> int:
         args.tiny_random, args.max_new_tokens, args.repeats = True, 8, 1
     if args.repeats < 1 or args.max_new_tokens < 1:
         raise SystemExit("--repeats and --max-new-tokens must be >= 1")
+    if not 0 < args.top_p <= 1:
+        raise SystemExit(f"--top-p must be in (0, 1], got {args.top_p}")
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))

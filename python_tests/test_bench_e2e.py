@@ -354,3 +354,10 @@ def test_top_p_reaches_every_sampling_method(tmp_path, monkeypatch):
                                             ("GenerationMixin.generate", False), ("GenerationMixin.generate", True)}
     with open(tmp_path / "bench_e2e.csv", newline="") as f:
         assert {r["top_p"] for r in csv.DictReader(f)} == {"0.5"}
+
+
+@pytest.mark.parametrize("top_p", ["0", "1.5", "nan"])
+def test_top_p_out_of_range_is_refused_by_name(top_p):
+    mod = _load_bench_module()
+    with pytest.raises(SystemExit, match=r"^--top-p must be in \(0, 1\], got "):
+        mod.main(["--quick", "--top-p", top_p])
