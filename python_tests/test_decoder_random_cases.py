@@ -1,6 +1,7 @@
 """Seeded random cases of the whole decoder, for combinations the targeted tests do not list.
 
-Each case draws a drafter (draft model, feature draft, prompt lookup), a batch of 1-6 prompts of
+Each case draws a drafter (draft model, feature draft, prompt lookup; the two drafts also with a
+context of 24 positions, shorter than the target's 48: a row past it goes on with the target alone), a batch of 1-6 prompts of
 1-40 tokens (token 0 included: no padding id exists here), max_new_tokens 1-20 under a 48-token
 context (so that some rows end on the context, some before their first draft), K in
 {1, 2, 3, 5, 8, auto}, max_draft_tokens, an EOS id or none, temperature 0 / 0.7 / 1 with or
@@ -22,7 +23,7 @@ from specdec_kernels import SpeculativeDecoder
 from decoder_setup import _llama, _one_thread, _perturbed  # noqa: F401  (_one_thread: autouse fixture)
 from test_feature_draft import _damped_llama, _feature_draft, _fit
 
-V, CONTEXT = 32, 48
+V, CONTEXT, SHORT = 32, 48, 24  # SHORT: the short-context drafts' context
 
 
 @pytest.fixture(scope="module")
@@ -30,9 +31,15 @@ def decoders():
     target = _llama(V, 32, 2, 0.2, seed=0, max_pos=CONTEXT)
     ftarget = _damped_llama(V, 32, 0.2, seed=0, max_pos=CONTEXT)
     fd = _fit(_feature_draft(ftarget), ftarget, steps=60)
+    fd_short = _feature_draft(ftarget, max_pos=SHORT)
+    fd_short.load_state_dict(fd.state_dict())  # the same weights, a shorter context
+    draft_short = _perturbed(target, 0.01, seed=1)
+    draft_short.config.max_position_embeddings = SHORT  # (rotary: only the declared context differs)
     return {"model": (SpeculativeDecoder(draft=_perturbed(target, 0.01, seed=1), target=target), target),
             "lookup": (SpeculativeDecoder(target=target, drafter="prompt_lookup"), target),
-            "feature": (SpeculativeDecoder(draft=fd, target=ftarget, drafter="feature"), ftarget)}
+            "feature": (SpeculativeDecoder(draft=fd, target=ftarget, drafter="feature"), ftarget),
+            "model_short": (SpeculativeDecoder(draft=draft_short, target=target), target),
+            "feature_short": (SpeculativeDecoder(draft=fd_short, target=ftarget, drafter="feature"), ftarget)}
 
 
 def _greedy(target, prompt: list, n: int, eos) -> list:
@@ -44,10 +51,11 @@ def _greedy(target, prompt: list, n: int, eos) -> list:
     return out[: out.index(eos) + 1] if eos is not None and eos in out else out
 
 
-@pytest.mark.parametrize("case", range(48))
+@pytest.mark.parametrize("case", range(60))
 def test_random_case(decoders, case):
     rng = random.Random(1000 + case)
-    name = ("model", "lookup", "feature")[case % 3]
+    name = ("model", "lookup", "feature", "model_short", "feature_short")[case % 5] if case >= 48 else \
+        ("model", "lookup", "feature")[case % 3]
     dec, target = decoders[name]
     prompts = [[rng.randrange(V) for _ in range(rng.randint(1, 40))] for _ in range(rng.randint(1, 6))]
     k = rng.choice([1, 2, 3, 5, 8, "auto"])

@@ -269,6 +269,67 @@ def test_bad_constructor_arguments(pair, tmp_path):
         SpeculativeDecoder(draft=str(tmp_path / "draft"), target=str(tmp_path / "target"))
 
 
+def test_a_refused_pair_leaves_the_models_as_they_were(pair):
+    # (found by a review: the models were converted to the requested dtype before the checks)
+    draft, target = pair
+    big_draft = _llama(40, 32, 1, 0.2, seed=0)
+    with pytest.raises(ValueError, match="the draft vocabulary must not exceed the target's"):
+        SpeculativeDecoder(draft=big_draft, target=target, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="draft_vocab"):
+        SpeculativeDecoder(draft=draft, target=target, dtype=torch.float16, draft_vocab=[99])
+    for m in (target, draft, big_draft):
+        assert next(m.parameters()).dtype == torch.float32
+
+
+def _gpt2(n_positions: int, seed: int):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    return GPT2LMHeadModel(GPT2Config(vocab_size=32, n_embd=32, n_layer=2, n_head=4, n_positions=n_positions,
+                                      bos_token_id=None, eos_token_id=None)).eval()
+
+
+@pytest.mark.parametrize("draft_kind", ["llama", "gpt2"])
+def test_a_draft_with_a_shorter_context_stops_drafting_at_it(pair, draft_kind):
+    # The target's context (128) bounds the sequences, not the draft's (16): a row drafts while
+    # its draft inputs lie below 16, then the target goes on alone; a prompt past 16 is taken.
+    # (Found by a review: the smaller context cut generate and even generate_target_only short.)
+    # GPT-2 has absolute position embeddings: a position past 15 would not even index them.
+    _, target = pair
+    if draft_kind == "llama":
+        draft = _llama(32, 32, 1, 0.2, seed=1, max_pos=16)
+    else:
+        draft = _gpt2(16, seed=1)
+    dec = SpeculativeDecoder(draft=draft, target=target)
+    prompts = [[1, 2, 3], list(range(1, 21)), [5] * 14, [7] * 15, [9] * 16]
+    dc = _CountingForward(dec, "draft")
+    try:
+        res = dec.generate(prompts, max_new_tokens=24, num_draft_tokens=3)
+    finally:
+        dc.restore()
+    assert dc.calls and all(int(pos.max()) <= 15 for _, _, pos in dc.calls)
+    for p, got in zip(prompts, res.token_ids):
+        ref = target.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                              do_sample=False, max_new_tokens=24, pad_token_id=0)[0, len(p):].tolist()
+        assert got == ref
+    assert res.finish_reasons == ["length"] * 5 and res.stats.drafted_tokens > 0
+    only = dec.generate_target_only([[1, 2, 3]], max_new_tokens=40)
+    assert len(only.token_ids[0]) == 40 and only.finish_reasons == ["length"]
+    # A prompt past the draft's context: no draft forward at all, the target's tokens.
+    dc = _CountingForward(dec, "draft")
+    try:
+        long = dec.generate([list(range(1, 21))], max_new_tokens=6, num_draft_tokens=3)
+    finally:
+        dc.restore()
+    assert dc.calls == [] and long.stats.drafted_tokens == 0
+    assert long.token_ids[0] == res.token_ids[1][:6]
+    # Sampling: each row decoded alone gives its tokens in the batch.
+    kw = dict(max_new_tokens=16, num_draft_tokens=3, temperature=1.0, seed=7)
+    batch = dec.generate(prompts, **kw)
+    for i, p in enumerate(prompts):
+        assert dec.generate([p], **dict(kw, seed=7 + i)).token_ids[0] == batch.token_ids[i]
+
+
 def test_unusable_devices_are_refused_by_name(pair, capsys, monkeypatch):
     # a CUDA device on a machine (or a torch) without one: a ValueError naming it, not the
     # AssertionError from deep inside Module.to; a misspelt device: the same kind of error

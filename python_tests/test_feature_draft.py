@@ -44,11 +44,11 @@ from decoder_setup import (  # noqa: F401  (fixtures and helpers shared with the
 )
 
 
-def _feature_draft(target, seed: int = 0, intermediate: int = 64) -> FeatureDraft:
+def _feature_draft(target, seed: int = 0, intermediate: int = 64, max_pos: int = None) -> FeatureDraft:
     tc = target.config
     cfg = LlamaConfig(vocab_size=1, hidden_size=tc.hidden_size, intermediate_size=intermediate, num_hidden_layers=1,
                       num_attention_heads=tc.num_attention_heads, num_key_value_heads=tc.num_key_value_heads,
-                      max_position_embeddings=tc.max_position_embeddings, rms_norm_eps=tc.rms_norm_eps,
+                      max_position_embeddings=max_pos or tc.max_position_embeddings, rms_norm_eps=tc.rms_norm_eps,
                       bos_token_id=None, eos_token_id=None, pad_token_id=None)
     with torch.random.fork_rng():
         torch.manual_seed(seed)

@@ -138,8 +138,8 @@ class _State:
     eos: set
     stop: list
     max_new: int
-    context: Optional[int]  # the longest sequence (prompt + generated) allowed
-    target_only: bool
+    context: Optional[int]  # the longest sequence (prompt + generated) allowed: the target's context
+    target_only: bool  # no draft (the baseline, or a draft retired past its context)
     recorder: StatsRecorder
     clock: _Clock
     verbose: Optional[TextIO]
@@ -173,6 +173,9 @@ class _State:
     steps_done: int = 0
     prefill_time: float = 0.0
     draft_confidence: float = 0.0  # a row stops drafting below this estimate of acceptance (0: off)
+    # the draft's context where it is shorter than the target's (None: not binding): a row drafts
+    # only from inputs at positions < draft_context (draft_steps.draft_cap), then the target alone
+    draft_context: Optional[int] = None
     row_params: dict = field(default_factory=dict)  # B -> fused_verify's per-row parameter tensors
     # a feature draft's pending pairs: (the target's feature at column c - 1, the token at column c)
     # for the columns c the target has made true and the draft has not taken yet
@@ -296,31 +299,55 @@ class SpeculativeDecoder:
                 raise ValueError(f"draft and target tokenizers must have the same vocabulary, got {why}")
         self.tokenizer = tokenizer
 
-        target = self._load(target, dtype)
+        target = self._load(target, dtype)  # a path is loaded in dtype; a module is converted below
         draft = self._load(draft, dtype) if draft is not None else None
-        if device is not None:
-            device = torch.device(device)
-            target.to(device)
-            if draft is not None:
-                draft.to(device)
-        if draft is not None and _device_of(draft) != _device_of(target):
+        # Everything that can refuse the pair is checked before a caller's module is converted or
+        # moved: a refused pair leaves the models as they were (a dtype round trip is lossy).
+        final_device = torch.device(device) if device is not None else _device_of(target)
+        if device is None and draft is not None and _device_of(draft) != _device_of(target):
             raise ValueError(f"draft and target must be on the same device, got draft on {_device_of(draft)} "
                              f"and target on {_device_of(target)} (pass device=...)")
-        if self.feature is not None:
-            self.feature.check_target(target)
-            # It runs on the target's features, where they are and in their dtype (a bf16 target
-            # beside a draft loaded in fp32 failed in the first draft step).
-            self.feature.to(device=_device_of(target), dtype=next(target.parameters()).dtype)
-        self.device = _device_of(target)
-        if verify_backend == "triton" and self.device.type != "cuda":
+        if verify_backend == "triton" and final_device.type != "cuda":
             from .verify import _interpreter_problem, _interpreting
 
             if not _interpreting():
                 raise ValueError(f"verify_backend='triton' needs the models on CUDA (or TRITON_INTERPRET=1 for the "
-                                 f"CPU), got them on {self.device}")
+                                 f"CPU), got them on {final_device}")
             problem = _interpreter_problem()
             if problem is not None:
                 raise RuntimeError(f"verify_backend='triton' on the CPU: {problem}")
+        if self.feature is not None:
+            self.feature.check_target(target)  # with a tolerance that any dtype passes
+        self._t = _Runner(target, "target")
+        self._d = _Runner(draft, "draft") if draft is not None else None
+        if self.feature is not None:
+            self._d = _FeatureRunner(self.feature, target)
+        self._feature_vocab = feature_vocab
+        if self._d is not None and self._d.vocab_size > self._t.vocab_size:
+            raise ValueError(f"the draft vocabulary must not exceed the target's: draft vocab_size = "
+                             f"{self._d.vocab_size}, target vocab_size = {self._t.vocab_size}")
+        if not isinstance(lean_forward, bool):
+            raise TypeError(f"lean_forward must be a bool, got {type(lean_forward).__name__}")
+        self.draft = draft
+        self.draft_vocab = self._resolve_draft_vocab(draft_vocab)
+        if cpu_linear == "skinny":
+            from ._ext import HAS_EXT
+
+            if not (HAS_EXT and final_device.type == "cpu"):
+                raise ValueError("cpu_linear='skinny' needs the models on the CPU and the C++ extension "
+                                 f"(device {final_device}, extension built: {HAS_EXT})")
+
+        # Accepted: convert and move.
+        for model in (target, draft):
+            if model is not None and dtype is not None:
+                model.to(dtype)
+            if model is not None and device is not None:
+                model.to(final_device)
+        if self.feature is not None:
+            # It runs on the target's features, where they are and in their dtype (a bf16 target
+            # beside a draft loaded in fp32 failed in the first draft step).
+            self.feature.to(device=_device_of(target), dtype=next(target.parameters()).dtype)
+        self.device = _device_of(target)
         self.target = target.eval()
         self.draft = draft.eval() if draft is not None else None
         self.cpu_linear = self._resolve_cpu_linear(cpu_linear)
@@ -331,18 +358,7 @@ class SpeculativeDecoder:
         for model in (target, draft):
             if model is not None:
                 forget_weight_copies(model)
-        self._t = _Runner(self.target, "target")
-        self._d = _Runner(self.draft, "draft") if draft is not None else None
-        if self.feature is not None:
-            self._d = _FeatureRunner(self.feature, self.target)
-        self._feature_vocab = feature_vocab
-        if self._d is not None and self._d.vocab_size > self._t.vocab_size:
-            raise ValueError(f"the draft vocabulary must not exceed the target's: draft vocab_size = "
-                             f"{self._d.vocab_size}, target vocab_size = {self._t.vocab_size}")
-        if not isinstance(lean_forward, bool):
-            raise TypeError(f"lean_forward must be a bool, got {type(lean_forward).__name__}")
         self.lean_forward = lean_forward
-        self.draft_vocab = self._resolve_draft_vocab(draft_vocab)
         self._refresh_lean()
         # The draft/target cost ratio before anything is measured: their parameter counts.
         drafting = self.draft if self.draft is not None else self.feature
@@ -427,9 +443,7 @@ class SpeculativeDecoder:
             return AutoModelForCausalLM.from_pretrained(model, **kwargs)
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"models must be a name/path or a torch.nn.Module, got {type(model).__name__}")
-        if dtype is not None:
-            model.to(dtype)
-        return model
+        return model  # converted by the constructor once every check has passed
 
     # -- public -------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -511,7 +525,10 @@ class SpeculativeDecoder:
                                           max_draft_tokens, draft_confidence, drafter=self.drafter,
                                           has_draft=self._d is not None, has_tokenizer=self.tokenizer is not None)
         rows = encode_prompts(prompts, attention_mask, self.tokenizer, self._t.vocab_size)
-        context = check_context(rows, (self._t, self._d))
+        context = check_context(rows, (self._t,))  # the target's: a draft's shorter one only stops drafting
+        draft_context = None if (target_only or self._d is None) else self._d.context
+        if draft_context is not None and context is not None and draft_context >= context:
+            draft_context = None
         B = len(rows)
         seeds = row_seeds(seed, B)
         verbose = verbose_stream(verbose)
@@ -543,6 +560,7 @@ class SpeculativeDecoder:
                                    target_slope_prior=cpu_slope_prior(B) if dev.type == "cpu" else TARGET_SLOPE_PRIOR,
                                    zero_step_draft_forwards=0),
             clock=_Clock(dev), verbose=verbose, pbar=pbar, device=dev, draft_confidence=float(draft_confidence),
+            draft_context=draft_context,
         )
         st.seed = torch.tensor(seeds, dtype=torch.int64, device=dev)
         st.key_lo = torch.tensor([k[0] for k in keys], dtype=torch.int64, device=dev)
@@ -557,7 +575,19 @@ class SpeculativeDecoder:
         for i, b in enumerate(budgets):
             if b <= 0:
                 st.finish[i] = "context"
+        if draft_context is not None and all(len(r) - 1 >= draft_context for r in rows):
+            self._retire_draft(st)  # no prompt leaves the draft a position to draft from
         return st
+
+    @staticmethod
+    def _retire_draft(st: _State) -> None:
+        """Every active row is past the draft's context (it never drafts again): the rest is the
+        target alone, with no draft state kept (nothing waits for a draft forward)."""
+        st.target_only = True
+        st.dc = None
+        st.wait = st.wait_cnt = st.wait_host = None
+        st.pend_tok = st.pend_feat = st.pend_cnt = None
+        st.pend_cnt_host = []
 
     def _run(self, st: _State, baseline_tokens_per_s) -> GenerationResult:
         t0 = time.perf_counter()
@@ -591,6 +621,8 @@ class SpeculativeDecoder:
         k = st.recorder.choose_k(st.k_max, allow_zero=auto_zero) if st.k == "auto" else st.k
         # Row b drafts K_b = min(K, budget_b - 1): its step emits at most K_b + 1 tokens.
         room = max(st.budget_host[p] - len(st.generated[p]) for p in st.rows) - 1
+        if st.draft_context is not None:  # the drafts a row's position leaves (draft_steps.draft_cap)
+            room = min(room, max(st.draft_context - lt for lt in st.lt_host))
         return max(min(k, room), 0)
 
     def _draft_with_model(self, st: _State, K: int):
@@ -617,6 +649,8 @@ class SpeculativeDecoder:
 
         dev = st.device
         B = len(st.rows)
+        if st.draft_context is not None and not st.target_only and min(st.lt_host) >= st.draft_context:
+            self._retire_draft(st)
         K = self._choose_k(st)
         remaining = st.budget - st.gen  # [B] >= 1 for active rows
         clock = st.clock

@@ -115,6 +115,24 @@ class _Drafts:
         return X, Q, None if self.kb is None else self.kb.clamp(max=X.shape[1])
 
 
+def _pos_limit(st: "_State") -> Optional[int]:
+    """The largest position a draft forward is given (inputs past it are clamped to it: their
+    drafts are cut by ``draft_cap`` or past the row's budget); None: no limit."""
+    c = st.draft_context if st.draft_context is not None else st.context
+    return None if c is None else c - 1
+
+
+def draft_cap(st: "_State", kb: Optional[torch.Tensor], pos_last: torch.Tensor) -> Optional[torch.Tensor]:
+    """K_b [B] (or None: no cut) cut where the draft's context is shorter than the target's: draft
+    j comes from the draft's input at position ``pos_last + j`` ([B]: its first draft's input), so
+    a row keeps the drafts whose input lies below ``st.draft_context``.  It depends on the row's
+    own length only (batch-invariant) and on the draft side alone (exact)."""
+    if st.draft_context is None:
+        return kb
+    cap = (st.draft_context - pos_last).clamp(min=0)
+    return cap if kb is None else torch.minimum(kb, cap)
+
+
 def model_block(st: "_State") -> tuple:
     """What a draft model must take before drafting: its waiting tokens, the catch-up token
     (rows that accepted all K last step) and ``last``, right-aligned in [B, C] (row b's cnt[b]
@@ -161,14 +179,15 @@ def draft_with_model(d, st: "_State", K: int):
     dense = min(st.ld_host) == st.Td and min(cnt_host) == C
     mask = None if dense else torch.arange(st.Td, device=dev)[None, :] < st.ld[:, None]
     T = st.Td
+    limit = _pos_limit(st)
     picks = _Drafts(st, K, rows, Vd)
     for j in range(K):
         if j > 0:
             ids = picks.xs[-1][:, None]
             pos = (pos_last + j)[:, None]
             new_valid = torch.ones((B, 1), dtype=torch.bool, device=dev)
-        if st.context is not None:
-            pos = pos.clamp(max=st.context - 1)  # drafts past a row's budget are discarded anyway
+        if limit is not None:
+            pos = pos.clamp(max=limit)  # drafts past a row's budget or draft_cap are discarded anyway
         if mask is not None:
             mask = torch.cat([mask, new_valid], 1)
         logits = d.step(st.dc, ids, mask, pos, T, 1)[:, -1]  # [B, Vd], or [B, N] over rows
@@ -178,7 +197,7 @@ def draft_with_model(d, st: "_State", K: int):
     st.Td = T
     st.wait = st.wait_cnt = st.wait_host = None  # taken
     X, Q, kb = picks.result()
-    return X, Q, block, kb
+    return X, Q, block, draft_cap(st, kb, pos_last)
 
 
 def draft_with_features(f, st: "_State", K: int):
@@ -194,8 +213,9 @@ def draft_with_features(f, st: "_State", K: int):
     C = max(st.pend_cnt_host)
     cnt = st.pend_cnt
     pos = st.ld[:, None] + torch.arange(C, device=dev)[None, :]  # the draft's column = the target's
-    if st.context is not None:
-        pos = pos.clamp(max=st.context - 1)
+    limit = _pos_limit(st)
+    if limit is not None:
+        pos = pos.clamp(max=limit)
     dense = min(st.ld_host) == st.Td and min(st.pend_cnt_host) == C
     mask = None
     if not dense:
@@ -209,8 +229,8 @@ def draft_with_features(f, st: "_State", K: int):
     for j in range(K):
         if j > 0:  # the pair (f^, x_j) at column ld + cnt + j - 1
             p = (st.ld + cnt + (j - 1))[:, None]
-            if st.context is not None:
-                p = p.clamp(max=st.context - 1)
+            if limit is not None:
+                p = p.clamp(max=limit)
             if mask is not None:
                 mask = torch.cat([mask, torch.ones((B, 1), dtype=torch.bool, device=dev)], 1)
             fh = f.step(st.dc, picks.xs[-1][:, None], fh[:, None], mask, p, 1)[:, -1]
@@ -218,7 +238,10 @@ def draft_with_features(f, st: "_State", K: int):
         if picks.add(f.head(fh), j):  # logits [B, N] over the draft vocabulary (or [B, V])
             break
     st.Td = T
-    return picks.result() if picks.xs else (None, None, None)
+    if not picks.xs:
+        return None, None, None
+    X, Q, kb = picks.result()
+    return X, Q, draft_cap(st, kb, st.ld + cnt - 1)  # draft j from the input at ld + cnt - 1 + j
 
 
 def model_wait_(st: "_State") -> None:

@@ -150,11 +150,14 @@ def _prefill_rows(st: "_State", t, d, feature, rows: list, P: int, tc, dc) -> No
     lt = torch.tensor([max(st.lt_host[i], 1) for i in rows], dtype=torch.int64, device=dev)
     mask = torch.arange(P, device=dev)[None, :] < lt[:, None]  # [n, P]
     pos = torch.arange(P, device=dev)[None, :].expand(n, P)
+    # the draft's positions stop at its context where it is shorter than the target's: a prompt
+    # past it leaves the draft nothing to draft from (draft_steps.draft_cap), but a valid cache
+    dpos = pos if st.draft_context is None else pos.clamp(max=st.draft_context - 1)
     if feature is not None and dc is not None:
         # the target's features h; the draft's column t takes (h[t - 1], x_t), h[-1] = 0
         h = t.forward_hidden(tc, ids, mask, pos, 0)  # [n, P, H]
         feats = torch.cat([torch.zeros_like(h[:, :1]), h[:, :-1]], 1).to(st.pend_feat.dtype)
-        d.step(dc, ids, feats, mask, pos, 1, model_path=True)
+        d.step(dc, ids, feats, mask, dpos, 1, model_path=True)
         idx = torch.tensor(rows, dtype=torch.int64, device=dev)
         last_col = (lt - 1)[:, None, None].expand(n, 1, h.shape[-1])
         has = torch.tensor([st.lt_host[i] > 0 for i in rows], device=dev)[:, None]  # else f = 0
@@ -162,4 +165,4 @@ def _prefill_rows(st: "_State", t, d, feature, rows: list, P: int, tc, dc) -> No
         return
     t.forward(tc, ids, mask, pos, 0, 1)
     if dc is not None:
-        d.forward(dc, ids.clamp(max=d.vocab_size - 1), mask, pos, 0, 1)
+        d.forward(dc, ids.clamp(max=d.vocab_size - 1), mask, dpos, 0, 1)
