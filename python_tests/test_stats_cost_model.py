@@ -209,8 +209,30 @@ def test_finalize_reports_with_the_per_k_cost():
     assert s.alpha == pytest.approx(6 / 7)
     mean_k = 7 / 3
     t_one = 1.0 / (1 + TARGET_SLOPE_PRIOR)
-    expected = predicted_speedup(6 / 7, mean_k, 0.05, t_one, 0.5 * (mean_k + 1))
+    # Tokens per row-step: the mean of E(alpha, K_b) over the rows' K_b (3, 3, 1), not E(mean K).
+    e_rows = (2 * expected_tokens_per_step(6 / 7, 3) + expected_tokens_per_step(6 / 7, 1)) / 3
+    expected = predicted_speedup(6 / 7, mean_k, 0.05, t_one, 0.5 * (mean_k + 1), expected_tokens=e_rows)
     assert s.predicted_speedup == pytest.approx(expected)
+
+
+def test_finalize_predicts_from_each_rows_own_number_of_drafts():
+    # Two rows per step, K = 3: one row verifies 3 drafts, the other none (prompt lookup found
+    # no match; or draft_confidence, or its budget).  The rows' tokens are E(alpha, 3) and
+    # E(alpha, 0) = 1, not E(alpha, 3) for both (found by a review: with prompt lookup the
+    # prediction was above the tokens per row-step measured, 1.56 against 1.28).
+    rec = StatsRecorder(3, 0.0)
+    for i, n in enumerate([2, 1, 3, 0]):
+        rec.record_step(3, [0, 1], [3, 0], [n, 0], [n + 1, 1])
+        rec.record_times(0.0, 0, 1.0, first_step=i == 0, k=3)
+    s = rec.finalize(10.0, 0.1, ["length"] * 2, None, draft_is_free=True)
+    alpha = s.alpha
+    assert alpha == pytest.approx(6 / 9)  # accepted 2 + 1 + 3 + 0 of the 3 + 2 + 3 + 1 drafts reached
+    e_rows = (expected_tokens_per_step(alpha, 3) + 1.0) / 2
+    t1, tv = rec.target_time(1), rec.target_time(4)
+    assert s.predicted_speedup == pytest.approx(e_rows * t1 / tv)
+    assert s.predicted_speedup < expected_tokens_per_step(alpha, 3) * t1 / tv  # what it was
+    with pytest.raises(ValueError, match="expected_tokens must be finite and >= 1, got 0.5"):
+        predicted_speedup(0.5, 2, 0.0, 1.0, expected_tokens=0.5)
 
 
 def test_cpu_slope_prior_through_the_measured_slopes():

@@ -84,11 +84,13 @@ def expected_tokens_per_step(alpha: float, k: int) -> float:
 
 
 def predicted_speedup(alpha: float, k: float, t_draft: float, t_target: float,
-                      t_verify: Optional[float] = None) -> float:
+                      t_verify: Optional[float] = None, expected_tokens: Optional[float] = None) -> float:
     """E(K) * T_target / (K * T_draft + T_verify): T_target is the target's one-token step (what
     the target alone pays per token), T_verify its step verifying K drafts (K + 1 tokens); None
     takes T_verify = T_target (a cost independent of K).  A fractional K (the mean of a run that
-    varied K) interpolates E linearly between its neighbours."""
+    varied K) interpolates E linearly between its neighbours.  ``expected_tokens``: the tokens a
+    step is expected to emit, in place of E(K) (``finalize`` passes the mean of E(alpha, K_b)
+    over the rows' own K_b)."""
     if not (math.isfinite(t_target) and t_target > 0):
         raise ValueError(f"t_target must be finite and > 0, got {t_target}")
     if t_verify is None:
@@ -99,11 +101,16 @@ def predicted_speedup(alpha: float, k: float, t_draft: float, t_target: float,
         raise ValueError(f"k must be finite and >= 0, got {k}")
     if not math.isfinite(t_draft):
         raise ValueError(f"t_draft must be finite, got {t_draft}")
-    lo = int(k)
-    frac = k - lo
-    e = expected_tokens_per_step(alpha, lo)
-    if frac > 0:
-        e = (1 - frac) * e + frac * expected_tokens_per_step(alpha, lo + 1)
+    if expected_tokens is not None:
+        if not (math.isfinite(expected_tokens) and expected_tokens >= 1):
+            raise ValueError(f"expected_tokens must be finite and >= 1, got {expected_tokens}")
+        e = expected_tokens
+    else:
+        lo = int(k)
+        frac = k - lo
+        e = expected_tokens_per_step(alpha, lo)
+        if frac > 0:
+            e = (1 - frac) * e + frac * expected_tokens_per_step(alpha, lo + 1)
     return e * t_target / (k * max(t_draft, 0.0) + t_verify)
 
 
@@ -164,7 +171,7 @@ class DecodingStats:
     alpha: Optional[float] = None  # accepted / reached: the per-position acceptance (see module doc)
     acceptance_per_position: list = field(default_factory=list)  # [i]: P(draft i+1 accepted | reached)
     accepted_length_histogram: list = field(default_factory=list)  # [n]: row-steps that accepted n
-    mean_tokens_per_target_call: Optional[float] = None  # emitted tokens per row-step
+    mean_tokens_per_target_call: Optional[float] = None  # emitted tokens per row-step (a row of a target call)
     mean_num_draft_tokens: Optional[float] = None  # mean K over steps
     draft_forwards: int = 0
     draft_time_s: float = 0.0  # draft forwards and draft sampling (or prompt lookup)
@@ -174,7 +181,7 @@ class DecodingStats:
     tokens_per_s: Optional[float] = None  # generated_tokens / total_time_s
     time_per_draft_forward_s: Optional[float] = None
     time_per_target_forward_s: Optional[float] = None
-    predicted_speedup: Optional[float] = None  # from alpha, mean K and the step times above
+    predicted_speedup: Optional[float] = None  # from alpha, the rows' K_b, mean K and the step times above
     baseline_tokens_per_s: Optional[float] = None  # the target alone, when measured
     measured_speedup: Optional[float] = None  # tokens_per_s / baseline_tokens_per_s
     finish_reasons: list = field(default_factory=list)  # per prompt: eos|stop|length|context|nonfinite
@@ -195,7 +202,7 @@ class DecodingStats:
         per_pos = ", ".join(f(a, "{:.2f}") for a in self.acceptance_per_position)
         return "\n".join([
             f"tokens: {self.generated_tokens} in {self.iterations} steps "
-            f"({f(self.mean_tokens_per_target_call, '{:.2f}')} per target call), "
+            f"({f(self.mean_tokens_per_target_call, '{:.2f}')} per row per target call), "
             f"{f(self.tokens_per_s, '{:.1f}')} tokens/s",
             f"drafted {self.drafted_tokens}, accepted {self.accepted_tokens} "
             f"(rate {f(self.acceptance_rate)}, alpha {f(self.alpha)}); per position [{per_pos}]",
@@ -236,6 +243,7 @@ class StatsRecorder:
         self.stats = DecodingStats(acceptance_per_position=[], accepted_length_histogram=[0] * (k_max + 1))
         self._reached = [0] * k_max  # [i]: row-steps that reached draft position i
         self._accepted_at = [0] * k_max  # [i]: row-steps that accepted draft position i
+        self._kb_count: dict = {}  # K_b -> usable row-steps that verified K_b drafts
         self._k_sum = 0
         self._keep_history = keep_history
         # Per-forward times: priors until measured; after that an exponential moving average
@@ -263,6 +271,7 @@ class StatsRecorder:
                 continue
             s.drafted_tokens += kb
             s.accepted_tokens += n
+            self._kb_count[kb] = self._kb_count.get(kb, 0) + 1
             s.accepted_length_histogram[n] += 1
             for i in range(min(n + 1, kb)):
                 self._reached[i] += 1
@@ -430,7 +439,13 @@ class StatsRecorder:
                 t_verify = self.target_time(s.mean_num_draft_tokens + 1)
             else:  # no step after the warm-up one: the mean step time for both
                 t_one = t_verify = s.time_per_target_forward_s
-            s.predicted_speedup = predicted_speedup(s.alpha, s.mean_num_draft_tokens, t_d, t_one, t_verify)
+            # Tokens a row-step is expected to emit: E(alpha, K_b) over the rows' own K_b (a row
+            # may verify fewer than the step's K: prompt lookup's misses, draft_confidence, the
+            # budget), while a step costs what its K costs.
+            rows = sum(self._kb_count.values())
+            e_rows = sum(c * expected_tokens_per_step(s.alpha, kb) for kb, c in self._kb_count.items()) / rows
+            s.predicted_speedup = predicted_speedup(s.alpha, s.mean_num_draft_tokens, t_d, t_one, t_verify,
+                                                    expected_tokens=e_rows)
         s.baseline_tokens_per_s = baseline_tokens_per_s
         if baseline_tokens_per_s and s.tokens_per_s:
             s.measured_speedup = s.tokens_per_s / baseline_tokens_per_s
