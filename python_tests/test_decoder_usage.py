@@ -231,6 +231,19 @@ def test_verbose_tells_a_step_without_drafts(tiny, monkeypatch):
     (dict(prompts=[[1]], eos_token_id=True), TypeError, r"eos_token_id must be .*, got bool"),
     (dict(prompts=[[1]], eos_token_id=[5, 2.0]), TypeError, r"eos_token_id must be .*, got list"),
     (dict(prompts=[[1]], verbose=1), TypeError, r"verbose must be a bool or a text stream \(with .write\), got int"),
+    # (accepted before, found by a review: EOS ids that can never match, a mask that is not 0/1
+    # or has a gap; a seed overflow that did not say which)
+    (dict(prompts=[[1]], eos_token_id=1000), ValueError, r"eos_token_id must be in \[0, 32\) \(the target's vocabulary\), got 1000"),
+    (dict(prompts=[[1]], eos_token_id=[3, -1]), ValueError, r"eos_token_id must be in \[0, 32\) .*, got -1"),
+    (dict(prompts=torch.tensor([[1, 2, 3]]), attention_mask=torch.tensor([[1, 0, 7]])), ValueError,
+     "attention_mask must hold only 0 and 1, got 7"),
+    (dict(prompts=torch.tensor([[1, 2, 3]]), attention_mask=torch.tensor([[1, 0, 1]])), ValueError,
+     r"attention_mask\[0\] must mark one contiguous run of tokens \(left or right padding\), got a gap between columns 0 and 2"),
+    (dict(prompts=torch.tensor([[1, 2]]), attention_mask=torch.tensor([[1.0, 1.0]])), TypeError,
+     "attention_mask must hold 0/1 \\(integer or bool\\), got dtype torch.float32"),
+    (dict(prompts=[[1], [2]], seed=2**63 - 1), ValueError,
+     r"seed \+ 1 \(row 1's seed\) must fit in int64 \[-2\*\*63, 2\*\*63\), got 9223372036854775808"),
+    (dict(prompts=[[1], [2]], seed=[0, -2**63 - 1]), ValueError, r"seed\[1\] must fit in int64 .*, got -9223372036854775809"),
     (dict(prompts=[[1]], baseline_tokens_per_s="fast"), TypeError, "baseline_tokens_per_s must be None or a number, got str"),
     (dict(prompts=[[1]], baseline_tokens_per_s=-5.0), ValueError, r"baseline_tokens_per_s must be finite and > 0, got -5.0"),
 ])
@@ -245,6 +258,23 @@ def test_bad_generate_arguments(pair, kwargs, exc, match):
         tc.restore()
         dc.restore()
     assert tc.calls == [] and dc.calls == []  # refused before any generation work
+
+
+def test_numpy_scalars_and_a_huge_k(pair, greedy_refs):
+    # NumPy integers and floats are taken as Python ones (refused before: "got int64"); a K far
+    # beyond max_new_tokens costs nothing (the recorder was sized by K: 10**7 took 0.9 s and
+    # 230 MB).  Both found by a review.
+    import numpy as np
+
+    draft, target = pair
+    dec = SpeculativeDecoder(draft=draft, target=target)
+    res = dec.generate([PROMPTS[0]], max_new_tokens=np.int64(12), num_draft_tokens=np.int32(3),
+                       temperature=np.float32(0.0), seed=np.int64(0))
+    assert res.token_ids[0] == greedy_refs[0][:12]
+    st = dec._start([PROMPTS[0]], 12, 10**9, 0.0, None, None, 0, None, False, None, 8, None, False,
+                    target_only=False)
+    assert st.k_max == 11 and len(st.recorder._reached) == 11
+    assert dec.generate([PROMPTS[0]], max_new_tokens=12, num_draft_tokens=10**9).token_ids[0] == greedy_refs[0][:12]
 
 
 def test_bad_constructor_arguments(pair, tmp_path):

@@ -5,6 +5,7 @@ call that fails leaves nothing half-done.  ``decoder.py`` calls these; they hold
 
 from __future__ import annotations
 
+import numbers
 import sys
 from typing import Optional, Sequence, TextIO
 
@@ -12,10 +13,20 @@ import torch
 
 from .verify import check_temperature
 
-__all__ = ["MODEL_DTYPES", "check_context", "check_generate_args", "encode_prompts", "eos_ids", "resolve_dtype",
+__all__ = ["MODEL_DTYPES", "as_float", "as_int", "check_context", "check_generate_args", "encode_prompts", "eos_ids", "resolve_dtype",
            "row_seeds", "verbose_stream", "vocab_mismatch"]
 
 MODEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def as_int(x):
+    """An Integral that is not a bool (a NumPy integer, say) as a Python int; anything else as it is."""
+    return int(x) if isinstance(x, numbers.Integral) and not isinstance(x, bool) else x
+
+
+def as_float(x):
+    """A Real that is not a bool (a NumPy float, an int) as a Python float; anything else as it is."""
+    return float(x) if isinstance(x, numbers.Real) and not isinstance(x, bool) else x
 
 
 def resolve_dtype(dtype):
@@ -104,16 +115,20 @@ def row_seeds(seed, B: int) -> list:
     """Row p's seed: ``seed + p``, ``seed[p]``, or (None) ``seed + p`` from a random ``seed``."""
     if seed is None:
         seed = int(torch.randint(0, 2**62, ()).item())
-    if isinstance(seed, int) and not isinstance(seed, bool):
+    seed = as_int(seed)
+    if isinstance(seed, int):
         seeds = [seed + p for p in range(B)]
-    elif isinstance(seed, (list, tuple)) and all(isinstance(s, int) and not isinstance(s, bool) for s in seed):
+        what = "seed + {p} (row {p}'s seed)"
+    elif isinstance(seed, (list, tuple)) and all(isinstance(as_int(s), int) for s in seed):
         if len(seed) != B:
             raise ValueError(f"seed as a list must have one entry per prompt ({B}), got {len(seed)}")
-        seeds = list(seed)
+        seeds = [as_int(s) for s in seed]
+        what = "seed[{p}]"
     else:
         raise TypeError(f"seed must be an int, a list of ints or None, got {type(seed).__name__}")
-    if any(not -(2**63) <= s < 2**63 for s in seeds):
-        raise ValueError("seed must fit in int64")
+    for p, s in enumerate(seeds):
+        if not -(2**63) <= s < 2**63:
+            raise ValueError(f"{what.format(p=p)} must fit in int64 [-2**63, 2**63), got {s}")
     return seeds
 
 
@@ -146,7 +161,20 @@ def encode_prompts(prompts, attention_mask, tokenizer, vocab_size: int) -> list:
             if not isinstance(attention_mask, torch.Tensor) or list(attention_mask.shape) != list(prompts.shape):
                 got = list(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask).__name__
                 raise ValueError(f"attention_mask must be [B, T] = {list(prompts.shape)} like prompts, got {got}")
-            rows = [row[m.bool()].tolist() for row, m in zip(prompts.cpu(), attention_mask.cpu())]
+            m = attention_mask.cpu()
+            if m.dtype != torch.bool:
+                if m.dtype.is_floating_point or m.dtype.is_complex:
+                    raise TypeError(f"attention_mask must hold 0/1 (integer or bool), got dtype {m.dtype}")
+                odd = m[(m != 0) & (m != 1)]
+                if odd.numel():
+                    raise ValueError(f"attention_mask must hold only 0 and 1, got {int(odd[0])}")
+                m = m.bool()
+            for i, row in enumerate(m):
+                on = row.nonzero()[:, 0]
+                if on.numel() and int(on[-1] - on[0]) + 1 != on.numel():
+                    raise ValueError(f"attention_mask[{i}] must mark one contiguous run of tokens (left or right "
+                                     f"padding), got a gap between columns {int(on[0])} and {int(on[-1])}")
+            rows = [row[mi].tolist() for row, mi in zip(prompts.cpu(), m)]
         else:
             rows = prompts.cpu().tolist()
     elif isinstance(prompts, (list, tuple)):
@@ -202,9 +230,11 @@ def check_context(rows: list, runners: Sequence) -> Optional[int]:
     return min(c for _, c in limits)
 
 
-def eos_ids(eos_token_id, target, tokenizer) -> set:
-    """The EOS ids: ``eos_token_id`` (an int, ints, or a 0/1-D integer tensor), else the target's
-    generation config's, its config's, or the tokenizer's; an empty set when none says."""
+def eos_ids(eos_token_id, target, tokenizer, vocab_size: int) -> set:
+    """The EOS ids: ``eos_token_id`` (an int, ints, or a 0/1-D integer tensor; each in [0,
+    vocab_size), else it could never match), else the target's generation config's, its
+    config's, or the tokenizer's; an empty set when none says."""
+    given = eos_token_id is not None
     if eos_token_id is None:
         gc = getattr(target, "generation_config", None)
         eos_token_id = getattr(gc, "eos_token_id", None) if gc is not None else None
@@ -222,4 +252,7 @@ def eos_ids(eos_token_id, target, tokenizer) -> set:
             isinstance(e, bool) or not isinstance(e, int) for e in ids):
         raise TypeError(f"eos_token_id must be an int, a list of ints or None, got {type(eos_token_id).__name__}"
                         f" ({eos_token_id!r:.40})")
+    bad = [e for e in ids if not 0 <= e < vocab_size]
+    if given and bad:
+        raise ValueError(f"eos_token_id must be in [0, {vocab_size}) (the target's vocabulary), got {bad[0]}")
     return set(ids)

@@ -61,7 +61,7 @@ import torch
 from .draft_sampling import _draft_key, warp_probs
 from .draft_steps import (draft_with_features, draft_with_model, feature_after_verify_, feature_wait_,
                           model_after_verify_, model_wait_)
-from .arguments import (check_context, check_generate_args, encode_prompts, eos_ids, resolve_dtype, row_seeds,
+from .arguments import (as_float, as_int, check_context, check_generate_args, encode_prompts, eos_ids, resolve_dtype, row_seeds,
                         verbose_stream, vocab_mismatch)
 from .drafters import PromptLookupDrafter
 from .kv_cache import _crop_, _new_cache, compact_dynamic_cache_
@@ -521,6 +521,10 @@ class SpeculativeDecoder:
                verbose, attention_mask, max_draft_tokens, eos_token_id, progress, target_only,
                draft_confidence: float = 0.0) -> _State:
         """Validate everything, encode, allocate the state (no model work yet)."""
+        # NumPy (or other Integral / Real) scalars as Python ones; anything else is refused below
+        max_new_tokens, num_draft_tokens, top_k, max_draft_tokens = (
+            as_int(v) for v in (max_new_tokens, num_draft_tokens, top_k, max_draft_tokens))
+        temperature, top_p, draft_confidence = (as_float(v) for v in (temperature, top_p, draft_confidence))
         k_max, stop = check_generate_args(max_new_tokens, num_draft_tokens, temperature, top_k, top_p, stop,
                                           max_draft_tokens, draft_confidence, drafter=self.drafter,
                                           has_draft=self._d is not None, has_tokenizer=self.tokenizer is not None)
@@ -532,6 +536,7 @@ class SpeculativeDecoder:
         B = len(rows)
         seeds = row_seeds(seed, B)
         verbose = verbose_stream(verbose)
+        eos = eos_ids(eos_token_id, self.target, self.tokenizer, self._t.vocab_size)
 
         # Budgets: max_new_tokens, and the context (positions < context; the last emitted
         # token is never fed, so a sequence may reach context + 1 tokens).
@@ -541,6 +546,9 @@ class SpeculativeDecoder:
             if context is not None:
                 b = min(b, context + 1 - len(r))
             budgets.append(b)
+        # no step verifies more drafts than the longest budget leaves room for (the recorder's
+        # per-position lists and "auto"'s search are sized by k_max)
+        k_max = max(1, min(k_max, max(budgets) - 1))
         pbar = None
         if progress:
             from tqdm.auto import tqdm
@@ -552,7 +560,7 @@ class SpeculativeDecoder:
             rows=list(range(B)), seqs=[list(r) for r in rows], prompt_lens=[len(r) for r in rows],
             generated=[[] for _ in rows], finish=[None] * B,
             k=num_draft_tokens, k_max=k_max, temperature=float(temperature), top_k=top_k,
-            top_p=None if top_p is None else float(top_p), eos=eos_ids(eos_token_id, self.target, self.tokenizer),
+            top_p=None if top_p is None else float(top_p), eos=eos,
             stop=stop,
             max_new=max_new_tokens, context=context, target_only=target_only,
             # K = 0 steps run no draft forward (see _step)
