@@ -45,12 +45,31 @@ def test_cli_requires_models(capsys):
                                                "got 'complex64'"),
     (["--tiny-random", "--device", "meta"], "device 'meta' holds no data: models cannot run there"),
     (["--tiny-random", "--draft-vocab", "BAD"], "header"),  # a file that is not safetensors
+    # (found by a review: hub-id and tokenizer messages for paths, API names for flags, and
+    # these checks only after the models had loaded)
+    (["--target", "/nonexistent/model", "--draft", "/nonexistent/d"],
+     "specdec generate: error: --target: no such file or directory: /nonexistent/model"),
+    (["--target", "EMPTY", "--draft", "EMPTY"], "holds no config.json (not a Hugging Face model directory)"),
+    (["--tiny-random", "--draft-vocab", "BAD"], "specdec generate: error: --draft-vocab: "),
+    (["--tiny-random", "--max-draft-tokens", "0"], "specdec generate: error: --max-draft-tokens must be > 0, got 0"),
+    (["--tiny-random", "--top-p", "2"], "specdec generate: error: --top-p must be in (0, 1] (1 = off), got 2.0"),
+    (["--tiny-random", "--draft-confidence", "1.5"], "error: --draft-confidence must be in [0, 1)"),
+    (["--tiny-random", "--seed", str(2**70)], "error: --seed must fit in int64 [-2**63, 2**63), got"),
+    (["--tiny-random", "--stop", ""], "error: --stop must not be empty"),
 ])
-def test_cli_user_errors_are_one_line(argv, says, capsys, tmp_path):
+def test_cli_user_errors_are_one_line(argv, says, capsys, tmp_path, monkeypatch):
     bad = tmp_path / "bad.safetensors"
     bad.write_bytes(b"\xff" * 64)
+    (tmp_path / "empty").mkdir()
+    import specdec_kernels.cli as cli
+
+    def no_models(*a, **k):  # every case above is refused before any model is built
+        raise AssertionError("a model was built")
+
+    monkeypatch.setattr(cli, "build_tiny_random_pair", no_models)
     with pytest.raises(SystemExit) as e:
-        cli_main(["generate", "hello", *[str(bad) if a == "BAD" else a for a in argv]])
+        cli_main(["generate", "hello", *[str(bad) if a == "BAD" else str(tmp_path / "empty") if a == "EMPTY" else a
+                                         for a in argv]])
     err = capsys.readouterr().err
     assert e.value.code == 2 and says in err and "Traceback" not in err, err
     assert len(err.strip().splitlines()) == 2  # usage, then the one error line

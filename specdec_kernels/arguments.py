@@ -128,7 +128,8 @@ def row_seeds(seed, B: int) -> list:
         raise TypeError(f"seed must be an int, a list of ints or None, got {type(seed).__name__}")
     for p, s in enumerate(seeds):
         if not -(2**63) <= s < 2**63:
-            raise ValueError(f"{what.format(p=p)} must fit in int64 [-2**63, 2**63), got {s}")
+            name = "seed" if what.startswith("seed +") and p == 0 else what.format(p=p)
+            raise ValueError(f"{name} must fit in int64 [-2**63, 2**63), got {s}")
     return seeds
 
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import sys
 from typing import Optional, Sequence
 
@@ -76,9 +78,18 @@ def _k_arg(s: str):
     return k
 
 
+class _ShortUsageParser(argparse.ArgumentParser):
+    """Errors as two lines: a short usage and the error (the full usage of ``generate`` wraps
+    over a dozen lines; ``--help`` shows it)."""
+
+    def error(self, message: str):
+        self.exit(2, f"usage: {self.prog} PROMPT [PROMPT ...] [options]  ({self.prog} --help lists them)\n"
+                     f"{self.prog}: error: {message}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdec", description="Exact speculative decoding of Hugging Face models.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_ShortUsageParser)
     g = sub.add_parser("generate", help="generate text for one or more prompts")
     g.add_argument("prompts", nargs="+", help="prompt text (several prompts are decoded as one batch)")
     g.add_argument("--draft", help="draft model name or path")
@@ -96,7 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a row stops drafting once the product of its drafts' probabilities under the draft "
                         "falls below this (0 = off, default; the output distribution is unchanged)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens (default: off)")
+    g.add_argument("--top-k", type=int, default=None,
+                   help="keep the k most likely tokens, and any tied with the k-th (default: off)")
     g.add_argument("--top-p", type=float, default=None,
                    help="keep the smallest set of most likely tokens reaching this mass (default: off)")
     g.add_argument("--seed", type=int, default=0, help="prompt p samples with seed + p (default 0)")
@@ -122,7 +134,60 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--verbose", action="store_true", help="print every step's drafts and accepted tokens")
     g.add_argument("--json", action="store_true", help="print texts, token ids and stats as JSON")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.generate_parser = g  # its usage line goes with the errors about its arguments
     return parser
+
+
+# generate()'s argument names as the flags that set them, for the errors it raises
+_FLAGS = {"max_new_tokens": "--max-new-tokens", "num_draft_tokens": "-k", "max_draft_tokens": "--max-draft-tokens",
+          "draft_confidence": "--draft-confidence", "temperature": "--temperature", "top_k": "--top-k",
+          "top_p": "--top-p", "seed": "--seed", "stop strings": "--stop", "dtype": "--dtype", "device": "--device",
+          "draft_vocab": "--draft-vocab"}
+
+
+def _flag_message(msg: str) -> str:
+    """An error of the API, with its argument names written as the CLI's flags."""
+    return re.sub(r"^(" + "|".join(re.escape(k) for k in _FLAGS) + r")\b", lambda m: _FLAGS[m.group(1)], msg)
+
+
+def _check_early(args, parser) -> None:
+    """What can be checked before any model loads (a bad --top-p should not wait for them):
+    generate()'s scalar arguments, the dtype, the device, and the model paths."""
+    from .arguments import check_generate_args, resolve_dtype, row_seeds
+    from .models import resolve_device
+
+    g = parser.generate_parser
+    if args.tokenizer is not None and (args.tiny_random or args.target is None):
+        g.error("--tokenizer applies to --target/--draft models; the embedded pair and --tiny-random bring "
+                "their own")
+    drafter = args.drafter or ("prompt_lookup" if args.target is not None and args.draft is None else "model")
+    try:
+        check_generate_args(args.max_new_tokens, args.num_draft_tokens, args.temperature, args.top_k, args.top_p,
+                            args.stop, args.max_draft_tokens, args.draft_confidence, drafter=drafter,
+                            has_draft=drafter != "prompt_lookup", has_tokenizer=True)
+        row_seeds(args.seed, len(args.prompts))
+        resolve_dtype(args.dtype)
+        resolve_device(args.device)
+    except (ValueError, TypeError) as e:
+        g.error(_flag_message(str(e)))
+    for flag, value, kind in (("--target", args.target, "model"), ("--draft", args.draft, drafter),
+                              ("--tokenizer", args.tokenizer, "tokenizer")):
+        # a local path (absolute, relative or ~), not a hub name: it must exist; a model directory
+        # must hold a config.json (else transformers' errors speak of hub ids or tokenizers)
+        if value is None or not (os.path.isabs(value) or value.startswith((".", "~")) or os.path.exists(value)):
+            continue
+        path = os.path.expanduser(value)
+        if not os.path.exists(path):
+            g.error(f"{flag}: no such file or directory: {value}")
+        if kind == "model" and os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
+            g.error(f"{flag}: {value} holds no config.json (not a Hugging Face model directory)")
+    if args.draft_vocab not in ("auto", "full"):
+        from .draft_vocab import load_draft_vocab
+
+        try:  # the file's form now; its ids against the draft's vocabulary once that is loaded
+            load_draft_vocab(args.draft_vocab, 2**62)
+        except (OSError, ValueError) as e:
+            g.error(f"--draft-vocab: {e}")
 
 
 def chat_ids(tokenizer, text: str) -> list:
@@ -139,10 +204,6 @@ def chat_ids(tokenizer, text: str) -> list:
 def _make_decoder(args, parser):
     from .arguments import resolve_dtype
     from .decoder import SpeculativeDecoder
-
-    if args.tokenizer is not None and (args.tiny_random or args.target is None):
-        parser.error("--tokenizer applies to --target/--draft models; the embedded pair and --tiny-random bring "
-                     "their own")
 
     # how the models run, and what the draft may propose
     paths = dict(cpu_linear=args.cpu_linear, lean_forward=not args.no_lean_forward,
@@ -205,17 +266,18 @@ _USER_ERRORS = _user_errors()
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    _check_early(args, parser)
     try:
-        dec = _make_decoder(args, parser)
+        dec = _make_decoder(args, parser.generate_parser)
     except _USER_ERRORS as e:  # a path that is no model, a damaged file, an unwritable cache: one line
-        parser.error(str(e) or repr(e))
+        parser.generate_parser.error(str(e) or repr(e))
     prompts = list(args.prompts)
     inputs = prompts
     if args.chat:
         try:
             inputs = [chat_ids(dec.tokenizer, p) for p in prompts]
         except ValueError as e:
-            parser.error(str(e))
+            parser.generate_parser.error(str(e))
     progress = not args.no_progress and len(prompts) * args.max_new_tokens >= 256
     common = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                   top_p=args.top_p, seed=args.seed, stop=args.stop)
@@ -229,7 +291,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                            verbose=(sys.stderr if args.json else True) if args.verbose else False,
                            baseline_tokens_per_s=baseline, progress=progress, **common)
     except (ValueError, TypeError) as e:
-        parser.error(str(e))
+        parser.generate_parser.error(_flag_message(str(e)))
     if args.json:
         json.dump({"texts": res.texts, "token_ids": res.token_ids, "finish_reasons": res.finish_reasons,
                    "draft_vocab_size": None if dec.draft_vocab is None else dec.draft_vocab.numel(),

@@ -95,7 +95,11 @@ def load_draft_vocab(path: Union[str, os.PathLike], vocab_size: int) -> Tensor:
         p = p / FILE_NAME
     if not p.is_file():
         raise FileNotFoundError(f"no draft vocabulary at {p}")
-    data = load_file(str(p))
+    try:
+        data = load_file(str(p))
+    except Exception as e:  # safetensors' own error types: a file that is not one
+        raise ValueError(f"{p} must be a safetensors draft vocabulary (a tensor 'token_ids'), got a file it "
+                         f"cannot read ({type(e).__name__}: {e})") from None
     if "token_ids" not in data:
         raise ValueError(f"{p} must hold a tensor 'token_ids', got {sorted(data)}")
     return check_draft_vocab(data["token_ids"], vocab_size, name=f"token_ids of {p}")
