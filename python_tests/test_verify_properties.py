@@ -296,7 +296,21 @@ def _bad_argument_cases():
         ("top_k_overflow", dict(top_k=2**63), ValueError, r"^top_k must fit in int64 .*, got 9223372036854775808$"),
         ("temperature_overflow", dict(temperature=1e39), ValueError, r"^temperature must fit in float32 \(\[-3.40282e\+38, 3.40282e\+38\]\), got 1e\+39$"),
         ("uniforms_shape", dict(uniforms=torch.rand(2, 3)), ValueError, r"uniforms must have shape \[2, 4\], got \[2, 3\]"),
-        ("uniforms_range", dict(uniforms=torch.full((2, 4), 1.0)), ValueError, r"uniforms must lie in \[0, 1\)"),
+        ("uniforms_range", dict(uniforms=torch.full((2, 4), 1.0)), ValueError, r"uniforms must lie in \[0, 1\), got 1.0 at \[0, 0\]"),
+        # (found by a review: the value and where it is were not said; a float64 parameter was
+        # rounded to fp32 first, so a 1e-50 temperature ran greedy and errors named the rounded value)
+        ("uniforms_range_where", dict(uniforms=torch.tensor([[0.5] * 4, [0.5, 0.5, 1.5, 0.5]], dtype=torch.float64)),
+         ValueError, r"^uniforms must lie in \[0, 1\), got 1.5 at \[1, 2\]$"),
+        ("temperature_float64_underflow", dict(temperature=torch.tensor([1e-50, 1.0], dtype=torch.float64)), ValueError,
+         r"^temperature must be 0 or of magnitude \[1.17549e-38, 3.40282e\+38\] to fit in float32, got \[1e-50, 1.0\]$"),
+        ("temperature_float64_overflow", dict(temperature=torch.tensor([1e39, 1.0], dtype=torch.float64)), ValueError,
+         r"^temperature must be 0 or of magnitude .* to fit in float32, got \[1e\+39, 1.0\]$"),
+        ("draft_probs_sum", dict(draft_probs=torch.cat([q[:1], q[1:] * torch.tensor([1.0, 1.5, 1.0])[:, None]])),
+         ValueError, r"^draft_probs\[1, 1\] must sum to 1 \(to within 0.01: the distribution draft 1 was sampled from\), got 1.5$"),
+        ("top_p_underflow", dict(top_p=1e-50), ValueError, r"^top_p must be 0 or of magnitude .* to fit in float32, got 1e-50$"),
+        ("no_positions", dict(target_logits=torch.zeros(2, 0, 10), draft_tokens=torch.zeros(2, 0, dtype=torch.long),
+                              draft_probs=None), ValueError,
+         r"^target_logits must have K\+1 >= 1 positions \(dim 1: the K drafts and the bonus\), got shape \[2, 0, 10\]$"),
         ("backend", dict(backend="cuda"), ValueError, r"backend must be one of \('auto', 'triton', 'torch'\), got 'cuda'"),
         ("device_mix", dict(draft_tokens=x.to("meta")), ValueError, r"draft_tokens must be on cpu \(the device of target_logits\), got meta"),
     ]
@@ -311,6 +325,25 @@ def test_bad_arguments_raise_clear_errors(name, override, exc, match):
         (args if k in args else kwargs)[k] = v
     with pytest.raises(exc, match=match):
         fused_verify(args["target_logits"], args["draft_tokens"], args["draft_probs"], **kwargs)
+
+
+def test_draft_probs_sums_are_checked_only_where_read():
+    # (found by a review: q = 1.5 * softmax was taken, and the output was not the target's)
+    # A greedy row, a position past K_b, a negative entry (its row invalid) are not refused.
+    lg, x, q = make_step(2, 3, 10)
+    bad = q.clone()
+    bad[0, 2] *= 1.5
+    out = fused_verify(lg, x, bad, temperature=torch.tensor([1.0, 1.0]), num_draft_tokens=torch.tensor([2, 3]),
+                       seed=0, backend="torch")
+    want = fused_verify(lg, x, q, temperature=torch.tensor([1.0, 1.0]), num_draft_tokens=torch.tensor([2, 3]),
+                        seed=0, backend="torch")
+    assert torch.equal(out.tokens[1], want.tokens[1])  # (row 0 reads q[0, 2] only in its residual: not read)
+    fused_verify(lg, x, bad, temperature=torch.tensor([0.0, 1.0]), seed=0, backend="torch")
+    neg = q.clone()
+    neg[0, 1, 0] = -1.0
+    fused_verify(lg, x, neg, seed=0, backend="torch")  # invalid if its row reaches q[0, 1]'s residual
+    with pytest.raises(ValueError, match=r"draft_probs\[0, 2\] must sum to 1"):
+        fused_verify(lg, x, bad, seed=0, backend="torch")
 
 
 def test_triton_backend_on_cpu_without_interpreter_is_refused(monkeypatch):

@@ -80,8 +80,10 @@ def _random_case(rng: random.Random, g: torch.Generator) -> dict:
         Vd = rng.randint(1, V)
         draft_probs = torch.softmax(torch.randn(B, K, Vd, generator=g) * rng.choice([0.5, 3.0]), -1)
         if rng.random() < 0.2 and K:
-            draft_probs[rng.randrange(B), rng.randrange(K), rng.randrange(Vd)] = rng.choice(
-                [float("nan"), -1.0, float("inf"), 0.0])
+            b, j, v = rng.randrange(B), rng.randrange(K), rng.randrange(Vd)
+            draft_probs[b, j, v] = rng.choice([float("nan"), -1.0, float("inf")] + ([0.0] if Vd > 1 else []))
+            if draft_probs[b, j, v] == 0:  # a zero in a distribution: renormalised (fused_verify checks sums)
+                draft_probs[b, j] /= draft_probs[b, j].sum()
     kw = dict(target_logits=logits, draft_tokens=x, draft_probs=draft_probs, backend="torch")
     t = torch.empty(B).uniform_(0.05, 2.0, generator=g) if rng.random() < 0.8 else torch.full((B,), 20.0)
     if rng.random() < 0.4:  # greedy rows mixed in
@@ -261,7 +263,10 @@ def test_final_draw_edges_equal_the_reference(row_draw, counted, monkeypatch):
     near_one = 1 - 2.0 ** -53
     for u_final in (0.0, 0.37, near_one):
         u = torch.tensor([[near_one, u_final]] * B, dtype=torch.float64)
-        cases = ((q, None), (None, None), (q[:, :, :20].contiguous(), None), (q, torch.tensor([1, 0, 1, 1, 0, 1])))
+        q20 = q[:, :, :20].clone()  # a draft vocabulary of 20 (renormalised: fused_verify checks the sums)
+        s20 = q20.sum(-1, keepdim=True)
+        q20 = torch.where(torch.isfinite(s20), q20 / s20, q20)
+        cases = ((q, None), (None, None), (q20, None), (q, torch.tensor([1, 0, 1, 1, 0, 1])))
         for draft_probs, kb in cases:
             kw = dict(num_draft_tokens=kb) if kb is not None else {}
             out = fused_verify(logits, x, draft_probs, temperature=1.0, uniforms=u, backend="torch", **kw)

@@ -67,21 +67,43 @@ def _check_tensor(name: str, t, dtypes, shape: list[int], device: torch.device) 
         raise ValueError(f"{name} must be on {device} (the device of target_logits), got {t.device}")
 
 
+# How far from 1 a draft distribution's sum may be (checked on the CPU): an fp32 softmax sums to
+# 1 within ~1e-6, one rounded through bf16 within a few 1e-3; a q off by more was not normalised
+# (logits, a truncated distribution without its renormalisation, ...).
+DRAFT_PROBS_SUM_TOL = 1e-2
+
+
 def _per_row(name: str, value, B: int, dtype: torch.dtype, device: torch.device, kind: type) -> torch.Tensor:
     """A python scalar or a [B] tensor as a [B] tensor of ``dtype`` on ``device``."""
     if isinstance(value, torch.Tensor):
         ok = (torch.float32, torch.float64, torch.bfloat16, torch.float16) if kind is float else _INDEX_DTYPES
         _check_tensor(name, value, ok, [B], device)
-        return value.to(dtype).contiguous()  # the kernel reads row b at ptr + b (a view may be strided)
-    if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
+        out = value.to(dtype).contiguous()  # the kernel reads row b at ptr + b (a view may be strided)
+    elif isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
         article = "an" if kind is int else "a"
         raise TypeError(f"{name} must be {article} {kind.__name__} or a [B] = [{B}] tensor, got {type(value).__name__}")
-    try:
-        return torch.full((B,), value, dtype=dtype, device=device)
-    except (OverflowError, RuntimeError):
-        info = torch.finfo(dtype) if dtype.is_floating_point else torch.iinfo(dtype)
-        lo, hi = (f"{info.min:.6g}", f"{info.max:.6g}") if dtype.is_floating_point else (info.min, info.max)
-        raise ValueError(f"{name} must fit in {str(dtype).replace('torch.', '')} ([{lo}, {hi}]), got {value!r}") from None
+    else:
+        try:
+            out = torch.full((B,), value, dtype=dtype, device=device)
+        except (OverflowError, RuntimeError):
+            info = torch.finfo(dtype) if dtype.is_floating_point else torch.iinfo(dtype)
+            lo, hi = (f"{info.min:.6g}", f"{info.max:.6g}") if dtype.is_floating_point else (info.min, info.max)
+            raise ValueError(f"{name} must fit in {str(dtype).replace('torch.', '')} ([{lo}, {hi}]), got {value!r}") from None
+    if kind is float and B > 0 and _check_values(out):
+        # A value that fp32 rounds to 0 or to inf (a float64 1e-50 or 1e39) is refused as given,
+        # before the range checks, which would otherwise see (and name) the rounded one.
+        src = value if isinstance(value, torch.Tensor) else torch.tensor([float(value)], dtype=torch.float64)
+        lost = ((src != 0) & (out == 0)) | (torch.isfinite(src) & ~torch.isfinite(out))
+        if bool(lost.any()):
+            info = torch.finfo(dtype)
+            raise ValueError(f"{name} must be 0 or of magnitude [{info.smallest_normal:.6g}, {info.max:.6g}] to fit "
+                             f"in float32, got {_listed(value)}")
+    return out
+
+
+def _listed(value):
+    """A parameter's value(s) as given, for an error message."""
+    return value.tolist() if isinstance(value, torch.Tensor) else value
 
 
 def _check_values(t: torch.Tensor) -> bool:
@@ -113,6 +135,9 @@ def _normalize(target_logits, draft_tokens, draft_probs, num_draft_tokens, tempe
         raise TypeError(f"target_logits must have dtype float32, bfloat16 or float16, got {str(target_logits.dtype).replace('torch.', '')}")
     B, K1, V = target_logits.shape
     K = K1 - 1
+    if K1 < 1:
+        raise ValueError(f"target_logits must have K+1 >= 1 positions (dim 1: the K drafts and the bonus), got "
+                         f"shape {_shape(target_logits)}")
     if V < 1:
         raise ValueError(f"target_logits must have a vocabulary V >= 1, got shape {_shape(target_logits)}")
     dev = target_logits.device
@@ -138,18 +163,32 @@ def _normalize(target_logits, draft_tokens, draft_probs, num_draft_tokens, tempe
             raise ValueError(f"num_draft_tokens must be in [0, K] = [0, {K}], got {kb.tolist()}")
     temp = _per_row("temperature", temperature, B, torch.float32, dev, float)
     if _check_values(temp) and B > 0 and not bool((torch.isfinite(temp) & (temp >= 0)).all()):
-        raise ValueError(f"temperature must be finite and >= 0 (0 = greedy), got {temp.tolist()}")
+        raise ValueError(f"temperature must be finite and >= 0 (0 = greedy), got {_listed(temperature)}")
     if _check_values(temp) and B > 0 and bool(((temp > 0) & (temp < FLT_MIN)).any()):
         raise ValueError(f"temperature must be 0 (greedy) or >= {FLT_MIN:.8g} (the smallest normal fp32), "
-                         f"got {temp.tolist()}")
+                         f"got {_listed(temperature)}")
     if top_k is not None:
         top_k = _per_row("top_k", top_k, B, torch.int64, dev, int)
         if _check_values(top_k) and B > 0 and bool((top_k < 0).any()):
             raise ValueError(f"top_k must be >= 0 (0 = off), got {top_k.tolist()}")
     if top_p is not None:
+        top_p_in = top_p
         top_p = _per_row("top_p", top_p, B, torch.float32, dev, float)
         if _check_values(top_p) and B > 0 and not bool(((top_p > 0) & (top_p <= 1)).all()):
-            raise ValueError(f"top_p must be in (0, 1] (1 = off), got {top_p.tolist()}")
+            raise ValueError(f"top_p must be in (0, 1] (1 = off), got {_listed(top_p_in)}")
+    if draft_probs is not None and K > 0 and B > 0 and _check_values(draft_probs):
+        # q must be the distribution each draft was sampled from: a q that does not sum to 1
+        # biases the output (NaN/inf/negative q make their row invalid instead, as on CUDA,
+        # where nothing here is read).  Checked where the row reads it: sampled rows, j < K_b.
+        sums = draft_probs.sum(-1)  # [B, K]
+        read = (torch.arange(K, device=dev)[None, :] < kb[:, None]) & (temp != 0)[:, None]
+        off = read & torch.isfinite(sums) & ((sums - 1).abs() > DRAFT_PROBS_SUM_TOL)
+        if bool(off.any()):  # a negative entry makes its row invalid instead (the documented rule)
+            off &= draft_probs.amin(-1) >= 0
+        if bool(off.any()):
+            b, j = (int(i) for i in off.nonzero()[0])
+            raise ValueError(f"draft_probs[{b}, {j}] must sum to 1 (to within {DRAFT_PROBS_SUM_TOL:g}: the "
+                             f"distribution draft {j} was sampled from), got {sums[b, j].item():.6g}")
     if seed is None:
         seed = torch.randint(0, 2**62, (B,), dtype=torch.int64, device=dev)  # no host sync
     else:
@@ -157,8 +196,11 @@ def _normalize(target_logits, draft_tokens, draft_probs, num_draft_tokens, tempe
     offset = _per_row("offset", offset, B, torch.int64, dev, int)
     if uniforms is not None:
         _check_tensor("uniforms", uniforms, (torch.float64, torch.float32), [B, K + 1], dev)
-        if _check_values(uniforms) and uniforms.numel() and not bool(((uniforms >= 0) & (uniforms < 1)).all()):
-            raise ValueError("uniforms must lie in [0, 1), got values outside it")
+        if _check_values(uniforms) and uniforms.numel():
+            out = ~((uniforms >= 0) & (uniforms < 1))
+            if bool(out.any()):
+                b, j = (int(i) for i in out.nonzero()[0])
+                raise ValueError(f"uniforms must lie in [0, 1), got {uniforms[b, j].item()!r} at [{b}, {j}]")
         uniforms = uniforms.to(torch.float64)  # the tests and the final draw compute in float64
     return _Args(target_logits, draft_tokens, draft_probs, kb, temp, top_k, top_p, seed, offset, uniforms)
 
@@ -630,11 +672,14 @@ def fused_verify(
     still drawn with its own probability (to within ~2^-53 of the total).
 
     Unusable input never yields a token: a row that meets a NaN or +inf logit, a position with
-    no finite logit, a NaN/inf/negative draft probability or a draft id outside [0, V) at a
-    position it reads gets ``num_accepted = -1`` and ``tokens = -1``.  Shapes, dtypes, devices
+    no finite logit, a logit whose logit / T overflows fp32 (at T = 2^-126, any logit above ~4),
+    a NaN/inf/negative draft probability or a draft id outside [0, V) at a position it reads
+    gets ``num_accepted = -1`` and ``tokens = -1``.  Shapes, dtypes, devices
     and scalar arguments are checked here and raise ValueError/TypeError; tensor-valued
     parameters (num_draft_tokens, temperature, top_k, top_p) are range-checked on CPU, where
     that is free; on CUDA an out-of-range value marks its row invalid instead (no host sync).
+    Each ``draft_probs[b, j]`` a row reads must sum to 1 (checked on CPU to within 1e-2; not on
+    CUDA, where a q that does not sum to 1 biases the output, as in every rejection sampler).
     """
     if isinstance(temperature, float):
         check_temperature(temperature)
