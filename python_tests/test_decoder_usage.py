@@ -289,6 +289,13 @@ def test_bad_constructor_arguments(pair, tmp_path):
         SpeculativeDecoder(draft=copy.deepcopy(draft).to("meta"), target=target)
     with pytest.raises(ValueError, match="the draft vocabulary must not exceed the target's: draft vocab_size = 40"):
         SpeculativeDecoder(draft=_llama(40, 32, 1, 0.2, seed=0), target=target)
+    # (accepted before, found by a review: max_ngram ignored beside a draft model; models on meta
+    # failing inside transformers at the first generate)
+    with pytest.raises(ValueError, match=r"^max_ngram applies to drafter='prompt_lookup', got max_ngram=2 with "
+                                         r"drafter='model'$"):
+        SpeculativeDecoder(draft=draft, target=target, max_ngram=2)
+    with pytest.raises(ValueError, match="the models must hold their weights, got them on the meta device"):
+        SpeculativeDecoder(draft=copy.deepcopy(draft).to("meta"), target=copy.deepcopy(target).to("meta"))
     # Tokenizers from paths: a different vocabulary is refused before any weights load.
     tok = tiny_char_tokenizer()
     tok.save_pretrained(tmp_path / "target")

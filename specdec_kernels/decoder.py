@@ -237,7 +237,7 @@ class SpeculativeDecoder:
     """
 
     def __init__(self, draft=None, target=None, tokenizer=None, device=None, dtype=None, *,
-                 drafter: Optional[str] = None, max_ngram: int = 3, cpu_linear: str = "auto",
+                 drafter: Optional[str] = None, max_ngram: Optional[int] = None, cpu_linear: str = "auto",
                  lean_forward: bool = True, draft_vocab: Any = "auto", verify_backend: str = "auto"):
         if cpu_linear not in ("auto", "skinny", "torch"):
             raise ValueError(f"cpu_linear must be 'auto', 'skinny' or 'torch', got {cpu_linear!r}")
@@ -283,7 +283,11 @@ class SpeculativeDecoder:
                                 f"(specdec_kernels.feature_draft), got draft={type(draft).__name__}")
             self.feature, draft = draft.eval(), None
         self.drafter = drafter
-        self.lookup = PromptLookupDrafter(max_ngram=max_ngram) if drafter == "prompt_lookup" else None
+        if max_ngram is not None and drafter != "prompt_lookup":
+            raise ValueError(f"max_ngram applies to drafter='prompt_lookup', got max_ngram={max_ngram!r} with "
+                             f"drafter={drafter!r}")
+        self.lookup = (PromptLookupDrafter(max_ngram=3 if max_ngram is None else max_ngram)
+                       if drafter == "prompt_lookup" else None)
 
         # Tokenizers first: a mismatch is refused before loading any weights.
         from transformers import AutoTokenizer
@@ -307,6 +311,9 @@ class SpeculativeDecoder:
         if device is None and draft is not None and _device_of(draft) != _device_of(target):
             raise ValueError(f"draft and target must be on the same device, got draft on {_device_of(draft)} "
                              f"and target on {_device_of(target)} (pass device=...)")
+        if final_device.type == "meta":
+            raise ValueError("the models must hold their weights, got them on the meta device (no data): load them "
+                             "with weights, or pass device=... to move them")
         if verify_backend == "triton" and final_device.type != "cuda":
             from .verify import _interpreter_problem, _interpreting
 
