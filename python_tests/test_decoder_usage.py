@@ -360,6 +360,10 @@ def test_a_draft_with_a_shorter_context_stops_drafting_at_it(pair, draft_kind):
         dc.restore()
     assert dc.calls == [] and long.stats.drafted_tokens == 0
     assert long.token_ids[0] == res.token_ids[1][:6]
+    # A step drafts only if some row may verify a draft: here the short row's budget and the long
+    # row's position leave none in the second step (a review: K = 3 with every K_b = 0 there).
+    two = dec.generate([[1, 2, 3], list(range(1, 21))], max_new_tokens=5, num_draft_tokens=3)
+    assert all(h["k"] == 0 or max(h["num_draft"]) > 0 for h in two.stats.history), two.stats.history
     # Sampling: each row decoded alone gives its tokens in the batch.
     kw = dict(max_new_tokens=16, num_draft_tokens=3, temperature=1.0, seed=7)
     batch = dec.generate(prompts, **kw)

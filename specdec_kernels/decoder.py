@@ -635,9 +635,12 @@ class SpeculativeDecoder:
         auto_zero = st.k == "auto" and (self.draft is not None or self.feature is not None)
         k = st.recorder.choose_k(st.k_max, allow_zero=auto_zero) if st.k == "auto" else st.k
         # Row b drafts K_b = min(K, budget_b - 1): its step emits at most K_b + 1 tokens.
-        room = max(st.budget_host[p] - len(st.generated[p]) for p in st.rows) - 1
-        if st.draft_context is not None:  # the drafts a row's position leaves (draft_steps.draft_cap)
-            room = min(room, max(st.draft_context - lt for lt in st.lt_host))
+        # and no more than the most any row may verify: its budget, and the drafts its position
+        # leaves below a shorter draft context (draft_steps.draft_cap)
+        dctx = st.draft_context
+        room = max(st.budget_host[p] - len(st.generated[p]) - 1 if dctx is None else
+                   min(st.budget_host[p] - len(st.generated[p]) - 1, dctx - lt)
+                   for p, lt in zip(st.rows, st.lt_host))
         return max(min(k, room), 0)
 
     def _draft_with_model(self, st: _State, K: int):
