@@ -246,6 +246,8 @@ def test_verbose_tells_a_step_without_drafts(tiny, monkeypatch):
     (dict(prompts=[[1], [2]], seed=[0, -2**63 - 1]), ValueError, r"seed\[1\] must fit in int64 .*, got -9223372036854775809"),
     (dict(prompts=[[1]], baseline_tokens_per_s="fast"), TypeError, "baseline_tokens_per_s must be None or a number, got str"),
     (dict(prompts=[[1]], baseline_tokens_per_s=-5.0), ValueError, r"baseline_tokens_per_s must be finite and > 0, got -5.0"),
+    (dict(prompts=[[1]], target_step_s="1 ms"), TypeError, "target_step_s must be None or a number, got str"),
+    (dict(prompts=[[1]], target_step_s=float("nan")), ValueError, r"target_step_s must be finite and > 0, got nan"),
 ])
 def test_bad_generate_arguments(pair, kwargs, exc, match):
     draft, target = pair

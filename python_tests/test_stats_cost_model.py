@@ -235,6 +235,27 @@ def test_finalize_predicts_from_each_rows_own_number_of_drafts():
         predicted_speedup(0.5, 2, 0.0, 1.0, expected_tokens=0.5)
 
 
+def test_a_one_token_step_measured_elsewhere():
+    # The verify steps measured at n = 3 and 5 (the line 20 + 2 n); the target alone measured
+    # 30 at n = 1 (the CLI's --baseline run).  Below n = 3 the step is the line between (1, 30)
+    # and (3, 26), not the prior shape anchored at 26 (which put the one-token step at
+    # 26 / 1.2 = 21.7: the main job's predicted speed-up was 1.4-1.6x beside a measured 1.8-2.1x).
+    rec = StatsRecorder(4, 0.05)
+    _inject(rec, 2, 26.0)
+    _inject(rec, 4, 30.0)
+    assert rec.target_time(1) == pytest.approx(26.0 / (1 + 2 * TARGET_SLOPE_PRIOR))
+    rec.set_target_step(30.0)
+    assert rec.target_time(1) == pytest.approx(30.0) and rec.target_time(2) == pytest.approx(28.0)
+    assert rec.target_time(4) == pytest.approx(28.0) and rec.target_time(5) == pytest.approx(30.0)  # the line
+    _inject(rec, 0, 29.0)  # a K = 0 step measured here takes over
+    assert rec.target_time(1) != pytest.approx(30.0)
+    one = StatsRecorder(4, 0.05)
+    one.set_target_step(10.0)  # nothing measured here: the prior shape through it
+    assert one.target_time(3) == pytest.approx(10.0 * (1 + 2 * TARGET_SLOPE_PRIOR))
+    with pytest.raises(ValueError, match=r"the one-token step must be a finite number > 0, got -1.0"):
+        one.set_target_step(-1.0)
+
+
 def test_cpu_slope_prior_through_the_measured_slopes():
     """0.03 * B^1.5 (the embedded target's measured slopes: 0.03 at batch 1, 0.65 at batch 8),
     at least TARGET_SLOPE_PRIOR; the decoder gives it to its recorder on the CPU."""

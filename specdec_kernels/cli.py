@@ -282,14 +282,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     common = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                   top_p=args.top_p, seed=args.seed, stop=args.stop)
     try:
-        baseline = None
+        baseline = step = None
         if args.baseline:
-            # None when the target alone emitted nothing (every row stopped at once): no ratio
-            baseline = dec.generate_target_only(inputs, progress=progress, **common).stats.tokens_per_s or None
+            # None when the target alone emitted nothing (every row stopped at once): no ratio;
+            # its one-token step goes to the cost model (auto's K = 0, the predicted speed-up)
+            base = dec.generate_target_only(inputs, progress=progress, **common).stats
+            baseline, step = base.tokens_per_s or None, base.time_per_target_forward_s or None
         res = dec.generate(inputs, num_draft_tokens=args.num_draft_tokens, max_draft_tokens=args.max_draft_tokens,
                            draft_confidence=args.draft_confidence,
                            verbose=(sys.stderr if args.json else True) if args.verbose else False,
-                           baseline_tokens_per_s=baseline, progress=progress, **common)
+                           baseline_tokens_per_s=baseline, target_step_s=step, progress=progress, **common)
     except (ValueError, TypeError) as e:
         parser.generate_parser.error(_flag_message(str(e)))
     if args.json:

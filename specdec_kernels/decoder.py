@@ -471,6 +471,7 @@ class SpeculativeDecoder:
         draft_confidence: float = 0.0,
         eos_token_id: Union[int, Sequence[int], None] = None,
         baseline_tokens_per_s: Optional[float] = None,
+        target_step_s: Optional[float] = None,
         progress: bool = False,
     ) -> GenerationResult:
         """Generate up to ``max_new_tokens`` tokens for each prompt.
@@ -494,16 +495,22 @@ class SpeculativeDecoder:
         the CPU the draft stops as soon as every row has stopped.  0 (default): always K.  The
         output distribution does not depend on it (the draft side alone decides).
         baseline_tokens_per_s: the target alone's speed, for ``stats.measured_speedup``.
+        target_step_s: the target's one-token step over these prompts, measured elsewhere (a
+        ``generate_target_only`` run's ``stats.time_per_target_forward_s``): the cost model's
+        T_target(0), for ``"auto"``'s K = 0 and for ``stats.predicted_speedup`` (else extrapolated
+        from the verify steps, a few to 20% low on the CPU).
         """
-        if baseline_tokens_per_s is not None:
-            if isinstance(baseline_tokens_per_s, bool) or not isinstance(baseline_tokens_per_s, (int, float)):
-                raise TypeError(f"baseline_tokens_per_s must be None or a number, got "
-                                f"{type(baseline_tokens_per_s).__name__}")
-            if not (math.isfinite(baseline_tokens_per_s) and baseline_tokens_per_s > 0):
-                raise ValueError(f"baseline_tokens_per_s must be finite and > 0, got {baseline_tokens_per_s}")
+        for name, v in (("baseline_tokens_per_s", baseline_tokens_per_s), ("target_step_s", target_step_s)):
+            if v is not None:
+                if isinstance(v, bool) or not isinstance(v, (int, float)):
+                    raise TypeError(f"{name} must be None or a number, got {type(v).__name__}")
+                if not (math.isfinite(v) and v > 0):
+                    raise ValueError(f"{name} must be finite and > 0, got {v}")
         st = self._start(prompts, max_new_tokens, num_draft_tokens, temperature, top_k, top_p, seed, stop,
                          verbose, attention_mask, max_draft_tokens, eos_token_id, progress, target_only=False,
                          draft_confidence=draft_confidence)
+        if target_step_s is not None:
+            st.recorder.set_target_step(target_step_s)
         self._refresh_lean()
         with self._linear_layers():
             return self._run(st, baseline_tokens_per_s)

@@ -250,6 +250,7 @@ class StatsRecorder:
         # (the target's per verified length n = K + 1: {n: [time, count]}).
         self._t_draft = t_draft_prior
         self._t_target_prior = t_target_prior  # the prior one-token step
+        self._t_one_given: Optional[float] = None  # a one-token step measured elsewhere (set_target_step)
         self._target_by_len: dict = {}
         self._last_k: Optional[int] = None
         self._measured_draft = 0
@@ -308,6 +309,15 @@ class StatsRecorder:
             entry[1] += 1
         self._measured_target += 1
 
+    def set_target_step(self, t_one: float) -> None:
+        """The target's one-token step as measured elsewhere (a run of the target alone over the
+        same prompts): ``target_time`` takes it for n = 1 until a K = 0 step measures it here,
+        instead of extrapolating the verify steps' line below their shortest length."""
+        if not (isinstance(t_one, (int, float)) and not isinstance(t_one, bool) and math.isfinite(t_one)
+                and t_one > 0):
+            raise ValueError(f"StatsRecorder: the one-token step must be a finite number > 0, got {t_one!r}")
+        self._t_one_given = float(t_one)
+
     # -- estimates -------------------------------------------------------------------------
     def alpha(self, with_prior: bool = True) -> Optional[float]:
         reached = sum(self._reached)
@@ -338,23 +348,35 @@ class StatsRecorder:
         - Measured at one length n1 only (time t1): the prior shape scaled through it,
           t1 * (1 + r * (n - 1)) / (1 + r * (n1 - 1)) with r = ``target_slope_prior``.
         - Nothing measured: t_target_prior * (1 + r * (n - 1)).
+        With a one-token step given (``set_target_step``) and n = 1 not measured here, it stands
+        for n = 1: below the shortest measured length the step interpolates linearly between it
+        and the value there (nothing measured: the prior shape through it).
         The result is kept above 1e-12 so that a rate is always finite.
         """
         r = self.target_slope_prior
         pts = self._target_by_len
+        given = self._t_one_given if 1 not in pts else None
         if len(pts) >= 2:
             a, b = fit_step_cost([(m, t, c) for m, (t, c) in pts.items()])
             n_lo = min(pts)
             if n < n_lo:
-                t = (a + b * n_lo) * (1 + r * (n - 1)) / (1 + r * (n_lo - 1))
+                t = self._below(n, n_lo, a + b * n_lo, given)
             else:
                 t = a + b * n
         elif len(pts) == 1:
             (n1, (t1, _)), = pts.items()
-            t = t1 * (1 + r * (n - 1)) / (1 + r * (n1 - 1))
+            t = self._below(n, n1, t1, given) if n < n1 else t1 * (1 + r * (n - 1)) / (1 + r * (n1 - 1))
         else:
-            t = self._t_target_prior * (1 + r * (n - 1))
+            t = (self._t_target_prior if given is None else given) * (1 + r * (n - 1))
         return max(t, 1e-12)
+
+    def _below(self, n: float, n_lo: int, t_lo: float, given: Optional[float]) -> float:
+        """The step over n < n_lo tokens from its value t_lo at n_lo: the prior shape anchored
+        there, or (a one-token step given) the line between (1, given) and (n_lo, t_lo)."""
+        if given is None or n_lo <= 1:
+            r = self.target_slope_prior
+            return t_lo * (1 + r * (n - 1)) / (1 + r * (n_lo - 1))
+        return given + (t_lo - given) * (n - 1) / (n_lo - 1)
 
     def choose_k(self, k_max: int, allow_zero: bool = False) -> int:
         """The K in 1..k_max maximising E(K) / (K * T_draft + T_target(K)).
