@@ -56,6 +56,10 @@ def test_cli_requires_models(capsys):
     (["--tiny-random", "--draft-confidence", "1.5"], "error: --draft-confidence must be in [0, 1)"),
     (["--tiny-random", "--seed", str(2**70)], "error: --seed must fit in int64 [-2**63, 2**63), got"),
     (["--tiny-random", "--stop", ""], "error: --stop must not be empty"),
+    (["--target", "some/model", "--draft-confidence", "0.5"],
+     "error: --draft is required with --target (or --drafter prompt_lookup to draft without a model)"),
+    (["--tiny-random", "--drafter", "prompt_lookup", "--draft-vocab", "BAD"],
+     "error: --draft-vocab restricts a draft model's proposals; --drafter prompt_lookup has none"),
 ])
 def test_cli_user_errors_are_one_line(argv, says, capsys, tmp_path, monkeypatch):
     bad = tmp_path / "bad.safetensors"

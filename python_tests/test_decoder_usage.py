@@ -239,8 +239,8 @@ def test_verbose_tells_a_step_without_drafts(tiny, monkeypatch):
      "attention_mask must hold only 0 and 1, got 7"),
     (dict(prompts=torch.tensor([[1, 2, 3]]), attention_mask=torch.tensor([[1, 0, 1]])), ValueError,
      r"attention_mask\[0\] must mark one contiguous run of tokens \(left or right padding\), got a gap between columns 0 and 2"),
-    (dict(prompts=torch.tensor([[1, 2]]), attention_mask=torch.tensor([[1.0, 1.0]])), TypeError,
-     "attention_mask must hold 0/1 \\(integer or bool\\), got dtype torch.float32"),
+    (dict(prompts=torch.tensor([[1, 2]]), attention_mask=torch.tensor([[1.0, 0.5]])), ValueError,
+     "attention_mask must hold only 0 and 1, got 0.5"),
     (dict(prompts=[[1], [2]], seed=2**63 - 1), ValueError,
      r"seed \+ 1 \(row 1's seed\) must fit in int64 \[-2\*\*63, 2\*\*63\), got 9223372036854775808"),
     (dict(prompts=[[1], [2]], seed=[0, -2**63 - 1]), ValueError, r"seed\[1\] must fit in int64 .*, got -9223372036854775809"),
@@ -277,6 +277,14 @@ def test_numpy_scalars_and_a_huge_k(pair, greedy_refs):
                     target_only=False)
     assert st.k_max == 11 and len(st.recorder._reached) == 11
     assert dec.generate([PROMPTS[0]], max_new_tokens=12, num_draft_tokens=10**9).token_ids[0] == greedy_refs[0][:12]
+    # NumPy scalars elsewhere too; a float 0/1 attention mask as a bool one
+    dec.generate([PROMPTS[0]], max_new_tokens=4, eos_token_id=[np.int64(3)], baseline_tokens_per_s=np.float32(10),
+                 target_step_s=np.float64(0.01))
+    ids = torch.tensor([[0, 0] + PROMPTS[0], [9, 8, 7, 6, 5]])
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    want = dec.generate(ids, attention_mask=mask.bool(), max_new_tokens=6).token_ids
+    assert dec.generate(ids, attention_mask=mask.float(), max_new_tokens=6).token_ids == want
+    assert want[0] == greedy_refs[0][:6]
 
 
 def test_bad_constructor_arguments(pair, tmp_path):
@@ -296,8 +304,12 @@ def test_bad_constructor_arguments(pair, tmp_path):
     with pytest.raises(ValueError, match=r"^max_ngram applies to drafter='prompt_lookup', got max_ngram=2 with "
                                          r"drafter='model'$"):
         SpeculativeDecoder(draft=draft, target=target, max_ngram=2)
-    with pytest.raises(ValueError, match="the models must hold their weights, got them on the meta device"):
-        SpeculativeDecoder(draft=copy.deepcopy(draft).to("meta"), target=copy.deepcopy(target).to("meta"))
+    meta_draft, meta_target = copy.deepcopy(draft).to("meta"), copy.deepcopy(target).to("meta")
+    for device in (None, "cpu"):  # (with a device: "Cannot copy out of meta tensor" from torch before)
+        with pytest.raises(ValueError, match="the models must hold their weights, got the target and draft on the "
+                                             "meta device"):
+            SpeculativeDecoder(draft=meta_draft, target=meta_target, device=device, dtype=torch.float16)
+        assert next(meta_target.parameters()).dtype == torch.float32
     # Tokenizers from paths: a different vocabulary is refused before any weights load.
     tok = tiny_char_tokenizer()
     tok.save_pretrained(tmp_path / "target")

@@ -164,12 +164,12 @@ def encode_prompts(prompts, attention_mask, tokenizer, vocab_size: int) -> list:
                 raise ValueError(f"attention_mask must be [B, T] = {list(prompts.shape)} like prompts, got {got}")
             m = attention_mask.cpu()
             if m.dtype != torch.bool:
-                if m.dtype.is_floating_point or m.dtype.is_complex:
-                    raise TypeError(f"attention_mask must hold 0/1 (integer or bool), got dtype {m.dtype}")
+                if m.dtype.is_complex:
+                    raise TypeError(f"attention_mask must hold 0 and 1 (bool, integer or float), got dtype {m.dtype}")
                 odd = m[(m != 0) & (m != 1)]
                 if odd.numel():
-                    raise ValueError(f"attention_mask must hold only 0 and 1, got {int(odd[0])}")
-                m = m.bool()
+                    raise ValueError(f"attention_mask must hold only 0 and 1, got {odd[0].item()}")
+                m = m != 0
             for i, row in enumerate(m):
                 on = row.nonzero()[:, 0]
                 if on.numel() and int(on[-1] - on[0]) + 1 != on.numel():
@@ -248,6 +248,9 @@ def eos_ids(eos_token_id, target, tokenizer, vocab_size: int) -> set:
     if isinstance(eos_token_id, torch.Tensor) and eos_token_id.dim() <= 1 and not (
             eos_token_id.dtype.is_floating_point or eos_token_id.dtype == torch.bool):
         eos_token_id = eos_token_id.reshape(-1).tolist()
+    eos_token_id = as_int(eos_token_id)
+    if isinstance(eos_token_id, (list, tuple, set)):
+        eos_token_id = [as_int(e) for e in eos_token_id]
     ids = [eos_token_id] if isinstance(eos_token_id, int) else eos_token_id
     if isinstance(eos_token_id, (str, bool)) or not isinstance(ids, (list, tuple, set)) or any(
             isinstance(e, bool) or not isinstance(e, int) for e in ids):

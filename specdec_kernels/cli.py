@@ -160,7 +160,15 @@ def _check_early(args, parser) -> None:
     if args.tokenizer is not None and (args.tiny_random or args.target is None):
         g.error("--tokenizer applies to --target/--draft models; the embedded pair and --tiny-random bring "
                 "their own")
-    drafter = args.drafter or ("prompt_lookup" if args.target is not None and args.draft is None else "model")
+    if args.target is not None and not args.tiny_random:
+        if args.draft is None and args.drafter != "prompt_lookup":
+            g.error("--draft is required with --target (or --drafter prompt_lookup to draft without a model)")
+        if args.draft is not None and args.drafter == "prompt_lookup":
+            g.error("--drafter prompt_lookup takes no --draft")
+    drafter = args.drafter or "model"
+    if drafter == "prompt_lookup" and args.draft_vocab not in ("auto", "full"):
+        g.error(f"--draft-vocab restricts a draft model's proposals; --drafter prompt_lookup has none, got "
+                f"--draft-vocab {args.draft_vocab}")
     try:
         check_generate_args(args.max_new_tokens, args.num_draft_tokens, args.temperature, args.top_k, args.top_p,
                             args.stop, args.max_draft_tokens, args.draft_confidence, drafter=drafter,
@@ -240,11 +248,7 @@ def _make_decoder(args, parser):
         elif args.drafter == "feature":
             draft = feature_dir
         return SpeculativeDecoder(draft=draft, target=target, tokenizer=tokenizer, drafter=args.drafter, **paths)
-    draft = args.draft
-    if draft is None and args.drafter != "prompt_lookup":
-        parser.error("--draft is required with --target (or --drafter prompt_lookup to draft without a model)")
-    if draft is not None and args.drafter == "prompt_lookup":
-        parser.error("--drafter prompt_lookup takes no --draft")
+    draft = args.draft  # (--draft with --target, or prompt lookup without: _check_early)
     return SpeculativeDecoder(draft=draft, target=args.target, tokenizer=args.tokenizer, device=args.device,
                               dtype=args.dtype, drafter=args.drafter, **paths)
 
@@ -270,7 +274,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         dec = _make_decoder(args, parser.generate_parser)
     except _USER_ERRORS as e:  # a path that is no model, a damaged file, an unwritable cache: one line
-        parser.generate_parser.error(str(e) or repr(e))
+        parser.generate_parser.error(_flag_message(str(e) or repr(e)))
     prompts = list(args.prompts)
     inputs = prompts
     if args.chat:

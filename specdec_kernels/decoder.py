@@ -311,9 +311,11 @@ class SpeculativeDecoder:
         if device is None and draft is not None and _device_of(draft) != _device_of(target):
             raise ValueError(f"draft and target must be on the same device, got draft on {_device_of(draft)} "
                              f"and target on {_device_of(target)} (pass device=...)")
-        if final_device.type == "meta":
-            raise ValueError("the models must hold their weights, got them on the meta device (no data): load them "
-                             "with weights, or pass device=... to move them")
+        on_meta = [name for name, m in (("target", target), ("draft", draft)) if m is not None
+                   and any(p.is_meta for p in m.parameters())]
+        if on_meta:
+            raise ValueError(f"the models must hold their weights, got the {' and '.join(on_meta)} on the meta "
+                             f"device (no data): load them with their weights")
         if verify_backend == "triton" and final_device.type != "cuda":
             from .verify import _interpreter_problem, _interpreting
 
@@ -415,10 +417,7 @@ class SpeculativeDecoder:
         fp32_cpu = self.device.type == "cpu" and all(
             p.dtype == torch.float32 for m in (self.target, self.draft, self.feature) if m is not None
             for p in m.parameters())
-        if mode == "skinny" and not (HAS_EXT and self.device.type == "cpu"):
-            raise ValueError("cpu_linear='skinny' needs the models on the CPU and the C++ extension "
-                             f"(device {self.device}, extension built: {HAS_EXT})")
-        if mode == "auto":
+        if mode == "auto":  # ("skinny" was checked against the device before the models moved)
             return "skinny" if HAS_EXT and fp32_cpu else "torch"
         return mode
 
@@ -500,6 +499,7 @@ class SpeculativeDecoder:
         T_target(0), for ``"auto"``'s K = 0 and for ``stats.predicted_speedup`` (else extrapolated
         from the verify steps, a few to 20% low on the CPU).
         """
+        baseline_tokens_per_s, target_step_s = as_float(baseline_tokens_per_s), as_float(target_step_s)
         for name, v in (("baseline_tokens_per_s", baseline_tokens_per_s), ("target_step_s", target_step_s)):
             if v is not None:
                 if isinstance(v, bool) or not isinstance(v, (int, float)):
@@ -641,9 +641,8 @@ class SpeculativeDecoder:
             return 0
         auto_zero = st.k == "auto" and (self.draft is not None or self.feature is not None)
         k = st.recorder.choose_k(st.k_max, allow_zero=auto_zero) if st.k == "auto" else st.k
-        # Row b drafts K_b = min(K, budget_b - 1): its step emits at most K_b + 1 tokens.
-        # and no more than the most any row may verify: its budget, and the drafts its position
-        # leaves below a shorter draft context (draft_steps.draft_cap)
+        # Row b drafts K_b = min(K, budget_b - 1, its room below a shorter draft context:
+        # draft_steps.draft_cap), so K is at most the largest K_b any row may verify.
         dctx = st.draft_context
         room = max(st.budget_host[p] - len(st.generated[p]) - 1 if dctx is None else
                    min(st.budget_host[p] - len(st.generated[p]) - 1, dctx - lt)

@@ -95,9 +95,8 @@ def _per_row(name: str, value, B: int, dtype: torch.dtype, device: torch.device,
         src = value if isinstance(value, torch.Tensor) else torch.tensor([float(value)], dtype=torch.float64)
         lost = ((src != 0) & (out == 0)) | (torch.isfinite(src) & ~torch.isfinite(out))
         if bool(lost.any()):
-            info = torch.finfo(dtype)
-            raise ValueError(f"{name} must be 0 or of magnitude [{info.smallest_normal:.6g}, {info.max:.6g}] to fit "
-                             f"in float32, got {_listed(value)}")
+            raise ValueError(f"{name} must be representable in float32 (a value that rounds to 0 or to inf there is "
+                             f"refused), got {_listed(value)}")
     return out
 
 
