@@ -96,6 +96,30 @@ def test_cli_baseline_when_the_target_emits_nothing(capsys, tmp_path):
     assert out["finish_reasons"] == ["nonfinite"] and out["stats"]["measured_speedup"] is None
 
 
+def test_cli_baseline_repeats(capsys):
+    # --repeats N: N runs of each side, alternating; the reported run is the median speculative
+    # one, its speed-up against the median baseline run; its trace printed once.
+    import statistics
+
+    assert cli_main(["generate", "hello world", "--tiny-random", "--json", "--baseline", "--repeats", "3",
+                     "--max-new-tokens", "8", "--verbose", "-k", "2"]) == 0
+    cap = capsys.readouterr()
+    out = json.loads(cap.out)
+    runs, base = out["runs_tokens_per_s"], out["baseline_runs_tokens_per_s"]
+    assert len(runs) == 3 and len(base) == 3
+    s = out["stats"]
+    assert s["tokens_per_s"] == statistics.median(runs)
+    assert s["baseline_tokens_per_s"] == statistics.median(base)
+    assert s["measured_speedup"] == s["tokens_per_s"] / s["baseline_tokens_per_s"]
+    assert cap.err.count("[step 1 | row 0] Drafted:") == 1
+    for argv, says in ((["--repeats", "2"], "--repeats repeats the --baseline comparison; without --baseline, got "
+                                           "--repeats 2"),
+                       (["--baseline", "--repeats", "0"], "--repeats must be >= 1, got 0")):
+        with pytest.raises(SystemExit) as e:
+            cli_main(["generate", "hi", "--tiny-random", *argv])
+        assert e.value.code == 2 and says in capsys.readouterr().err
+
+
 def test_cli_chat(capsys):
     from specdec_kernels.cli import chat_ids
 
