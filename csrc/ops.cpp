@@ -11,6 +11,8 @@
 #include <Python.h>
 
 #include <ATen/MemoryOverlap.h>
+#include <ATen/core/grad_mode.h>
+#include <c10/core/InferenceMode.h>
 #include "parallel.h"
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -133,6 +135,17 @@ void check_compact_kv_meta(
     // share memory, would be written by several rows/heads at once.  torch answers only for
     // dense tensors (TooHard otherwise); strides that each step past everything the smaller
     // strides reach are a sufficient test for the rest (cropped and transposed caches pass).
+    // No derivative: torch's fallback refuses a leaf that requires grad, but a non-leaf would
+    // keep its grad_fn and a backward would run through the values before the move.
+    TORCH_CHECK(
+        !(c.requires_grad() && at::GradMode::is_enabled()),
+        "compact_kv_: caches[", i, "] must not require grad (the op has no derivative; run it under "
+        "torch.no_grad() or torch.inference_mode()), got a tensor with requires_grad=True");
+    // As torch's own in-place ops: an inference tensor is written inside inference mode only.
+    TORCH_CHECK(
+        !c.is_inference() || c10::InferenceMode::is_enabled(),
+        "compact_kv_: caches[", i, "] is an inference tensor: it may be updated inside "
+        "torch.inference_mode() only, got a call outside it");
     const at::MemOverlap internal = at::has_internal_overlap(c);
     TORCH_CHECK(
         internal == at::MemOverlap::No ||
@@ -164,6 +177,23 @@ void check_compact_kv_meta(
     }
     const auto begin = reinterpret_cast<uintptr_t>(c.data_ptr());
     spans.push_back({begin, begin + static_cast<uintptr_t>((last + 1) * c.element_size()), i});
+  }
+  // The index tensors are read while the caches are written (on the CPU, and by the CUDA
+  // kernel's blocks): one that shares memory with a cache could change under the move.
+  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor*>{"dst_start", &dst_start},
+                                {"count", &count}}) {
+    if (t->numel() == 0) {
+      continue;
+    }
+    const auto begin = reinterpret_cast<uintptr_t>(t->data_ptr());
+    const uintptr_t end = begin + static_cast<uintptr_t>(
+                                      ((t->size(0) - 1) * t->stride(0) + 1) * t->element_size());
+    for (const Span& sp : spans) {
+      TORCH_CHECK(
+          end <= sp.begin || sp.end <= begin,
+          "compact_kv_: ", name, " must not share memory with caches[", sp.index,
+          "] (it is read while the caches are written), got overlapping memory");
+    }
   }
   std::sort(spans.begin(), spans.end(), [](const Span& x, const Span& y) { return x.begin < y.begin; });
   for (size_t a = 0; a < spans.size(); ++a) {
@@ -320,6 +350,11 @@ TORCH_LIBRARY_IMPL(specdec, CPU, m) {
 
 TORCH_LIBRARY_IMPL(specdec, Autograd, m) {
   m.impl("compact_kv_", torch::autograd::autogradNotImplementedFallback());
+  // skinny_linear has no backward either: an output that requires grad would otherwise give
+  // x and weight no gradient at all (use_skinny_linear routes grad-enabled calls to F.linear).
+  m.impl("skinny_linear", torch::autograd::autogradNotImplementedFallback());
+  m.impl("skinny_linear_portable", torch::autograd::autogradNotImplementedFallback());
+  m.impl("skinny_linear_isa", torch::autograd::autogradNotImplementedFallback());
 }
 
 }  // namespace specdec

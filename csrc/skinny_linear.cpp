@@ -489,7 +489,7 @@ at::Tensor skinny_linear_cpu(
   float* y_ptr = y.mutable_data_ptr<float>();
   if (K == 0) {  // an empty sum: y = bias (or 0)
     for (int64_t i = 0; i < M; ++i)
-      for (int64_t j = 0; j < N; ++j) y_ptr[i * N + j] = bias_ptr ? bias_ptr[j] : 0.0f;
+      for (int64_t j = 0; j < N; ++j) y_ptr[i * N + j] = bias_ptr ? canonical_nan(bias_ptr[j]) : 0.0f;
     return y;
   }
   const float* x_ptr = x_c.const_data_ptr<float>();

@@ -365,13 +365,20 @@ def test_op_accepts_separate_views():
 @needs_ext
 def test_op_tells_autograd_it_wrote():
     """The op bumps its caches' version counters (a backward through a saved cache then fails as
-    after any in-place op; it silently used the moved values before), refuses a leaf that
-    requires grad, and leaves inference tensors (no version counter) alone."""
+    after any in-place op; it silently used the moved values before), refuses a cache that
+    requires grad while grad mode is on (a leaf, by torch's fallback; a non-leaf kept its grad_fn
+    and a backward ran through the values before the move, a review found), and writes
+    inference tensors (no version counter) inside inference mode only, as torch's own ops."""
     w = torch.arange(1.0, 7.0).view(1, 1, 6, 1).requires_grad_()
     y = w * 1.0
     z = (y * y).sum()  # saves y
     v = y._version
-    torch.ops.specdec.compact_kv_([y], 3, _idx([0]), _idx([3]))
+    with pytest.raises(RuntimeError, match=r"compact_kv_: caches\[0\] must not require grad \(the op has no "
+                                           r"derivative; run it under torch.no_grad\(\)"):
+        torch.ops.specdec.compact_kv_([y], 3, _idx([0]), _idx([3]))
+    assert y._version == v and y.flatten().tolist() == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
+    with torch.no_grad():
+        torch.ops.specdec.compact_kv_([y], 3, _idx([0]), _idx([3]))
     assert y._version > v
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         z.backward()
@@ -381,6 +388,26 @@ def test_op_tells_autograd_it_wrote():
         c = torch.arange(6.0).view(1, 1, 6, 1)
         torch.ops.specdec.compact_kv_([c], 3, _idx([0]), _idx([3]))
     assert c.flatten().tolist() == [3.0, 4.0, 5.0, 3.0, 4.0, 5.0]
+    with pytest.raises(RuntimeError, match=r"caches\[0\] is an inference tensor: it may be updated inside "
+                                           r"torch.inference_mode\(\) only"):
+        torch.ops.specdec.compact_kv_([c], 3, _idx([0]), _idx([3]))
+
+
+@needs_ext
+def test_op_refuses_indices_that_share_memory_with_a_cache():
+    # (a review: count as an int64 view of a cache's memory was rewritten by the move of the
+    # first cache, and the second was moved with an unchecked count: a segfault)
+    buf = torch.zeros(8, dtype=torch.int64)
+    count = buf[0:1]
+    buf[0], buf[4] = 2, 100_000_000
+    c0, c1 = buf.view(torch.float64).view(1, 1, 8, 1), torch.zeros(1, 1, 8, 1)
+    with pytest.raises(RuntimeError, match=r"compact_kv_: count must not share memory with caches\[0\] \(it is "
+                                           r"read while the caches are written\)"):
+        torch.ops.specdec.compact_kv_([c0, c1], 4, _idx([0]), count)
+    assert buf[0] == 2 and buf[4] == 100_000_000
+    dst = buf[6:7]
+    with pytest.raises(RuntimeError, match=r"compact_kv_: dst_start must not share memory with caches\[1\]"):
+        torch.ops.specdec.compact_kv_([c1, c0], 4, dst, _idx([1]))
 
 
 @pytest.mark.parametrize("path", ["op", "fallback"])

@@ -415,6 +415,24 @@ def test_use_skinny_linear_keeps_autograd_path():
     assert x.grad is not None
 
 
+def test_skinny_linear_has_no_silent_backward():
+    # (a review: an output that required grad gave x and weight no gradient, silently)
+    x = torch.randn(3, 20, requires_grad=True)
+    y = torch.ops.specdec.skinny_linear(x, torch.randn(5, 20), None)
+    with pytest.raises(RuntimeError, match="derivative for specdec::skinny_linear is not implemented"):
+        y.sum().backward()
+    with torch.no_grad():
+        assert not torch.ops.specdec.skinny_linear(x, torch.randn(5, 20), None).requires_grad
+
+
+def test_skinny_linear_empty_sum_gives_the_canonical_nan():
+    # K = 0: y = bias, whose NaN is written as 0x7fc00000 like every other NaN result (a review)
+    nan = torch.tensor([0xFFC00001 - 2**32], dtype=torch.int32).view(torch.float32)
+    for isa in ["portable", "auto"]:
+        y = torch.ops.specdec.skinny_linear_isa(torch.zeros(2, 0), torch.zeros(1, 0), nan, isa)
+        assert (y.view(torch.int32) == 0x7FC00000).all()
+
+
 def test_use_skinny_linear_bad_max_rows():
     with pytest.raises(ValueError, match="max_rows must be an int >= 1, got 0"):
         use_skinny_linear(_Tiny(), max_rows=0)
