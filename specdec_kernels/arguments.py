@@ -220,15 +220,16 @@ def encode_prompts(prompts, attention_mask, tokenizer, vocab_size: int) -> list:
 def check_context(rows: list, runners: Sequence) -> Optional[int]:
     """The longest sequence allowed (the smallest ``context``, max_position_embeddings, of the
     runners given; None: no limit); prompts above it are refused."""
-    limits = [(r.name, r.context) for r in runners if r is not None and r.context]
+    limits = [(r.name, r.context, getattr(r, "context_source", "max_position_embeddings"))
+              for r in runners if r is not None and r.context]
     if not limits:
         return None
     for i, r in enumerate(rows):
-        for name, ctx in limits:
+        for name, ctx, source in limits:
             if len(r) > ctx:
-                raise ValueError(f"prompts[{i}] must fit the {name}'s context (max_position_embeddings = "
-                                 f"{ctx}), got {len(r)} tokens")
-    return min(c for _, c in limits)
+                raise ValueError(f"prompts[{i}] must fit the {name}'s context ({source} = {ctx}), got "
+                                 f"{len(r)} tokens")
+    return min(c for _, c, _ in limits)
 
 
 def eos_ids(eos_token_id, target, tokenizer, vocab_size: int) -> set:

@@ -69,7 +69,7 @@ class LeanLlamaStep:
     def unsupported(model) -> Optional[str]:
         try:
             ml = _llama_classes()
-            from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: F401
+            from transformers.integrations.sdpa_attention import sdpa_attention_forward
         except ImportError as e:  # pragma: no cover - a transformers without Llama or sdpa
             return f"transformers lacks the Llama modules ({e})"
         if type(model) is not ml.LlamaForCausalLM or type(getattr(model, "model", None)) is not ml.LlamaModel:
@@ -101,6 +101,21 @@ class LeanLlamaStep:
         for mod, cls in replayed:
             if "forward" in mod.__dict__:
                 return f"the forward of a {cls.__name__} was replaced"
+        import inspect
+
+        for cls in {cls for _, cls in replayed}:
+            # a forward patched on the class (as kernel libraries do) is not the one replayed here
+            fwd = inspect.unwrap(cls.forward)
+            if fwd.__module__ != cls.__module__ or fwd.__qualname__ != f"{cls.__name__}.forward":
+                return f"{cls.__name__}.forward was replaced (by {fwd.__module__}.{fwd.__qualname__})"
+        try:
+            from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+            registered = ALL_ATTENTION_FUNCTIONS["sdpa"]
+        except (ImportError, KeyError):  # pragma: no cover - a transformers without the registry
+            registered = sdpa_attention_forward
+        if inspect.unwrap(registered) is not inspect.unwrap(sdpa_attention_forward):
+            return "the 'sdpa' attention function was re-registered (ALL_ATTENTION_FUNCTIONS)"
         from torch.nn.modules import module as nn_module
 
         if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:

@@ -40,10 +40,59 @@ def _output_rows(out: torch.nn.Module, rows: Optional[torch.Tensor], fp16_values
     return head.requires_grad_(False)
 
 
+def check_supported(model, name: str) -> None:
+    """Refuse, by name, a model whose forward the decoder cannot drive exactly: an encoder-decoder,
+    a forward without a KV cache argument (RWKV, XLNet), one without ``position_ids`` (MPT: its
+    ALiBi counts cache columns, which a ragged batch leaves gaps in; BLOOM's counts the attention
+    mask's valid columns, which is exact), GPT-Neo's local attention (a window over cache columns)."""
+    cfg = model.config
+    params = inspect.signature(model.forward).parameters
+    kind = type(model).__name__
+    if getattr(cfg, "is_encoder_decoder", False):
+        raise ValueError(f"the {name} must be a decoder-only causal LM, got an encoder-decoder {kind}")
+    if "past_key_values" not in params and "cache" not in params:
+        raise ValueError(f"the {name} must take a KV cache (past_key_values) that the decoder can roll back, "
+                         f"got {kind}, whose forward takes none")
+    if "position_ids" not in params and getattr(cfg, "model_type", None) != "bloom":
+        raise ValueError(f"the {name} must take position_ids (a ragged batch leaves gaps in its cache that "
+                         f"positions derived from cache columns would count), got {kind}, whose forward takes none")
+    layers = getattr(cfg, "attention_layers", None)
+    if isinstance(layers, (list, tuple)) and "local" in layers:
+        raise ValueError(f"the {name} must use full attention only, got {kind} with local attention layers (a "
+                         f"window of {getattr(cfg, 'window_size', '?')} cache columns)")
+
+
+def model_context(cfg) -> tuple:
+    """(the longest sequence a model may decode exactly, or None; what sets it).  A longrope
+    model (Phi-3-128k, Phi-3.5) switches its rotary factors once a call's largest position
+    passes original_max_position_embeddings, for the whole call: in a batch a short row would
+    take a long row's factors, so it is capped there."""
+    ctx = getattr(cfg, "max_position_embeddings", None)
+    if not isinstance(ctx, int) or ctx <= 0:  # XLNet-style -1: no limit said
+        ctx = None
+    source = "max_position_embeddings"
+    for rope in _rope_dicts(cfg):
+        if rope.get("rope_type", rope.get("type")) == "longrope":
+            orig = rope.get("original_max_position_embeddings") or getattr(cfg, "original_max_position_embeddings", None)
+            if isinstance(orig, int) and orig > 0 and (ctx is None or orig < ctx):
+                ctx, source = orig, "original_max_position_embeddings of its longrope scaling"
+    return ctx, source
+
+
+def _rope_dicts(cfg) -> list:
+    out = []
+    for name in ("rope_parameters", "rope_scaling"):
+        r = getattr(cfg, name, None)
+        if isinstance(r, dict):
+            out += [r] + [v for v in r.values() if isinstance(v, dict)]  # per layer type (Gemma 3)
+    return out
+
+
 class _Runner:
     """One model with its forward's calling convention, resolved once."""
 
     def __init__(self, model, name: str):
+        check_supported(model, name)
         self.model = model
         self.name = name
         params = inspect.signature(model.forward).parameters
@@ -52,7 +101,7 @@ class _Runner:
         self.has_logits_to_keep = "logits_to_keep" in params
         cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         self.vocab_size = int(cfg.vocab_size)
-        self.context = getattr(cfg, "max_position_embeddings", None)
+        self.context, self.context_source = model_context(cfg)
         self.lean = None  # a LeanLlamaStep for the decode steps, set by use_lean()
         self.lean_unsupported: Optional[str] = "not requested"
         self.vocab_rows: Optional[torch.Tensor] = None  # a draft vocabulary [N] on the device, or None
@@ -154,7 +203,7 @@ class _FeatureRunner:
         self.embed = target.get_input_embeddings()
         self.out = target.get_output_embeddings()
         self.vocab_size = int(self.embed.num_embeddings)
-        self.context = getattr(fd.config, "max_position_embeddings", None)
+        self.context, self.context_source = model_context(fd.config)
         self.lean = None
         self.lean_unsupported: Optional[str] = "not requested"
         self.vocab_rows: Optional[torch.Tensor] = None
