@@ -150,6 +150,24 @@ def test_draft_vocab_choices_and_errors(pair, tmp_path):
     assert mk(draft_vocab=list(range(32))).draft_vocab is None  # the whole vocabulary: nothing to restrict
     assert mk(draft_vocab=[30, 2, 5]).draft_vocab.tolist() == [2, 5, 30]  # sorted
     assert mk(draft_vocab=torch.tensor([7, 1], dtype=torch.int32)).draft_vocab.tolist() == [1, 7]
+    # (a review: NumPy ids and ranges were refused as "got list"; a file saved for another
+    # vocabulary was taken whenever its ids fitted; a meta tensor gave torch's error)
+    import numpy as np
+
+    assert mk(draft_vocab=[np.int64(3), np.int32(1)]).draft_vocab.tolist() == [1, 3]
+    assert mk(draft_vocab=range(2, 5)).draft_vocab.tolist() == [2, 3, 4]
+    with pytest.raises(TypeError, match=r"draft_vocab must be a 1-D integer tensor or a list of ints, got a list "
+                                        r"holding a float \(2.0\)"):
+        mk(draft_vocab=[1, 2.0])
+    with pytest.raises(ValueError, match="draft_vocab must hold token ids, got a tensor on the meta device"):
+        mk(draft_vocab=torch.tensor([1, 2], device="meta"))
+    (tmp_path / "other").mkdir()
+    dv.save_draft_vocab(tmp_path / "other", [1, 2, 3], 50000)
+    with pytest.raises(ValueError, match=r"must be a draft vocabulary for vocab_size 32 \(the draft's\), got one "
+                                         r"saved for vocab_size 50000"):
+        mk(draft_vocab=str(tmp_path / "other"))
+    with pytest.raises(ValueError, match=r"counts must be a 1-D integer tensor \[V\], got shape \(2,\), dtype torch.bool"):
+        dv.frequent_tokens(torch.tensor([True, False]), 1)
     # "auto": the file in the directory the draft was loaded from, if any
     d = copy.deepcopy(draft)
     d.save_pretrained(tmp_path / "draft")

@@ -662,6 +662,37 @@ def test_feature_draft_takes_the_targets_dtype(fpair):
     assert all(len(t) == 6 and all(0 <= i < target.config.vocab_size for i in t) for t in res.token_ids)
 
 
+def test_a_feature_draft_passed_as_an_object_is_converted_as_a_copy(fpair):
+    """(a review: the caller's draft was converted in place: its weights rounded for good, and a
+    second decoder over an fp32 target converted the first one's bf16 draft under it)"""
+    fd, target = fpair
+    mine = copy.deepcopy(fd).float()
+    before = {k: v.clone() for k, v in mine.state_dict().items()}
+    t16 = copy.deepcopy(target).to(torch.bfloat16)
+    dec16 = SpeculativeDecoder(draft=mine, target=t16, drafter="feature")
+    dec32 = SpeculativeDecoder(draft=mine, target=target, drafter="feature")
+    assert all(torch.equal(v, mine.state_dict()[k]) for k, v in before.items())  # untouched
+    assert {p.dtype for p in dec16.feature.parameters()} == {torch.bfloat16} and dec32.feature is mine
+    dec16.generate([[1, 2, 3]], max_new_tokens=4, num_draft_tokens=2)
+    meta = copy.deepcopy(fd).to("meta")
+    with pytest.raises(ValueError, match="got the feature draft on the meta device"):
+        SpeculativeDecoder(draft=meta, target=target, drafter="feature")
+
+
+def test_a_refused_vocabulary_writes_nothing(fpair, tmp_path):
+    """(a review: the weights and config were written before the vocabulary was refused, beside
+    the old draft's vocabulary file)"""
+    fd, _ = fpair
+    save_feature_draft(fd, tmp_path / "a", vocab=[0, 3, 5])
+    weights = (tmp_path / "a" / "model.safetensors").read_bytes()
+    other = copy.deepcopy(fd)
+    with torch.no_grad():
+        next(other.parameters()).add_(1.0)
+    with pytest.raises(ValueError, match="ids must be unique, got 3 more than once"):
+        save_feature_draft(other, tmp_path / "a", vocab=[3, 3])
+    assert (tmp_path / "a" / "model.safetensors").read_bytes() == weights
+
+
 def test_save_feature_draft_checks_its_dtype(fpair, tmp_path):
     """dtype must be a floating torch.dtype (int8 saved all-zero weights before; a string gave
     "Invalid device string"; found by a review)."""

@@ -197,7 +197,7 @@ def _check_early(args, parser) -> None:
         from .draft_vocab import load_draft_vocab
 
         try:  # the file's form now; its ids against the draft's vocabulary once that is loaded
-            load_draft_vocab(args.draft_vocab, 2**62)
+            load_draft_vocab(args.draft_vocab, None)
         except (OSError, ValueError) as e:
             g.error(f"--draft-vocab: {e}")
 

@@ -50,6 +50,7 @@ depend on the other rows.
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import time
@@ -276,7 +277,8 @@ class SpeculativeDecoder:
         if drafter == "feature":
             from .feature_draft import FeatureDraft, load_feature_draft
 
-            if isinstance(draft, (str, os.PathLike)):
+            feature_given = not isinstance(draft, (str, os.PathLike))
+            if not feature_given:
                 draft, feature_vocab = load_feature_draft(draft, dtype=dtype or torch.float32)
             elif not isinstance(draft, FeatureDraft):
                 raise TypeError(f"drafter='feature' needs a FeatureDraft or the directory of one "
@@ -311,8 +313,8 @@ class SpeculativeDecoder:
         if device is None and draft is not None and _device_of(draft) != _device_of(target):
             raise ValueError(f"draft and target must be on the same device, got draft on {_device_of(draft)} "
                              f"and target on {_device_of(target)} (pass device=...)")
-        on_meta = [name for name, m in (("target", target), ("draft", draft)) if m is not None
-                   and any(p.is_meta for p in m.parameters())]
+        on_meta = [name for name, m in (("target", target), ("draft", draft), ("feature draft", self.feature))
+                   if m is not None and any(p.is_meta for p in m.parameters())]
         if on_meta:
             raise ValueError(f"the models must hold their weights, got the {' and '.join(on_meta)} on the meta "
                              f"device (no data): load them with their weights")
@@ -354,8 +356,16 @@ class SpeculativeDecoder:
                 model.to(final_device)
         if self.feature is not None:
             # It runs on the target's features, where they are and in their dtype (a bf16 target
-            # beside a draft loaded in fp32 failed in the first draft step).
-            self.feature.to(device=_device_of(target), dtype=next(target.parameters()).dtype)
+            # beside a draft loaded in fp32 failed in the first draft step).  A draft the caller
+            # passed is converted as a copy: in place, its weights were rounded for good, and a
+            # second decoder over another target converted the first one's draft under it.
+            want = (_device_of(target), next(target.parameters()).dtype)
+            have = next(self.feature.parameters())
+            if (have.device, have.dtype) != want:
+                if feature_given:
+                    self.feature = copy.deepcopy(self.feature)
+                    self._d.fd, self._d.model = self.feature, self.feature.lm  # the runner drives the copy
+                self.feature.to(device=want[0], dtype=want[1])
         self.device = _device_of(target)
         self.target = target.eval()
         self.draft = draft.eval() if draft is not None else None

@@ -19,6 +19,7 @@ default) uses it when the draft was loaded from a directory that holds one.
 
 from __future__ import annotations
 
+import numbers
 import os
 from pathlib import Path
 from typing import Optional, Sequence, Union
@@ -38,11 +39,17 @@ def check_draft_vocab(token_ids: Union[Tensor, Sequence[int]], vocab_size: int, 
         raise ValueError(f"vocab_size must be an int >= 1, got {vocab_size!r}")
     if isinstance(token_ids, Tensor):
         t = token_ids.detach()
-    elif isinstance(token_ids, (list, tuple)) and all(isinstance(v, int) and not isinstance(v, bool)
-                                                      for v in token_ids):
-        t = torch.tensor(list(token_ids), dtype=torch.int64)
+        if t.is_meta:
+            raise ValueError(f"{name} must hold token ids, got a tensor on the meta device (no data)")
+    elif isinstance(token_ids, (list, tuple, range)) and all(
+            isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in token_ids):
+        t = torch.tensor([int(v) for v in token_ids], dtype=torch.int64)
     else:
-        raise TypeError(f"{name} must be a 1-D integer tensor or a list of ints, got {type(token_ids).__name__}")
+        what = type(token_ids).__name__
+        if isinstance(token_ids, (list, tuple)):  # say which element is not an int
+            bad = next(v for v in token_ids if not isinstance(v, numbers.Integral) or isinstance(v, bool))
+            what = f"a {what} holding a {type(bad).__name__} ({bad!r:.40})"
+        raise TypeError(f"{name} must be a 1-D integer tensor or a list of ints, got {what}")
     if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
         raise TypeError(f"{name} must hold integer token ids, got dtype {t.dtype}")
     if t.dim() != 1 or t.numel() == 0:
@@ -61,9 +68,11 @@ def check_draft_vocab(token_ids: Union[Tensor, Sequence[int]], vocab_size: int, 
 def frequent_tokens(counts: Tensor, n: int) -> Tensor:
     """The ``n`` token ids with the largest ``counts`` (a [V] integer tensor of occurrences; ties
     go to the lower id), sorted ascending.  ``n`` must be in [1, V]."""
-    if not isinstance(counts, Tensor) or counts.dim() != 1 or counts.dtype.is_floating_point:
-        raise ValueError(f"counts must be a 1-D integer tensor [V], got "
-                         f"{tuple(counts.shape) if isinstance(counts, Tensor) else type(counts).__name__}")
+    if not isinstance(counts, Tensor) or counts.dim() != 1 or counts.dtype.is_floating_point \
+            or counts.dtype.is_complex or counts.dtype == torch.bool:
+        got = (f"shape {tuple(counts.shape)}, dtype {counts.dtype}" if isinstance(counts, Tensor)
+               else type(counts).__name__)
+        raise ValueError(f"counts must be a 1-D integer tensor [V], got {got}")
     V = counts.numel()
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= V:
         raise ValueError(f"n must be an int in [1, {V}], got {n!r}")
@@ -85,9 +94,10 @@ def save_draft_vocab(directory: Union[str, os.PathLike], token_ids: Tensor, voca
     return path
 
 
-def load_draft_vocab(path: Union[str, os.PathLike], vocab_size: int) -> Tensor:
+def load_draft_vocab(path: Union[str, os.PathLike], vocab_size: Optional[int]) -> Tensor:
     """The token ids of a draft vocabulary file (or of ``FILE_NAME`` in a directory), checked
-    against ``vocab_size``.  ``FileNotFoundError`` names the path when there is none."""
+    against ``vocab_size`` (also the one the file records; None: the file's form only, as the CLI
+    checks before any model loads).  ``FileNotFoundError`` names the path when there is none."""
     from safetensors.torch import load_file
 
     p = Path(path)
@@ -97,12 +107,20 @@ def load_draft_vocab(path: Union[str, os.PathLike], vocab_size: int) -> Tensor:
         raise FileNotFoundError(f"no draft vocabulary at {p}")
     try:
         data = load_file(str(p))
+        from safetensors import safe_open
+
+        with safe_open(str(p), framework="pt") as f:
+            meta = f.metadata() or {}
     except Exception as e:  # safetensors' own error types: a file that is not one
         raise ValueError(f"{p} must be a safetensors draft vocabulary (a tensor 'token_ids'), got a file it "
                          f"cannot read ({type(e).__name__}: {e})") from None
+    recorded = meta.get("vocab_size")
+    if vocab_size is not None and recorded is not None and recorded.isdigit() and int(recorded) != vocab_size:
+        raise ValueError(f"{p} must be a draft vocabulary for vocab_size {vocab_size} (the draft's), got one "
+                         f"saved for vocab_size {recorded}")
     if "token_ids" not in data:
         raise ValueError(f"{p} must hold a tensor 'token_ids', got {sorted(data)}")
-    return check_draft_vocab(data["token_ids"], vocab_size, name=f"token_ids of {p}")
+    return check_draft_vocab(data["token_ids"], 2**62 if vocab_size is None else vocab_size, name=f"token_ids of {p}")
 
 
 def model_directory_vocab(model) -> Optional[Path]:

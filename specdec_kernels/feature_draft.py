@@ -164,6 +164,10 @@ def save_feature_draft(draft: FeatureDraft, directory, vocab: Optional[Tensor] =
         raise TypeError(f"save_feature_draft: draft must be a FeatureDraft, got {type(draft).__name__}")
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"save_feature_draft: dtype must be a floating torch.dtype, got {dtype!r}")
+    if vocab is not None:  # refused before anything is written
+        from .draft_vocab import check_draft_vocab
+
+        vocab = check_draft_vocab(vocab, draft.target["vocab_size"])
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     cfg = {"layers": draft.config.to_dict(), "target": draft.target, "format": 1}
