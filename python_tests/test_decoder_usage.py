@@ -244,6 +244,8 @@ def test_verbose_tells_a_step_without_drafts(tiny, monkeypatch):
     (dict(prompts=[[1], [2]], seed=2**63 - 1), ValueError,
      r"seed \+ 1 \(row 1's seed\) must fit in int64 \[-2\*\*63, 2\*\*63\), got 9223372036854775808"),
     (dict(prompts=[[1], [2]], seed=[0, -2**63 - 1]), ValueError, r"seed\[1\] must fit in int64 .*, got -9223372036854775809"),
+    (dict(prompts=[[1]], seed=True), TypeError, r"seed must be an int, a list of ints or None, got a bool \(True\)"),
+    (dict(prompts=[[1], [2]], seed=[1, False]), TypeError, r"seed must be .*, got a bool \(\[1, False\]\)"),
     (dict(prompts=[[1]], baseline_tokens_per_s="fast"), TypeError, "baseline_tokens_per_s must be None or a number, got str"),
     (dict(prompts=[[1]], baseline_tokens_per_s=-5.0), ValueError, r"baseline_tokens_per_s must be finite and > 0, got -5.0"),
     (dict(prompts=[[1]], target_step_s="1 ms"), TypeError, "target_step_s must be None or a number, got str"),
@@ -277,6 +279,12 @@ def test_numpy_scalars_and_a_huge_k(pair, greedy_refs):
                     target_only=False)
     assert st.k_max == 11 and len(st.recorder._reached) == 11
     assert dec.generate([PROMPTS[0]], max_new_tokens=12, num_draft_tokens=10**9).token_ids[0] == greedy_refs[0][:12]
+    # seed=None: the drawn seeds come back, and repeat the run
+    torch.manual_seed(5)
+    drawn = dec.generate([PROMPTS[0], PROMPTS[1]], max_new_tokens=6, temperature=1.0, seed=None, num_draft_tokens=2)
+    again = dec.generate([PROMPTS[0], PROMPTS[1]], max_new_tokens=6, temperature=1.0, seed=drawn.seeds,
+                         num_draft_tokens=2)
+    assert len(drawn.seeds) == 2 and drawn.seeds[1] == drawn.seeds[0] + 1 and again.token_ids == drawn.token_ids
     # NumPy scalars elsewhere too; a float 0/1 attention mask as a bool one
     dec.generate([PROMPTS[0]], max_new_tokens=4, eos_token_id=[np.int64(3)], baseline_tokens_per_s=np.float32(10),
                  target_step_s=np.float64(0.01))

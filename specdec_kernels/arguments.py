@@ -116,6 +116,8 @@ def row_seeds(seed, B: int) -> list:
     if seed is None:
         seed = int(torch.randint(0, 2**62, ()).item())
     seed = as_int(seed)
+    if isinstance(seed, bool) or (isinstance(seed, (list, tuple)) and any(isinstance(s, bool) for s in seed)):
+        raise TypeError(f"seed must be an int, a list of ints or None, got a bool ({seed!r:.40})")
     if isinstance(seed, int):
         seeds = [seed + p for p in range(B)]
         what = "seed + {p} (row {p}'s seed)"

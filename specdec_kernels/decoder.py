@@ -116,12 +116,14 @@ class GenerationResult:
     finish_reasons[p]: eos | stop | length | context | nonfinite (the target's logits, or logit / T,
     were NaN/inf where the row needed them, which includes a verify block whose drafts make the
     target's forward NaN; a draft's own NaN/inf only costs its drafts: the target decodes that
-    position itself); stats: see DecodingStats."""
+    position itself); stats: see DecodingStats; seeds[p]: row p's seed (the one drawn when
+    ``seed=None``: passing these as ``seed`` repeats the run, at a fixed K)."""
 
     texts: Optional[list]
     token_ids: list
     stats: DecodingStats
     finish_reasons: list
+    seeds: list = field(default_factory=list)
 
 
 @dataclass
@@ -177,6 +179,7 @@ class _State:
     # the draft's context where it is shorter than the target's (None: not binding): a row drafts
     # only from inputs at positions < draft_context (draft_steps.draft_cap), then the target alone
     draft_context: Optional[int] = None
+    seeds: list = field(default_factory=list)  # per prompt: its seed (host)
     row_params: dict = field(default_factory=dict)  # B -> fused_verify's per-row parameter tensors
     # a feature draft's pending pairs: (the target's feature at column c - 1, the token at column c)
     # for the columns c the target has made true and the draft has not taken yet
@@ -595,6 +598,7 @@ class SpeculativeDecoder:
             draft_context=draft_context,
         )
         st.seed = torch.tensor(seeds, dtype=torch.int64, device=dev)
+        st.seeds = seeds
         st.key_lo = torch.tensor([k[0] for k in keys], dtype=torch.int64, device=dev)
         st.key_hi = torch.tensor([k[1] for k in keys], dtype=torch.int64, device=dev)
         st.step = torch.zeros(B, dtype=torch.int64, device=dev)
@@ -636,7 +640,8 @@ class SpeculativeDecoder:
         texts = None
         if self.tokenizer is not None:
             texts = [self.tokenizer.decode(g, skip_special_tokens=True) for g in st.generated]
-        return GenerationResult(texts=texts, token_ids=st.generated, stats=stats, finish_reasons=list(st.finish))
+        return GenerationResult(texts=texts, token_ids=st.generated, stats=stats, finish_reasons=list(st.finish),
+                                seeds=list(st.seeds))
 
     def _prefill(self, st: _State) -> None:
         """``prefill.prefill_`` with this decoder's models (a method: tests call it)."""
