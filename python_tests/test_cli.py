@@ -108,10 +108,17 @@ def test_cli_baseline_repeats(capsys):
     runs, base = out["runs_tokens_per_s"], out["baseline_runs_tokens_per_s"]
     assert len(runs) == 3 and len(base) == 3
     s = out["stats"]
-    assert s["tokens_per_s"] == statistics.median(runs)
-    assert s["baseline_tokens_per_s"] == statistics.median(base)
+    assert s["tokens_per_s"] == statistics.median_low(runs)
+    assert s["baseline_tokens_per_s"] == statistics.median_low(base)
     assert s["measured_speedup"] == s["tokens_per_s"] / s["baseline_tokens_per_s"]
     assert cap.err.count("[step 1 | row 0] Drafted:") == 1
+    # an even N: the lower middle run on both sides (a review: a mean of two beside one run)
+    assert cli_main(["generate", "hello world", "--tiny-random", "--json", "--baseline", "--repeats", "4",
+                     "--max-new-tokens", "8", "-k", "2"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    s = out["stats"]
+    assert s["tokens_per_s"] == statistics.median_low(out["runs_tokens_per_s"])
+    assert s["baseline_tokens_per_s"] == statistics.median_low(out["baseline_runs_tokens_per_s"])
     for argv, says in ((["--repeats", "2"], "--repeats repeats the --baseline comparison; without --baseline, got "
                                            "--repeats 2"),
                        (["--baseline", "--repeats", "0"], "--repeats must be >= 1, got 0")):

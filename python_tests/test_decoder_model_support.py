@@ -55,6 +55,34 @@ def test_models_it_cannot_drive_are_refused(build, match):
         SpeculativeDecoder(target=_seeded(build), drafter="prompt_lookup")
 
 
+def test_a_wrapper_forwarding_kwargs_is_judged_by_its_config():
+    # (a review: a module whose forward takes **kwargs, as PEFT's, was refused once the signature
+    # checks came in; MPT behind such a wrapper is still refused, by its model type)
+    class Wrap(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner, self.config = inner, inner.config
+
+        def forward(self, **kw):
+            return self.inner(**kw)
+
+        def get_input_embeddings(self):
+            return self.inner.get_input_embeddings()
+
+        def get_output_embeddings(self):
+            return self.inner.get_output_embeddings()
+
+    llama = _seeded(lambda: tf.LlamaForCausalLM(tf.LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        initializer_range=0.2, **COMMON)))
+    prompts = [[1, 2, 3], [4], [5, 6, 7, 8, 9]]
+    got = SpeculativeDecoder(target=Wrap(llama), drafter="prompt_lookup").generate(prompts, max_new_tokens=6).token_ids
+    assert got == [_greedy(llama, p, 6) for p in prompts]
+    mpt = _seeded(lambda: tf.MptForCausalLM(tf.MptConfig(d_model=32, n_heads=4, n_layers=2, max_seq_len=128, **COMMON)))
+    with pytest.raises(ValueError, match="the target must take position_ids .* got Wrap"):
+        SpeculativeDecoder(target=Wrap(mpt), drafter="prompt_lookup")
+
+
 def test_gpt_neo_with_global_attention_only_and_bloom_are_exact():
     prompts = [[1, 2, 3], [4], [5, 6, 7, 8, 9, 10, 11], [12, 13]]
     for build in (lambda: tf.GPTNeoForCausalLM(tf.GPTNeoConfig(hidden_size=32, num_layers=2, num_heads=4,

@@ -133,8 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="first decode with the target alone, to report the measured speed-up")
     g.add_argument("--repeats", type=int, default=1,
                    help="with --baseline: decode N times with the target alone and N times speculatively, "
-                        "alternating, and report the median run of each (default 1; a busy machine's one run "
-                        "can be far off)")
+                        "alternating, and report the median run of each (the lower middle one for an even N; "
+                        "default 1: a busy machine's one run can be far off)")
     g.add_argument("--verbose", action="store_true", help="print every step's drafts and accepted tokens")
     g.add_argument("--json", action="store_true", help="print texts, token ids and stats as JSON")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -274,13 +274,15 @@ _USER_ERRORS = _user_errors()
 def _decode(dec, inputs, args, common, progress) -> tuple:
     """The speculative run to report, with --baseline the target alone's runs before it
     (alternating, ``--repeats`` of each): (result, the baseline runs' tokens/s, the speculative
-    runs' tokens/s).  The result is the median speculative run, its measured speed-up taken
-    against the median baseline run, and its trace (--verbose) is the one printed."""
+    runs' tokens/s).  The result is the median speculative run (the lower middle one for an even
+    N), its measured speed-up taken against the median baseline run (the same rule), and its
+    trace (--verbose) is the one printed (a single run streams it)."""
     import io
     import statistics
 
     reps = args.repeats if args.baseline else 1
     trace_to = (sys.stderr if args.json else sys.stdout) if args.verbose else None
+    buffered = trace_to is not None and reps > 1  # one run streams its trace as it goes
     base_runs, results, traces = [], [], []
     steps = []
     for _ in range(reps):
@@ -291,21 +293,21 @@ def _decode(dec, inputs, args, common, progress) -> tuple:
             base_runs.append(base.tokens_per_s)
             if base.time_per_target_forward_s:
                 steps.append(base.time_per_target_forward_s)
-        trace = io.StringIO() if trace_to is not None else False
+        trace = io.StringIO() if buffered else (trace_to if trace_to is not None else False)
         results.append(dec.generate(inputs, num_draft_tokens=args.num_draft_tokens,
                                     max_draft_tokens=args.max_draft_tokens, draft_confidence=args.draft_confidence,
-                                    verbose=trace, target_step_s=statistics.median(steps) if steps else None,
+                                    verbose=trace, target_step_s=statistics.median_low(steps) if steps else None,
                                     progress=progress, **common))
         traces.append(trace)
     runs = [r.stats.tokens_per_s or 0.0 for r in results]
     pick = sorted(range(reps), key=lambda i: runs[i])[(reps - 1) // 2]
     res = results[pick]
-    if trace_to is not None:
+    if buffered:
         trace_to.write(traces[pick].getvalue())
     good = [b for b in base_runs if b]
     if good and res.stats.tokens_per_s:
         s = res.stats
-        s.baseline_tokens_per_s = statistics.median(good)
+        s.baseline_tokens_per_s = statistics.median_low(good)  # a run, as the speculative side's
         s.measured_speedup = s.tokens_per_s / s.baseline_tokens_per_s
     return res, base_runs, runs
 

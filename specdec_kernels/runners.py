@@ -40,20 +40,37 @@ def _output_rows(out: torch.nn.Module, rows: Optional[torch.Tensor], fp16_values
     return head.requires_grad_(False)
 
 
+# model types known to lack a KV cache argument or position_ids (for wrappers, whose forward's
+# signature says nothing; transformers' own classes are judged by their signature)
+_NO_CACHE_TYPES = frozenset({"rwkv", "xlnet"})
+_NO_POSITION_TYPES = frozenset({"mpt", "rwkv", "xlnet"})
+
+
 def check_supported(model, name: str) -> None:
     """Refuse, by name, a model whose forward the decoder cannot drive exactly: an encoder-decoder,
     a forward without a KV cache argument (RWKV, XLNet), one without ``position_ids`` (MPT: its
     ALiBi counts cache columns, which a ragged batch leaves gaps in; BLOOM's counts the attention
     mask's valid columns, which is exact), GPT-Neo's local attention (a window over cache columns)."""
+    from transformers import PreTrainedModel
+
     cfg = model.config
-    params = inspect.signature(model.forward).parameters
     kind = type(model).__name__
+    model_type = getattr(cfg, "model_type", None)
     if getattr(cfg, "is_encoder_decoder", False):
         raise ValueError(f"the {name} must be a decoder-only causal LM, got an encoder-decoder {kind}")
-    if "past_key_values" not in params and "cache" not in params:
+    # A transformers model says what it takes in its forward's signature; a wrapper around one
+    # (PEFT's, a module forwarding **kwargs) is judged by its config's model type.
+    if isinstance(model, PreTrainedModel):
+        params = inspect.signature(model.forward).parameters
+        no_cache = "past_key_values" not in params and "cache" not in params
+        no_positions = "position_ids" not in params and model_type != "bloom"
+    else:
+        no_cache = model_type in _NO_CACHE_TYPES
+        no_positions = model_type in _NO_POSITION_TYPES
+    if no_cache:
         raise ValueError(f"the {name} must take a KV cache (past_key_values) that the decoder can roll back, "
                          f"got {kind}, whose forward takes none")
-    if "position_ids" not in params and getattr(cfg, "model_type", None) != "bloom":
+    if no_positions:
         raise ValueError(f"the {name} must take position_ids (a ragged batch leaves gaps in its cache that "
                          f"positions derived from cache columns would count), got {kind}, whose forward takes none")
     layers = getattr(cfg, "attention_layers", None)
