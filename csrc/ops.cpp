@@ -69,6 +69,16 @@ bool strides_separate_elements(const at::Tensor& c) {
   return true;
 }
 
+// [first byte, one past the last byte) that a non-empty tensor's elements span.
+std::pair<uintptr_t, uintptr_t> byte_range(const at::Tensor& t) {
+  int64_t last = 0;  // the offset of the last element, in elements
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    last += (t.size(d) - 1) * t.stride(d);
+  }
+  const auto begin = reinterpret_cast<uintptr_t>(t.data_ptr());
+  return {begin, begin + static_cast<uintptr_t>((last + 1) * t.element_size())};
+}
+
 }  // namespace
 
 void check_compact_kv_meta(
@@ -167,16 +177,10 @@ void check_compact_kv_meta(
   std::vector<Span> spans;
   spans.reserve(caches.size());
   for (size_t i = 0; i < caches.size(); ++i) {
-    const at::Tensor& c = caches[i];
-    if (c.numel() == 0) {
-      continue;
+    if (caches[i].numel() > 0) {
+      const auto [begin, end] = byte_range(caches[i]);
+      spans.push_back({begin, end, i});
     }
-    int64_t last = 0;  // the offset of the last element, in elements
-    for (int64_t d = 0; d < c.dim(); ++d) {
-      last += (c.size(d) - 1) * c.stride(d);
-    }
-    const auto begin = reinterpret_cast<uintptr_t>(c.data_ptr());
-    spans.push_back({begin, begin + static_cast<uintptr_t>((last + 1) * c.element_size()), i});
   }
   // The index tensors are read while the caches are written (on the CPU, and by the CUDA
   // kernel's blocks): one that shares memory with a cache could change under the move.
@@ -185,9 +189,7 @@ void check_compact_kv_meta(
     if (t->numel() == 0) {
       continue;
     }
-    const auto begin = reinterpret_cast<uintptr_t>(t->data_ptr());
-    const uintptr_t end = begin + static_cast<uintptr_t>(
-                                      ((t->size(0) - 1) * t->stride(0) + 1) * t->element_size());
+    const auto [begin, end] = byte_range(*t);
     for (const Span& sp : spans) {
       TORCH_CHECK(
           end <= sp.begin || sp.end <= begin,

@@ -332,6 +332,14 @@ class SpeculativeDecoder:
                 raise RuntimeError(f"verify_backend='triton' on the CPU: {problem}")
         if self.feature is not None:
             self.feature.check_target(target)  # with a tolerance that any dtype passes
+            # It runs on the target's features, where they will be and in their dtype (a bf16
+            # target beside a draft loaded in fp32 failed in the first draft step).  A draft the
+            # caller passed is converted as a copy (below): in place, its weights were rounded for
+            # good, and a second decoder over another target converted the first one's under it.
+            feature_at = (final_device, dtype or next(target.parameters()).dtype)
+            have = next(self.feature.parameters())
+            if feature_given and (have.device, have.dtype) != feature_at:
+                self.feature = copy.deepcopy(self.feature)
         self._t = _Runner(target, "target")
         self._d = _Runner(draft, "draft") if draft is not None else None
         if self.feature is not None:
@@ -358,17 +366,7 @@ class SpeculativeDecoder:
             if model is not None and device is not None:
                 model.to(final_device)
         if self.feature is not None:
-            # It runs on the target's features, where they are and in their dtype (a bf16 target
-            # beside a draft loaded in fp32 failed in the first draft step).  A draft the caller
-            # passed is converted as a copy: in place, its weights were rounded for good, and a
-            # second decoder over another target converted the first one's draft under it.
-            want = (_device_of(target), next(target.parameters()).dtype)
-            have = next(self.feature.parameters())
-            if (have.device, have.dtype) != want:
-                if feature_given:
-                    self.feature = copy.deepcopy(self.feature)
-                    self._d.fd, self._d.model = self.feature, self.feature.lm  # the runner drives the copy
-                self.feature.to(device=want[0], dtype=want[1])
+            self.feature.to(device=feature_at[0], dtype=feature_at[1])
         self.device = _device_of(target)
         self.target = target.eval()
         self.draft = draft.eval() if draft is not None else None
@@ -595,10 +593,9 @@ class SpeculativeDecoder:
                                    target_slope_prior=cpu_slope_prior(B) if dev.type == "cpu" else TARGET_SLOPE_PRIOR,
                                    zero_step_draft_forwards=0),
             clock=_Clock(dev), verbose=verbose, pbar=pbar, device=dev, draft_confidence=float(draft_confidence),
-            draft_context=draft_context,
+            draft_context=draft_context, seeds=seeds,
         )
         st.seed = torch.tensor(seeds, dtype=torch.int64, device=dev)
-        st.seeds = seeds
         st.key_lo = torch.tensor([k[0] for k in keys], dtype=torch.int64, device=dev)
         st.key_hi = torch.tensor([k[1] for k in keys], dtype=torch.int64, device=dev)
         st.step = torch.zeros(B, dtype=torch.int64, device=dev)

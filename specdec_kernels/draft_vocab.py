@@ -98,7 +98,7 @@ def load_draft_vocab(path: Union[str, os.PathLike], vocab_size: Optional[int]) -
     """The token ids of a draft vocabulary file (or of ``FILE_NAME`` in a directory), checked
     against ``vocab_size`` (also the one the file records; None: the file's form only, as the CLI
     checks before any model loads).  ``FileNotFoundError`` names the path when there is none."""
-    from safetensors.torch import load_file
+    from safetensors import safe_open
 
     p = Path(path)
     if p.is_dir():
@@ -106,11 +106,9 @@ def load_draft_vocab(path: Union[str, os.PathLike], vocab_size: Optional[int]) -
     if not p.is_file():
         raise FileNotFoundError(f"no draft vocabulary at {p}")
     try:
-        data = load_file(str(p))
-        from safetensors import safe_open
-
         with safe_open(str(p), framework="pt") as f:
             meta = f.metadata() or {}
+            data = {k: f.get_tensor(k) for k in f.keys()}
     except Exception as e:  # safetensors' own error types: a file that is not one
         raise ValueError(f"{p} must be a safetensors draft vocabulary (a tensor 'token_ids'), got a file it "
                          f"cannot read ({type(e).__name__}: {e})") from None
