@@ -233,6 +233,8 @@ def test_finalize_predicts_from_each_rows_own_number_of_drafts():
     assert s.predicted_speedup < expected_tokens_per_step(alpha, 3) * t1 / tv  # what it was
     with pytest.raises(ValueError, match="expected_tokens must be finite and >= 1, got 0.5"):
         predicted_speedup(0.5, 2, 0.0, 1.0, expected_tokens=0.5)
+    with pytest.raises(ValueError, match="expected_tokens must be finite and >= 1, got 2"):
+        predicted_speedup(0.5, 2, 0.0, 1.0, expected_tokens="2")
 
 
 def test_a_one_token_step_measured_elsewhere():

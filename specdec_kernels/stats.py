@@ -102,7 +102,8 @@ def predicted_speedup(alpha: float, k: float, t_draft: float, t_target: float,
     if not math.isfinite(t_draft):
         raise ValueError(f"t_draft must be finite, got {t_draft}")
     if expected_tokens is not None:
-        if not (math.isfinite(expected_tokens) and expected_tokens >= 1):
+        if isinstance(expected_tokens, bool) or not isinstance(expected_tokens, (int, float)) or not (
+                math.isfinite(expected_tokens) and expected_tokens >= 1):
             raise ValueError(f"expected_tokens must be finite and >= 1, got {expected_tokens}")
         e = expected_tokens
     else:
