@@ -7,7 +7,8 @@ length is capped there (found by a review, 2026-12-01, with tiny random models o
 - encoder-decoders and models without a KV cache argument (T5, RWKV, XLNet): unclear errors
   from deep inside before;
 - a longrope model (Phi-3-128k, Phi-3.5) switches its rotary factors for a whole call once the
-  call's largest position passes original_max_position_embeddings: capped there;
+  call's largest position passes original_max_position_embeddings: capped there; a dynamic-NTK
+  model rescales only past max_position_embeddings, which the decoder never passes (tested);
 - the lean Llama step replays transformers' forwards: a forward patched on the class, or a
   re-registered "sdpa" attention, sends the model back to its own forward.
 """
@@ -137,3 +138,20 @@ def test_lean_step_steps_aside_for_patched_classes(monkeypatch):
     finally:
         ALL_ATTENTION_FUNCTIONS["sdpa"] = sdpa
     assert SpeculativeDecoder(target=target, drafter="prompt_lookup").lean_status() == {"target": None}
+
+
+def test_dynamic_ntk_rope_never_rescales_inside_the_context():
+    # transformers grows a dynamic rope's frequencies once a call's largest position passes
+    # max_position_embeddings (for the whole call, as longrope); the decoder stops before it.
+    rope = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0}
+    target = _seeded(lambda: tf.LlamaForCausalLM(tf.LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=16, rope_parameters=rope, initializer_range=0.2, **COMMON)))
+    inv_freq = target.model.rotary_emb.inv_freq.clone()
+    dec = SpeculativeDecoder(target=target, drafter="prompt_lookup")
+    assert dec._t.context == 16
+    prompts = [[1, 2, 3], list(range(14, 26)), [5], [7, 8, 7, 8, 7]]
+    res = dec.generate(prompts, max_new_tokens=20, num_draft_tokens=3)
+    assert torch.equal(target.model.rotary_emb.inv_freq, inv_freq)  # never rescaled
+    for p, got, why in zip(prompts, res.token_ids, res.finish_reasons):
+        assert why == "context" and got == _greedy(target, p, 16 + 1 - len(p))
