@@ -5,10 +5,11 @@ Each case runs N = 100,000 independent trials (rows with distinct seeds) of one 
 step with K = 2 drafts sampled from q, and checks:
   1. the first emitted token follows p_1,
   2. given that x_1 was accepted, the second emitted token follows p_2,
-  3. the acceptance rate of x_1 matches sum_v min(p_1(v), q_1(v)).
-1 and 2 are chi-square goodness-of-fit tests that must not reject at significance 1e-4 (bins
+  3. given that both drafts were accepted, the bonus token follows p_3,
+  4. the acceptance rate of x_1 matches sum_v min(p_1(v), q_1(v)).
+1-3 are chi-square goodness-of-fit tests that must not reject at significance 1e-4 (bins
 with expected count < 5 merged; any draw of a token with p = 0 fails outright); 3 is a z-test
-with bound |z| < 5 (two-sided p ~ 6e-7).  The seeds are fixed, so each run is deterministic:
+with bound |z| < 5 (two-sided p ~ 6e-7); 2 and 3 are tested where at least 50 rows reach them.  The seeds are fixed, so each run is deterministic:
 the bounds state how unlikely a correct implementation is to fail with a fresh seed.
 
 The expected distributions are computed here, independently of the package (float64, sorting,
@@ -108,7 +109,7 @@ def run_case(backend, logits, q, x=None, temperature=1.0, top_k=None, top_p=None
 
 
 def check(backend, logits, q, x=None, temperature=1.0, top_k=None, top_p=None, seed0=0):
-    """Assert the three properties; returns the p-values for the mutant tests."""
+    """Assert the four properties; returns the p-values and z for the mutant tests."""
     tokens, n_acc = run_case(backend, logits, q, x, temperature, top_k, top_p, seed0)
     assert (n_acc >= 0).all() and (n_acc <= K).all()
     p1 = expected_probs(logits[0], temperature, top_k, top_p)
@@ -116,6 +117,9 @@ def check(backend, logits, q, x=None, temperature=1.0, top_k=None, top_p=None, s
     pv1 = chi_square_pvalue(tokens[:, 0], p1)
     accepted = n_acc >= 1
     pv2 = chi_square_pvalue(tokens[accepted, 1], p2) if accepted.sum() >= 50 else 1.0
+    both = n_acc == K
+    p3 = expected_probs(logits[2], temperature, top_k, top_p)
+    pv3 = chi_square_pvalue(tokens[both, 2], p3) if both.sum() >= 50 else 1.0
     if q is not None:
         q1 = np.zeros(len(p1))
         q1[: q.shape[1]] = q[0].double().numpy()
@@ -127,12 +131,13 @@ def check(backend, logits, q, x=None, temperature=1.0, top_k=None, top_p=None, s
         z = 0.0 if abs(rate - alpha) < 1e-12 else math.inf
     else:
         z = (rate - alpha) / math.sqrt(alpha * (1 - alpha) / N)
-    return pv1, pv2, z
+    return pv1, pv2, pv3, z
 
 
-def assert_exact(pv1, pv2, z):
+def assert_exact(pv1, pv2, pv3, z):
     assert pv1 > SIGNIFICANCE, f"first token does not follow p_1: chi-square p = {pv1:.3g}"
     assert pv2 > SIGNIFICANCE, f"second token given acceptance does not follow p_2: chi-square p = {pv2:.3g}"
+    assert pv3 > SIGNIFICANCE, f"bonus token does not follow p_3: chi-square p = {pv3:.3g}"
     assert abs(z) < Z_BOUND, f"acceptance rate of x_1 is off sum min(p, q): z = {z:.2f}"
 
 
@@ -175,6 +180,18 @@ def test_emits_target_distribution(case, backend):
     assert_exact(*check(backend, logits, q, x, temperature, top_k, top_p, seed0=list(CASES).index(case)))
 
 
+def test_bonus_token_test_has_power():
+    """Every row of q_equals_p accepts both drafts, so the bonus is drawn 100,000 times: read
+    against the previous position's distribution (a bonus drawn from p_2) it must be rejected."""
+    logits = _logits(3)
+    q = torch.from_numpy(np.stack([expected_probs(logits[i], 1.0, None, None) for i in range(K)]))
+    tokens, n_acc = run_case("torch", logits, q, seed0=list(CASES).index("q_equals_p"))
+    both = n_acc == K
+    assert both.sum() > 0.99 * N
+    assert chi_square_pvalue(tokens[both, 2], expected_probs(logits[2], 1.0, None, None)) > SIGNIFICANCE
+    assert chi_square_pvalue(tokens[both, 2], expected_probs(logits[1], 1.0, None, None)) < SIGNIFICANCE
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_greedy_rows_emit_the_argmax(backend):
     """Temperature 0: x_i is accepted iff it is the argmax of p_i, and every emitted token is
@@ -200,7 +217,7 @@ def test_mutant_residual_p_minus_p_is_caught(monkeypatch):
     """The article's residual max(0, p - p) (zero, so our fallback samples p) must fail."""
     monkeypatch.setattr(ref, "_residual", lambda p, q: (p - p).clamp(min=0.0))
     logits, q, _, _, _, _ = CASES["generic"]()
-    pv1, _, _ = check("torch", logits, q, seed0=1)
+    pv1, _, _, _ = check("torch", logits, q, seed0=1)
     assert pv1 < SIGNIFICANCE, f"the mutant residual was not detected (p = {pv1:.3g})"
 
 
@@ -208,5 +225,5 @@ def test_mutant_acceptance_ignoring_q_is_caught(monkeypatch):
     """Accepting with probability p(x) instead of min(1, p(x)/q(x)) must fail."""
     monkeypatch.setattr(ref, "_accept", lambda u, p_x, q_x: u < p_x)
     logits, q, _, _, _, _ = CASES["generic"]()
-    pv1, _, z = check("torch", logits, q, seed0=2)
+    pv1, _, _, z = check("torch", logits, q, seed0=2)
     assert pv1 < SIGNIFICANCE or abs(z) > Z_BOUND, "the mutant acceptance test was not detected"
