@@ -127,6 +127,31 @@ def test_cli_baseline_repeats(capsys):
         assert e.value.code == 2 and says in capsys.readouterr().err
 
 
+def test_cli_baseline_warms_up_and_alternates_sides(capsys, monkeypatch):
+    # (a review: the target alone always ran first, cold, up to 1.3x slower: the speed-up read high)
+    from specdec_kernels import SpeculativeDecoder
+
+    calls = []
+    for name in ("generate", "generate_target_only"):
+        real = getattr(SpeculativeDecoder, name)
+
+        def spy(self, *a, _real=real, _name=name, **kw):
+            calls.append(("spec" if _name == "generate" else "base", kw["max_new_tokens"]))
+            return _real(self, *a, **kw)
+        monkeypatch.setattr(SpeculativeDecoder, name, spy)
+    assert cli_main(["generate", "hello world", "--tiny-random", "--json", "--baseline", "--repeats", "3",
+                     "--max-new-tokens", "12", "-k", "2"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert calls == [("base", 8), ("spec", 8), ("base", 12), ("spec", 12), ("spec", 12), ("base", 12),
+                     ("base", 12), ("spec", 12)]
+    assert out["baseline_same_token_ids"] is True  # greedy, fp32: the target alone's ids
+    assert cli_main(["generate", "hello world", "--tiny-random", "--json", "--baseline", "--max-new-tokens", "6",
+                     "--temperature", "1"]) == 0
+    assert "baseline_same_token_ids" not in json.loads(capsys.readouterr().out)  # sampled: not comparable
+    assert cli_main(["generate", "hello world", "--tiny-random", "--baseline", "--max-new-tokens", "6"]) == 0
+    assert "greedy: the same token ids as the target alone" in capsys.readouterr().out
+
+
 def test_cli_chat(capsys):
     from specdec_kernels.cli import chat_ids
 
