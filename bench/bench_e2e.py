@@ -540,7 +540,10 @@ def main(argv=None) -> int:
             return 130
     for r in rows:
         r.update(pair=pair, device=dev_name, dtype=args.dtype, threads=torch.get_num_threads(), top_p=args.top_p,
-                 max_new_tokens=args.max_new_tokens, repeats=args.repeats, eos=args.eos, date=stamp, **ver)
+                 max_new_tokens=args.max_new_tokens, repeats=args.repeats, eos=args.eos, date=stamp,
+                 linear=bench.linear, lean_forward=not args.no_lean_forward, prompts=len(prompts),
+                 batch1_prompts=args.batch1_prompts, warmup_tokens=args.warmup_tokens,
+                 draft_vocab=None if bench.dec.draft_vocab is None else bench.dec.draft_vocab.numel(), **ver)
 
     os.makedirs(args.out, exist_ok=True)
     csv_path = os.path.join(args.out, "bench_e2e.csv")

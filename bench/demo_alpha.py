@@ -23,6 +23,7 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "scripts"))
+sys.path.insert(0, HERE)  # harness, for the conditions
 
 
 def _ks(text: str) -> list:
@@ -87,7 +88,7 @@ def main(argv=None) -> dict:
 
             decs[name] = SpeculativeDecoder(draft=args.feature_draft or default_feature_draft_path(), target=target,
                                             tokenizer=tok, drafter="feature")
-    out = {"max_new_tokens": args.max_new_tokens, "threads": args.threads, "draft_confidence": args.draft_confidence,
+    out = {"conditions": _conditions(), "max_new_tokens": args.max_new_tokens, "threads": args.threads, "draft_confidence": args.draft_confidence,
            "sets": [], "prompts": []}
     print(f"# alpha = drafts accepted / drafts reached; batch 1, greedy, {args.max_new_tokens} new tokens, "
           f"draft_confidence {args.draft_confidence}")
@@ -113,6 +114,14 @@ def main(argv=None) -> dict:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
     return out
+
+
+
+def _conditions() -> dict:
+    import harness
+    import torch
+
+    return {"device": harness.device_name(torch.device("cpu")), "date": harness.now(), **harness.versions()}
 
 
 if __name__ == "__main__":

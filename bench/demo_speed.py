@@ -27,7 +27,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "scripts"))
 sys.path.insert(0, HERE)
 
-from demo_alpha import _ks  # noqa: E402  (the same --ks parser: positive ints or auto)
+from demo_alpha import _conditions, _ks  # noqa: E402  (the conditions; the same --ks parser)
 
 
 def main(argv=None) -> dict:
@@ -100,7 +100,7 @@ def main(argv=None) -> dict:
             speeds[m].append(tps)
         print(f"round {r + 1}: " + ", ".join(f"{m} {v[-1]:.1f}" for m, v in speeds.items()) + " tokens/s", flush=True)
     base = statistics.median(speeds["target"])
-    out = {"drafter": args.drafter, "threads": args.threads, "max_new_tokens": args.max_new_tokens,
+    out = {"conditions": _conditions(), "drafter": args.drafter, "threads": args.threads, "max_new_tokens": args.max_new_tokens,
            "rounds": args.rounds, "prompts": len(prompts), "tokens_per_s": speeds,
            "speedup": {m: statistics.median(v) / base for m, v in speeds.items()}}
     print(f"# ten demo prompts one at a time, batch 1, greedy, {args.max_new_tokens} new tokens, {args.threads} "
@@ -111,6 +111,7 @@ def main(argv=None) -> dict:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
     return out
+
 
 
 if __name__ == "__main__":

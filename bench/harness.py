@@ -10,6 +10,7 @@ import datetime as _dt
 import os
 import platform
 import statistics
+import subprocess
 import time
 from typing import Callable
 
@@ -22,7 +23,36 @@ PEAK_GBPS = {"H200": 4800.0, "H100 SXM": 3350.0, "H100": 3350.0, "A100": 2039.0}
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    return f"CPU {platform.processor() or platform.machine()} x{torch.get_num_threads()} threads"
+    return f"CPU {cpu_model()} x{torch.get_num_threads()} threads"
+
+
+def cpu_model() -> str:
+    """The CPU's model name (platform.processor() is '' on Linux: every CPU row read "x86_64",
+    so two machines' rows could not be told apart; a review)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def commit() -> str:
+    """The repository's commit, with "-dirty" when tracked files differ from it; the
+    SPECDEC_COMMIT environment variable, else "unknown", where there is no git checkout."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        git = ["git", "-C", root]
+        head = subprocess.run(git + ["rev-parse", "--short=12", "HEAD"], capture_output=True, text=True, timeout=30)
+        if head.returncode == 0:
+            dirty = subprocess.run(git + ["status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                                   text=True, timeout=30).stdout.strip()
+            return head.stdout.strip() + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return os.environ.get("SPECDEC_COMMIT", "unknown")
 
 
 def peak_gbps(device: torch.device) -> float | None:
@@ -47,7 +77,7 @@ def versions() -> dict[str, str]:
     except ImportError:  # pragma: no cover
         triton_version = "none"
     return {"torch": torch.__version__, "triton": triton_version, "transformers": transformers.__version__,
-            "specdec_kernels": specdec_kernels.__version__}
+            "specdec_kernels": specdec_kernels.__version__, "commit": commit()}
 
 
 def time_fn(fn: Callable[[], object], device: torch.device, min_time_s: float = 0.2, max_reps: int = 200,

@@ -8,6 +8,7 @@ what is tested.  Only structure and the greedy identity check are asserted, neve
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import csv
 import os
 import subprocess
@@ -238,6 +239,7 @@ def test_demo_alpha_counts_as_generate_does(tmp_path):
     out = mod.main(["--tiny-random", "--drafters", "model", "--kinds", "plain", "--ks", "1,3",
                     "--max-new-tokens", "12", "--json", str(tmp_path / "a.json")])
     assert json.loads((tmp_path / "a.json").read_text()) == json.loads(json.dumps(out))
+    assert {"device", "date", "torch", "commit"} <= set(out["conditions"])  # (a review: none were recorded)
     assert [(r["k"], r["kind"], r["drafter"]) for r in out["sets"]] == [(1, "plain", "model"), (3, "plain", "model")]
     for r in out["sets"]:
         assert 0 < r["accepted"] < r["reached"] and r["alpha"] == r["accepted"] / r["reached"], r
@@ -273,6 +275,7 @@ def test_demo_speed_smoke(tmp_path):
     out = mod.main(["--tiny-random", "--drafter", "model", "--ks", "1,auto", "--max-new-tokens", "6", "--rounds", "2",
                     "--json", str(tmp_path / "s.json")])
     assert json.loads((tmp_path / "s.json").read_text()) == json.loads(json.dumps(out))
+    assert {"device", "date", "torch", "commit"} <= set(out["conditions"])
     assert list(out["tokens_per_s"]) == ["target", "K=1", "K=auto"] and out["prompts"] == 10
     assert all(len(v) == 2 and all(x > 0 for x in v) for v in out["tokens_per_s"].values())
     assert out["speedup"]["target"] == 1.0 and all(r > 0 for r in out["speedup"].values())
@@ -361,3 +364,28 @@ def test_top_p_out_of_range_is_refused_by_name(top_p):
     mod = _load_bench_module()
     with pytest.raises(SystemExit, match=r"^--top-p must be in \(0, 1\], got "):
         mod.main(["--quick", "--top-p", top_p])
+
+
+def test_harness_records_the_commit_and_the_cpu_model(monkeypatch):
+    """Every result row carries the commit (with -dirty for uncommitted tracked changes) and the
+    CPU's model name (platform.processor() is '' on Linux: two machines' rows read alike; a review)."""
+    import subprocess
+
+    import torch
+
+    spec = importlib.util.spec_from_file_location("harness_under_test", ROOT / "bench" / "harness.py")
+    harness = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(harness)
+
+    if (ROOT / ".git").exists():
+        head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short=12", "HEAD"], capture_output=True,
+                              text=True).stdout.strip()
+        assert harness.commit() in (head, head + "-dirty")
+    monkeypatch.setattr(harness.subprocess, "run", lambda *a, **k: (_ for _ in ()).throw(OSError("no git")))
+    monkeypatch.setenv("SPECDEC_COMMIT", "abc123")
+    assert harness.commit() == "abc123"
+    assert harness.versions()["commit"] == "abc123"
+    with open("/proc/cpuinfo") as f:
+        names = [ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")]
+    if names:
+        assert harness.device_name(torch.device("cpu")).startswith(f"CPU {names[0]} x")
