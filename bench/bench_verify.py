@@ -4,10 +4,21 @@ Providers, all computing the same step on the same inputs:
   fused_triton        fused_verify, the Triton kernel (one launch; CUDA only)
   fused_cpu           fused_verify on CPU tensors: the reference's computation, or its greedy
                       fast route (argmax and compare) when every row has temperature 0 (CPU only)
-  reference_eager     specdec_kernels.reference.verify_reference, eager (uniforms from torch.rand)
+  torch_batched       the step as a lean batched PyTorch program (bench/torch_batched.py: every row
+                      at once, no host sync, no input checks, fp32); no top-k/top-p (n/a on warped rows)
+  reference_eager     specdec_kernels.reference.verify_reference, eager (uniforms from torch.rand):
+                      the correctness oracle, which also scans for NaN/inf and works in float64
   reference_compiled  the same under torch.compile
   hf_style            the step as transformers writes it, looped over the rows (bench/hf_style.py);
                       it has no top-k/top-p of its own, so warped rows are marked n/a for it
+
+Drafts (--drafts): "accepted" (the default) makes every draft accepted (the target's argmax,
+drawn from a flatter q), so every provider verifies all K + 1 positions; "sampled" draws them
+from a q near p, and the fused kernel, which reads nothing after a row's first rejection, then
+does less work than the baselines (a review: with sampled drafts most greedy rows stopped at
+the first position). The mean accepted count is a column; the bytes behind GB/s are the floor
+of the step as it went: the logits of each row's positions up to its stop, the draft row of a
+residual, the outputs.
 
 On a machine without a GPU only the torch providers run, on CPU (never the Triton interpreter,
 which would measure numpy). Rows append to a CSV keyed by provider, shape, dtype, device and
@@ -29,6 +40,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import append_csv, device_name, now, peak_gbps, print_table, time_fn, versions  # noqa: E402
 from hf_style import hf_style_verify  # noqa: E402
+from torch_batched import torch_batched_verify  # noqa: E402
 
 from specdec_kernels import fused_verify  # noqa: E402
 from specdec_kernels.reference import verify_reference  # noqa: E402
@@ -38,27 +50,38 @@ GRIDS = {
     "full": dict(B=[1, 4, 16, 64, 256], K=[1, 4, 8], V=[32000, 128256, 151936],
                  dtype=["fp32", "bf16"], temperature=[1.0, 0.0], warp=[False, True]),
     # the reduced grid of bench/gpu_check.sh: a few minutes including torch.compile
-    "gpu": dict(B=[1, 4, 16, 64, 256], K=[4], V=[128256], dtype=["bf16"], temperature=[1.0, 0.0],
+    # (largest B first: a run stopped at its time limit keeps the bandwidth-bound cases)
+    "gpu": dict(B=[256, 64, 16, 4, 1], K=[4], V=[128256], dtype=["bf16"], temperature=[1.0, 0.0],
                 warp=[False, True]),
     "cpu": dict(B=[1, 4, 16], K=[4], V=[32000, 128256], dtype=["fp32"], temperature=[1.0, 0.0], warp=[False, True]),
     "smoke": dict(B=[1, 4], K=[2], V=[1000], dtype=["fp32"], temperature=[1.0], warp=[False, True]),
 }
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-PROVIDERS = ["fused_triton", "fused_cpu", "reference_eager", "reference_compiled", "hf_style"]
+PROVIDERS = ["fused_triton", "fused_cpu", "torch_batched", "reference_eager", "reference_compiled", "hf_style"]
 
 
-def make_inputs(B, K, V, dtype, device, seed=0):
+def make_inputs(B, K, V, dtype, device, drafts="accepted", seed=0):
     g = torch.Generator(device="cpu").manual_seed(seed)
     logits = (torch.randn(B, K + 1, V, generator=g) * 3).to(dtype)
-    q = torch.softmax(logits[:, :K].float() + torch.randn(B, K, V, generator=g), dim=-1)
-    x = torch.multinomial(q.reshape(-1, V), 1, generator=g).view(B, K)
+    lf = logits[:, :K].float()
+    if drafts == "accepted":
+        # x = the target's argmax, q = the target at twice the temperature (T <= 1 here): the
+        # argmax's probability only falls as the temperature rises and only rises under a warp,
+        # so q(x) < p(x): every draft is accepted, at T = 0 too
+        x = lf.argmax(-1)
+        q = torch.softmax(lf / 2, dim=-1)
+    else:
+        q = torch.softmax(lf + torch.randn(B, K, V, generator=g), dim=-1)
+        x = torch.multinomial(q.reshape(-1, V), 1, generator=g).view(B, K)
     return logits.to(device), x.to(device), q.to(device)
 
 
-def bytes_moved(B, K, V, elem):
-    """Worst-case traffic of the step (all drafts accepted): every logit once, one draft row for
-    the residual, the outputs. The fused kernel reads less when it rejects early."""
-    return B * ((K + 1) * V * elem + V * 4 + (K + 2) * 8)
+def bytes_moved(num_accepted, K, V, Vd, elem):
+    """The floor of the step as it went, summed over rows that stopped at position n_b: the
+    logits of positions 0..n_b (a correct verification reads every one of them), the draft row
+    of the residual when the row rejected (n_b < K), the outputs."""
+    n = num_accepted.double()
+    return int(((n + 1) * V * elem + (n < K).double() * Vd * 4 + (K + 2) * 8).sum())
 
 
 def build_providers(logits, x, q, temperature, warp, device, compiled_cache):
@@ -74,8 +97,9 @@ def build_providers(logits, x, q, temperature, warp, device, compiled_cache):
         return verify_reference(logits, x, q, kb, temp, top_k, top_p, u)
 
     if "fn" not in compiled_cache:
-        # torch.compile's default: static on the first shape, then one dynamic-shape recompile
-        compiled_cache["fn"] = torch.compile(verify_reference)
+        # dynamic shapes from the start: one graph per code path (with/without warp), not a static
+        # first case and a dynamic recompile (4 compiles in the GPU grid's first cases; a review)
+        compiled_cache["fn"] = torch.compile(verify_reference, dynamic=True)
     compiled = compiled_cache["fn"]
 
     def compiled_step():
@@ -86,6 +110,7 @@ def build_providers(logits, x, q, temperature, warp, device, compiled_cache):
         "reference_eager": reference_step,
         "reference_compiled": compiled_step,
         "hf_style": None if warp else (lambda: hf_style_verify(logits, q, x, temperature)),
+        "torch_batched": None if warp else (lambda: torch_batched_verify(logits, q, x, temperature)),
     }
     fused = lambda: fused_verify(  # noqa: E731
         logits, x, q, temperature=temp, top_k=top_k, top_p=top_p, seed=seed, offset=0)
@@ -96,13 +121,16 @@ def build_providers(logits, x, q, temperature, warp, device, compiled_cache):
     return providers
 
 
-def measure_case(B, K, V, dt, temperature, warp, device, wanted, compiled_cache, dev_name, peak, ver, stamp):
+def measure_case(B, K, V, dt, temperature, warp, device, wanted, compiled_cache, dev_name, peak, ver, stamp,
+                 drafts="accepted"):
     """Every wanted provider on one (B, K, V, dtype, T, warp) case: its CSV rows, also printed
     as they are measured (a run stopped at a time limit keeps them in its log)."""
     if temperature == 0 and warp:
         return []  # greedy ignores the warp
-    logits, x, q = make_inputs(B, K, V, DTYPES[dt], device)
+    logits, x, q = make_inputs(B, K, V, DTYPES[dt], device, drafts)
     providers = build_providers(logits, x, q, temperature, warp, device, compiled_cache)
+    n_acc = fused_verify(logits, x, q, temperature=temperature, top_k=50 if warp else None,
+                         top_p=0.9 if warp else None, seed=torch.arange(B, device=device), offset=0).num_accepted.cpu()
     times, graph_ms = {}, {}
     for name in PROVIDERS:
         fn = providers.get(name)
@@ -112,18 +140,25 @@ def measure_case(B, K, V, dt, temperature, warp, device, wanted, compiled_cache,
         # ratios compare like with like; the one-launch kernel at small B is also timed as a
         # CUDA graph replay (no launch overhead, warm L2), reported beside it only (the ratios
         # used that replay against the others' do_bench until 2026-12-01, found by a review).
-        times[name] = time_fn(fn, device)
-        if device.type == "cuda" and name == "fused_triton" and B <= 16:
-            graph_ms[name] = time_fn(fn, device, cuda_graph=True)[0]
-    print(f"# B={B} K={K} V={V} {dt} T={temperature} warp={bool(warp)}: "
+        try:
+            times[name] = time_fn(fn, device)
+            if device.type == "cuda" and name == "fused_triton" and B <= 16:
+                graph_ms[name] = time_fn(fn, device, cuda_graph=True)[0]
+        except Exception as e:  # noqa: BLE001 - one provider's failure (a compile error, OOM) is a finding, not the run's end
+            print(f"# B={B} K={K} V={V} {dt} T={temperature} warp={bool(warp)}: {name} FAILED: "
+                  f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", flush=True)
+    print(f"# B={B} K={K} V={V} {dt} T={temperature} warp={bool(warp)} drafts={drafts} "
+          f"(mean accepted {n_acc.double().mean():.2f} of {K}): "
           + ", ".join(f"{n} {t[0]:.4g} ms" for n, t in times.items())
           + "".join(f", {n} graph {t:.4g} ms" for n, t in graph_ms.items()), flush=True)
-    nbytes = bytes_moved(B, K, V, logits.element_size())
+    nbytes = bytes_moved(n_acc, K, V, q.shape[-1], logits.element_size())
     rows = []
     for name, (med, q20, q80) in times.items():
         gbps = nbytes / (med * 1e-3) / 1e9
         row = dict(op="verify", provider=name, B=B, K=K, V=V, dtype=dt, temperature=temperature,
-                   warp="topk50_topp0.9" if warp else "none", device=dev_name, median_ms=med,
+                   warp="topk50_topp0.9" if warp else "none", drafts=drafts,
+                   mean_accepted=float(n_acc.double().mean()), device=dev_name, threads=torch.get_num_threads(),
+                   median_ms=med,
                    q20_ms=q20, q80_ms=q80, cuda_graph_median_ms=graph_ms.get(name), bytes=nbytes, gbps=gbps,
                    pct_peak=(100 * gbps / peak) if peak else None, date=stamp, **ver)
         for other, (omed, _, _) in times.items():
@@ -140,6 +175,9 @@ def main(argv=None):
     ap.add_argument("--out", default="bench/results/local")
     ap.add_argument("--providers", default=",".join(PROVIDERS))
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    ap.add_argument("--drafts", choices=["accepted", "sampled"], default="accepted",
+                    help="accepted: every draft accepted, all K + 1 positions verified (default); sampled: drawn "
+                         "from a q near p (the fused kernel stops reading at a row's first rejection)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -154,7 +192,7 @@ def main(argv=None):
     try:
         for case in itertools.product(grid["B"], grid["K"], grid["V"], grid["dtype"], grid["temperature"],
                                       grid["warp"]):
-            rows += measure_case(*case, device, wanted, compiled_cache, dev_name, peak, ver, stamp)
+            rows += measure_case(*case, device, wanted, compiled_cache, dev_name, peak, ver, stamp, args.drafts)
     except KeyboardInterrupt:  # a time limit (gpu_check.sh's SIGINT): keep the cases measured
         interrupted = True
         print(f"# interrupted: writing the {len(rows)} rows measured so far", flush=True)
@@ -170,7 +208,7 @@ def write_results(rows, out, dev_name, ver, stamp):
             r.setdefault(f"speedup_vs_{p}", None)
     os.makedirs(out, exist_ok=True)
     csv_path = os.path.join(out, "bench_verify.csv")
-    cols = ["provider", "B", "K", "V", "dtype", "temperature", "warp", "median_ms", "q20_ms", "q80_ms",
+    cols = ["provider", "B", "K", "V", "dtype", "temperature", "warp", "drafts", "mean_accepted", "median_ms", "q20_ms", "q80_ms",
             "cuda_graph_median_ms", "gbps", "pct_peak"]
     cols += [f"speedup_vs_{p}" for p in PROVIDERS]
     rows = [{k: r[k] for k in sorted(r, key=lambda k: (k.startswith("speedup"), k))} for r in rows]

@@ -32,12 +32,16 @@ def _rows(path):
 
 
 def test_smoke_grid_writes_every_case_and_provider(bench_verify, tmp_path, capsys):
-    bench_verify.main(["--grid", "smoke", "--providers", "fused_cpu,reference_eager", "--out", str(tmp_path)])
+    # --device cpu: on a machine with CUDA the default device would run fused_triton instead
+    bench_verify.main(["--grid", "smoke", "--device", "cpu", "--providers", "fused_cpu,reference_eager,torch_batched",
+                       "--out", str(tmp_path)])
     rows = _rows(tmp_path / "bench_verify.csv")
     got = sorted((r["provider"], r["B"], r["warp"]) for r in rows)
     want = sorted((p, b, w) for p in ("fused_cpu", "reference_eager") for b in ("1", "4")
                   for w in ("none", "topk50_topp0.9"))
+    want = sorted(want + [("torch_batched", b, "none") for b in ("1", "4")])  # no top-k/top-p of its own
     assert got == want
+    assert all(r["drafts"] == "accepted" and float(r["mean_accepted"]) == 2 and r["commit"] for r in rows)
     for r in rows:
         assert float(r["median_ms"]) > 0 and r["date"] and r["torch"]
         other = "reference_eager" if r["provider"] == "fused_cpu" else "fused_cpu"
@@ -58,8 +62,77 @@ def test_a_run_stopped_at_its_time_limit_keeps_the_cases_measured(bench_verify, 
 
     monkeypatch.setattr(bench_verify, "measure_case", measure_case)
     with pytest.raises(SystemExit) as e:
-        bench_verify.main(["--grid", "smoke", "--providers", "fused_cpu", "--out", str(tmp_path)])
+        bench_verify.main(["--grid", "smoke", "--device", "cpu", "--providers", "fused_cpu", "--out", str(tmp_path)])
     assert e.value.code == 130
     assert len(calls) == 2
     rows = _rows(tmp_path / "bench_verify.csv")
     assert [(r["provider"], r["B"], r["warp"]) for r in rows] == [("fused_cpu", "1", "none")]
+
+
+def test_accepted_drafts_are_all_accepted_and_bytes_follow_the_stops(bench_verify):
+    """--drafts accepted (the default): every provider verifies all K + 1 positions (with sampled
+    drafts the fused kernel, which stops reading at a row's first rejection, did less work than
+    the baselines; a review); GB/s counts the positions each row actually read."""
+    import torch
+
+    from specdec_kernels import fused_verify
+
+    for T in (1.0, 0.0):
+        for warp in (False, True):
+            logits, x, q = bench_verify.make_inputs(8, 3, 500, torch.float32, torch.device("cpu"), "accepted")
+            n = fused_verify(logits, x, q, temperature=T, top_k=50 if warp else None, top_p=0.9 if warp else None,
+                             seed=0).num_accepted
+            assert n.tolist() == [3] * 8, (T, warp)
+    logits, x, q = bench_verify.make_inputs(64, 3, 500, torch.float32, torch.device("cpu"), "sampled")
+    n = fused_verify(logits, x, q, temperature=0.0, seed=0).num_accepted
+    assert n.double().mean() < 3
+    # rows stopping at 0 and at K = 3: (1 + 4) logit rows of V * E, one residual row of Vd * 4, outputs
+    assert bench_verify.bytes_moved(torch.tensor([0, 3]), 3, 100, 90, 2) == (1 + 4) * 100 * 2 + 90 * 4 + 2 * 5 * 8
+
+
+def test_torch_batched_baseline_computes_the_step(bench_verify):
+    """The lean batched PyTorch baseline verifies as the package does: greedy tokens equal, the
+    same acceptances from the same uniforms, and its final token follows p (chi-square, 1e-4)."""
+    import numpy as np
+    import torch
+    from scipy import stats
+
+    from specdec_kernels import fused_verify
+    from torch_batched import torch_batched_verify
+
+    logits, x, q = bench_verify.make_inputs(64, 3, 50, torch.float32, torch.device("cpu"), "sampled")
+    tok, n = torch_batched_verify(logits, q, x, 0.0)
+    ref = fused_verify(logits, x, q, temperature=0.0, seed=0)
+    assert torch.equal(tok, ref.tokens) and torch.equal(n, ref.num_accepted)
+    u = torch.rand(64, 4, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    _, n = torch_batched_verify(logits, q, x, 1.0, uniforms=u[:, :3])
+    assert torch.equal(n, fused_verify(logits, x, q, temperature=1.0, uniforms=u).num_accepted)
+    assert 0 < n.double().mean() < 3  # both outcomes
+    # the distribution of the first token, N rows of one case (V = 6, a q unlike p)
+    N, V = 40_000, 6
+    g = torch.Generator().manual_seed(2)
+    lg = torch.randn(1, 3, V, generator=g, dtype=torch.float64)
+    qq = torch.softmax(torch.randn(1, 2, V, generator=g, dtype=torch.float64), -1)
+    xs = torch.multinomial(qq[0, 0], N, replacement=True, generator=g)
+    xx = torch.stack([xs, torch.multinomial(qq[0, 1], N, replacement=True, generator=g)], 1)
+    torch.manual_seed(3)
+    tok, _ = torch_batched_verify(lg.float().expand(N, -1, -1), qq.float().expand(N, -1, -1), xx, 1.0)
+    p1 = torch.softmax(lg[0, 0], -1).numpy()
+    counts = np.bincount(tok[:, 0].numpy(), minlength=V)
+    assert stats.chisquare(counts, p1 * N).pvalue > 1e-4
+    assert stats.chisquare(counts, qq[0, 0].numpy() * N).pvalue < 1e-4  # the draft's q would be rejected
+
+
+def test_a_failing_provider_is_reported_and_the_others_kept(bench_verify, tmp_path, capsys, monkeypatch):
+    real = bench_verify.build_providers
+
+    def build(*a, **k):
+        prov = real(*a, **k)
+        prov["reference_eager"] = lambda: (_ for _ in ()).throw(RuntimeError("out of memory"))
+        return prov
+
+    monkeypatch.setattr(bench_verify, "build_providers", build)
+    bench_verify.main(["--grid", "smoke", "--device", "cpu", "--providers", "fused_cpu,reference_eager",
+                       "--out", str(tmp_path)])
+    assert {r["provider"] for r in _rows(tmp_path / "bench_verify.csv")} == {"fused_cpu"}
+    assert capsys.readouterr().out.count("reference_eager FAILED: RuntimeError: out of memory") == 4
