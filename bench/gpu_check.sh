@@ -4,7 +4,7 @@
 # bench_verify on a reduced grid, bench_e2e on random-weight models of the embedded pair's and
 # feature draft's shapes (the target's GGUF does not travel; acceptance figures come from CPU
 # runs). Works offline from a fresh copy of the repository. The limits of the tests and the two
-# benchmarks add up to 440 s (500 s with the grace periods); the build, random_pair.py and the
+# benchmarks add up to 430 s (470 s with the grace periods); the build, random_pair.py and the
 # set-up take about a minute (on the VM: 24 s to build on 2 cores, 9 s for the random pair), and
 # the embedded target's conversion up to 90 s more where its wheel is installed (not in the GPU
 # image): inside one 10-minute device call. bench_verify and bench_e2e write what they measured
@@ -13,16 +13,28 @@
 #   bash bench/gpu_check.sh [OUT_DIR]      # default: $OUT, else bench/results/gpu-<date>
 #
 # Leaves in OUT_DIR: env.txt, build.log, tests.log, tests_rest.log, bench_verify.{csv,txt,png},
-# bench_e2e.{csv,txt,png}, and gpu_check.log (everything printed).
+# bench_e2e.{csv,txt,png}, and gpu_check.log (everything printed). Under the device tool ($OUT
+# set, no OUT_DIR given), which returns at most 8 files, they are written elsewhere and packed
+# into $OUT/gpu_check.tgz after every stage (and on exit), gpu_check.log copied beside it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT_DIR=${1:-${OUT:-bench/results/gpu-$(date -u +%Y%m%d)}}
+if [ $# -eq 0 ] && [ -n "${OUT:-}" ]; then
+    OUT_DIR=$(mktemp -d)
+    pack() {
+        tar czf "$OUT/gpu_check.tgz.part" -C "$OUT_DIR" . && mv "$OUT/gpu_check.tgz.part" "$OUT/gpu_check.tgz"
+        cp "$OUT_DIR/gpu_check.log" "$OUT/gpu_check.log" 2>/dev/null || true
+    }
+else
+    OUT_DIR=${1:-bench/results/gpu-$(date -u +%Y%m%d)}
+    pack() { :; }
+fi
 mkdir -p "$OUT_DIR"
+trap pack EXIT
 exec > >(tee "$OUT_DIR/gpu_check.log") 2>&1
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16}
 start=$(date +%s)
-stamp() { echo "[gpu_check +$(( $(date +%s) - start ))s] $*"; }
+stamp() { pack; echo "[gpu_check +$(( $(date +%s) - start ))s] $*"; }
 
 stamp "environment"
 {
@@ -72,18 +84,19 @@ timeout 90 $PY -c "from specdec_kernels.models import default_target_path as d; 
 
 # The tests that run on CUDA first (the kernel, the CUDA op, the decoder on the GPU), then the
 # rest, which CI runs on CPU anyway. SIGINT at the limit makes pytest print its summary of
-# failures and skips so far (SIGTERM would lose it); KILL 20 s later if it does not stop.
+# failures and skips so far (SIGTERM would lose it); KILL 10 s later if it does not stop. Two
+# threads per worker: 8 workers with torch's 16 threads each oversubscribed the 16 cores 8x.
 CUDA_TESTS="python_tests/test_kv_cache.py python_tests/test_verify_exact.py python_tests/test_verify_properties.py
  python_tests/test_verify_edges.py python_tests/test_verify_distribution.py python_tests/test_verify_greedy_fast_path.py
  python_tests/test_verify_sampling_fast_path.py python_tests/test_decoder_devices.py python_tests/test_decoder_triton_verify.py"
 ignores=$(for f in $CUDA_TESTS; do printf -- "--ignore=%s " "$f"; done)
 stamp "tests on CUDA"
-timeout -s INT -k 20 150 $PY -m pytest $CUDA_TESTS -q -n 8 -rfEs --durations=15 -p no:cacheprovider \
+OMP_NUM_THREADS=2 timeout -s INT -k 10 150 $PY -m pytest $CUDA_TESTS -q -n 8 -rfEs --durations=15 -p no:cacheprovider \
     >"$OUT_DIR/tests.log" 2>&1
 tests_rc=$?
 tail -n 40 "$OUT_DIR/tests.log"
 stamp "the other tests"
-timeout -s INT -k 20 60 $PY -m pytest python_tests $ignores -q -n 8 -rfE -p no:cacheprovider \
+OMP_NUM_THREADS=2 timeout -s INT -k 10 60 $PY -m pytest python_tests $ignores -q -n 8 -rfE -p no:cacheprovider \
     >"$OUT_DIR/tests_rest.log" 2>&1
 rest_rc=$?
 tail -n 15 "$OUT_DIR/tests_rest.log"
@@ -98,7 +111,7 @@ $PY bench/random_pair.py "$PAIR" && \
 # Sized to finish inside its limit (its defaults, every K at batch 1 and 8 and both temperatures,
 # would not; stopped at the limit it writes the configurations it finished): greedy, K = 2 and
 # auto, 4 prompts at batch 1 and 8 at batch 8, 64 tokens, the median of 3 runs after a warm-up.
-timeout -s INT -k 10 130 $PY bench/bench_e2e.py --draft "$PAIR/draft" --target "$PAIR/target" --tokenizer "$PAIR/target" \
+timeout -s INT -k 10 120 $PY bench/bench_e2e.py --draft "$PAIR/draft" --target "$PAIR/target" --tokenizer "$PAIR/target" \
     --feature-draft "$PAIR/feature_draft" --feature-ks 2 --ks 2,auto --batch 1,8 --temperatures 0 \
     --num-prompts 8 --batch1-prompts 4 --warmup-tokens 8 \
     --device cuda --dtype fp32 --out "$OUT_DIR" --repeats 3 --max-new-tokens 64
