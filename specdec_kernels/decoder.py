@@ -92,11 +92,12 @@ class _Clock:
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
+        self.device = device
 
     def mark(self):
         if self.cuda:
             ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
+            ev.record(torch.cuda.current_stream(self.device))  # the models' device, not the current one
             return ev
         return time.perf_counter()
 

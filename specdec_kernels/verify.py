@@ -13,6 +13,8 @@ draw's masses and cumulative sums compute in float64.
 
 from __future__ import annotations
 
+import contextlib
+
 import functools
 import math
 import os
@@ -264,19 +266,22 @@ def _launch_triton(a: _Args) -> tuple[torch.Tensor, torch.Tensor]:
     uniforms = a.uniforms.contiguous() if a.uniforms is not None else None  # float64 (_normalize)
     x = a.draft_tokens if a.draft_tokens.stride(-1) == 1 else a.draft_tokens.contiguous()  # read at + j
     dummy = num_accepted  # stands in for absent optional pointers; never dereferenced
-    _verify_kernel[(B,)](
-        logits, logits.stride(0), logits.stride(1),
-        x, x.stride(0),
-        q if q is not None else dummy, q.stride(0) if q is not None else 0, q.stride(1) if q is not None else 0,
-        a.num_draft_tokens, a.temperature,
-        a.top_k if a.top_k is not None else dummy,
-        a.top_p if a.top_p is not None else dummy,
-        a.seed, a.offset,
-        uniforms if uniforms is not None else dummy,
-        tokens, num_accepted,
-        K, V, q.shape[-1] if q is not None else V,
-        **_kernel_meta(V, K1, q is not None, a.top_k is not None, a.top_p is not None, uniforms is not None),
-    )
+    # Triton launches on the current device's current stream: make it the tensors' (cuda:1 while
+    # cuda:0 is current ran in the wrong context; a review). Nothing to do for the interpreter.
+    with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
+        _verify_kernel[(B,)](
+            logits, logits.stride(0), logits.stride(1),
+            x, x.stride(0),
+            q if q is not None else dummy, q.stride(0) if q is not None else 0, q.stride(1) if q is not None else 0,
+            a.num_draft_tokens, a.temperature,
+            a.top_k if a.top_k is not None else dummy,
+            a.top_p if a.top_p is not None else dummy,
+            a.seed, a.offset,
+            uniforms if uniforms is not None else dummy,
+            tokens, num_accepted,
+            K, V, q.shape[-1] if q is not None else V,
+            **_kernel_meta(V, K1, q is not None, a.top_k is not None, a.top_p is not None, uniforms is not None),
+        )
     return tokens, num_accepted
 
 
