@@ -50,7 +50,15 @@ def test_verify_kernel_compiles_for_sm90(tmp_path):
         assert r["arch"] == 90
         assert "regs" in r, f"no resource usage read back for {r['variant']} (cuobjdump)"
         assert 0 < r["regs"] <= 255
-        assert r["local"] == 0, f"{r['variant']}: {r['local']} bytes of local memory (register spills)"
+        assert r["local"] == 0, f"{r['variant']}: {r['local']} bytes of local memory"
+        # spills, from ptxas's own log (cuobjdump's LOCAL stays 0 for them; a review): ptxas keeps
+        # 128 registers at 8 warps (two blocks a multiprocessor) and spills a few bytes in some
+        # variants (8 on the plain path, 16-64 with top-k/top-p under Triton 3.9; up to 144 under
+        # 3.6): bounded, so that a kernel change that spills in earnest fails here
+        assert "spill_stores" in r, f"no ptxas log read back for {r['variant']}"
+        bound = 256 if ("top-k" in r["variant"] or "top-p" in r["variant"] or "K = 15" in r["variant"]
+                        or "V = 100" in r["variant"]) else 16
+        assert r["spill_stores"] <= bound, f"{r['variant']}: {r['spill_stores']} bytes of spill stores > {bound}"
         # multiply-adds are not contracted into FMAs (verify._kernel_meta pins enable_fp_fusion
         # off: the interpreter's and the reference's roundings, whatever Triton's default)
         assert r["enable_fp_fusion"] is False and r["fma_f32"] == 0, (r["variant"], r["fma_f32"])

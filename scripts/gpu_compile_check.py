@@ -12,7 +12,7 @@ cubin's resource usage read back with ``cuobjdump --dump-resource-usage``:
   hints, which change scheduling, not validity.
 - ``cuda``: the CUDA source of the C++ ops (``csrc/*.cu``) through ``nvcc -c`` with the flags
   torch's ``BuildExtension`` gives a ``CUDAExtension`` (torch's include paths, its common nvcc
-  flags, ``-std=c++20``, the extension's defines), when nvcc is found.  A CPU build of torch
+  flags, the ``-std`` torch's CUDAExtension uses, the extension's defines), when nvcc is found.  A CPU build of torch
   ships the CUDA headers but not ``c10/cuda/impl/cuda_cmake_macros.h``, which a CUDA build
   generates: the check then supplies that one-line header (``#define
   C10_CUDA_BUILD_SHARED_LIBS``, what a CUDA build of torch writes there).
@@ -29,6 +29,8 @@ tests (``bench/gpu_check.sh``) do that on a GPU.  Exit status 1 when anything fa
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import inspect
 import json
 import os
@@ -118,6 +120,38 @@ def verify_signature(logits: str, tokens: str, meta: dict) -> dict:
     return sig
 
 
+@contextlib.contextmanager
+def _ptxas_log_printed():
+    """Triton's own ptxas run (its flags, -v included) prints its log, and compiles afresh (a
+    cached kernel runs no ptxas): spills are in that log only, not in cuobjdump's resource usage
+    (a review: a STACK frame with LOCAL 0 had been read as no spills)."""
+    from triton import knobs
+
+    old = os.environ.get("TRITON_CACHE_DIR")
+    knobs.nvidia.dump_ptxas_log = True
+    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="specdec-aot-cache-")
+    try:
+        yield
+    finally:
+        knobs.nvidia.dump_ptxas_log = False
+        shutil.rmtree(os.environ["TRITON_CACHE_DIR"], ignore_errors=True)
+        if old is None:
+            os.environ.pop("TRITON_CACHE_DIR")
+        else:
+            os.environ["TRITON_CACHE_DIR"] = old
+
+
+_SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+
+
+def _spills(ptxas_log: str) -> dict:
+    """{spill_stores, spill_loads} in bytes from a ptxas -v log ({} when it printed none)."""
+    found = _SPILLS.findall(ptxas_log)
+    if not found:
+        return {}
+    return dict(spill_stores=sum(int(a) for a, _ in found), spill_loads=sum(int(b) for _, b in found))
+
+
 def compile_triton(archs: list) -> list:
     import triton
     from triton.backends.compiler import GPUTarget
@@ -138,20 +172,34 @@ def compile_triton(archs: list) -> list:
             t0 = time.time()
             try:
                 src = ASTSource(fn=_verify_kernel, signature=verify_signature(logits, tokens, meta), constexprs=meta)
-                k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+                log = io.StringIO()
+                with _ptxas_log_printed(), contextlib.redirect_stdout(log):
+                    k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
                 path = os.path.join(tmp, f"verify-{arch}-{len(results)}.cubin")
                 with open(path, "wb") as f:
                     f.write(k.asm["cubin"])
                 # fused multiply-adds in the PTX: none while enable_fp_fusion is off (the kernel
                 # writes no tl.fma), hundreds with it on
                 row.update(ok=True, enable_fp_fusion=options["enable_fp_fusion"],
-                           fma_f32=k.asm["ptx"].count("fma.rn.f32"), **resource_usage(path).get("_verify_kernel", {}))
+                           fma_f32=k.asm["ptx"].count("fma.rn.f32"), **resource_usage(path).get("_verify_kernel", {}),
+                           **_spills(log.getvalue()))
             except Exception as e:  # noqa: BLE001  (reported, and the exit status says it)
                 row.update(ok=False, error=f"{type(e).__name__}: {e}"[-2000:])
             row["seconds"] = round(time.time() - t0, 2)
             results.append(row)
     shutil.rmtree(tmp, ignore_errors=True)
     return results
+
+
+def _torch_cxx_std() -> str:
+    """The C++ standard torch's CUDAExtension passes nvcc (c++17 in torch 2.11, the GPU image's;
+    c++20 in 2.13): the check compiles as the real build would."""
+    import inspect
+
+    from torch.utils import cpp_extension as ce
+
+    m = re.search(r"cuda_cflags = \['-std=(c\+\+\d+)'\]", inspect.getsource(ce))
+    return m[1] if m else "c++17"
 
 
 def _nvcc() -> str | None:
@@ -176,7 +224,7 @@ def nvcc_command(source: str, output: str, arch: int, shim_dir: str | None) -> l
         sysconfig.get_paths()["include"]]
     abi = int(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True))
     return ([nvcc, "-c", source, "-o", output] + [f"-I{p}" for p in includes] + ce.COMMON_NVCC_FLAGS
-            + ["--compiler-options", "-fPIC", "-O3", "-std=c++20", "-DTORCH_API_INCLUDE_EXTENSION_H",
+            + ["--compiler-options", "-fPIC", "-O3", f"-std={_torch_cxx_std()}", "-DTORCH_API_INCLUDE_EXTENSION_H",
                "-DTORCH_EXTENSION_NAME=_C", "-DPy_LIMITED_API=0x030a0000", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
                f"-gencode=arch=compute_{arch},code=sm_{arch}"])
 
@@ -237,6 +285,7 @@ def main(argv=None) -> int:
         line = f"{r['part']:6s} sm_{r.get('arch', '?')} {what:38s} {status}"
         if r["part"] == "triton" and r["ok"]:
             line += (f"  {r.get('regs', '?')} regs, stack {r.get('stack', '?')}, local {r.get('local', '?')}, "
+                     f"spills {r.get('spill_stores', '?')}/{r.get('spill_loads', '?')} B, "
                      f"shared {r.get('shared', '?')} B, {r['num_warps']} warps, BLOCK_V {r['BLOCK_V']}, {r['fma_f32']} FMA")
         elif r["part"] == "cuda" and r["ok"] and r["kernels"]:
             use = r["kernels"].values()
