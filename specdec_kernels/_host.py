@@ -44,3 +44,13 @@ def sort_descending_cpu(s: torch.Tensor) -> torch.Tensor:
         return _torch_sort_descending(s)
     ascending = np.sort(s.contiguous().numpy(), axis=-1)
     return torch.from_numpy(ascending[..., ::-1].copy())
+
+
+def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Host values (a list) as a tensor on ``device`` without a host sync: on CUDA through pinned
+    memory and a non-blocking copy (a copy from pageable memory waits for the stream's queued
+    work first: a second sync in a decoding step; a review)."""
+    t = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)

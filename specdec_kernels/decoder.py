@@ -59,6 +59,7 @@ from typing import Any, Optional, Sequence, TextIO, Union
 
 import torch
 
+from ._host import to_device
 from .draft_sampling import _draft_key, warp_probs
 from .draft_steps import (draft_with_features, draft_with_model, feature_after_verify_, feature_wait_,
                           model_after_verify_, model_wait_)
@@ -715,8 +716,8 @@ class SpeculativeDecoder:
             props = self.lookup.propose([st.seqs[p] for p in st.rows], want)
             K = max(len(x) for x in props)
             kb_host = [len(x) for x in props]
-            X = torch.tensor([x + [0] * (K - len(x)) for x in props], dtype=torch.int64).reshape(B, K).to(dev)
-            kb = torch.tensor(kb_host, dtype=torch.int64, device=dev)
+            X = to_device([x + [0] * (K - len(x)) for x in props], torch.int64, dev).reshape(B, K)
+            kb = to_device(kb_host, torch.int64, dev)
         if drafted:
             K = X.shape[1]  # fewer when the draft cut every row short (confidence, no distribution)
             kb = torch.clamp(remaining - 1, max=K)  # [B]
@@ -846,7 +847,7 @@ class SpeculativeDecoder:
         st.rows = [st.rows[i] for i in keep]
         if not keep:
             return
-        idx = torch.tensor(keep, dtype=torch.int64, device=st.device)
+        idx = to_device(keep, torch.int64, st.device)
         for name in ("last", "lt", "ld", "catch", "gen", "budget", "seed", "key_lo", "key_hi", "step"):
             t = getattr(st, name)
             if t is not None:
