@@ -611,12 +611,17 @@ def run_config(bench: Bench, batch: int, temperature: float, ks: list, repeats: 
     notes, failed, stock_differs = [], {}, set()
     if greedy:
         ref = runs[("target_hf", "-")][0].token_ids
+
+        def differ(ids) -> set:  # prompts whose ids differ from the reference, or are missing on one side
+            return {p for p in range(max(len(ids), len(ref)))
+                    if p >= len(ids) or p >= len(ref) or ids[p] != ref[p]}
+
         for key in methods:
             bad = set()
             for r in runs[key]:
-                bad |= {p for p, (a, b) in enumerate(zip(r.token_ids, ref)) if a != b}
+                bad |= differ(r.token_ids)
             if key != ("target_hf", "-"):
-                bad |= {p for r in runs[("target_hf", "-")] for p, (a, b) in enumerate(zip(r.token_ids, ref)) if a != b}
+                bad |= {p for r in runs[("target_hf", "-")] for p in differ(r.token_ids)}
             if bad and key[0] == "target_hf_torch_linear":
                 stock_differs.update(bad)
                 # other rounding in the linear layers (not our code path): noted, refuses nothing
