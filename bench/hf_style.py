@@ -3,9 +3,8 @@ sampling draft (`_speculative_sampling` in generation/utils.py): one sequence at
 of both models' logits, the ratio, torch.rand, the cumsum of rejections, the clamped and
 renormalised residual, torch.multinomial. Written here from that description, not imported from
 transformers' private functions, and looped over the rows since it takes one sequence at a time.
-No top-k/top-p: transformers applies its logits processors before this step (the benchmark
-applies the same warp with the reference's `warp_logits` beforehand, outside the timing, to keep
-the comparison about the step itself).
+No top-k/top-p: transformers applies its logits processors before this step, so the benchmark
+marks warped rows n/a for this provider.
 """
 
 from __future__ import annotations
