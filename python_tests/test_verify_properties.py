@@ -340,6 +340,7 @@ def test_draft_probs_sums_are_checked_only_where_read():
     # row 0 verifies K_b = 2 drafts: it never reads q[0, 2], so the same output
     assert torch.equal(out.tokens, want.tokens) and torch.equal(out.num_accepted, want.num_accepted)
     fused_verify(lg, x, bad, temperature=torch.tensor([0.0, 1.0]), seed=0, backend="torch")
+    fused_verify(lg, x, bad, temperature=0.0, seed=0, backend="torch")  # all greedy: nothing summed
     neg = q.clone()
     neg[0, 1, 0] = -1.0
     fused_verify(lg, x, neg, seed=0, backend="torch")  # invalid if its row reaches q[0, 1]'s residual

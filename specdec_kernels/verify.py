@@ -181,9 +181,13 @@ def _normalize(target_logits, draft_tokens, draft_probs, num_draft_tokens, tempe
         # q must be the distribution each draft was sampled from: a q that does not sum to 1
         # biases the output (NaN/inf/negative q make their row invalid instead, as on CUDA,
         # where nothing here is read).  Checked where the row reads it: sampled rows, j < K_b.
-        sums = draft_probs.sum(-1)  # [B, K]
-        read = (torch.arange(K, device=dev)[None, :] < kb[:, None]) & (temp != 0)[:, None]
-        off = read & torch.isfinite(sums) & ((sums - 1).abs() > DRAFT_PROBS_SUM_TOL)
+        sampled = temp != 0  # a greedy row never reads q: an all-greedy batch sums nothing
+        if bool(sampled.any()):
+            sums = draft_probs.sum(-1)  # [B, K]
+            read = (torch.arange(K, device=dev)[None, :] < kb[:, None]) & sampled[:, None]
+            off = read & torch.isfinite(sums) & ((sums - 1).abs() > DRAFT_PROBS_SUM_TOL)
+        else:
+            off = torch.zeros((B, K), dtype=torch.bool)
         if bool(off.any()):  # a negative entry makes its row invalid instead (the documented rule)
             off &= draft_probs.amin(-1) >= 0
         if bool(off.any()):
