@@ -29,14 +29,19 @@ def device_name(device: torch.device) -> str:
 def cpu_model() -> str:
     """The CPU's model name (platform.processor() is '' on Linux: every CPU row read "x86_64",
     so two machines' rows could not be told apart; a review)."""
+    name, flags = None, set()
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+                if line.startswith("model name") and name is None:
+                    name = line.split(":", 1)[1].strip()
+                elif line.startswith("flags") and not flags:
+                    flags = set(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else None
+    name = name or platform.processor() or platform.machine()
+    return f"{name} ({isa})" if isa else name  # a VM may name only the vendor: the ISA tells them apart
 
 
 def commit() -> str:
