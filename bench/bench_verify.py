@@ -38,7 +38,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import append_csv, device_name, now, peak_gbps, print_table, time_fn, versions  # noqa: E402
+from harness import (append_csv, device_name, now, peak_gbps, print_table, time_fn,  # noqa: E402
+                     time_interleaved, versions)
 from hf_style import hf_style_verify  # noqa: E402
 from torch_batched import torch_batched_verify  # noqa: E402
 
@@ -131,22 +132,26 @@ def measure_case(B, K, V, dt, temperature, warp, device, wanted, compiled_cache,
     providers = build_providers(logits, x, q, temperature, warp, device, compiled_cache)
     n_acc = fused_verify(logits, x, q, temperature=temperature, top_k=50 if warp else None,
                          top_p=0.9 if warp else None, seed=torch.arange(B, device=device), offset=0).num_accepted.cpu()
-    times, graph_ms = {}, {}
-    for name in PROVIDERS:
-        fn = providers.get(name)
-        if name not in wanted or fn is None:
-            continue
+    times, graph_ms, failed = {}, {}, {}
+    chosen = {name: providers[name] for name in PROVIDERS if name in wanted and providers.get(name) is not None}
+    if device.type == "cpu":  # the providers in rounds, so that the machine's drift hits them alike
+        times, failed = time_interleaved(chosen)
+    else:
         # Every provider is timed the same way (do_bench: launches included, cold L2), so the
         # ratios compare like with like; the one-launch kernel at small B is also timed as a
         # CUDA graph replay (no launch overhead, warm L2), reported beside it only (the ratios
         # used that replay against the others' do_bench until 2026-12-01, found by a review).
-        try:
-            times[name] = time_fn(fn, device)
-            if device.type == "cuda" and name == "fused_triton" and B <= 16:
-                graph_ms[name] = time_fn(fn, device, cuda_graph=True)[0]
-        except Exception as e:  # noqa: BLE001 - one provider's failure (a compile error, OOM) is a finding, not the run's end
-            print(f"# B={B} K={K} V={V} {dt} T={temperature} warp={bool(warp)}: {name} FAILED: "
-                  f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", flush=True)
+        for name, fn in chosen.items():
+            try:
+                times[name] = time_fn(fn, device)
+                if name == "fused_triton" and B <= 16:
+                    graph_ms[name] = time_fn(fn, device, cuda_graph=True)[0]
+            except Exception as e:  # noqa: BLE001 - a provider's failure (a compile error, OOM) is a finding
+                failed[name] = e
+    for name, e in failed.items():
+        print(f"# B={B} K={K} V={V} {dt} T={temperature} warp={bool(warp)}: {name} FAILED: "
+              f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", flush=True)
+    times = {name: times[name] for name in chosen if name in times}  # the providers' order
     print(f"# B={B} K={K} V={V} {dt} T={temperature} warp={bool(warp)} drafts={drafts} "
           f"(mean accepted {n_acc.double().mean():.2f} of {K}): "
           + ", ".join(f"{n} {t[0]:.4g} ms" for n, t in times.items())

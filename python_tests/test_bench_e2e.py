@@ -389,3 +389,18 @@ def test_harness_records_the_commit_and_the_cpu_model(monkeypatch):
         names = [ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")]
     if names:
         assert harness.device_name(torch.device("cpu")).startswith(f"CPU {names[0]}")
+
+
+def test_time_interleaved_calls_providers_in_rounds():
+    """CPU timing: one call of each provider per round (a drift of the machine lands on all of
+    them alike); a provider that raises is reported, the others timed."""
+    spec = importlib.util.spec_from_file_location("harness_under_test2", ROOT / "bench" / "harness.py")
+    harness = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(harness)
+    calls = []
+    fns = {"a": lambda: calls.append("a"), "b": lambda: calls.append("b"),
+           "bad": lambda: (_ for _ in ()).throw(RuntimeError("out of memory"))}
+    times, failed = harness.time_interleaved(fns, min_time_s=0.0)
+    assert set(times) == {"a", "b"} and list(failed) == ["bad"] and "out of memory" in str(failed["bad"])
+    assert calls == ["a", "b"] * 4  # the warm-up round, then three timed rounds
+    assert all(0 <= t[1] <= t[0] <= t[2] for t in times.values())
