@@ -133,7 +133,7 @@ def time_interleaved(fns: dict, min_time_s: float = 0.2, max_reps: int = 200) ->
     out = {}
     for name, ts in times.items():
         ts.sort()
-        qs = statistics.quantiles(ts, n=10) if len(ts) >= 2 else [ts[0]] * 9
+        qs = statistics.quantiles(ts, n=10, method="inclusive") if len(ts) >= 2 else [ts[0]] * 9  # within the data
         out[name] = (statistics.median(ts), qs[1], qs[7])
     return out, failed
 
