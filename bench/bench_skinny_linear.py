@@ -47,7 +47,6 @@ def run_sweep(rows: list[int], min_time_s: float, isas: list[str] = ()) -> list[
     g = torch.Generator().manual_seed(0)
     weights = [torch.randn(n, k, generator=g) * 0.02 for n, k in target_shapes()]  # [N, K] fp32
     nbytes = sum(w.numel() * 4 for w in weights)
-    cpu = torch.device("cpu")
     out = []
     for m in rows:
         xs = {k: torch.randn(m, k, generator=g) for k in {w.shape[1] for w in weights}}  # [M, K]
@@ -61,7 +60,9 @@ def run_sweep(rows: list[int], min_time_s: float, isas: list[str] = ()) -> list[
         for isa in isas:  # one code path forced, to see where each wins
             provs[f"skinny {isa}"] = (lambda isa=isa: [torch.ops.specdec.skinny_linear_isa(
                 xs[w.shape[1]], w, None, isa) for w in weights])
-        times = {name: harness.time_fn(fn, cpu, min_time_s=min_time_s) for name, fn in provs.items()}
+        times, failed = harness.time_interleaved(provs, min_time_s)  # in rounds: drift hits all alike
+        if failed:
+            raise RuntimeError(f"rows={m}: " + "; ".join(f"{n}: {e!r}" for n, e in failed.items()))
         for name, (med, q20, q80) in times.items():
             out.append({
                 "bench": "sweep", "provider": name, "rows": m, "ms": med, "q20_ms": q20, "q80_ms": q80,
