@@ -5,6 +5,7 @@
 ``SpeculativeDecoder`` runs batched, KV-cached speculative decoding over Hugging Face models.
 """
 
+from . import cpu_linear as _cpu_linear  # noqa: F401  (registers the skinny_linear ops' fakes)
 from .decoder import GenerationResult, SpeculativeDecoder
 from .verify import VerifyOutput, fused_verify
 
