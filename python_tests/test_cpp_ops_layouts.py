@@ -94,3 +94,26 @@ def test_import_specdec_kernels_registers_every_fake():
             "print('ok')\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: the CUDA op on the layouts above")
+@pytest.mark.parametrize("layout", ["row24", "base_offset", "cropped_last_dim"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_cuda_op_on_every_address_layout(layout, dtype):
+    caches = [c.cuda() for c in _layouts(dtype)[layout]]
+    if layout == "base_offset":  # .cuda() copies contiguously: rebuild the offset view on the device
+        c = caches[0]
+        flat = torch.empty(c.numel() + 1, dtype=dtype, device="cuda")
+        flat[1:].copy_(c.reshape(-1))
+        caches = [flat[1:].view(c.shape)]
+    elif layout == "cropped_last_dim":
+        c = caches[0]
+        full = torch.zeros(*c.shape[:-1], 32 // c.element_size(), dtype=dtype, device="cuda")
+        full[..., : c.shape[-1]] = c
+        caches = [full[..., : c.shape[-1]]]
+    src_start, dst, cnt = _indices("mixed", 3)
+    expected = [c.cpu() for c in caches]
+    compact_kv_reference(expected, src_start, _idx(dst), _idx(cnt))
+    torch.ops.specdec.compact_kv_(caches, src_start, _idx(dst).cuda(), _idx(cnt).cuda())
+    for got, want in zip(caches, expected):
+        assert torch.equal(got.cpu(), want)

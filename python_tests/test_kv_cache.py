@@ -538,9 +538,10 @@ def test_cuda_op_matches_reference(B, case, dtype, layout):
 @needs_cuda
 @needs_ext
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float8_e4m3fn])
-@pytest.mark.parametrize("D", [1, 3, 5, 64, 128])
+@pytest.mark.parametrize("D", [1, 3, 5, 6, 12, 64, 128])
 def test_cuda_op_alignments_and_many_layers(dtype, D):
-    # 70 caches: two launch groups (64 + 6); odd D: 1-, 2-, 4-byte accesses instead of 16
+    # 70 caches: two launch groups (64 + 6); odd D: 1-, 2-, 4-byte accesses instead of 16; rows
+    # of 24 bytes (D = 6 fp32, 12 fp16): 8-byte accesses (no case reached them before 2026-12-02)
     B = 5
     shapes = [(1 + i % 3, 12 + i % 2, D) for i in range(70)]
     caches = _make_caches(B, torch.float32, "cuda", "contiguous", seed=D, shapes=shapes)
