@@ -173,16 +173,21 @@ def test_the_kernel_and_the_reference_share_the_smallest_temperature():
 
 
 def test_inverse_cdf_fallback_is_the_last_positive_weight():
-    """With a subnormal total (a residual max(0, p - q) can be), u * total rounds to total and
-    no cdf entry exceeds it: the draw must fall back to the last token with weight > 0, never
-    to a zero-weight token."""
+    """When no cdf entry exceeds u * total, the draw falls back to the last token with weight
+    > 0, never to a zero-weight token.  In the reference's float64 sum that cannot happen for
+    u < 1 (u * total then rounds below the total, and the first entry past it has w > 0); the
+    kernel's blockwise total and scan can round apart, which is what the branch is for.  So the
+    branch is driven here with u = 1 (target = total).  (Until 2026-12-02 this test used a
+    subnormal fp32 case that the float64 sum resolves through its main branch: it could not
+    fail; a mutation review.)"""
     from specdec_kernels.reference import _inverse_cdf
 
-    w = torch.tensor([[2.0 ** -140, 2.0 ** -140, 0.0, 0.0]])
-    u = torch.tensor([1 - 2.0 ** -24])
-    cdf = torch.cumsum(w, -1)
-    assert bool((cdf <= u * cdf[:, -1:]).all())  # the fallback case
-    assert _inverse_cdf(w, u).tolist() == [1]
+    w = torch.tensor([[2.0 ** -140, 2.0 ** -140, 0.0, 0.0], [0.0, 0.25, 0.0, 0.75]])
+    u = torch.tensor([1.0, 1.0], dtype=torch.float64)
+    cdf = torch.cumsum(w.double(), -1)
+    assert bool((cdf <= u[:, None] * cdf[:, -1:]).all())  # the fallback case, in the sum it uses
+    assert _inverse_cdf(w, u).tolist() == [1, 3]
+    assert _inverse_cdf(w, torch.tensor([1 - 2.0 ** -53] * 2, dtype=torch.float64)).tolist() == [1, 3]
 
 
 @pytest.mark.parametrize("backend,dev", BACKENDS)
