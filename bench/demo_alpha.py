@@ -116,7 +116,6 @@ def main(argv=None) -> dict:
     return out
 
 
-
 def _conditions() -> dict:
     import harness
     import torch

@@ -113,6 +113,5 @@ def main(argv=None) -> dict:
     return out
 
 
-
 if __name__ == "__main__":
     main()

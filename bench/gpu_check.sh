@@ -20,8 +20,9 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 if [ $# -eq 0 ] && [ -n "${OUT:-}" ]; then
     OUT_DIR=$(mktemp -d)
-    pack() {
-        tar czf "$OUT/gpu_check.tgz.part" -C "$OUT_DIR" . && mv "$OUT/gpu_check.tgz.part" "$OUT/gpu_check.tgz"
+    pack() {  # tar exits 1 when a file changed as it read it (the log): still a good archive
+        tar czf "$OUT/gpu_check.tgz.part" --warning=no-file-changed -C "$OUT_DIR" .
+        [ $? -le 1 ] && mv "$OUT/gpu_check.tgz.part" "$OUT/gpu_check.tgz"
         cp "$OUT_DIR/gpu_check.log" "$OUT/gpu_check.log" 2>/dev/null || true
     }
 else
@@ -29,8 +30,10 @@ else
     pack() { :; }
 fi
 mkdir -p "$OUT_DIR"
-trap pack EXIT
 exec > >(tee "$OUT_DIR/gpu_check.log") 2>&1
+TEE_PID=$!
+# on exit: close our ends of the pipe and wait for tee to write the last lines, then pack
+trap 'exec >&- 2>&-; wait $TEE_PID 2>/dev/null; pack' EXIT
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16}
 start=$(date +%s)

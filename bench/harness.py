@@ -45,8 +45,11 @@ def cpu_model() -> str:
 
 
 def commit() -> str:
-    """The repository's commit, with "-dirty" when tracked files differ from it; the
-    SPECDEC_COMMIT environment variable, else "unknown", where there is no git checkout."""
+    """The SPECDEC_COMMIT environment variable where set (a copy of the tree without .git, as on
+    the GPU machine); else the repository's commit, with "-dirty" when tracked files differ from
+    it; else "unknown"."""
+    if os.environ.get("SPECDEC_COMMIT"):
+        return os.environ["SPECDEC_COMMIT"]
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     try:
         git = ["git", "-C", root]
@@ -57,7 +60,7 @@ def commit() -> str:
             return head.stdout.strip() + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         pass
-    return os.environ.get("SPECDEC_COMMIT", "unknown")
+    return "unknown"
 
 
 def peak_gbps(device: torch.device) -> float | None:
@@ -101,15 +104,19 @@ def time_fn(fn: Callable[[], object], device: torch.device, min_time_s: float = 
         else:
             q = triton.testing.do_bench(fn, quantiles=[0.5, 0.2, 0.8])
         return float(q[0]), float(q[1]), float(q[2])
-    return time_interleaved({"fn": fn}, min_time_s, max_reps)[0]["fn"]
+    times, failed = time_interleaved({"fn": fn}, min_time_s, max_reps)
+    if failed:
+        raise failed["fn"]
+    return times["fn"]
 
 
 def time_interleaved(fns: dict, min_time_s: float = 0.2, max_reps: int = 200) -> tuple[dict, dict]:
     """CPU: ({name: (median, q20, q80) ms}, {name: the exception it raised}) of the no-argument
     functions in ``fns``, called in rounds (one call of each per round, after one warm-up call
-    each) until each has 3 calls and ``min_time_s`` per function has passed (or ``max_reps``
-    rounds): a drift of the machine lands on every provider alike, not on the one timed during
-    it (one provider after another, single cells moved up to 2.7x between runs on the VM)."""
+    each, the round's first function rotating) until each has 3 calls and ``min_time_s`` per
+    function has passed (or ``max_reps`` rounds): a drift of the machine lands on every provider
+    alike, not on the one timed during it (one provider after another, single cells moved up to
+    2.7x between runs on the VM), and no provider always follows the same neighbour."""
     failed, times = {}, {}
     for name, fn in fns.items():
         try:
@@ -120,7 +127,10 @@ def time_interleaved(fns: dict, min_time_s: float = 0.2, max_reps: int = 200) ->
     start = time.perf_counter()
     rounds = 0
     while times and (rounds < 3 or (time.perf_counter() - start < min_time_s * len(times) and rounds < max_reps)):
-        for name in list(times):
+        names = list(times)
+        for name in names[rounds % len(names):] + names[: rounds % len(names)]:
+            if name not in times:
+                continue
             t0 = time.perf_counter()
             try:
                 fns[name]()

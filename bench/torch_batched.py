@@ -38,10 +38,13 @@ def torch_batched_verify(target_logits: torch.Tensor, draft_probs: torch.Tensor,
     n = (u * q_x < p_x).int().cumprod(1).sum(1)  # [B] accepted drafts
     at = n[:, None, None].expand(-1, 1, V)
     p_n = p.gather(1, at)[:, 0]  # p at each row's stop (position K: the bonus)
-    q_n = q.gather(1, at.clamp(max=K - 1))[:, 0]
-    residual = torch.where((n < K)[:, None], (p_n - q_n).clamp(min=0), p_n)
-    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_n)  # zero residual: p
+    if K > 0:
+        q_n = q.gather(1, at.clamp(max=K - 1))[:, 0]
+        residual = torch.where((n < K)[:, None], (p_n - q_n).clamp(min=0), p_n)
+        residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_n)  # zero residual: p
+    else:  # nothing to verify: the bonus alone
+        residual = p_n
     t = (residual / torch.empty_like(residual).exponential_(1)).argmax(-1)
-    drafts = torch.cat([draft_tokens, draft_tokens[:, :1]], 1)
+    drafts = torch.cat([draft_tokens, draft_tokens.new_zeros((B, 1))], 1)  # [B, K+1], column K unused
     tokens = torch.where(cols < n[:, None], drafts, torch.where(cols == n[:, None], t[:, None], -1))
     return tokens, n

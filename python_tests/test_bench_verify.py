@@ -121,6 +121,11 @@ def test_torch_batched_baseline_computes_the_step(bench_verify):
     counts = np.bincount(tok[:, 0].numpy(), minlength=V)
     assert stats.chisquare(counts, p1 * N).pvalue > 1e-4
     assert stats.chisquare(counts, qq[0, 0].numpy() * N).pvalue < 1e-4  # the draft's q would be rejected
+    for B, K in ((2, 0), (0, 0), (0, 2)):  # edges: no drafts (the bonus alone), no rows
+        lg, q0, x0 = torch.randn(B, K + 1, 7), torch.softmax(torch.randn(B, K, 7), -1), torch.randint(0, 7, (B, K))
+        for T in (0.0, 1.0):
+            tok, n = torch_batched_verify(lg, q0, x0, T)
+            assert tok.shape == (B, K + 1) and n.shape == (B,) and bool((tok[:, 0] >= 0).all())
 
 
 def test_a_failing_provider_is_reported_and_the_others_kept(bench_verify, tmp_path, capsys, monkeypatch):
@@ -136,3 +141,15 @@ def test_a_failing_provider_is_reported_and_the_others_kept(bench_verify, tmp_pa
                        "--out", str(tmp_path)])
     assert {r["provider"] for r in _rows(tmp_path / "bench_verify.csv")} == {"fused_cpu"}
     assert capsys.readouterr().out.count("reference_eager FAILED: RuntimeError: out of memory") == 4
+
+
+def test_a_failing_acceptance_count_does_not_stop_the_run(bench_verify, tmp_path, capsys, monkeypatch):
+    # (a review: the count behind the bytes ran the op outside the per-provider handling)
+    def broken(*a, **k):
+        raise RuntimeError("triton compile error (simulated)")
+
+    monkeypatch.setattr(bench_verify, "fused_verify", broken)
+    bench_verify.main(["--grid", "smoke", "--device", "cpu", "--providers", "reference_eager", "--out", str(tmp_path)])
+    rows = _rows(tmp_path / "bench_verify.csv")
+    assert {r["provider"] for r in rows} == {"reference_eager"} and all(r["mean_accepted"] == "2.0" for r in rows)
+    assert "fused_verify (acceptance count) FAILED: RuntimeError: triton compile error" in capsys.readouterr().out

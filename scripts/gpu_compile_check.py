@@ -18,7 +18,8 @@ cubin's resource usage read back with ``cuobjdump --dump-resource-usage``:
   C10_CUDA_BUILD_SHARED_LIBS``, what a CUDA build of torch writes there).
 
 Nothing runs: a compile check says that the code is valid for that architecture and what it
-uses (registers, stack, local memory: spills show there), not that it is correct; the CUDA
+uses (registers, stack, local memory; spills from ptxas's own log, since a spill can sit in the
+stack frame with no local memory), not that it is correct; the CUDA
 tests (``bench/gpu_check.sh``) do that on a GPU.  Exit status 1 when anything failed to compile.
 
     python scripts/gpu_compile_check.py                      # both parts, sm_90
@@ -127,13 +128,13 @@ def _ptxas_log_printed():
     (a review: a STACK frame with LOCAL 0 had been read as no spills)."""
     from triton import knobs
 
-    old = os.environ.get("TRITON_CACHE_DIR")
+    old, old_dump = os.environ.get("TRITON_CACHE_DIR"), knobs.nvidia.dump_ptxas_log
     knobs.nvidia.dump_ptxas_log = True
     os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="specdec-aot-cache-")
     try:
         yield
     finally:
-        knobs.nvidia.dump_ptxas_log = False
+        knobs.nvidia.dump_ptxas_log = old_dump
         shutil.rmtree(os.environ["TRITON_CACHE_DIR"], ignore_errors=True)
         if old is None:
             os.environ.pop("TRITON_CACHE_DIR")
@@ -194,8 +195,6 @@ def compile_triton(archs: list) -> list:
 def _torch_cxx_std() -> str:
     """The C++ standard torch's CUDAExtension passes nvcc (c++17 in torch 2.11, the GPU image's;
     c++20 in 2.13): the check compiles as the real build would."""
-    import inspect
-
     from torch.utils import cpp_extension as ce
 
     m = re.search(r"cuda_cflags = \['-std=(c\+\+\d+)'\]", inspect.getsource(ce))
