@@ -11,6 +11,8 @@
 # when stopped at their limit (timeout then exits 124).
 #
 #   bash bench/gpu_check.sh [OUT_DIR]      # default: $OUT, else bench/results/gpu-<date>
+#   SPECDEC_COMMIT=$(git rev-parse --short=12 HEAD) ...   # where the copy has no .git (the device
+#                                          # tool's): the commit every result row records
 #
 # Leaves in OUT_DIR: env.txt, build.log, tests.log, tests_rest.log, bench_verify.{csv,txt,png},
 # bench_e2e.{csv,txt,png}, and gpu_check.log (everything printed). Under the device tool ($OUT
