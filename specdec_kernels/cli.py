@@ -130,7 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the tokens the draft may propose: 'auto' (default: the draft_vocab.safetensors "
                         "shipped in the draft's directory, if any), 'full' (the whole vocabulary) or a file")
     g.add_argument("--baseline", action="store_true",
-                   help="first decode with the target alone, to report the measured speed-up")
+                   help="also decode with the target alone, to report the measured speed-up (both sides warmed "
+                        "up untimed first, the side timed first alternating; greedy: the token ids compared)")
     g.add_argument("--repeats", type=int, default=1,
                    help="with --baseline: decode N times with the target alone and N times speculatively, "
                         "alternating, and report the median run of each (the lower middle one for an even N; "
