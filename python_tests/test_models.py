@@ -146,6 +146,34 @@ def test_conversion_of_an_older_converter_is_redone(monkeypatch, tmp_path):
     assert models.default_target_path() == str(out) and len(calls) == 2  # version 1: converted again
 
 
+def test_two_processes_convert_the_target_once(monkeypatch, tmp_path):
+    """Two pytest workers that both find no conversion: the second waits for the first's lock and
+    uses its result (before, both converted and the second replaced the directory the first was
+    loading from; a review). Threads stand in for the processes: flock excludes separate opens."""
+    import threading
+    import time
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    calls = []
+
+    def slow_convert(gguf, out_dir):
+        calls.append(Path(out_dir))
+        time.sleep(0.3)
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        (Path(out_dir) / models._SOURCE_RECORD).write_text(json.dumps({"converter": models._CONVERTER_VERSION}))
+        return Path(out_dir)
+
+    monkeypatch.setattr(models, "convert_gguf", slow_convert)
+    monkeypatch.setattr(models, "find_target_gguf", lambda: Path("target.gguf"))
+    got = []
+    workers = [threading.Thread(target=lambda: got.append(models.default_target_path())) for _ in range(3)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    assert len(calls) == 1 and got == [str(tmp_path / models.TARGET_NAME)] * 3
+
+
 @needs_target
 @torch.inference_mode()
 def test_draft_agrees_with_target_greedily(pair):

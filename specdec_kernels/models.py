@@ -20,6 +20,7 @@ Nothing here touches a device or the network at import time.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import importlib.util
 import json
@@ -197,10 +198,32 @@ def default_target_path(convert: bool = True) -> str:
     convert=False: only return the path (which may not exist yet)."""
     out = cache_dir() / TARGET_NAME
     if convert and _converter_version(out) < _CONVERTER_VERSION:
-        gguf = find_target_gguf()
-        print(f"specdec_kernels: converting {gguf.name} once to {out} (about a minute)", file=sys.stderr)
-        convert_gguf(gguf, out)
+        with _conversion_lock(out):
+            # another process (a test worker) may have converted it while this one waited
+            if _converter_version(out) < _CONVERTER_VERSION:
+                gguf = find_target_gguf()
+                print(f"specdec_kernels: converting {gguf.name} once to {out} (about a minute)", file=sys.stderr)
+                convert_gguf(gguf, out)
     return str(out)
+
+
+@contextlib.contextmanager
+def _conversion_lock(out_dir: Path):
+    """An exclusive lock on ``.<name>.lock`` beside ``out_dir`` while converting: two processes
+    that found no conversion (pytest's workers on a fresh machine) convert once, not twice with
+    the second replacing the directory the first was loading (a review)."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX: no lock (the rename stays atomic)
+        yield
+        return
+    with open(out_dir.parent / f".{out_dir.name}.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def vocab_fingerprint(tokenizer) -> str:
