@@ -23,6 +23,19 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "bench_e2e.py"
 
 
+@pytest.fixture(autouse=True)
+def _restore_threads_and_rng():
+    """The benchmark mains called in process set torch's thread count (demo_*: 1) and seed the
+    global RNG: restored after each test, so that the worker's later tests run as they would
+    alone (a flaky-test review)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    with torch.random.fork_rng():
+        yield
+    torch.set_num_threads(threads)
+
+
 def test_bench_e2e_quick(tmp_path):
     # --ks 1,auto@0.3 and one thread keep the run short on a shared 2-core machine (about 30 s).
     cmd = [sys.executable, str(SCRIPT), "--quick", "--out", str(tmp_path), "--threads", "1", "--ks", "1,auto@0.3"]
