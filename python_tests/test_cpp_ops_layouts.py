@@ -18,19 +18,20 @@ from test_kv_cache import _idx, _indices
 pytestmark = pytest.mark.skipif(not HAS_EXT, reason="needs the C++ extension")
 
 
-def _layouts(dtype):
+def _layouts(dtype, device="cpu"):
     """Caches whose access width is 8 (rows of 24 bytes), 4 only because of the base address
     (a view one element into its buffer) or only because of the row's bytes (a cache cropped on
-    its last dim: D = 5 of 8, so stride_t = 32 but rows are 20 bytes)."""
+    its last dim: D = 5 of 8, so stride_t = 32 but rows are 20 bytes).  The buffers are moved to
+    ``device`` before the views are taken, so the layouts hold there too."""
     g = torch.Generator().manual_seed(0)
     B, H, T = 3, 2, 12
     e = torch.tensor([], dtype=dtype).element_size()
     D8 = 24 // e  # row of 24 bytes: gcd with 16 is 8
-    eight = torch.randn(B, H, T, D8, generator=g).to(dtype)
+    eight = torch.randn(B, H, T, D8, generator=g).to(device, dtype)
     D = 64 // e  # 64-byte rows, every stride a multiple of 16 ...
-    flat = torch.randn(B * H * T * D + 1, generator=g).to(dtype)
+    flat = torch.randn(B * H * T * D + 1, generator=g).to(device, dtype)
     shifted = flat[1:].view(B, H, T, D)  # ... but the base is e bytes past an aligned address
-    cropped_d = torch.randn(B, H, T, 32 // e, generator=g).to(dtype)[..., : 20 // e]
+    cropped_d = torch.randn(B, H, T, 32 // e, generator=g).to(device, dtype)[..., : 20 // e]
     return {"row24": [eight], "base_offset": [shifted], "cropped_last_dim": [cropped_d]}
 
 
@@ -100,17 +101,7 @@ def test_import_specdec_kernels_registers_every_fake():
 @pytest.mark.parametrize("layout", ["row24", "base_offset", "cropped_last_dim"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_cuda_op_on_every_address_layout(layout, dtype):
-    caches = [c.cuda() for c in _layouts(dtype)[layout]]
-    if layout == "base_offset":  # .cuda() copies contiguously: rebuild the offset view on the device
-        c = caches[0]
-        flat = torch.empty(c.numel() + 1, dtype=dtype, device="cuda")
-        flat[1:].copy_(c.reshape(-1))
-        caches = [flat[1:].view(c.shape)]
-    elif layout == "cropped_last_dim":
-        c = caches[0]
-        full = torch.zeros(*c.shape[:-1], 32 // c.element_size(), dtype=dtype, device="cuda")
-        full[..., : c.shape[-1]] = c
-        caches = [full[..., : c.shape[-1]]]
+    caches = _layouts(dtype, "cuda")[layout]
     src_start, dst, cnt = _indices("mixed", 3)
     expected = [c.cpu() for c in caches]
     compact_kv_reference(expected, src_start, _idx(dst), _idx(cnt))

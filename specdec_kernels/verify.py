@@ -14,7 +14,6 @@ draw's masses and cumulative sums compute in float64.
 from __future__ import annotations
 
 import contextlib
-
 import functools
 import math
 import os
@@ -177,17 +176,14 @@ def _normalize(target_logits, draft_tokens, draft_probs, num_draft_tokens, tempe
         top_p = _per_row("top_p", top_p, B, torch.float32, dev, float)
         if _check_values(top_p) and B > 0 and not bool(((top_p > 0) & (top_p <= 1)).all()):
             raise ValueError(f"top_p must be in (0, 1] (1 = off), got {_listed(top_p_in)}")
-    if draft_probs is not None and K > 0 and B > 0 and _check_values(draft_probs):
+    if draft_probs is not None and K > 0 and B > 0 and _check_values(draft_probs) and bool((temp != 0).any()):
         # q must be the distribution each draft was sampled from: a q that does not sum to 1
         # biases the output (NaN/inf/negative q make their row invalid instead, as on CUDA,
-        # where nothing here is read).  Checked where the row reads it: sampled rows, j < K_b.
-        sampled = temp != 0  # a greedy row never reads q: an all-greedy batch sums nothing
-        if bool(sampled.any()):
-            sums = draft_probs.sum(-1)  # [B, K]
-            read = (torch.arange(K, device=dev)[None, :] < kb[:, None]) & sampled[:, None]
-            off = read & torch.isfinite(sums) & ((sums - 1).abs() > DRAFT_PROBS_SUM_TOL)
-        else:
-            off = torch.zeros((B, K), dtype=torch.bool)
+        # where nothing here is read).  Checked where the row reads it: sampled rows, j < K_b
+        # (a greedy row never reads q: an all-greedy batch sums nothing).
+        sums = draft_probs.sum(-1)  # [B, K]
+        read = (torch.arange(K, device=dev)[None, :] < kb[:, None]) & (temp != 0)[:, None]
+        off = read & torch.isfinite(sums) & ((sums - 1).abs() > DRAFT_PROBS_SUM_TOL)
         if bool(off.any()):  # a negative entry makes its row invalid instead (the documented rule)
             off &= draft_probs.amin(-1) >= 0
         if bool(off.any()):
