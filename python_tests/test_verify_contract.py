@@ -59,7 +59,7 @@ def test_greedy_argmax_tie_across_tiles_takes_the_first(backend, dev, monkeypatc
     """The maximum tied in several vocabulary tiles (16 tokens each here): the first index wins,
     as in the reference (bf16 logits tie often). A later tile with an equal maximum must not
     replace the argmax."""
-    monkeypatch.setattr(verify_mod, "_MAX_BLOCK_V", 16)
+    monkeypatch.setattr(verify_mod, "_CHUNK_V", 16)
     B, K, V = 3, 2, 70
     logits = torch.zeros(B, K + 1, V)
     for b, hits in enumerate([(5, 20, 37), (17, 33, 69), (0, 16, 64)]):

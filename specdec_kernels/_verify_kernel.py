@@ -85,6 +85,46 @@ def _masked_mass(row_ptr, V, inv_t, m, thr, BLOCK_V: tl.constexpr):
 
 
 @triton.jit
+def _warp_full(row_ptr, V, inv_t, m_safe, S, key_max, top_k, top_p, k_on, p_on,
+               HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, BLOCK_V: tl.constexpr):
+    """(S, thr) of one position after top-k (when k_on) then top-p (when p_on), by bisection on
+    the order keys over the whole position (about 32 passes each): p(v) = exp(s_v - m_safe) / S
+    for the tokens whose key is >= thr.  S comes in as the untruncated mass."""
+    thr = tl.full([], -2147483648, tl.int64)  # every int32 order key is >= this: keep all
+    if HAS_TOP_K:
+        # The k-th largest key: the largest t with count(key >= t) >= k, by bisection on keys.
+        if k_on:
+            lo = thr
+            hi = key_max
+            while lo < hi:
+                mid = lo + (hi - lo + 1) // 2
+                cnt = tl.zeros([BLOCK_V], dtype=tl.int32)
+                for start in range(0, V, BLOCK_V):
+                    offs, mask, s = _scaled_tile(row_ptr, start, V, inv_t, BLOCK_V)
+                    cnt += (mask & (_order_key(s).to(tl.int64) >= mid)).to(tl.int32)
+                enough = tl.sum(cnt, axis=0) >= top_k
+                lo = tl.where(enough, mid, lo)
+                hi = tl.where(enough, hi, mid - 1)
+            thr = lo
+            S = _masked_mass(row_ptr, V, inv_t, m_safe, thr, BLOCK_V)
+    if HAS_TOP_P:
+        # The smallest key c whose strictly-greater mass is < top_p * S: keep key >= c.
+        if p_on:
+            limit = top_p * S
+            lo = thr
+            hi = key_max
+            while lo < hi:
+                mid = lo + (hi - lo) // 2
+                above = _masked_mass(row_ptr, V, inv_t, m_safe, mid + 1, BLOCK_V)
+                small = above < limit
+                hi = tl.where(small, mid, hi)
+                lo = tl.where(small, lo, mid + 1)
+            thr = lo
+            S = _masked_mass(row_ptr, V, inv_t, m_safe, thr, BLOCK_V)
+    return S, thr
+
+
+@triton.jit
 def _position_stats(
     row_ptr, V, inv_t, top_k, top_p,
     HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, BLOCK_V: tl.constexpr,
@@ -115,38 +155,11 @@ def _position_stats(
     bad = (n_bad > 0) | (m == float("-inf")) | (m == float("inf"))
     m_safe = tl.where(bad, 0.0, m)
     S = tl.sum(acc, axis=0)
-    thr = tl.full([], -2147483648, tl.int64)  # every int32 order key is >= this: keep all
     key_max = _order_key(m_safe).to(tl.int64)
-    if HAS_TOP_K:
-        # The k-th largest key: the largest t with count(key >= t) >= k, by bisection on keys.
-        if (top_k > 0) & (top_k < V) & (bad == 0):
-            lo = thr
-            hi = key_max
-            while lo < hi:
-                mid = lo + (hi - lo + 1) // 2
-                cnt = tl.zeros([BLOCK_V], dtype=tl.int32)
-                for start in range(0, V, BLOCK_V):
-                    offs, mask, s = _scaled_tile(row_ptr, start, V, inv_t, BLOCK_V)
-                    cnt += (mask & (_order_key(s).to(tl.int64) >= mid)).to(tl.int32)
-                enough = tl.sum(cnt, axis=0) >= top_k
-                lo = tl.where(enough, mid, lo)
-                hi = tl.where(enough, hi, mid - 1)
-            thr = lo
-            S = _masked_mass(row_ptr, V, inv_t, m_safe, thr, BLOCK_V)
-    if HAS_TOP_P:
-        # The smallest key c whose strictly-greater mass is < top_p * S: keep key >= c.
-        if (top_p < 1.0) & (bad == 0):
-            limit = top_p * S
-            lo = thr
-            hi = key_max
-            while lo < hi:
-                mid = lo + (hi - lo) // 2
-                above = _masked_mass(row_ptr, V, inv_t, m_safe, mid + 1, BLOCK_V)
-                small = above < limit
-                hi = tl.where(small, mid, hi)
-                lo = tl.where(small, lo, mid + 1)
-            thr = lo
-            S = _masked_mass(row_ptr, V, inv_t, m_safe, thr, BLOCK_V)
+    k_on = (top_k > 0) & (top_k < V) & (bad == 0)
+    p_on = (top_p < 1.0) & (bad == 0)
+    S, thr = _warp_full(row_ptr, V, inv_t, m_safe, S, key_max, top_k, top_p, k_on, p_on,
+                        HAS_TOP_K, HAS_TOP_P, BLOCK_V)
     return m_safe, S, thr, amax, bad
 
 

@@ -17,6 +17,7 @@ import contextlib
 import functools
 import math
 import os
+import struct
 from typing import NamedTuple, Optional
 
 import torch
@@ -74,31 +75,76 @@ def _check_tensor(name: str, t, dtypes, shape: list[int], device: torch.device) 
 DRAFT_PROBS_SUM_TOL = 1e-2
 
 
-def _per_row(name: str, value, B: int, dtype: torch.dtype, device: torch.device, kind: type) -> torch.Tensor:
-    """A python scalar or a [B] tensor as a [B] tensor of ``dtype`` on ``device``."""
+class _RowSeeds(NamedTuple):
+    """seed=None: row b's seed is ``base + b``, base drawn on the host from torch's default
+    generator (no device op; the Triton launch takes base as a scalar)."""
+
+    base: int
+
+
+def _fp32_value(value: float) -> float:
+    """A Python float rounded to float32 (round to nearest even), as ``torch.full(..., float32)``
+    stores it."""
+    if math.isfinite(value) and abs(value) < 3.4e38:
+        return struct.unpack("f", struct.pack("f", value))[0]
+    return float(torch.tensor(value, dtype=torch.float64).float())  # near fp32's largest: torch's rounding
+
+
+def _per_row_spec(name: str, value, B: int, dtype: torch.dtype, device: torch.device, kind: type):
+    """A per-row parameter as given and checked: a Python scalar (a float already rounded to
+    float32), or a [B] tensor of an accepted dtype on ``device`` (not converted: the kernel reads
+    it as it is; ``_materialize`` makes the [B] tensor of ``dtype`` for the torch path)."""
     if isinstance(value, torch.Tensor):
         ok = (torch.float32, torch.float64, torch.bfloat16, torch.float16) if kind is float else _INDEX_DTYPES
         _check_tensor(name, value, ok, [B], device)
-        out = value.to(dtype).contiguous()  # the kernel reads row b at ptr + b (a view may be strided)
-    elif isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
+        if kind is float and B > 0 and value.dtype == torch.float64 and _check_values(value):
+            _check_fp32_representable(name, value, value.to(dtype))
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
         article = "an" if kind is int else "a"
         raise TypeError(f"{name} must be {article} {kind.__name__} or a [B] = [{B}] tensor, got {type(value).__name__}")
-    else:
-        try:
-            out = torch.full((B,), value, dtype=dtype, device=device)
-        except (OverflowError, RuntimeError):
-            info = torch.finfo(dtype) if dtype.is_floating_point else torch.iinfo(dtype)
-            lo, hi = (f"{info.min:.6g}", f"{info.max:.6g}") if dtype.is_floating_point else (info.min, info.max)
-            raise ValueError(f"{name} must fit in {str(dtype).replace('torch.', '')} ([{lo}, {hi}]), got {value!r}") from None
-    if kind is float and B > 0 and _check_values(out):
-        # A value that fp32 rounds to 0 or to inf (a float64 1e-50 or 1e39) is refused as given,
-        # before the range checks, which would otherwise see (and name) the rounded one.
-        src = value if isinstance(value, torch.Tensor) else torch.tensor([float(value)], dtype=torch.float64)
-        lost = ((src != 0) & (out == 0)) | (torch.isfinite(src) & ~torch.isfinite(out))
-        if bool(lost.any()):
+    if kind is float:
+        out = _fp32_value(float(value))
+        if (value != 0 and out == 0) or (math.isfinite(value) and not math.isfinite(out)):
             raise ValueError(f"{name} must be representable in float32 (a value that rounds to 0 or to inf there is "
-                             f"refused), got {_listed(value)}")
-    return out
+                             f"refused), got {value!r}")
+        return out
+    info = torch.iinfo(dtype)
+    if not info.min <= value <= info.max:
+        raise ValueError(f"{name} must fit in {str(dtype).replace('torch.', '')} ([{info.min}, {info.max}]), got {value!r}")
+    return int(value)
+
+
+def _check_fp32_representable(name: str, src: torch.Tensor, out: torch.Tensor) -> None:
+    # A value that fp32 rounds to 0 or to inf (a float64 1e-50 or 1e39) is refused as given,
+    # before the range checks, which would otherwise see (and name) the rounded one.
+    lost = ((src != 0) & (out == 0)) | (torch.isfinite(src) & ~torch.isfinite(out))
+    if bool(lost.any()):
+        raise ValueError(f"{name} must be representable in float32 (a value that rounds to 0 or to inf there is "
+                         f"refused), got {_listed(src)}")
+
+
+def _per_row(name: str, value, B: int, dtype: torch.dtype, device: torch.device, kind: type) -> torch.Tensor:
+    """A python scalar or a [B] tensor as a [B] tensor of ``dtype`` on ``device``."""
+    return _as_tensor(_per_row_spec(name, value, B, dtype, device, kind), B, dtype, device)
+
+
+def _as_tensor(value, B: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A checked per-row parameter (``_per_row_spec``) as a contiguous [B] tensor of ``dtype``."""
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype).contiguous()  # the old kernel reads row b at ptr + b
+    if isinstance(value, _RowSeeds):
+        return value.base + torch.arange(B, dtype=torch.int64, device=device)
+    return torch.full((B,), value, dtype=dtype, device=device)
+
+
+def _range_fails(value, bad) -> bool:
+    """Whether a checked per-row parameter holds a value for which ``bad`` (a predicate on a
+    tensor or on a Python scalar) is true: scalars always, tensors only where their values may
+    be read (``_check_values``)."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() > 0 and _check_values(value) and bool(bad(value).any())
+    return bool(bad(value))
 
 
 def _listed(value):
@@ -126,7 +172,11 @@ class _Args(NamedTuple):
 
 
 def _normalize(target_logits, draft_tokens, draft_probs, num_draft_tokens, temperature, top_k,
-               top_p, seed, offset, uniforms) -> _Args:
+               top_p, seed, offset, uniforms, materialize: bool = True) -> _Args:
+    """The arguments checked (errors name the argument, the expected and the actual value).
+    With ``materialize`` every per-row parameter becomes a [B] tensor of the op's dtype; without,
+    scalars stay Python scalars and tensors stay as given (the Triton launch reads both as they
+    are: no device op per call)."""
     if not isinstance(target_logits, torch.Tensor):
         raise TypeError(f"target_logits must be a torch.Tensor, got {type(target_logits).__name__}")
     if target_logits.dim() != 3:
@@ -156,33 +206,37 @@ def _normalize(target_logits, draft_tokens, draft_probs, num_draft_tokens, tempe
             raise ValueError(f"draft_probs must have a vocabulary 1 <= Vd <= V = {V}, got Vd = {Vd}")
         _check_tensor("draft_probs", draft_probs, (torch.float32,), [B, K, Vd], dev)
     if num_draft_tokens is None:
-        kb = torch.full((B,), K, dtype=torch.int64, device=dev)
+        kb = K
     else:
-        kb = _per_row("num_draft_tokens", num_draft_tokens, B, torch.int64, dev, int)
-        if _check_values(kb) and B > 0 and bool(((kb < 0) | (kb > K)).any()):
-            raise ValueError(f"num_draft_tokens must be in [0, K] = [0, {K}], got {kb.tolist()}")
-    temp = _per_row("temperature", temperature, B, torch.float32, dev, float)
-    if _check_values(temp) and B > 0 and not bool((torch.isfinite(temp) & (temp >= 0)).all()):
+        kb = _per_row_spec("num_draft_tokens", num_draft_tokens, B, torch.int64, dev, int)
+        if B > 0 and _range_fails(kb, lambda v: (v < 0) | (v > K)):
+            raise ValueError(f"num_draft_tokens must be in [0, K] = [0, {K}], got {_listed(kb)}")
+    temp = _per_row_spec("temperature", temperature, B, torch.float32, dev, float)
+    temp_c = temp.float() if isinstance(temp, torch.Tensor) else temp  # the value the kernel reads
+    if B > 0 and _range_fails(temp_c, _not_finite_nonnegative):
         raise ValueError(f"temperature must be finite and >= 0 (0 = greedy), got {_listed(temperature)}")
-    if _check_values(temp) and B > 0 and bool(((temp > 0) & (temp < FLT_MIN)).any()):
+    if B > 0 and _range_fails(temp_c, lambda v: (v > 0) & (v < FLT_MIN)):
         raise ValueError(f"temperature must be 0 (greedy) or >= {FLT_MIN:.8g} (the smallest normal fp32), "
                          f"got {_listed(temperature)}")
     if top_k is not None:
-        top_k = _per_row("top_k", top_k, B, torch.int64, dev, int)
-        if _check_values(top_k) and B > 0 and bool((top_k < 0).any()):
-            raise ValueError(f"top_k must be >= 0 (0 = off), got {top_k.tolist()}")
+        top_k = _per_row_spec("top_k", top_k, B, torch.int64, dev, int)
+        if B > 0 and _range_fails(top_k, lambda v: v < 0):
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {_listed(top_k)}")
     if top_p is not None:
         top_p_in = top_p
-        top_p = _per_row("top_p", top_p, B, torch.float32, dev, float)
-        if _check_values(top_p) and B > 0 and not bool(((top_p > 0) & (top_p <= 1)).all()):
+        top_p = _per_row_spec("top_p", top_p, B, torch.float32, dev, float)
+        top_p_c = top_p.float() if isinstance(top_p, torch.Tensor) else top_p
+        if B > 0 and _range_fails(top_p_c, _outside_top_p_range):
             raise ValueError(f"top_p must be in (0, 1] (1 = off), got {_listed(top_p_in)}")
-    if draft_probs is not None and K > 0 and B > 0 and _check_values(draft_probs) and bool((temp != 0).any()):
+    if draft_probs is not None and K > 0 and B > 0 and _check_values(draft_probs) and _range_fails(temp_c, lambda v: v != 0):
         # q must be the distribution each draft was sampled from: a q that does not sum to 1
         # biases the output (NaN/inf/negative q make their row invalid instead, as on CUDA,
         # where nothing here is read).  Checked where the row reads it: sampled rows, j < K_b
         # (a greedy row never reads q: an all-greedy batch sums nothing).
+        kb_t = _as_tensor(kb, B, torch.int64, dev)
+        sampled = _as_tensor(temp_c, B, torch.float32, dev) != 0
         sums = draft_probs.sum(-1)  # [B, K]
-        read = (torch.arange(K, device=dev)[None, :] < kb[:, None]) & (temp != 0)[:, None]
+        read = (torch.arange(K, device=dev)[None, :] < kb_t[:, None]) & sampled[:, None]
         off = read & torch.isfinite(sums) & ((sums - 1).abs() > DRAFT_PROBS_SUM_TOL)
         if bool(off.any()):  # a negative entry makes its row invalid instead (the documented rule)
             off &= draft_probs.amin(-1) >= 0
@@ -191,10 +245,15 @@ def _normalize(target_logits, draft_tokens, draft_probs, num_draft_tokens, tempe
             raise ValueError(f"draft_probs[{b}, {j}] must sum to 1 (to within {DRAFT_PROBS_SUM_TOL:g}: the "
                              f"distribution draft {j} was sampled from), got {sums[b, j].item():.6g}")
     if seed is None:
-        seed = torch.randint(0, 2**62, (B,), dtype=torch.int64, device=dev)  # no host sync
+        if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            # Inside a CUDA graph a host draw would be frozen into every replay: draw on the device
+            # (its generator advances per replay).
+            seed = torch.randint(0, 2**62, (B,), dtype=torch.int64, device=dev)
+        else:
+            seed = _RowSeeds(int(torch.randint(0, 2**62, (1,), dtype=torch.int64)))  # host: no device sync
     else:
-        seed = _per_row("seed", seed, B, torch.int64, dev, int)
-    offset = _per_row("offset", offset, B, torch.int64, dev, int)
+        seed = _per_row_spec("seed", seed, B, torch.int64, dev, int)
+    offset = _per_row_spec("offset", offset, B, torch.int64, dev, int)
     if uniforms is not None:
         _check_tensor("uniforms", uniforms, (torch.float64, torch.float32), [B, K + 1], dev)
         if _check_values(uniforms) and uniforms.numel():
@@ -202,8 +261,34 @@ def _normalize(target_logits, draft_tokens, draft_probs, num_draft_tokens, tempe
             if bool(out.any()):
                 b, j = (int(i) for i in out.nonzero()[0])
                 raise ValueError(f"uniforms must lie in [0, 1), got {uniforms[b, j].item()!r} at [{b}, {j}]")
-        uniforms = uniforms.to(torch.float64)  # the tests and the final draw compute in float64
-    return _Args(target_logits, draft_tokens, draft_probs, kb, temp, top_k, top_p, seed, offset, uniforms)
+    a = _Args(target_logits, draft_tokens, draft_probs, kb, temp, top_k, top_p, seed, offset, uniforms)
+    return _materialize(a) if materialize else a
+
+
+def _not_finite_nonnegative(v):
+    if isinstance(v, torch.Tensor):
+        return ~(torch.isfinite(v) & (v >= 0))
+    return not (math.isfinite(v) and v >= 0)
+
+
+def _outside_top_p_range(v):
+    if isinstance(v, torch.Tensor):
+        return ~((v > 0) & (v <= 1))
+    return not 0 < v <= 1  # NaN included
+
+
+def _materialize(a: _Args) -> _Args:
+    """Checked arguments (scalars kept as given) as the [B] tensors of the op's dtypes that the
+    torch path, the old kernel and the registered op take: num_draft_tokens, seed and offset
+    int64, temperature and top-p fp32, top-k int64, uniforms float64."""
+    B = a.target_logits.shape[0]
+    dev = a.target_logits.device
+    def t(v, dtype):
+        return None if v is None else _as_tensor(v, B, dtype, dev)
+    u = a.uniforms.to(torch.float64) if a.uniforms is not None else None  # the tests and the draw compute in float64
+    return _Args(a.target_logits, a.draft_tokens, a.draft_probs, t(a.num_draft_tokens, torch.int64),
+                 t(a.temperature, torch.float32), t(a.top_k, torch.int64), t(a.top_p, torch.float32),
+                 t(a.seed, torch.int64), t(a.offset, torch.int64), u)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -234,12 +319,16 @@ def _interpreter_problem(triton_version: Optional[str] = None, numpy_version: Op
     return None
 
 
+# Private: the one-program-per-row kernel, reachable for side-by-side measurements on a GPU.
+_PRIVATE_BACKENDS = ("_triton_rows",)
+
+
 def _resolve_backend(backend: str, device: torch.device) -> str:
-    if backend not in _BACKENDS:
+    if backend not in _BACKENDS + _PRIVATE_BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
     if backend == "auto":
         return "triton" if device.type == "cuda" else "torch"
-    if backend == "triton" and device.type != "cuda":
+    if backend in ("triton", "_triton_rows") and device.type != "cuda":
         if not _interpreting():
             raise ValueError(
                 f"backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 for CPU tensors), got tensors on {device}")
@@ -249,7 +338,155 @@ def _resolve_backend(backend: str, device: torch.device) -> str:
     return backend
 
 
-def _launch_triton(a: _Args) -> tuple[torch.Tensor, torch.Tensor]:
+# The split kernel's chunk: a fixed number of tokens per work item (never a function of B: a
+# row's arithmetic is the same in any batch); 4096 fp32 logits a chunk keep 8 warps' loads in
+# flight at once. The tests lower it to cross chunk boundaries on small vocabularies.
+_CHUNK_V = 4096
+# Candidate keys kept per chunk for top-k/top-p (see _verify_split_kernel's header): top-k up to
+# _TOP_K_CAP - 1 (and most top-p sets) is decided from them in one read of the logits.
+_TOP_K_CAP = 64
+# Programs per multiprocessor of the split kernel's persistent grid (a tuning value: any grid is
+# correct, the items are claimed in order).
+_PROGRAMS_PER_SM = 4
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+class _Workspace:
+    """The split kernel's scratch on one device and stream: arrival counters (zero between
+    launches: every launch resets what it used) and partial records, grown as needed, never
+    shrunk.  Made or grown only outside CUDA-graph capture (a graph replays into it)."""
+
+    def __init__(self):
+        self.counters = self.part_f = self.part_i = self.cand = self.mass = None
+
+    @staticmethod
+    def _fits(t: Optional[torch.Tensor], n: int) -> bool:
+        return t is not None and t.numel() >= n
+
+    def ensure(self, dev: torch.device, B: int, K1: int, NC: int, cap: int) -> None:
+        N1 = B * K1 * NC
+        sizes = dict(counters=2 + B * K1 + 3 * B, part_f=2 * N1 + 2 * B * K1,
+                     part_i=3 * N1 + 3 * B * K1 + 4 * B + B * NC, cand=max(1, N1 * cap), mass=B * NC)
+        short = [k for k, n in sizes.items() if not self._fits(getattr(self, k), n)]
+        if not short:
+            return
+        if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"fused_verify: its workspace for B = {B}, K + 1 = {K1}, {NC} vocabulary chunks does not exist yet "
+                f"on this stream; call fused_verify once outside the CUDA graph capture with the largest shape first")
+        for k in short:
+            n = max(sizes[k], 2 * getattr(self, k).numel() if getattr(self, k) is not None else 0)
+            if k == "counters":
+                t = torch.zeros(n, dtype=torch.int32, device=dev)
+            else:
+                dtype = {"part_f": torch.float32, "mass": torch.float64}.get(k, torch.int32)
+                t = torch.empty(n, dtype=dtype, device=dev)
+            setattr(self, k, t)
+
+
+_WORKSPACES: dict = {}
+
+
+def _workspace(dev: torch.device) -> _Workspace:
+    stream = torch.cuda.current_stream(dev).stream_id if dev.type == "cuda" else 0
+    key = (dev.type, dev.index, stream)
+    ws = _WORKSPACES.get(key)
+    if ws is None:
+        ws = _WORKSPACES[key] = _Workspace()
+    return ws
+
+
+def _split_meta(V: int, K1: int, has_draft_probs: bool, has_top_k: bool, has_top_p: bool, has_uniforms: bool,
+                has_order: bool = False) -> dict:
+    """The split kernel's compile-time parameters for V tokens and K + 1 = K1 positions: its
+    constexprs, num_warps and enable_fp_fusion (pinned off, as ``_kernel_meta`` says).  The launch
+    and the ahead-of-time compile check (``scripts/gpu_compile_check.py``) both take them here."""
+    import triton
+
+    chunk = max(16, min(triton.next_power_of_2(V), _CHUNK_V))
+    nc = triton.cdiv(V, chunk)
+    return dict(HAS_DRAFT_PROBS=has_draft_probs, HAS_TOP_K=has_top_k, HAS_TOP_P=has_top_p,
+                HAS_UNIFORMS=has_uniforms, HAS_ORDER=has_order, CHUNK=chunk, NCB=triton.next_power_of_2(nc),
+                CAP=_TOP_K_CAP, BLOCK_K=triton.next_power_of_2(K1),
+                num_warps=8 if chunk >= 2048 else 4, enable_fp_fusion=False)
+
+
+def _param_args(value, bit: int, dummy: torch.Tensor, flags: int):
+    """(flags, ptr, stride, scalar) of one per-row parameter for the split kernel: a [B] tensor is
+    read in place (any dtype the checks accept, any stride), a scalar is passed by value."""
+    if isinstance(value, torch.Tensor):
+        return flags | bit, value, value.stride(0), 0
+    return flags, dummy, 0, (0 if value is None else value)
+
+
+def _launch_triton(a: _Args, order: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The split kernel (``_verify_split_kernel.py``): one launch, and on the device no op but the
+    outputs' allocation (scalars go by value, tensors are read as they are).  ``order`` (tests
+    only): int32 [N] permutation of the work items, stage-1 items among themselves and stage-2
+    items among themselves, to prove that arrival order does not change the result."""
+    from ._verify_split_kernel import _verify_split_kernel  # lazily: the torch path needs no Triton
+
+    logits = a.target_logits if a.target_logits.stride(-1) == 1 else a.target_logits.contiguous()
+    B, K1, V = logits.shape
+    K = K1 - 1
+    dev = logits.device
+    tokens = torch.empty((B, K1), dtype=torch.int64, device=dev)
+    num_accepted = torch.empty((B,), dtype=torch.int64, device=dev)
+    if B == 0:
+        return tokens, num_accepted
+    q = a.draft_probs
+    if q is not None and q.stride(-1) != 1:
+        q = q.contiguous()
+    x, u = a.draft_tokens, a.uniforms
+    warp = a.top_k is not None or a.top_p is not None
+    meta = _split_meta(V, K1, q is not None, a.top_k is not None, a.top_p is not None, u is not None, order is not None)
+    nc = -(-V // meta["CHUNK"])
+    ws = _workspace(dev)
+    ws.ensure(dev, B, K1, nc, _TOP_K_CAP if warp else 0)
+    n_items = B * K1 * nc + B * nc
+    if order is not None and order.shape != (n_items,):
+        raise ValueError(f"order must have shape [{n_items}], got {list(order.shape)}")
+    grid = 1 if dev.type != "cuda" else min(n_items, _sm_count(dev.index) * _PROGRAMS_PER_SM)
+    dummy = num_accepted  # stands in for absent tensors; never dereferenced
+    flags = 0
+    flags, nd_p, nd_s, nd_v = _param_args(K if a.num_draft_tokens is None else a.num_draft_tokens, 1, dummy, flags)
+    flags, t_p, t_s, t_v = _param_args(a.temperature, 2, dummy, flags)
+    flags, k_p, k_s, k_v = _param_args(a.top_k, 4, dummy, flags)
+    flags, p_p, p_s, p_v = _param_args(1.0 if a.top_p is None else a.top_p, 8, dummy, flags)
+    seed, seed_step = (a.seed.base, 1) if isinstance(a.seed, _RowSeeds) else (a.seed, 0)
+    flags, s_p, s_s, s_v = _param_args(seed, 16, dummy, flags)
+    flags, o_p, o_s, o_v = _param_args(a.offset, 32, dummy, flags)
+    # Triton launches on the current device's current stream: make it the tensors'. Nothing to
+    # do for the interpreter.
+    with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
+        try:
+            _verify_split_kernel[(grid,)](
+                logits, logits.stride(0), logits.stride(1),
+                x, x.stride(0), x.stride(1) if K > 0 else 1,
+                q if q is not None else dummy, q.stride(0) if q is not None else 0, q.stride(1) if q is not None else 0,
+                u if u is not None else dummy, u.stride(0) if u is not None else 0, u.stride(1) if u is not None else 0,
+                flags, nd_p, nd_s, nd_v, t_p, t_s, float(t_v), k_p, k_s, k_v, p_p, p_s, float(p_v),
+                s_p, s_s, s_v, o_p, o_s, o_v, seed_step,
+                tokens, num_accepted,
+                ws.counters, ws.part_f, ws.part_i, ws.cand, ws.mass, order if order is not None else dummy,
+                B, K, V, q.shape[-1] if q is not None else V, nc, grid,
+                **meta,
+            )
+        except BaseException:
+            # A launch that did not finish (an interpreter error, an interrupt) may leave counters
+            # set: drop the workspace so that the next call starts from zeros.
+            _WORKSPACES.clear()
+            raise
+    return tokens, num_accepted
+
+
+def _launch_rows(a: _Args) -> tuple[torch.Tensor, torch.Tensor]:
+    """The one-program-per-row kernel (``_verify_kernel.py``, private backend ``"_triton_rows"``),
+    kept until a GPU run has measured it beside the split kernel. Takes materialized arguments."""
     from ._verify_kernel import _verify_kernel  # imported lazily: the torch path needs no Triton
 
     logits = a.target_logits if a.target_logits.stride(-1) == 1 else a.target_logits.contiguous()
@@ -586,8 +823,12 @@ def _verify_impl(target_logits, draft_tokens, draft_probs, num_draft_tokens, tem
                  top_p, seed, offset, uniforms, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     a = _Args(target_logits, draft_tokens, draft_probs, num_draft_tokens, temperature, top_k, top_p,
               seed, offset, uniforms)
-    if _resolve_backend(backend, target_logits.device) == "triton":
+    resolved = _resolve_backend(backend, target_logits.device)
+    if resolved == "triton":
         return _launch_triton(a)
+    a = _materialize(a)
+    if resolved == "_triton_rows":
+        return _launch_rows(a)
     with torch.no_grad():  # integer outputs; its in-place and out= temporaries must not meet autograd
         return _run_torch(a)
 
@@ -599,9 +840,13 @@ def _verify_checked(target_logits, draft_tokens, draft_probs, num_draft_tokens, 
     ``fused_verify``, and ``SpeculativeDecoder``'s entry (it checks its parameters once per
     ``generate``; inside its CPU loop the checks cost about 0.2 ms a step, Zen 5 VM, 1 thread,
     B = 1, about 1% of a step of the embedded target).  The same computation either way."""
-    fn = _fused_verify_op if torch.compiler.is_compiling() else _verify_impl
-    tokens, num_accepted = fn(target_logits, draft_tokens, draft_probs, num_draft_tokens, temperature, top_k,
-                              top_p, seed, offset, uniforms, backend)
+    a = _Args(target_logits, draft_tokens, draft_probs, num_draft_tokens, temperature, top_k, top_p, seed, offset,
+              uniforms)
+    if torch.compiler.is_compiling():
+        fn, a = _fused_verify_op, _materialize(a)  # the registered op's schema takes [B] tensors
+    else:
+        fn = _verify_impl
+    tokens, num_accepted = fn(*a, backend)
     return VerifyOutput(tokens, num_accepted)
 
 
@@ -695,8 +940,8 @@ def fused_verify(
         K = target_logits.shape[1] - 1
         if not 0 <= num_draft_tokens <= K:
             raise ValueError(f"num_draft_tokens must be in [0, K] = [0, {K}], got {num_draft_tokens}")
-    if backend not in _BACKENDS:
+    if backend not in _BACKENDS + _PRIVATE_BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
     a = _normalize(target_logits, draft_tokens, draft_probs, num_draft_tokens, temperature, top_k,
-                   top_p, seed, offset, uniforms)
+                   top_p, seed, offset, uniforms, materialize=False)
     return _verify_checked(*a, backend=backend)

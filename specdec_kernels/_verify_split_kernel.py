@@ -1,0 +1,534 @@
+"""The Triton kernel of ``fused_verify``: one launch, the vocabulary split across programs.
+
+Work decomposition.  Position i of row b is cut into NC = ceil(V / CHUNK) chunks of CHUNK
+tokens (a constant of the launcher, never a function of B, so a row's arithmetic does not
+depend on the batch).  The launch holds two kinds of *work item*, numbered in this order:
+
+- stage 1, item (b, i, c) for every row, position i <= K and chunk c (B * (K+1) * NC items):
+  the chunk's max, first argmax, sum of exp(s - chunk max) and non-finite count (greedy rows:
+  max and argmax only, no exponential), and with top-k/top-p the chunk's CAP largest order keys;
+  written to a partial record;
+- stage 2, item (b, c) for every row and chunk (B * NC items): the float64 mass of chunk c's
+  final-draw weights (residual max(0, p - q) after a rejection, p for the bonus) at the row's
+  stop position j.
+
+Each program claims items from a ticket counter (atomic add) until none is left, so items are
+*started* in number order whatever the grid and the hardware's scheduling.  Combines happen
+without a second launch, by the last program to arrive (an arrival counter, acq_rel):
+
+- the last stage-1 item of position (b, i) combines its NC partials **in chunk order** (the
+  result does not depend on which program arrives last) into the position's (m, S, thr, argmax,
+  bad): top-k and top-p from the chunks' candidate keys (below);
+- the last position of row b to be combined runs the acceptance chain (all K_b tests at once,
+  float64, the same Philox counters as before), giving j; a greedy or invalid row is written out
+  here, then the row's ready flag is released;
+- a stage-2 item waits (spins, acquire) on its row's ready flag; the last stage-2 item of a row
+  locates the chunk holding the sampled token from the NC chunk masses (float64, chunk order),
+  rescans that one chunk (hot in L2) for the inverse CDF, and writes the row.
+
+No deadlock under any scheduling: stage-1 items never wait; a stage-2 item waits only for its
+row's stage-1 items, which all have smaller numbers, so each was claimed by a program that is
+already running and that finishes it without waiting; hence every flag is set.  This holds for
+any grid size and any number of co-resident programs (one program doing every item in order
+included: Triton's interpreter).  Every counter and flag is reset by the last program to use it
+in the launch (the ticket by the last program to leave), so no host memset is needed and the
+launch can be captured in a CUDA graph and replayed: the workspace is persistent per device and
+stream (see ``verify._workspace``).
+
+top-k / top-p in one pass: stage 1 writes, per chunk, its CAP largest order keys (ties at the
+boundary filling the list) and the key t_c of its CAP-th largest (INT32_MIN when the whole chunk
+fits).  Every token with a key above t_sat = max_c t_c is in the lists.  The k-th largest key
+overall is among them whenever k <= CAP, and the kept sets are exact when their threshold lies
+above t_sat: top-k 50 on non-degenerate logits, top-p whose kept set holds fewer than CAP tokens
+of any chunk.  The thresholds are bisected over the NC * CAP candidate keys in registers (no
+re-read of the logits).  Otherwise (k > CAP, ties across t_sat, a large top-p set) the position's
+last program bisects over the whole position as the one-program-per-row kernel does (up to ~65
+reads of it): exact, slow, and said in the README.  The semantics are the reference's: ties at
+the top-k boundary kept, top-p's strict boundary, the smallest key whose strictly-greater mass
+is < top_p * S.
+
+Memory traffic per row b with K_b drafts, V tokens, E-byte logits (4 fp32, 2 bf16/fp16), Vd
+draft-vocabulary entries of 4 bytes, and NC chunks:
+
+- stage 1 reads (K_b + 1) * V * E bytes once: every position a row uses, in parallel (positions
+  past K_b are not read).  This is the floor: each decision needs the softmax of its position,
+  and the positions are read in parallel rather than stopping at the first rejection, which a
+  split launch cannot know in advance.  It writes 16 bytes per chunk (+ 4 * CAP with a warp);
+- stage 2 reads position j's V * E bytes again (L2-hot on a GPU: it was read microseconds
+  before) and, after a rejection with a full q, q_j's Vd * 4 bytes; it writes 12 bytes per chunk;
+- the final draw rescans one chunk (CHUNK * (E + 4) bytes, L2-hot) and writes (K + 2) * 8 bytes;
+- with top-k/top-p: no more reads of the logits when the candidate lists decide (above);
+- the combines read the partial records (16 bytes per chunk, 4 * CAP with a warp), L2-resident.
+
+So a step reads about (K_b + 2) * V * E bytes of logits (+ Vd * 4 of q after a rejection), all
+but (K_b + 1) * V * E of it from L2.  Greedy rows skip stage 2 and compute no exponential.
+
+Randomness is counter-based, as in ``reference.philox_uniforms``: row b's numbers come from
+Philox at counter ``(offset_b << 32) | c``: ``tl.rand`` (24 bits) with c = i + 1 for draft i's
+test, and 53 bits of ``tl.randint4x`` at c = 0 for the final draw, whose inverse CDF sums in
+float64 (chunk masses, then the chunk's cumulative sum).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ._verify_kernel import _order_key, _warp_full
+
+_INT32_MAX = tl.constexpr(2147483647)
+_INT32_MIN = tl.constexpr(-2147483648)
+_FLT_MIN = tl.constexpr(1.1754943508222875e-38)  # 2^-126, reference.FLT_MIN: the smallest temperature
+
+# Bits of ``param_flags``: which per-row parameters are [B] tensors (else a scalar argument).
+_P_NUM_DRAFT = tl.constexpr(1)
+_P_TEMPERATURE = tl.constexpr(2)
+_P_TOP_K = tl.constexpr(4)
+_P_TOP_P = tl.constexpr(8)
+_P_SEED = tl.constexpr(16)
+_P_OFFSET = tl.constexpr(32)
+
+
+@triton.jit
+def _key_value(key):
+    """The fp32 value of an order key (the inverse of ``_order_key``)."""
+    bits = tl.where(key < 0, key ^ 0x7FFFFFFF, key)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _param(flags, bit, ptr, stride, scalar, b, DTYPE: tl.constexpr):
+    """Row b's value of a parameter given either as a [B] tensor (its bit set in flags) or as a
+    scalar kernel argument (no device tensor made for it by the launcher), as DTYPE."""
+    v = (tl.zeros([], DTYPE) + scalar).to(DTYPE)
+    if (flags & bit) != 0:
+        v = tl.load(ptr + b * stride).to(DTYPE)
+    return v
+
+
+@triton.jit
+def _row_params(b, K, V, flags,
+                nd_ptr, nd_stride, nd_scalar, t_ptr, t_stride, t_scalar,
+                k_ptr, k_stride, k_scalar, p_ptr, p_stride, p_scalar,
+                HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr):
+    """(kb, greedy, bad_param, inv_t, k_on, p_on, top_k, top_p) of row b, as the reference's
+    ``_row_parameters``; k_on / p_on: the row's top-k / top-p changes its distribution."""
+    kb = _param(flags, _P_NUM_DRAFT, nd_ptr, nd_stride, nd_scalar, b, tl.int64)
+    temp = _param(flags, _P_TEMPERATURE, t_ptr, t_stride, t_scalar, b, tl.float32)
+    greedy = temp == 0.0
+    # (0, 2^-126): 1 / T overflows, or a subnormal T is flushed to 0
+    bad_param = ((temp != temp) | (temp < 0.0) | (temp == float("inf")) | ((temp > 0.0) & (temp < _FLT_MIN))
+                 | (kb < 0) | (kb > K))
+    top_k = tl.full([], 0, tl.int64)
+    top_p = tl.full([], 1.0, tl.float32)
+    if HAS_TOP_K:
+        top_k = _param(flags, _P_TOP_K, k_ptr, k_stride, k_scalar, b, tl.int64)
+        bad_param = bad_param | (top_k < 0)
+    if HAS_TOP_P:
+        top_p = _param(flags, _P_TOP_P, p_ptr, p_stride, p_scalar, b, tl.float32)
+        bad_param = bad_param | ~(top_p > 0.0) | (top_p > 1.0)
+    inv_t = tl.where(greedy | bad_param, 1.0, 1.0 / tl.where(greedy | bad_param, 1.0, temp))
+    k_on = ~greedy & (top_k > 0) & (top_k < V)
+    p_on = ~greedy & (top_p < 1.0)
+    return kb, greedy, bad_param, inv_t, k_on, p_on, top_k, top_p
+
+
+@triton.jit
+def _chunk_candidates(keys, offs, n_valid, cand_ptr, CAP: tl.constexpr):
+    """Store the min(CAP, n_valid) largest keys of one chunk of n_valid tokens (ties at the
+    boundary fill the list; slots past n_valid are not written) at cand_ptr[0:CAP] and return
+    t_c: every key above it is in the list (INT32_MIN when the whole chunk is)."""
+    if n_valid <= CAP:
+        tl.store(cand_ptr + offs, keys.to(tl.int32), mask=offs < n_valid)
+        t_c = tl.full([], _INT32_MIN, tl.int64)
+    else:
+        # The CAP-th largest key: the largest t with count(key >= t) >= CAP, by bisection over
+        # the keys held in registers (no memory traffic).
+        lo = tl.min(tl.where(offs < n_valid, keys, _INT32_MAX), axis=0).to(tl.int64)
+        hi = tl.max(keys, axis=0).to(tl.int64)
+        while lo < hi:
+            mid = lo + (hi - lo + 1) // 2
+            enough = tl.sum((keys >= mid).to(tl.int32), axis=0) >= CAP
+            lo = tl.where(enough, mid, lo)
+            hi = tl.where(enough, hi, mid - 1)
+        t_c = lo
+        gt = keys > t_c
+        eq = keys == t_c
+        n_gt = tl.sum(gt.to(tl.int32), axis=0)
+        slot = tl.where(gt, tl.cumsum(gt.to(tl.int32), axis=0) - 1, n_gt + tl.cumsum(eq.to(tl.int32), axis=0) - 1)
+        tl.store(cand_ptr + slot, keys.to(tl.int32), mask=(gt | eq) & (slot < CAP))
+    return t_c
+
+
+@triton.jit
+def _warp_from_candidates(cand, t_sat, m, S, key_max, top_k, top_p, k_on, p_on, CAP: tl.constexpr):
+    """(thr, S_kept, exact) of a position from its candidate keys cand [NCB * CAP] int32 (-2^31:
+    no key; see the
+    header): thr the smallest kept key, S_kept the kept mass sum exp(s - m); exact is false when
+    the candidates cannot decide (the caller then scans the whole position)."""
+    e = tl.where(cand > _INT32_MIN, tl.exp(_key_value(cand) - m), 0.0)
+    cand = cand.to(tl.int64)
+    thr = tl.full([], _INT32_MIN, tl.int64)
+    S_kept = S
+    exact = tl.full([], 1, tl.int1)
+    complete = tl.full([], 0, tl.int1)  # the kept set so far lies wholly in the lists
+    if k_on:
+        if top_k <= CAP:
+            lo = tl.full([], _INT32_MIN, tl.int64)
+            hi = key_max
+            while lo < hi:
+                mid = lo + (hi - lo + 1) // 2
+                enough = tl.sum((cand >= mid).to(tl.int32), axis=0) >= top_k
+                lo = tl.where(enough, mid, lo)
+                hi = tl.where(enough, hi, mid - 1)
+            if lo > t_sat:
+                thr = lo
+                S_kept = tl.sum(tl.where(cand >= thr, e, 0.0), axis=0)
+                complete = tl.full([], 1, tl.int1)
+            else:
+                exact = tl.full([], 0, tl.int1)
+        else:
+            exact = tl.full([], 0, tl.int1)
+    if p_on & exact:
+        limit = top_p * S_kept
+        lo = thr
+        hi = key_max
+        while lo < hi:
+            mid = lo + (hi - lo) // 2
+            above = tl.sum(tl.where(cand >= mid + 1, e, 0.0), axis=0)
+            small = above < limit
+            hi = tl.where(small, mid, hi)
+            lo = tl.where(small, lo, mid + 1)
+        if complete | (lo > t_sat):
+            thr = lo
+            S_kept = tl.sum(tl.where(cand >= thr, e, 0.0), axis=0)
+        else:
+            exact = tl.full([], 0, tl.int1)
+    return thr, S_kept, exact
+
+
+@triton.jit
+def _chunk_weights(pos_ptr, q_ptr, offs, V, q_len, x_j, inv_t, m, S, thr, subtract_q,
+                   HAS_DRAFT_PROBS: tl.constexpr):
+    """One chunk's final-draw weights (fp32): r = max(0, p - q) when subtract_q (the residual
+    after a rejection), else r = p; with the non-finite/negative q count.  q is read up to q_len
+    (0 = not at all), or is one-hot at x_j for a deterministic drafter."""
+    mask = offs < V
+    s = tl.load(pos_ptr + offs, mask=mask, other=float("-inf")).to(tl.float32) * inv_t
+    p = tl.where(mask & (_order_key(s).to(tl.int64) >= thr), tl.exp(s - m) / S, 0.0)
+    if HAS_DRAFT_PROBS:
+        q = tl.load(q_ptr + offs, mask=offs < q_len, other=0.0)
+    else:
+        q = tl.where(offs == x_j, 1.0, 0.0)
+    r = tl.where(subtract_q, tl.maximum(p - q, 0.0), p)
+    r = tl.where(r == r, r, 0.0)
+    n_bad_q = tl.sum(((q != q) | (q < 0.0) | (q == float("inf"))).to(tl.int32), axis=0)
+    return r, mask, n_bad_q
+
+
+@triton.jit
+def _emit(tokens_ptr, num_accepted_ptr, draft_tokens_ptr, stride_tb, stride_tk, b, K, j, final, bad,
+          BLOCK_K: tl.constexpr):
+    """Row b's outputs: the accepted drafts, the final token at j, then -1 (all -1 if bad)."""
+    cols = tl.arange(0, BLOCK_K)
+    x_all = tl.load(draft_tokens_ptr + b * stride_tb + cols * stride_tk, mask=cols < K, other=-1).to(tl.int64)
+    out = tl.where(cols < j, x_all, -1)
+    out = tl.where(cols == j, final, out)
+    out = tl.where(bad, -1, out)
+    tl.store(tokens_ptr + b * (K + 1) + cols, out, mask=cols < K + 1)
+    tl.store(num_accepted_ptr + b, tl.where(bad, -1, j))
+
+
+@triton.jit
+def _verify_split_kernel(
+    logits_ptr, stride_lb, stride_lk,  # [B, K+1, V] fp32/bf16/fp16, last dim contiguous
+    draft_tokens_ptr, stride_tb, stride_tk,  # [B, K] int32/int64
+    draft_probs_ptr, stride_qb, stride_qk,  # [B, K, Vd] fp32, last dim contiguous
+    uniforms_ptr, stride_ub, stride_uk,  # [B, K+1] float64/fp32
+    param_flags,  # bit set: that parameter is a [B] tensor (ptr, stride), else the scalar
+    nd_ptr, nd_stride, nd_scalar,  # num_draft_tokens: int
+    t_ptr, t_stride, t_scalar,  # temperature: float, 0 = greedy
+    k_ptr, k_stride, k_scalar,  # top_k: int, 0 = off
+    p_ptr, p_stride, p_scalar,  # top_p: float, 1 = off
+    seed_ptr, seed_stride, seed_scalar,  # seed: int64
+    off_ptr, off_stride, off_scalar,  # offset: int64
+    seed_row_step,  # row b's seed is seed + b * seed_row_step (1 for seed=None's base seed, else 0)
+    tokens_ptr,  # out [B, K+1] int64, contiguous
+    num_accepted_ptr,  # out [B] int64
+    counters_ptr,  # int32 [2 + B * (K+1) + 3 * B], zero between launches
+    part_f_ptr,  # fp32 [2 * B * (K+1) * NC + 2 * B * (K+1)]
+    part_i_ptr,  # int32 [3 * B * (K+1) * NC + 3 * B * (K+1) + 4 * B + B * NC]
+    cand_ptr,  # int32 [B * (K+1) * NC * CAP] (with a warp)
+    mass_ptr,  # float64 [B * NC]
+    order_ptr,  # int32 [N1 + N2]: the item each ticket stands for (tests only, HAS_ORDER)
+    B, K, V, Vd, NC, G,
+    HAS_DRAFT_PROBS: tl.constexpr,
+    HAS_TOP_K: tl.constexpr,
+    HAS_TOP_P: tl.constexpr,
+    HAS_UNIFORMS: tl.constexpr,
+    HAS_ORDER: tl.constexpr,
+    CHUNK: tl.constexpr,
+    NCB: tl.constexpr,
+    CAP: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    K1 = K + 1
+    N1 = B * K1 * NC
+    N2 = B * NC
+    # The workspace's fields (element offsets into its four tensors).
+    ticket_ptr = counters_ptr
+    exit_ptr = counters_ptr + 1
+    pos_cnt_ptr = counters_ptr + 2  # [B * (K+1)]
+    row_cnt_ptr = pos_cnt_ptr + B * K1  # [B]
+    ready_ptr = row_cnt_ptr + B  # [B]
+    s2_cnt_ptr = ready_ptr + B  # [B]
+    cm_ptr = part_f_ptr  # [B, K+1, NC] chunk max
+    cs_ptr = cm_ptr + N1  # [B, K+1, NC] chunk sum of exp(s - chunk max)
+    pm_ptr = cs_ptr + N1  # [B, K+1] position max (0 if unusable)
+    pS_ptr = pm_ptr + B * K1  # [B, K+1] position kept mass
+    ca_ptr = part_i_ptr  # [B, K+1, NC] chunk first argmax
+    cb_ptr = ca_ptr + N1  # [B, K+1, NC] chunk non-finite count
+    ct_ptr = cb_ptr + N1  # [B, K+1, NC] chunk t_c (candidates' saturation key)
+    pa_ptr = ct_ptr + N1  # [B, K+1] position argmax
+    pb_ptr = pa_ptr + B * K1  # [B, K+1] position unusable
+    pt_ptr = pb_ptr + B * K1  # [B, K+1] position threshold key
+    rj_ptr = pt_ptr + B * K1  # [B] stop position j
+    rr_ptr = rj_ptr + B  # [B] rejected
+    rbad_ptr = rr_ptr + B  # [B] invalid row
+    rx_ptr = rbad_ptr + B  # [B] the rejected draft x_j (-1 if none)
+    cq_ptr = rx_ptr + B  # [B, NC] chunk count of non-finite/negative q_j entries
+
+    offs0 = tl.arange(0, CHUNK)
+    cs_ids = tl.arange(0, NCB)
+    ks = tl.arange(0, BLOCK_K)
+
+    t = tl.atomic_add(ticket_ptr, 1)
+    while t < N1 + N2:
+        item = t
+        if HAS_ORDER:
+            item = tl.load(order_ptr + t)
+        if item < N1:
+            # ---------------------------------------------------------------- stage 1 (b, i, c)
+            b = (item // (K1 * NC)).to(tl.int64)
+            i = (item // NC) % K1
+            c = item % NC
+            kb, greedy, bad_param, inv_t, k_on, p_on, top_k, top_p = _row_params(
+                b, K, V, param_flags, nd_ptr, nd_stride, nd_scalar, t_ptr, t_stride, t_scalar,
+                k_ptr, k_stride, k_scalar, p_ptr, p_stride, p_scalar, HAS_TOP_K, HAS_TOP_P)
+            warp_on = k_on | p_on
+            pid_bi = b * K1 + i
+            rec = pid_bi * NC + c
+            if (i <= kb) & (bad_param == 0):
+                offs = c * CHUNK + offs0
+                mask = offs < V
+                pos_ptr = logits_ptr + b * stride_lb + i * stride_lk
+                s = tl.load(pos_ptr + offs, mask=mask, other=float("-inf")).to(tl.float32) * inv_t
+                n_bad = tl.sum(((s != s) | (s == float("inf"))).to(tl.int32), axis=0)
+                s = tl.where(s != s, float("-inf"), s)
+                m_c = tl.max(s, axis=0)
+                a_c = tl.min(tl.where(s == m_c, offs, _INT32_MAX), axis=0)
+                sum_c = tl.full([], 0.0, tl.float32)
+                if greedy == 0:  # greedy rows need no exponential
+                    m_ref = tl.where(m_c == float("-inf"), 0.0, m_c)
+                    sum_c = tl.sum(tl.exp(s - m_ref), axis=0)
+                tl.store(cm_ptr + rec, m_c)
+                tl.store(cs_ptr + rec, sum_c)
+                tl.store(ca_ptr + rec, a_c)
+                tl.store(cb_ptr + rec, n_bad)
+                if HAS_TOP_K | HAS_TOP_P:
+                    if warp_on:
+                        keys = tl.where(mask, _order_key(s), _INT32_MIN)
+                        t_c = _chunk_candidates(keys, offs0, V - c * CHUNK, cand_ptr + rec * CAP, CAP)
+                        tl.store(ct_ptr + rec, t_c.to(tl.int32))
+            # Arrive at the position: the last of its NC chunks combines them.
+            tl.debug_barrier()
+            arrived = tl.atomic_add(pos_cnt_ptr + pid_bi, 1, sem="acq_rel")
+            if arrived == NC - 1:
+                tl.atomic_xchg(pos_cnt_ptr + pid_bi, 0)
+                if (i <= kb) & (bad_param == 0):
+                    cmask = cs_ids < NC
+                    base = pid_bi * NC
+                    m_cs = tl.load(cm_ptr + base + cs_ids, mask=cmask, other=float("-inf"), cache_modifier=".cg")
+                    a_cs = tl.load(ca_ptr + base + cs_ids, mask=cmask, other=_INT32_MAX, cache_modifier=".cg")
+                    b_cs = tl.load(cb_ptr + base + cs_ids, mask=cmask, other=0, cache_modifier=".cg")
+                    m = tl.max(m_cs, axis=0)
+                    amax = tl.min(tl.where(m_cs == m, a_cs, _INT32_MAX), axis=0)
+                    bad = (tl.sum(b_cs, axis=0) > 0) | (m == float("-inf")) | (m == float("inf"))
+                    m_safe = tl.where(bad, 0.0, m)
+                    S = tl.full([], 1.0, tl.float32)
+                    thr = tl.full([], _INT32_MIN, tl.int64)
+                    if (greedy == 0) & (bad == 0):
+                        s_cs = tl.load(cs_ptr + base + cs_ids, mask=cmask, other=0.0, cache_modifier=".cg")
+                        S = tl.sum(tl.where(cmask, s_cs * tl.exp(m_cs - m_safe), 0.0), axis=0)
+                        if HAS_TOP_K | HAS_TOP_P:
+                            if warp_on:
+                                # slot s of chunk s // CAP holds a key if s % CAP < that chunk's size
+                                cids = tl.arange(0, NCB * CAP)
+                                c_size = tl.minimum(V - (cids // CAP) * CHUNK, CHUNK)
+                                cand = tl.load(cand_ptr + base * CAP + cids, mask=(cids % CAP) < c_size,
+                                               other=_INT32_MIN, cache_modifier=".cg")
+                                t_cs = tl.load(ct_ptr + base + cs_ids, mask=cmask, other=_INT32_MIN,
+                                               cache_modifier=".cg").to(tl.int64)
+                                t_sat = tl.max(t_cs, axis=0)
+                                key_max = _order_key(m_safe).to(tl.int64)
+                                thr, S_w, exact = _warp_from_candidates(cand, t_sat, m_safe, S, key_max,
+                                                                        top_k, top_p, k_on, p_on, CAP)
+                                if exact:
+                                    S = S_w
+                                else:  # the lists cannot decide: bisect over the whole position
+                                    S, thr = _warp_full(logits_ptr + b * stride_lb + i * stride_lk, V, inv_t,
+                                                        m_safe, S, key_max, top_k, top_p, k_on, p_on,
+                                                        HAS_TOP_K, HAS_TOP_P, CHUNK)
+                    tl.store(pm_ptr + pid_bi, m_safe)
+                    tl.store(pS_ptr + pid_bi, S)
+                    tl.store(pa_ptr + pid_bi, amax)
+                    tl.store(pb_ptr + pid_bi, bad.to(tl.int32))
+                    tl.store(pt_ptr + pid_bi, thr.to(tl.int32))
+                # Arrive at the row: the last of its K + 1 positions runs the acceptance chain.
+                tl.debug_barrier()
+                rows_done = tl.atomic_add(row_cnt_ptr + b, 1, sem="acq_rel")
+                if rows_done == K1 - 1:
+                    tl.atomic_xchg(row_cnt_ptr + b, 0)
+                    j = kb * 0
+                    rejected = tl.full([], 0, tl.int1)
+                    bad_row = bad_param
+                    x_j = tl.full([], -1, tl.int64)
+                    final = tl.full([], 0, tl.int64)
+                    if bad_param == 0:
+                        pmask = ks <= kb
+                        dmask = ks < kb
+                        m_i = tl.load(pm_ptr + b * K1 + ks, mask=pmask, other=0.0, cache_modifier=".cg")
+                        S_i = tl.load(pS_ptr + b * K1 + ks, mask=pmask, other=1.0, cache_modifier=".cg")
+                        a_i = tl.load(pa_ptr + b * K1 + ks, mask=pmask, other=0, cache_modifier=".cg").to(tl.int64)
+                        bad_i = tl.load(pb_ptr + b * K1 + ks, mask=pmask, other=0, cache_modifier=".cg") != 0
+                        thr_i = tl.load(pt_ptr + b * K1 + ks, mask=pmask, other=_INT32_MIN,
+                                        cache_modifier=".cg").to(tl.int64)
+                        x = tl.load(draft_tokens_ptr + b * stride_tb + ks * stride_tk, mask=dmask, other=0).to(tl.int64)
+                        x_ok = (x >= 0) & (x < V)
+                        x_safe = tl.where(x_ok, x, 0)
+                        s_x = tl.load(logits_ptr + b * stride_lb + ks * stride_lk + x_safe, mask=dmask,
+                                      other=0.0).to(tl.float32) * inv_t
+                        p_x = tl.where(_order_key(s_x).to(tl.int64) >= thr_i, tl.exp(s_x - m_i) / S_i, 0.0)
+                        q_x = tl.full([BLOCK_K], 1.0, tl.float32)
+                        if HAS_DRAFT_PROBS:
+                            q_x = tl.load(draft_probs_ptr + b * stride_qb + ks * stride_qk + x_safe,
+                                          mask=dmask & (x_safe < Vd), other=0.0)
+                        if HAS_UNIFORMS:
+                            u = tl.load(uniforms_ptr + b * stride_ub + ks * stride_uk, mask=dmask,
+                                        other=0.0).to(tl.float64)
+                        else:
+                            seed = (_param(param_flags, _P_SEED, seed_ptr, seed_stride, seed_scalar, b, tl.int64)
+                                    + b * seed_row_step)
+                            counter_base = _param(param_flags, _P_OFFSET, off_ptr, off_stride, off_scalar,
+                                                  b, tl.int64) << 32
+                            u = tl.rand(seed, counter_base | (ks + 1).to(tl.int64)).to(tl.float64)
+                        bad_q = ((q_x != q_x) | (q_x < 0.0) | (q_x == float("inf"))) & (greedy == 0)
+                        bad_x = ~x_ok | bad_q
+                        # in float64: u * q(x) of a 24-bit u and an fp32 q is exact
+                        accept = tl.where(greedy, x == a_i, u * q_x.to(tl.float64) < p_x.to(tl.float64))
+                        stop = (~accept | bad_i | bad_x) & dmask
+                        j = tl.min(tl.where(stop, ks, kb), axis=0).to(tl.int64)
+                        rejected = j < kb
+                        at_j = ks == j
+                        bad_row = (tl.sum((at_j & bad_i).to(tl.int32), axis=0) > 0) | (
+                            rejected & (tl.sum((at_j & bad_x).to(tl.int32), axis=0) > 0))
+                        final = tl.sum(tl.where(at_j, a_i, 0), axis=0)
+                        x_j = tl.where(rejected, tl.sum(tl.where(at_j, x, 0), axis=0), -1)
+                    if greedy | bad_row:
+                        _emit(tokens_ptr, num_accepted_ptr, draft_tokens_ptr, stride_tb, stride_tk, b, K, j,
+                              final, bad_row, BLOCK_K)
+                    tl.store(rj_ptr + b, j.to(tl.int32))
+                    tl.store(rr_ptr + b, rejected.to(tl.int32))
+                    tl.store(rbad_ptr + b, bad_row.to(tl.int32))
+                    tl.store(rx_ptr + b, x_j.to(tl.int32))
+                    tl.debug_barrier()
+                    tl.atomic_xchg(ready_ptr + b, 1, sem="release")
+        else:
+            # ---------------------------------------------------------------- stage 2 (b, c)
+            b = ((item - N1) // NC).to(tl.int64)
+            c = (item - N1) % NC
+            # Wait for the row's acceptance chain (stage-1 items only: all numbered before this one).
+            ready = tl.atomic_add(ready_ptr + b, 0, sem="acquire")
+            while ready == 0:
+                ready = tl.atomic_add(ready_ptr + b, 0, sem="acquire")
+            kb, greedy, bad_param, inv_t, k_on, p_on, top_k, top_p = _row_params(
+                b, K, V, param_flags, nd_ptr, nd_stride, nd_scalar, t_ptr, t_stride, t_scalar,
+                k_ptr, k_stride, k_scalar, p_ptr, p_stride, p_scalar, HAS_TOP_K, HAS_TOP_P)
+            j = tl.load(rj_ptr + b, cache_modifier=".cg").to(tl.int64)
+            rejected = tl.load(rr_ptr + b, cache_modifier=".cg") != 0
+            bad_row = tl.load(rbad_ptr + b, cache_modifier=".cg") != 0
+            x_j = tl.load(rx_ptr + b, cache_modifier=".cg").to(tl.int64)
+            sampled = (greedy == 0) & (bad_row == 0)
+            pos_ptr = logits_ptr + b * stride_lb + j * stride_lk
+            q_ptr = draft_probs_ptr + b * stride_qb + j * stride_qk
+            q_len = tl.where(rejected, Vd, 0)  # q_j is read only after a rejection
+            m_j = tl.load(pm_ptr + b * K1 + j, cache_modifier=".cg")
+            S_j = tl.load(pS_ptr + b * K1 + j, cache_modifier=".cg")
+            thr_j = tl.load(pt_ptr + b * K1 + j, cache_modifier=".cg").to(tl.int64)
+            if sampled:
+                r, _, n_bad_q = _chunk_weights(pos_ptr, q_ptr, c * CHUNK + offs0, V, q_len, x_j, inv_t, m_j, S_j,
+                                               thr_j, rejected, HAS_DRAFT_PROBS)
+                tl.store(mass_ptr + b * NC + c, tl.sum(r.to(tl.float64), axis=0))
+                tl.store(cq_ptr + b * NC + c, n_bad_q)
+            tl.debug_barrier()
+            arrived = tl.atomic_add(s2_cnt_ptr + b, 1, sem="acq_rel")
+            if arrived == NC - 1:
+                tl.atomic_xchg(s2_cnt_ptr + b, 0)
+                tl.atomic_xchg(ready_ptr + b, 0)
+                if sampled:
+                    cmask = cs_ids < NC
+                    W = tl.load(mass_ptr + b * NC + cs_ids, mask=cmask, other=0.0, cache_modifier=".cg")
+                    n_bad_q = tl.sum(tl.load(cq_ptr + b * NC + cs_ids, mask=cmask, other=0, cache_modifier=".cg"),
+                                     axis=0)
+                    bad_row = n_bad_q > 0
+                    total = tl.sum(W, axis=0)
+                    use_p = total <= 0.0
+                    if use_p:
+                        # The residual sums to zero (q >= p everywhere in floating point): draw
+                        # from p itself, its chunk masses summed here (rare: one pass of its own).
+                        W = tl.zeros([NCB], dtype=tl.float64)
+                        for cc in range(0, NC):
+                            r, _, _ = _chunk_weights(pos_ptr, q_ptr, cc * CHUNK + offs0, V, 0, -1, inv_t, m_j, S_j,
+                                                     thr_j, False, HAS_DRAFT_PROBS)
+                            W = tl.where(cs_ids == cc, tl.sum(r.to(tl.float64), axis=0), W)
+                        total = tl.sum(W, axis=0)
+                    if HAS_UNIFORMS:
+                        u_final = tl.load(uniforms_ptr + b * stride_ub + K * stride_uk).to(tl.float64)
+                    else:
+                        seed = (_param(param_flags, _P_SEED, seed_ptr, seed_stride, seed_scalar, b, tl.int64)
+                                + b * seed_row_step)
+                        counter_base = _param(param_flags, _P_OFFSET, off_ptr, off_stride, off_scalar,
+                                              b, tl.int64) << 32
+                        # 53 random bits (27 of Philox's first word, 26 of its second) on the
+                        # 2^-53 grid: with fp32's 24, a token of probability below ~2^-24 would
+                        # be drawn with probability 0 or 2^-24, not its own
+                        r0, r1, _, _ = tl.randint4x(seed, counter_base)
+                        u_final = ((r0 >> 5).to(tl.float64) * 67108864.0
+                                   + (r1 >> 6).to(tl.float64)) * 1.1102230246251565e-16
+                    target = u_final * total
+                    # The chunk holding the draw: the first chunk of positive mass whose
+                    # cumulative mass (float64, chunk order) passes target; the last one if
+                    # rounding leaves none.
+                    cdf = tl.cumsum(W, axis=0)
+                    c_hit = tl.min(tl.where(cmask & (W > 0.0) & (cdf > target), cs_ids, _INT32_MAX), axis=0)
+                    c_last = tl.max(tl.where(cmask & (W > 0.0), cs_ids, -1), axis=0)
+                    c_star = tl.where(c_hit < _INT32_MAX, c_hit, c_last)
+                    carry = tl.sum(tl.where(cs_ids == c_star, cdf - W, 0.0), axis=0)
+                    offs = tl.maximum(c_star, 0) * CHUNK + offs0
+                    r, mask, _ = _chunk_weights(pos_ptr, q_ptr, offs, V, q_len, x_j, inv_t, m_j, S_j, thr_j,
+                                                rejected & ~use_p, HAS_DRAFT_PROBS)
+                    # float64: tiny weights keep their intervals; r > 0: a token of weight 0 is
+                    # never the hit, whatever order tl.cumsum adds in
+                    cdf_v = carry + tl.cumsum(r.to(tl.float64), axis=0)
+                    hit = tl.min(tl.where(mask & (r > 0.0) & (cdf_v > target), offs, _INT32_MAX), axis=0)
+                    last_nz = tl.max(tl.where(mask & (r > 0.0), offs, -1), axis=0)
+                    final = tl.where(hit < _INT32_MAX, hit, last_nz).to(tl.int64)
+                    bad_row = bad_row | (final < 0) | (c_star < 0)
+                    _emit(tokens_ptr, num_accepted_ptr, draft_tokens_ptr, stride_tb, stride_tk, b, K, j, final,
+                          bad_row, BLOCK_K)
+        t = tl.atomic_add(ticket_ptr, 1)
+    # Leave: the last program to leave resets the ticket for the next launch on this stream.
+    left = tl.atomic_add(exit_ptr, 1)
+    if left == G - 1:
+        tl.atomic_xchg(ticket_ptr, 0)
+        tl.atomic_xchg(exit_ptr, 0)
