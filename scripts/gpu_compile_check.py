@@ -3,13 +3,20 @@
 Two parts, each compiled for the given compute capabilities (default 9.0: H100/H200) and each
 cubin's resource usage read back with ``cuobjdump --dump-resource-usage``:
 
-- ``triton``: the verify kernel (``specdec_kernels/_verify_kernel.py``) through
-  ``triton.compile`` with a ``GPUTarget`` (no driver or GPU needed: Triton's own ptxas makes
-  the cubin), once per specialisation listed in ``VARIANTS``: the constexprs and num_warps come
-  from ``verify._kernel_meta``, as for a launch, and the argument types are the ones the launcher
-  passes (an absent optional pointer is the int64 placeholder it passes instead).  Integer
-  arguments are typed i32 (the JIT's type for values that fit) without the JIT's divisibility
-  hints, which change scheduling, not validity.
+- ``triton``: both verify kernels through ``triton.compile`` with a ``GPUTarget`` (no driver or
+  GPU needed: Triton's own ptxas makes the cubin), once per specialisation listed in ``VARIANTS``
+  each: the split kernel (``specdec_kernels/_verify_split_kernel.py``, the ``"triton"`` backend;
+  constexprs and num_warps from ``verify._split_meta``) and the one-program-per-row kernel
+  (``specdec_kernels/_verify_kernel.py``, the private ``"_triton_rows"`` backend; from
+  ``verify._kernel_meta``), as for a launch.  The argument types are the ones the launchers pass:
+  an absent optional pointer is the int64 placeholder they pass instead; the split kernel's
+  per-row parameters are typed as [B] tensors of the op's dtypes (whether a row reads the tensor
+  or the scalar argument is decided at run time, so both paths are compiled), its scalar
+  temperature/top_p fp32, its scalar seed/offset i64 (they may not fit in 32 bits), its workspace
+  as the launcher allocates it (int32 counters, fp32/int32 partial records, int32 candidates,
+  float64 chunk masses) and its work-item order pointer as the placeholder (HAS_ORDER is a tests'
+  specialisation).  Other integer arguments are typed i32 (the JIT's type for values that fit)
+  without the JIT's divisibility hints, which change scheduling, not validity.
 - ``cuda``: the CUDA source of the C++ ops (``csrc/*.cu``) through ``nvcc -c`` with the flags
   torch's ``BuildExtension`` gives a ``CUDAExtension`` (torch's include paths, its common nvcc
   flags, the ``-std`` torch's CUDAExtension uses, the extension's defines), when nvcc is found.  A CPU build of torch
@@ -97,7 +104,7 @@ def resource_usage(path: str) -> dict:
 
 
 def verify_signature(logits: str, tokens: str, meta: dict) -> dict:
-    """The verify kernel's argument types for a launch with these dtypes and flags."""
+    """The one-program-per-row verify kernel's argument types for a launch with these dtypes and flags."""
     from specdec_kernels._verify_kernel import _verify_kernel
 
     placeholder = "*i64"  # the launcher passes num_accepted for an absent optional pointer
@@ -121,11 +128,44 @@ def verify_signature(logits: str, tokens: str, meta: dict) -> dict:
     return sig
 
 
+def verify_split_signature(logits: str, tokens: str, meta: dict) -> dict:
+    """The split verify kernel's argument types for a launch with these dtypes and flags (as
+    ``verify._launch_triton`` passes them)."""
+    from specdec_kernels._verify_split_kernel import _verify_split_kernel
+
+    placeholder = "*i64"  # the launcher passes num_accepted for an absent tensor
+    sig = dict(
+        logits_ptr=f"*{logits}", stride_lb="i32", stride_lk="i32",
+        draft_tokens_ptr=f"*{tokens}", stride_tb="i32", stride_tk="i32",
+        draft_probs_ptr="*fp32" if meta["HAS_DRAFT_PROBS"] else placeholder, stride_qb="i32", stride_qk="i32",
+        uniforms_ptr="*fp64" if meta["HAS_UNIFORMS"] else placeholder, stride_ub="i32", stride_uk="i32",
+        param_flags="i32",
+        nd_ptr="*i64", nd_stride="i32", nd_scalar="i32",
+        t_ptr="*fp32", t_stride="i32", t_scalar="fp32",
+        k_ptr="*i64", k_stride="i32", k_scalar="i32",
+        p_ptr="*fp32" if meta["HAS_TOP_P"] else placeholder, p_stride="i32", p_scalar="fp32",
+        seed_ptr="*i64", seed_stride="i32", seed_scalar="i64",
+        off_ptr="*i64", off_stride="i32", off_scalar="i64",
+        seed_row_step="i32",
+        tokens_ptr="*i64", num_accepted_ptr="*i64",
+        counters_ptr="*i32", part_f_ptr="*fp32", part_i_ptr="*i32", cand_ptr="*i32", mass_ptr="*fp64",
+        order_ptr="*i32" if meta["HAS_ORDER"] else placeholder,
+        B="i32", K="i32", V="i32", Vd="i32", NC="i32", G="i32",
+    )
+    params = list(inspect.signature(_verify_split_kernel.fn).parameters)
+    for name in params:
+        if name not in sig:
+            sig[name] = "constexpr"
+    if list(sig) != params:
+        raise RuntimeError(f"the split verify kernel's parameters changed: {params}; update verify_split_signature")
+    return sig
+
+
 @contextlib.contextmanager
 def _ptxas_log_printed():
     """Triton's own ptxas run (its flags, -v included) prints its log, and compiles afresh (a
     cached kernel runs no ptxas): spills are in that log only, not in cuobjdump's resource usage
-    (a review: a STACK frame with LOCAL 0 had been read as no spills)."""
+    (a spill can sit in a STACK frame with LOCAL 0)."""
     from triton import knobs
 
     old, old_dump = os.environ.get("TRITON_CACHE_DIR"), knobs.nvidia.dump_ptxas_log
@@ -153,41 +193,54 @@ def _spills(ptxas_log: str) -> dict:
     return dict(spill_stores=sum(int(a) for a, _ in found), spill_loads=sum(int(b) for _, b in found))
 
 
+def _kernels() -> list:
+    """(kernel, meta function, signature function, the meta fields a result row shows) of each
+    Triton kernel checked: the split kernel (the "triton" backend) first, then the
+    one-program-per-row kernel (the private "_triton_rows" backend)."""
+    from specdec_kernels._verify_kernel import _verify_kernel
+    from specdec_kernels._verify_split_kernel import _verify_split_kernel
+    from specdec_kernels.verify import _kernel_meta, _split_meta
+
+    return [
+        (_verify_split_kernel, _split_meta, verify_split_signature, ("CHUNK", "NCB", "CAP", "BLOCK_K")),
+        (_verify_kernel, _kernel_meta, verify_signature, ("BLOCK_V", "BLOCK_K")),
+    ]
+
+
 def compile_triton(archs: list) -> list:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from specdec_kernels._verify_kernel import _verify_kernel
-    from specdec_kernels.verify import _kernel_meta
-
     results = []
     tmp = tempfile.mkdtemp(prefix="specdec-aot-")
     for arch in archs:
-        for name, logits, tokens, V, K, has_q, has_k, has_p, has_u in VARIANTS:
-            meta = _kernel_meta(V, K + 1, has_q, has_k, has_p, has_u)
-            options = dict(num_warps=meta.pop("num_warps"), enable_fp_fusion=meta.pop("enable_fp_fusion"))
-            num_warps = options["num_warps"]
-            row = dict(part="triton", kernel="_verify_kernel", variant=name, arch=arch, num_warps=num_warps,
-                       BLOCK_V=meta["BLOCK_V"], BLOCK_K=meta["BLOCK_K"], triton=triton.__version__)
-            t0 = time.time()
-            try:
-                src = ASTSource(fn=_verify_kernel, signature=verify_signature(logits, tokens, meta), constexprs=meta)
-                log = io.StringIO()
-                with _ptxas_log_printed(), contextlib.redirect_stdout(log):
-                    k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
-                path = os.path.join(tmp, f"verify-{arch}-{len(results)}.cubin")
-                with open(path, "wb") as f:
-                    f.write(k.asm["cubin"])
-                # fused multiply-adds in the PTX: none while enable_fp_fusion is off (the kernel
-                # writes no tl.fma), hundreds with it on
-                row.update(ok=True, enable_fp_fusion=options["enable_fp_fusion"],
-                           fma_f32=k.asm["ptx"].count("fma.rn.f32"), **resource_usage(path).get("_verify_kernel", {}),
-                           **_spills(log.getvalue()))
-            except Exception as e:  # noqa: BLE001  (reported, and the exit status says it)
-                row.update(ok=False, error=f"{type(e).__name__}: {e}"[-2000:])
-            row["seconds"] = round(time.time() - t0, 2)
-            results.append(row)
+        for kernel, meta_of, signature_of, shown in _kernels():
+            kname = kernel.fn.__name__
+            for name, logits, tokens, V, K, has_q, has_k, has_p, has_u in VARIANTS:
+                meta = meta_of(V, K + 1, has_q, has_k, has_p, has_u)
+                options = dict(num_warps=meta.pop("num_warps"), enable_fp_fusion=meta.pop("enable_fp_fusion"))
+                row = dict(part="triton", kernel=kname, variant=name, arch=arch, num_warps=options["num_warps"],
+                           **{f: meta[f] for f in shown}, triton=triton.__version__)
+                t0 = time.time()
+                try:
+                    src = ASTSource(fn=kernel, signature=signature_of(logits, tokens, meta), constexprs=meta)
+                    log = io.StringIO()
+                    with _ptxas_log_printed(), contextlib.redirect_stdout(log):
+                        k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+                    path = os.path.join(tmp, f"{kname}-{arch}-{len(results)}.cubin")
+                    with open(path, "wb") as f:
+                        f.write(k.asm["cubin"])
+                    # fused multiply-adds in the PTX: none while enable_fp_fusion is off (the
+                    # kernels write no tl.fma), hundreds with it on
+                    ptx = k.asm["ptx"]
+                    row.update(ok=True, enable_fp_fusion=options["enable_fp_fusion"],
+                               fma_f32=ptx.count("fma.rn.f32"), fma_f64=ptx.count("fma.rn.f64"),
+                               **resource_usage(path).get(kname, {}), **_spills(log.getvalue()))
+                except Exception as e:  # noqa: BLE001  (reported, and the exit status says it)
+                    row.update(ok=False, error=f"{type(e).__name__}: {e}"[-2000:])
+                row["seconds"] = round(time.time() - t0, 2)
+                results.append(row)
     shutil.rmtree(tmp, ignore_errors=True)
     return results
 
@@ -271,8 +324,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     # The interpreter replaces @triton.jit functions with interpreted ones, which cannot be
     # compiled: the kernel module must be imported without it (in a fresh process).
-    if os.environ.pop("TRITON_INTERPRET", None) and "specdec_kernels._verify_kernel" in sys.modules:
-        raise SystemExit("run this in a process that has not imported the kernel under TRITON_INTERPRET")
+    if os.environ.pop("TRITON_INTERPRET", None) and any(
+            m in sys.modules for m in ("specdec_kernels._verify_kernel", "specdec_kernels._verify_split_kernel")):
+        raise SystemExit("run this in a process that has not imported the kernels under TRITON_INTERPRET")
     results = []
     if args.only in (None, "triton"):
         results += compile_triton(args.arch)
@@ -281,11 +335,17 @@ def main(argv=None) -> int:
     for r in results:
         what = r.get("variant") or r.get("source") or ""
         status = {True: "ok", False: "FAILED", None: "skipped"}[r["ok"]]
-        line = f"{r['part']:6s} sm_{r.get('arch', '?')} {what:38s} {status}"
+        kernel = f" {r['kernel']:20s}" if r["part"] == "triton" else ""
+        line = f"{r['part']:6s} sm_{r.get('arch', '?')}{kernel} {what:38s} {status}"
         if r["part"] == "triton" and r["ok"]:
+            if "BLOCK_V" in r:
+                blocks = f"BLOCK_V {r['BLOCK_V']}"
+            else:
+                blocks = f"CHUNK {r['CHUNK']}, NCB {r['NCB']}, CAP {r['CAP']}"
             line += (f"  {r.get('regs', '?')} regs, stack {r.get('stack', '?')}, local {r.get('local', '?')}, "
                      f"spills {r.get('spill_stores', '?')}/{r.get('spill_loads', '?')} B, "
-                     f"shared {r.get('shared', '?')} B, {r['num_warps']} warps, BLOCK_V {r['BLOCK_V']}, {r['fma_f32']} FMA")
+                     f"shared {r.get('shared', '?')} B, {r['num_warps']} warps, {blocks}, BLOCK_K {r['BLOCK_K']}, "
+                     f"{r['fma_f32']} FMA")
         elif r["part"] == "cuda" and r["ok"] and r["kernels"]:
             use = r["kernels"].values()
             line += (f"  {len(use)} kernels: {min(u['regs'] for u in use)}-{max(u['regs'] for u in use)} regs, "
