@@ -1,7 +1,10 @@
 """Microbenchmark of the verification step: fused_verify against every PyTorch way of doing it.
 
 Providers, all computing the same step on the same inputs:
-  fused_triton        fused_verify, the Triton kernel (one launch; CUDA only)
+  fused_triton        fused_verify, the split-vocabulary Triton kernel (one launch, the vocabulary
+                      split into chunks across programs; CUDA only)
+  fused_triton_rows   fused_verify(backend="_triton_rows"), the one-program-per-row kernel it
+                      replaced, kept until the two have been measured side by side (CUDA only)
   fused_cpu           fused_verify on CPU tensors: the reference's computation, or its greedy
                       fast route (argmax and compare) when every row has temperature 0 (CPU only)
   torch_batched       the step as a lean batched PyTorch program (bench/torch_batched.py: every row
@@ -12,17 +15,29 @@ Providers, all computing the same step on the same inputs:
   hf_style            the step as transformers writes it, looped over the rows (bench/hf_style.py);
                       it has no top-k/top-p of its own, so warped rows are marked n/a for it
 
+Timing on CUDA: every provider under triton.testing.do_bench (launches included, cold L2), the
+column median_ms, from which the speed-ups and GB/s come; the two fused kernels at B <= 16 (a
+few microseconds, where the launch would dominate) also under CUDA graph replay
+(cuda_graph_median_ms, warm L2), compared with the baselines as they are in the
+graph_speedup_vs_* columns (the other fused kernel by its graph replay too).  On CPU the
+providers are timed in rounds (harness.time_interleaved).
+
+Bandwidth: gbps is the bytes a correct step reads and writes (bytes_moved) over median_ms;
+pct_peak is its share of the vendor's figure (harness.PEAK_GBPS), pct_of_copy its share of the
+device-to-device copy of a large buffer timed in the same run (copy_gbps: read + write bytes of
+--copy-mib MiB over the copy's median time), the bandwidth the device actually reaches.
+
 Drafts (--drafts): "accepted" (the default) makes every draft accepted (the target's argmax,
 drawn from a flatter q), so every provider verifies all K + 1 positions; "sampled" draws them
-from a q near p, and the fused kernel, which reads nothing after a row's first rejection, then
-does less work than the baselines (a review: with sampled drafts most greedy rows stopped at
-the first position). The mean accepted count is a column; the bytes behind GB/s are the floor
-of the step as it went: the logits of each row's positions up to its stop, the draft row of a
-residual, the outputs.
+from a q near p: the split kernel still reads every position (in parallel, before it knows
+where a row stops), the one-program-per-row kernel reads nothing after a row's first
+rejection, so it then does less work than the bytes counted.  The mean accepted count is a
+column.
 
 On a machine without a GPU only the torch providers run, on CPU (never the Triton interpreter,
-which would measure numpy). Rows append to a CSV keyed by provider, shape, dtype, device and
-versions; a table is printed and a PNG of time against B is drawn per (K, V, dtype, mode).
+which would measure numpy: bench/bench_verify_interpreter.py does that, as a proxy of the
+kernels' passes over the logits). Rows append to a CSV keyed by provider, shape, dtype, device
+and versions; a table is printed and a PNG of time against B is drawn per (K, V, dtype, mode).
 
     python bench/bench_verify.py                     # the grid for this machine (cpu or gpu)
     python bench/bench_verify.py --grid full --out bench/results/gpu
@@ -58,7 +73,11 @@ GRIDS = {
     "smoke": dict(B=[1, 4], K=[2], V=[1000], dtype=["fp32"], temperature=[1.0], warp=[False, True]),
 }
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-PROVIDERS = ["fused_triton", "fused_cpu", "torch_batched", "reference_eager", "reference_compiled", "hf_style"]
+PROVIDERS = ["fused_triton", "fused_triton_rows", "fused_cpu", "torch_batched", "reference_eager",
+             "reference_compiled", "hf_style"]
+# The fused kernels, timed also under CUDA graph replay where a call takes microseconds (B <= 16).
+GRAPHED = ("fused_triton", "fused_triton_rows")
+GRAPH_MAX_B = 16
 
 
 def make_inputs(B, K, V, dtype, device, drafts="accepted", seed=0):
@@ -77,12 +96,20 @@ def make_inputs(B, K, V, dtype, device, drafts="accepted", seed=0):
     return logits.to(device), x.to(device), q.to(device)
 
 
-def bytes_moved(num_accepted, K, V, Vd, elem):
-    """The floor of the step as it went, summed over rows that stopped at position n_b: the
-    logits of positions 0..n_b (a correct verification reads every one of them), the draft row
-    of the residual when the row rejected (n_b < K), the outputs."""
+def bytes_moved(num_accepted, num_draft, V, Vd, elem, full_q=True):
+    """The bytes a correct step reads and writes, summed over rows b with K_b = num_draft (an int
+    or [B]) drafts that accepted n_b = num_accepted[b]: the logits of positions 0..K_b, V * elem
+    each (every decision needs the softmax of its position; the split kernel reads them all, in
+    parallel, before it knows where the row stops), the draft row q of the residual, Vd * 4,
+    when the row rejected (n_b < K_b) and q is a full distribution (full_q), the outputs
+    ((K + 2) * 8, K = the largest K_b).  With every draft accepted (the default drafts) that is
+    also what the one-program-per-row kernel reads; with sampled drafts it reads only the
+    positions up to n_b."""
     n = num_accepted.double()
-    return int(((n + 1) * V * elem + (n < K).double() * Vd * 4 + (K + 2) * 8).sum())
+    kb = torch.as_tensor(num_draft, dtype=torch.float64).expand_as(n)
+    K = int(kb.max()) if kb.numel() else 0
+    rejected = (n < kb).double() * (Vd * 4 if full_q else 0)
+    return int(((kb + 1) * V * elem + rejected + (K + 2) * 8).sum())
 
 
 def build_providers(logits, x, q, temperature, warp, device, compiled_cache):
@@ -113,17 +140,42 @@ def build_providers(logits, x, q, temperature, warp, device, compiled_cache):
         "hf_style": None if warp else (lambda: hf_style_verify(logits, q, x, temperature)),
         "torch_batched": None if warp else (lambda: torch_batched_verify(logits, q, x, temperature)),
     }
-    fused = lambda: fused_verify(  # noqa: E731
-        logits, x, q, temperature=temp, top_k=top_k, top_p=top_p, seed=seed, offset=0)
+
+    def fused(backend="auto"):
+        return lambda: fused_verify(logits, x, q, temperature=temp, top_k=top_k, top_p=top_p, seed=seed, offset=0,
+                                    backend=backend)
+
     if device.type == "cuda":
-        providers["fused_triton"] = fused
+        providers["fused_triton"] = fused("triton")
+        providers["fused_triton_rows"] = fused("_triton_rows")
     else:  # fused_verify's CPU path: the reference, or its greedy fast route when every row has T = 0
-        providers["fused_cpu"] = fused
+        providers["fused_cpu"] = fused()
     return providers
 
 
+def measure_copy(device, mib):
+    """The device-to-device copy bandwidth in GB/s (read + write bytes over the median time) of a
+    buffer of ``mib`` MiB, far larger than any cache, or None when mib is 0 or the copy fails: the
+    bandwidth this device reaches in this run, the yardstick of pct_of_copy."""
+    if not mib:
+        return None
+    try:
+        n = mib << 20
+        src = torch.empty(n, dtype=torch.uint8, device=device).fill_(1)
+        dst = torch.empty_like(src)
+        med = time_fn(lambda: dst.copy_(src), device)[0]
+    except Exception as e:  # noqa: BLE001 - an OOM on a shared device: the column is left empty
+        print(f"# device copy of {mib} MiB FAILED: {type(e).__name__}: {e}", flush=True)
+        return None
+    finally:
+        src = dst = None  # noqa: F841 - freed before the cases
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return 2 * n / (med * 1e-3) / 1e9
+
+
 def measure_case(B, K, V, dt, temperature, warp, device, wanted, compiled_cache, dev_name, peak, ver, stamp,
-                 drafts="accepted"):
+                 drafts="accepted", copy_gbps=None):
     """Every wanted provider on one (B, K, V, dtype, T, warp) case: its CSV rows, also printed
     as they are measured (a run stopped at a time limit keeps them in its log)."""
     if temperature == 0 and warp:
@@ -144,16 +196,20 @@ def measure_case(B, K, V, dt, temperature, warp, device, wanted, compiled_cache,
         failed.update(provider_failed)
     else:
         # Every provider is timed the same way (do_bench: launches included, cold L2), so the
-        # ratios compare like with like; the one-launch kernel at small B is also timed as a
-        # CUDA graph replay (no launch overhead, warm L2), reported beside it only (the ratios
-        # used that replay against the others' do_bench until 2026-12-01, found by a review).
+        # speedup_vs_* ratios compare like with like; the fused kernels at small B are also timed
+        # as a CUDA graph replay (no launch overhead, warm L2), in their own columns. A failed
+        # replay (a capture error) is reported and leaves the provider's do_bench time standing.
         for name, fn in chosen.items():
             try:
                 times[name] = time_fn(fn, device)
-                if name == "fused_triton" and B <= 16:
-                    graph_ms[name] = time_fn(fn, device, cuda_graph=True)[0]
             except Exception as e:  # noqa: BLE001 - a provider's failure (a compile error, OOM) is a finding
                 failed[name] = e
+                continue
+            if name in GRAPHED and B <= GRAPH_MAX_B:
+                try:
+                    graph_ms[name] = time_fn(fn, device, cuda_graph=True)[0]
+                except Exception as e:  # noqa: BLE001
+                    failed[f"{name} (CUDA graph)"] = e
     for name, e in failed.items():
         print(f"# B={B} K={K} V={V} {dt} T={temperature} warp={bool(warp)}: {name} FAILED: "
               f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", flush=True)
@@ -162,7 +218,7 @@ def measure_case(B, K, V, dt, temperature, warp, device, wanted, compiled_cache,
           f"(mean accepted {n_acc.double().mean():.2f} of {K}): "
           + ", ".join(f"{n} {t[0]:.4g} ms" for n, t in times.items())
           + "".join(f", {n} graph {t:.4g} ms" for n, t in graph_ms.items()), flush=True)
-    nbytes = bytes_moved(n_acc, K, V, q.shape[-1], logits.element_size())
+    nbytes = bytes_moved(n_acc, K, V, q.shape[-1], logits.element_size())  # every row has K_b = K
     rows = []
     for name, (med, q20, q80) in times.items():
         gbps = nbytes / (med * 1e-3) / 1e9
@@ -171,10 +227,13 @@ def measure_case(B, K, V, dt, temperature, warp, device, wanted, compiled_cache,
                    mean_accepted=float(n_acc.double().mean()), device=dev_name, threads=torch.get_num_threads(),
                    median_ms=med,
                    q20_ms=q20, q80_ms=q80, cuda_graph_median_ms=graph_ms.get(name), bytes=nbytes, gbps=gbps,
-                   pct_peak=(100 * gbps / peak) if peak else None, date=stamp, **ver)
+                   pct_peak=(100 * gbps / peak) if peak else None, copy_gbps=copy_gbps,
+                   pct_of_copy=(100 * gbps / copy_gbps) if copy_gbps else None, date=stamp, **ver)
         for other, (omed, _, _) in times.items():
             if other != name:
                 row[f"speedup_vs_{other}"] = omed / med
+                if name in graph_ms:  # the replay against the other as it is (its replay if it has one)
+                    row[f"graph_speedup_vs_{other}"] = graph_ms.get(other, omed) / graph_ms[name]
         rows.append(row)
     return rows
 
@@ -186,9 +245,13 @@ def main(argv=None):
     ap.add_argument("--out", default="bench/results/local")
     ap.add_argument("--providers", default=",".join(PROVIDERS))
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    ap.add_argument("--copy-mib", type=int, default=None,
+                    help="MiB of the device-to-device copy behind pct_of_copy (default: 1024 on CUDA, 256 on CPU; "
+                         "0: not measured)")
     ap.add_argument("--drafts", choices=["accepted", "sampled"], default="accepted",
                     help="accepted: every draft accepted, all K + 1 positions verified (default); sampled: drawn "
-                         "from a q near p (the fused kernel stops reading at a row's first rejection)")
+                         "from a q near p (the one-program-per-row kernel stops reading at a row's first "
+                         "rejection, the split kernel reads every position)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -197,13 +260,18 @@ def main(argv=None):
     wanted = set(args.providers.split(","))
     dev_name, peak, ver, stamp = device_name(device), peak_gbps(device), versions(), now()
     print(f"# bench_verify on {dev_name}; {ver}; {stamp}")
+    copy_mib = args.copy_mib if args.copy_mib is not None else (1024 if device.type == "cuda" else 256)
+    copy_gbps = measure_copy(device, copy_mib)
+    if copy_gbps:
+        print(f"# device copy of {copy_mib} MiB: {copy_gbps:.4g} GB/s (read + write)", flush=True)
     rows = []
     compiled_cache: dict = {}
     interrupted = False
     try:
         for case in itertools.product(grid["B"], grid["K"], grid["V"], grid["dtype"], grid["temperature"],
                                       grid["warp"]):
-            rows += measure_case(*case, device, wanted, compiled_cache, dev_name, peak, ver, stamp, args.drafts)
+            rows += measure_case(*case, device, wanted, compiled_cache, dev_name, peak, ver, stamp, args.drafts,
+                                 copy_gbps)
     except KeyboardInterrupt:  # a time limit (gpu_check.sh's SIGINT): keep the cases measured
         interrupted = True
         print(f"# interrupted: writing the {len(rows)} rows measured so far", flush=True)
@@ -217,12 +285,16 @@ def write_results(rows, out, dev_name, ver, stamp):
     for r in rows:  # one schema for the CSV: every speed-up column, None where not measured
         for p in PROVIDERS:
             r.setdefault(f"speedup_vs_{p}", None)
+            r.setdefault(f"graph_speedup_vs_{p}", None)
     os.makedirs(out, exist_ok=True)
     csv_path = os.path.join(out, "bench_verify.csv")
     cols = ["provider", "B", "K", "V", "dtype", "temperature", "warp", "drafts", "mean_accepted", "median_ms", "q20_ms", "q80_ms",
-            "cuda_graph_median_ms", "gbps", "pct_peak"]
+            "cuda_graph_median_ms", "gbps", "pct_peak", "pct_of_copy"]
     cols += [f"speedup_vs_{p}" for p in PROVIDERS]
-    rows = [{k: r[k] for k in sorted(r, key=lambda k: (k.startswith("speedup"), k))} for r in rows]
+    if any(r["cuda_graph_median_ms"] is not None for r in rows):
+        cols += [f"graph_speedup_vs_{p}" for p in PROVIDERS]
+    order = lambda k: (k.startswith("graph_speedup"), k.startswith("speedup"), k)  # noqa: E731
+    rows = [{k: r[k] for k in sorted(r, key=order)} for r in rows]
     append_csv(csv_path, rows)
     text = print_table(rows, cols)
     with open(os.path.join(out, "bench_verify.txt"), "w") as f:

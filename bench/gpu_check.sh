@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # One prepared run on a GPU machine: build with CUDA, the whole test suite on CUDA (the Triton
 # kernel for real, not interpreted; the decoder's CUDA paths in test_decoder_devices.py),
-# bench_verify on a reduced grid, bench_e2e on random-weight models of the embedded pair's and
-# feature draft's shapes (the target's GGUF does not travel; acceptance figures come from CPU
-# runs). Works offline from a fresh copy of the repository. The limits of the tests and the two
+# bench_verify on a reduced grid (its default providers: the split kernel, fused_triton, and the
+# one-program-per-row kernel, fused_triton_rows, side by side, each also under CUDA graph replay
+# at B <= 16; the device copy behind pct_of_copy), bench_e2e on random-weight models of the
+# embedded pair's and feature draft's shapes (the target's GGUF does not travel; acceptance
+# figures come from CPU runs). Works offline from a fresh copy of the repository. The limits of the tests and the two
 # benchmarks add up to 430 s (470 s with the grace periods); the build, random_pair.py and the
 # set-up take about a minute (on the VM: 24 s to build on 2 cores, 9 s for the random pair), and
 # the embedded target's conversion up to 90 s more where its wheel is installed (not in the GPU

@@ -134,56 +134,97 @@ def _row_params(b, K, V, flags,
 
 
 @triton.jit
-def _chunk_candidates(keys, offs, n_valid, cand_ptr, CAP: tl.constexpr):
-    """Store the min(CAP, n_valid) largest keys of one chunk of n_valid tokens (ties at the
-    boundary fill the list; slots past n_valid are not written) at cand_ptr[0:CAP] and return
-    t_c: every key above it is in the list (INT32_MIN when the whole chunk is)."""
-    if n_valid <= CAP:
-        tl.store(cand_ptr + offs, keys.to(tl.int32), mask=offs < n_valid)
-        t_c = tl.full([], _INT32_MIN, tl.int64)
-    else:
-        # The CAP-th largest key: the largest t with count(key >= t) >= CAP, by bisection over
-        # the keys held in registers (no memory traffic).
-        lo = tl.min(tl.where(offs < n_valid, keys, _INT32_MAX), axis=0).to(tl.int64)
-        hi = tl.max(keys, axis=0).to(tl.int64)
-        while lo < hi:
-            mid = lo + (hi - lo + 1) // 2
-            enough = tl.sum((keys >= mid).to(tl.int32), axis=0) >= CAP
-            lo = tl.where(enough, mid, lo)
-            hi = tl.where(enough, hi, mid - 1)
-        t_c = lo
-        gt = keys > t_c
-        eq = keys == t_c
-        n_gt = tl.sum(gt.to(tl.int32), axis=0)
-        slot = tl.where(gt, tl.cumsum(gt.to(tl.int32), axis=0) - 1, n_gt + tl.cumsum(eq.to(tl.int32), axis=0) - 1)
-        tl.store(cand_ptr + slot, keys.to(tl.int32), mask=(gt | eq) & (slot < CAP))
-    return t_c
+def _radix_round(digit, in_set, n_in, n_out, need, LAST: tl.constexpr):
+    """One round of radix select on 8-bit digits (0..255, in key order) of the n_in keys in_set
+    (n_out elements of the block are not): the digit d of the bucket holding the need-th largest
+    key of the set, and (unless LAST) the number of keys of the set in higher buckets and in
+    bucket d (one packed sum)."""
+    bins = tl.arange(0, 256)
+    # tl.histogram counts every element: the ones outside the set go to bin 0 and come off it
+    hist = tl.histogram(tl.where(in_set, digit, 0), 256) - tl.where(bins == 0, n_out, 0)
+    suffix = n_in - tl.cumsum(hist, axis=0) + hist  # keys of the set with a digit >= d
+    d = tl.max(tl.where(suffix >= need, bins, -1), axis=0)
+    above = n_in * 0
+    n_d = n_in * 0
+    if not LAST:
+        h64 = hist.to(tl.int64)
+        packed = tl.sum(tl.where(bins > d, h64, tl.where(bins == d, h64 << 32, 0)), axis=0)
+        above = (packed & 0xFFFFFFFF).to(tl.int32)
+        n_d = (packed >> 32).to(tl.int32)
+    return d, above, n_d
 
 
 @triton.jit
-def _warp_from_candidates(cand, t_sat, m, S, key_max, top_k, top_p, k_on, p_on, CAP: tl.constexpr):
+def _radix_select(keys, valid, k, n_valid, ROUNDS: tl.constexpr):
+    """Radix select over the int32 keys where valid (n_valid of them, 1 <= k <= n_valid), on
+    8-bit digits from the top, ROUNDS (1-4) histograms: returns hi, the largest key of the
+    bucket (the keys sharing the chosen top 8 * ROUNDS bits) that holds the k-th largest key.
+    Fewer than k valid keys are above hi; with ROUNDS = 4, hi is the k-th largest key."""
+    n = keys.shape[0]
+    need = k
+    in_set = valid
+    n_in = n_valid
+    prefix = tl.full([], 0, tl.int64)
+    for r in tl.static_range(ROUNDS):
+        if r == 0:
+            digit = (keys >> 24) + 128  # the signed top byte, as 0..255 in key order
+        else:
+            digit = (keys >> (24 - 8 * r)) & 255
+        d, above, n_d = _radix_round(digit, in_set, n_in, n - n_in, need, r == ROUNDS - 1)
+        need = need - above
+        n_in = n_d
+        in_set = in_set & (digit == d)
+        if r == 0:
+            prefix = (d - 128).to(tl.int64)
+        else:
+            prefix = prefix * 256 + d
+    return prefix * (1 << (32 - 8 * ROUNDS)) + ((1 << (32 - 8 * ROUNDS)) - 1)
+
+
+@triton.jit
+def _chunk_candidates(keys, offs, n_valid, cand_ptr, CAP: tl.constexpr):
+    """Store the largest keys of one chunk of n_valid tokens at cand_ptr[0:CAP]: all of them when
+    n_valid <= CAP, else every key above t_c, the top of the 16-bit bucket (sign, exponent and 7
+    mantissa bits) holding the chunk's CAP-th largest key (fewer than CAP keys). Returns (t_c,
+    count): every key of the chunk above t_c is in the list (t_c = INT32_MIN: the whole chunk)."""
+    if n_valid <= CAP:
+        tl.store(cand_ptr + offs, keys.to(tl.int32), mask=offs < n_valid)
+        t_c = tl.full([], _INT32_MIN, tl.int64)
+        count = n_valid
+    else:
+        t_c = _radix_select(keys, offs < n_valid, CAP, n_valid, 2)
+        gt = keys > t_c
+        slot = tl.cumsum(gt.to(tl.int32), axis=0) - 1
+        count = tl.max(tl.where(gt, slot + 1, 0), axis=0)
+        tl.store(cand_ptr + slot, keys.to(tl.int32), mask=gt)
+    return t_c, count
+
+
+@triton.jit
+def _warp_from_candidates(cand, t_sat, m, S, key_max, top_k, top_p, k_on, p_on, scratch_ptr,
+                          CAP: tl.constexpr):
     """(thr, S_kept, exact) of a position from its candidate keys cand [NCB * CAP] int32 (-2^31:
-    no key; see the
-    header): thr the smallest kept key, S_kept the kept mass sum exp(s - m); exact is false when
-    the candidates cannot decide (the caller then scans the whole position)."""
-    e = tl.where(cand > _INT32_MIN, tl.exp(_key_value(cand) - m), 0.0)
+    no key; every key of the position above t_sat is among them; see the header): thr the
+    smallest kept key, S_kept the kept mass sum exp(s - m); exact is false when the candidates
+    cannot decide (the caller then scans the whole position).  scratch_ptr: CAP int32 of room."""
+    valid = cand > _INT32_MIN
+    e = tl.where(valid, tl.exp(_key_value(cand) - m), 0.0)
+    c32 = cand
     cand = cand.to(tl.int64)
     thr = tl.full([], _INT32_MIN, tl.int64)
     S_kept = S
     exact = tl.full([], 1, tl.int1)
     complete = tl.full([], 0, tl.int1)  # the kept set so far lies wholly in the lists
+    n_kept = tl.full([], 0, tl.int32)
     if k_on:
-        if top_k <= CAP:
-            lo = tl.full([], _INT32_MIN, tl.int64)
-            hi = key_max
-            while lo < hi:
-                mid = lo + (hi - lo + 1) // 2
-                enough = tl.sum((cand >= mid).to(tl.int32), axis=0) >= top_k
-                lo = tl.where(enough, mid, lo)
-                hi = tl.where(enough, hi, mid - 1)
-            if lo > t_sat:
-                thr = lo
-                S_kept = tl.sum(tl.where(cand >= thr, e, 0.0), axis=0)
+        n_cand = tl.sum(valid.to(tl.int32), axis=0)
+        if top_k <= n_cand:
+            T = _radix_select(c32, valid, top_k.to(tl.int32), n_cand, 4)  # the k-th largest candidate
+            if T > t_sat:  # then it is the k-th largest key of the position
+                thr = T
+                kept = cand >= thr
+                n_kept = tl.sum(kept.to(tl.int32), axis=0)
+                S_kept = tl.sum(tl.where(kept, e, 0.0), axis=0)
                 complete = tl.full([], 1, tl.int1)
             else:
                 exact = tl.full([], 0, tl.int1)
@@ -191,19 +232,34 @@ def _warp_from_candidates(cand, t_sat, m, S, key_max, top_k, top_p, k_on, p_on, 
             exact = tl.full([], 0, tl.int1)
     if p_on & exact:
         limit = top_p * S_kept
-        lo = thr
-        hi = key_max
-        while lo < hi:
-            mid = lo + (hi - lo) // 2
-            above = tl.sum(tl.where(cand >= mid + 1, e, 0.0), axis=0)
-            small = above < limit
-            hi = tl.where(small, mid, hi)
-            lo = tl.where(small, lo, mid + 1)
-        if complete | (lo > t_sat):
-            thr = lo
-            S_kept = tl.sum(tl.where(cand >= thr, e, 0.0), axis=0)
+        if complete & (n_kept <= CAP):
+            # The top-k set in one block of CAP (through memory: a register block cannot be
+            # compacted): each kept key's strictly-greater mass at once, no bisection.
+            kept = cand >= thr
+            slot = tl.cumsum(kept.to(tl.int32), axis=0) - 1
+            tl.store(scratch_ptr + slot, c32, mask=kept)
+            tl.debug_barrier()
+            sl = tl.arange(0, CAP)
+            kk = tl.load(scratch_ptr + sl, mask=sl < n_kept, other=_INT32_MIN, cache_modifier=".cg").to(tl.int64)
+            ek = tl.where(sl < n_kept, tl.exp(_key_value(kk.to(tl.int32)) - m), 0.0)
+            above = tl.sum(tl.where(kk[None, :] > kk[:, None], ek[None, :], 0.0), axis=1)  # [CAP]
+            cut = tl.min(tl.where((sl < n_kept) & (above < limit), kk, _INT32_MAX), axis=0)
+            thr = cut
+            S_kept = tl.sum(tl.where(kk >= cut, ek, 0.0), axis=0)
         else:
-            exact = tl.full([], 0, tl.int1)
+            lo = tl.maximum(thr, t_sat)  # an answer at or below t_sat is not decided here
+            hi = key_max
+            while lo < hi:
+                mid = lo + (hi - lo) // 2
+                above = tl.sum(tl.where(cand >= mid + 1, e, 0.0), axis=0)
+                small = above < limit
+                hi = tl.where(small, mid, hi)
+                lo = tl.where(small, lo, mid + 1)
+            if complete | (lo > t_sat):
+                thr = lo
+                S_kept = tl.sum(tl.where(cand >= thr, e, 0.0), axis=0)
+            else:
+                exact = tl.full([], 0, tl.int1)
     return thr, S_kept, exact
 
 
@@ -257,7 +313,7 @@ def _verify_split_kernel(
     num_accepted_ptr,  # out [B] int64
     counters_ptr,  # int32 [2 + B * (K+1) + 3 * B], zero between launches
     part_f_ptr,  # fp32 [2 * B * (K+1) * NC + 2 * B * (K+1)]
-    part_i_ptr,  # int32 [3 * B * (K+1) * NC + 3 * B * (K+1) + 4 * B + B * NC]
+    part_i_ptr,  # int32 [4 * B * (K+1) * NC + 4 * B * (K+1) + 4 * B + B * NC]
     cand_ptr,  # int32 [B * (K+1) * NC * CAP] (with a warp)
     mass_ptr,  # float64 [B * NC]
     order_ptr,  # int32 [N1 + N2]: the item each ticket stands for (tests only, HAS_ORDER)
@@ -288,8 +344,9 @@ def _verify_split_kernel(
     pS_ptr = pm_ptr + B * K1  # [B, K+1] position kept mass
     ca_ptr = part_i_ptr  # [B, K+1, NC] chunk first argmax
     cb_ptr = ca_ptr + N1  # [B, K+1, NC] chunk non-finite count
-    ct_ptr = cb_ptr + N1  # [B, K+1, NC] chunk t_c (candidates' saturation key)
-    pa_ptr = ct_ptr + N1  # [B, K+1] position argmax
+    ct_ptr = cb_ptr + N1  # [B, K+1, NC] chunk t_c (every key above it is in the chunk's list)
+    cn_ptr = ct_ptr + N1  # [B, K+1, NC] chunk candidate count
+    pa_ptr = cn_ptr + N1  # [B, K+1] position argmax
     pb_ptr = pa_ptr + B * K1  # [B, K+1] position unusable
     pt_ptr = pb_ptr + B * K1  # [B, K+1] position threshold key
     rj_ptr = pt_ptr + B * K1  # [B] stop position j
@@ -297,6 +354,7 @@ def _verify_split_kernel(
     rbad_ptr = rr_ptr + B  # [B] invalid row
     rx_ptr = rbad_ptr + B  # [B] the rejected draft x_j (-1 if none)
     cq_ptr = rx_ptr + B  # [B, NC] chunk count of non-finite/negative q_j entries
+    pf_ptr = cq_ptr + B * NC  # [B, K+1] 1 where the warp fell back to scanning the whole position
 
     offs0 = tl.arange(0, CHUNK)
     cs_ids = tl.arange(0, NCB)
@@ -338,8 +396,10 @@ def _verify_split_kernel(
                 if HAS_TOP_K | HAS_TOP_P:
                     if warp_on:
                         keys = tl.where(mask, _order_key(s), _INT32_MIN)
-                        t_c = _chunk_candidates(keys, offs0, V - c * CHUNK, cand_ptr + rec * CAP, CAP)
+                        t_c, n_c = _chunk_candidates(keys, offs0, tl.minimum(V - c * CHUNK, CHUNK),
+                                                     cand_ptr + rec * CAP, CAP)
                         tl.store(ct_ptr + rec, t_c.to(tl.int32))
+                        tl.store(cn_ptr + rec, n_c)
             # Arrive at the position: the last of its NC chunks combines them.
             tl.debug_barrier()
             arrived = tl.atomic_add(pos_cnt_ptr + pid_bi, 1, sem="acq_rel")
@@ -357,25 +417,30 @@ def _verify_split_kernel(
                     m_safe = tl.where(bad, 0.0, m)
                     S = tl.full([], 1.0, tl.float32)
                     thr = tl.full([], _INT32_MIN, tl.int64)
+                    scanned = tl.full([], 0, tl.int32)
                     if (greedy == 0) & (bad == 0):
                         s_cs = tl.load(cs_ptr + base + cs_ids, mask=cmask, other=0.0, cache_modifier=".cg")
                         S = tl.sum(tl.where(cmask, s_cs * tl.exp(m_cs - m_safe), 0.0), axis=0)
                         if HAS_TOP_K | HAS_TOP_P:
                             if warp_on:
-                                # slot s of chunk s // CAP holds a key if s % CAP < that chunk's size
+                                # slot s of chunk s // CAP holds a key if s % CAP < that chunk's count
                                 cids = tl.arange(0, NCB * CAP)
-                                c_size = tl.minimum(V - (cids // CAP) * CHUNK, CHUNK)
-                                cand = tl.load(cand_ptr + base * CAP + cids, mask=(cids % CAP) < c_size,
+                                c_n = tl.load(cn_ptr + base + cids // CAP, mask=(cids // CAP) < NC, other=0,
+                                              cache_modifier=".cg")
+                                cand = tl.load(cand_ptr + base * CAP + cids, mask=(cids % CAP) < c_n,
                                                other=_INT32_MIN, cache_modifier=".cg")
                                 t_cs = tl.load(ct_ptr + base + cs_ids, mask=cmask, other=_INT32_MIN,
                                                cache_modifier=".cg").to(tl.int64)
                                 t_sat = tl.max(t_cs, axis=0)
                                 key_max = _order_key(m_safe).to(tl.int64)
+                                # room for the top-k set: the position's first chunk list, read above
                                 thr, S_w, exact = _warp_from_candidates(cand, t_sat, m_safe, S, key_max,
-                                                                        top_k, top_p, k_on, p_on, CAP)
+                                                                        top_k, top_p, k_on, p_on,
+                                                                        cand_ptr + base * CAP, CAP)
                                 if exact:
                                     S = S_w
                                 else:  # the lists cannot decide: bisect over the whole position
+                                    scanned = tl.full([], 1, tl.int32)
                                     S, thr = _warp_full(logits_ptr + b * stride_lb + i * stride_lk, V, inv_t,
                                                         m_safe, S, key_max, top_k, top_p, k_on, p_on,
                                                         HAS_TOP_K, HAS_TOP_P, CHUNK)
@@ -384,6 +449,7 @@ def _verify_split_kernel(
                     tl.store(pa_ptr + pid_bi, amax)
                     tl.store(pb_ptr + pid_bi, bad.to(tl.int32))
                     tl.store(pt_ptr + pid_bi, thr.to(tl.int32))
+                    tl.store(pf_ptr + pid_bi, scanned)
                 # Arrive at the row: the last of its K + 1 positions runs the acceptance chain.
                 tl.debug_barrier()
                 rows_done = tl.atomic_add(row_cnt_ptr + b, 1, sem="acq_rel")

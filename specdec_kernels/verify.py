@@ -105,7 +105,11 @@ def _per_row_spec(name: str, value, B: int, dtype: torch.dtype, device: torch.de
         raise TypeError(f"{name} must be {article} {kind.__name__} or a [B] = [{B}] tensor, got {type(value).__name__}")
     if kind is float:
         out = _fp32_value(float(value))
-        if (value != 0 and out == 0) or (math.isfinite(value) and not math.isfinite(out)):
+        if math.isfinite(value) and not math.isfinite(out):
+            info = torch.finfo(dtype)
+            raise ValueError(f"{name} must fit in {str(dtype).replace('torch.', '')} ([{info.min:.6g}, {info.max:.6g}]), "
+                             f"got {value!r}")
+        if value != 0 and out == 0:
             raise ValueError(f"{name} must be representable in float32 (a value that rounds to 0 or to inf there is "
                              f"refused), got {value!r}")
         return out
@@ -141,9 +145,11 @@ def _as_tensor(value, B: int, dtype: torch.dtype, device: torch.device) -> torch
 def _range_fails(value, bad) -> bool:
     """Whether a checked per-row parameter holds a value for which ``bad`` (a predicate on a
     tensor or on a Python scalar) is true: scalars always, tensors only where their values may
-    be read (``_check_values``)."""
+    be read (``_check_values``), floating ones as the fp32 values the kernel reads."""
     if isinstance(value, torch.Tensor):
-        return value.numel() > 0 and _check_values(value) and bool(bad(value).any())
+        if value.numel() == 0 or not _check_values(value):
+            return False
+        return bool(bad(value.float() if value.is_floating_point() else value).any())
     return bool(bad(value))
 
 
@@ -212,10 +218,9 @@ def _normalize(target_logits, draft_tokens, draft_probs, num_draft_tokens, tempe
         if B > 0 and _range_fails(kb, lambda v: (v < 0) | (v > K)):
             raise ValueError(f"num_draft_tokens must be in [0, K] = [0, {K}], got {_listed(kb)}")
     temp = _per_row_spec("temperature", temperature, B, torch.float32, dev, float)
-    temp_c = temp.float() if isinstance(temp, torch.Tensor) else temp  # the value the kernel reads
-    if B > 0 and _range_fails(temp_c, _not_finite_nonnegative):
+    if B > 0 and _range_fails(temp, _not_finite_nonnegative):
         raise ValueError(f"temperature must be finite and >= 0 (0 = greedy), got {_listed(temperature)}")
-    if B > 0 and _range_fails(temp_c, lambda v: (v > 0) & (v < FLT_MIN)):
+    if B > 0 and _range_fails(temp, lambda v: (v > 0) & (v < FLT_MIN)):
         raise ValueError(f"temperature must be 0 (greedy) or >= {FLT_MIN:.8g} (the smallest normal fp32), "
                          f"got {_listed(temperature)}")
     if top_k is not None:
@@ -225,16 +230,15 @@ def _normalize(target_logits, draft_tokens, draft_probs, num_draft_tokens, tempe
     if top_p is not None:
         top_p_in = top_p
         top_p = _per_row_spec("top_p", top_p, B, torch.float32, dev, float)
-        top_p_c = top_p.float() if isinstance(top_p, torch.Tensor) else top_p
-        if B > 0 and _range_fails(top_p_c, _outside_top_p_range):
+        if B > 0 and _range_fails(top_p, _outside_top_p_range):
             raise ValueError(f"top_p must be in (0, 1] (1 = off), got {_listed(top_p_in)}")
-    if draft_probs is not None and K > 0 and B > 0 and _check_values(draft_probs) and _range_fails(temp_c, lambda v: v != 0):
+    if draft_probs is not None and K > 0 and B > 0 and _check_values(draft_probs) and _range_fails(temp, lambda v: v != 0):
         # q must be the distribution each draft was sampled from: a q that does not sum to 1
         # biases the output (NaN/inf/negative q make their row invalid instead, as on CUDA,
         # where nothing here is read).  Checked where the row reads it: sampled rows, j < K_b
         # (a greedy row never reads q: an all-greedy batch sums nothing).
         kb_t = _as_tensor(kb, B, torch.int64, dev)
-        sampled = _as_tensor(temp_c, B, torch.float32, dev) != 0
+        sampled = _as_tensor(temp, B, torch.float32, dev) != 0
         sums = draft_probs.sum(-1)  # [B, K]
         read = (torch.arange(K, device=dev)[None, :] < kb_t[:, None]) & sampled[:, None]
         off = read & torch.isfinite(sums) & ((sums - 1).abs() > DRAFT_PROBS_SUM_TOL)
@@ -346,8 +350,9 @@ _CHUNK_V = 4096
 # _TOP_K_CAP - 1 (and most top-p sets) is decided from them in one read of the logits.
 _TOP_K_CAP = 64
 # Programs per multiprocessor of the split kernel's persistent grid (a tuning value: any grid is
-# correct, the items are claimed in order).
-_PROGRAMS_PER_SM = 4
+# correct, the items are claimed in order). ptxas gives the kernel 214-255 registers at 8 warps
+# for sm_90 (scripts/gpu_compile_check.py), so one program fits a multiprocessor at a time.
+_PROGRAMS_PER_SM = 1
 
 
 @functools.lru_cache(maxsize=None)
@@ -358,7 +363,10 @@ def _sm_count(index: int) -> int:
 class _Workspace:
     """The split kernel's scratch on one device and stream: arrival counters (zero between
     launches: every launch resets what it used) and partial records, grown as needed, never
-    shrunk.  Made or grown only outside CUDA-graph capture (a graph replays into it)."""
+    shrunk.  Under CUDA-graph capture the capture stream's workspace is used when it exists and
+    fits (warm up on the capture stream to get it); otherwise the captured call makes a temporary
+    one, zeroed inside the graph (one memset node more per replay), since a cached one grown
+    later would leave the graph pointing at freed memory."""
 
     def __init__(self):
         self.counters = self.part_f = self.part_i = self.cand = self.mass = None
@@ -367,25 +375,40 @@ class _Workspace:
     def _fits(t: Optional[torch.Tensor], n: int) -> bool:
         return t is not None and t.numel() >= n
 
-    def ensure(self, dev: torch.device, B: int, K1: int, NC: int, cap: int) -> None:
+    @staticmethod
+    def sizes(B: int, K1: int, NC: int, cap: int) -> dict:
         N1 = B * K1 * NC
-        sizes = dict(counters=2 + B * K1 + 3 * B, part_f=2 * N1 + 2 * B * K1,
-                     part_i=3 * N1 + 3 * B * K1 + 4 * B + B * NC, cand=max(1, N1 * cap), mass=B * NC)
-        short = [k for k, n in sizes.items() if not self._fits(getattr(self, k), n)]
-        if not short:
-            return
-        if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                f"fused_verify: its workspace for B = {B}, K + 1 = {K1}, {NC} vocabulary chunks does not exist yet "
-                f"on this stream; call fused_verify once outside the CUDA graph capture with the largest shape first")
-        for k in short:
-            n = max(sizes[k], 2 * getattr(self, k).numel() if getattr(self, k) is not None else 0)
+        return dict(counters=2 + B * K1 + 3 * B, part_f=2 * N1 + 2 * B * K1,
+                    part_i=4 * N1 + 4 * B * K1 + 4 * B + B * NC, cand=max(1, N1 * cap), mass=B * NC)
+
+    def fits(self, sizes: dict) -> bool:
+        return all(self._fits(getattr(self, k), n) for k, n in sizes.items())
+
+    def ensure(self, dev: torch.device, sizes: dict) -> None:
+        """Grow what is too small (counters zeroed: a device op, once per growth, not per call)."""
+        for k, n in sizes.items():
+            old = getattr(self, k)
+            if self._fits(old, n):
+                continue
+            n = max(n, 2 * old.numel() if old is not None else 0)
             if k == "counters":
                 t = torch.zeros(n, dtype=torch.int32, device=dev)
             else:
-                dtype = {"part_f": torch.float32, "mass": torch.float64}.get(k, torch.int32)
-                t = torch.empty(n, dtype=dtype, device=dev)
+                t = torch.empty(n, dtype={"part_f": torch.float32, "mass": torch.float64}.get(k, torch.int32),
+                                device=dev)
             setattr(self, k, t)
+
+    def records(self, B: int, K1: int, NC: int) -> dict:
+        """The last launch's per-position records as [B, K+1] views (tests and diagnostics):
+        m (max), S (kept mass), argmax, bad, thr (the smallest kept order key), scanned (1 where
+        top-k/top-p fell back to bisecting the whole position), in the kernel's layout."""
+        N1, P = B * K1 * NC, B * K1
+        f, i = self.part_f, self.part_i
+        c = 4 * N1  # the position records follow the four per-chunk arrays
+        rows = c + 3 * P + 4 * B + B * NC  # where `scanned` starts
+        return dict(m=f[2 * N1:2 * N1 + P].view(B, K1), S=f[2 * N1 + P:2 * N1 + 2 * P].view(B, K1),
+                    argmax=i[c:c + P].view(B, K1), bad=i[c + P:c + 2 * P].view(B, K1),
+                    thr=i[c + 2 * P:c + 3 * P].view(B, K1), scanned=i[rows:rows + P].view(B, K1))
 
 
 _WORKSPACES: dict = {}
@@ -445,8 +468,11 @@ def _launch_triton(a: _Args, order: Optional[torch.Tensor] = None) -> tuple[torc
     warp = a.top_k is not None or a.top_p is not None
     meta = _split_meta(V, K1, q is not None, a.top_k is not None, a.top_p is not None, u is not None, order is not None)
     nc = -(-V // meta["CHUNK"])
+    sizes = _Workspace.sizes(B, K1, nc, _TOP_K_CAP if warp else 0)
     ws = _workspace(dev)
-    ws.ensure(dev, B, K1, nc, _TOP_K_CAP if warp else 0)
+    if not ws.fits(sizes) and dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        ws = _Workspace()  # a temporary of the graph's memory pool, zeroed by a captured memset
+    ws.ensure(dev, sizes)
     n_items = B * K1 * nc + B * nc
     if order is not None and order.shape != (n_items,):
         raise ValueError(f"order must have shape [{n_items}], got {list(order.shape)}")
