@@ -35,17 +35,21 @@ in the launch (the ticket by the last program to leave), so no host memset is ne
 launch can be captured in a CUDA graph and replayed: the workspace is persistent per device and
 stream (see ``verify._workspace``).
 
-top-k / top-p in one pass: stage 1 writes, per chunk, its CAP largest order keys (ties at the
-boundary filling the list) and the key t_c of its CAP-th largest (INT32_MIN when the whole chunk
-fits).  Every token with a key above t_sat = max_c t_c is in the lists.  The k-th largest key
-overall is among them whenever k <= CAP, and the kept sets are exact when their threshold lies
-above t_sat: top-k 50 on non-degenerate logits, top-p whose kept set holds fewer than CAP tokens
-of any chunk.  The thresholds are bisected over the NC * CAP candidate keys in registers (no
-re-read of the logits).  Otherwise (k > CAP, ties across t_sat, a large top-p set) the position's
-last program bisects over the whole position as the one-program-per-row kernel does (up to ~65
-reads of it): exact, slow, and said in the README.  The semantics are the reference's: ties at
-the top-k boundary kept, top-p's strict boundary, the smallest key whose strictly-greater mass
-is < top_p * S.
+top-k / top-p in one pass: stage 1 writes, per chunk, its largest order keys: every key above
+t_c, the top of the 16-bit key bucket (sign, exponent, 7 mantissa bits) that holds the chunk's
+CAP-th largest key, found by radix select (two 256-bin histograms of the keys in registers);
+fewer than CAP keys lie above it (the whole chunk when it has at most CAP tokens, t_c =
+INT32_MIN).  Every token with a key above t_sat = max_c t_c is then in the lists, so a threshold
+found among the candidates and lying above t_sat is the position's own: the k-th largest
+candidate (radix select, four histograms) when it is above t_sat, and the top-p cut then over
+the top-k set (each kept key's strictly-greater mass at once, in one CAP x CAP block), or, with
+top-p alone, bisected over the candidates' masses from t_sat up.  That decides top-k 50 on
+logits without a tie across t_sat and top-p sets of fewer than ~CAP tokens of any chunk.
+Otherwise (k above what the lists hold, ties at t_sat, a large top-p set) the position's last
+program bisects over the whole position as the one-program-per-row kernel does (up to ~65 reads
+of it): exact, slow, and said in the README.  The semantics are the reference's: ties at the
+top-k boundary kept, top-p's strict boundary, the smallest key whose strictly-greater mass is <
+top_p * S over the top-k set.
 
 Memory traffic per row b with K_b drafts, V tokens, E-byte logits (4 fp32, 2 bf16/fp16), Vd
 draft-vocabulary entries of 4 bytes, and NC chunks:
@@ -57,7 +61,8 @@ draft-vocabulary entries of 4 bytes, and NC chunks:
 - stage 2 reads position j's V * E bytes again (L2-hot on a GPU: it was read microseconds
   before) and, after a rejection with a full q, q_j's Vd * 4 bytes; it writes 12 bytes per chunk;
 - the final draw rescans one chunk (CHUNK * (E + 4) bytes, L2-hot) and writes (K + 2) * 8 bytes;
-- with top-k/top-p: no more reads of the logits when the candidate lists decide (above);
+- with top-k/top-p: no more reads of the logits when the candidate lists decide (above), the
+  top-k set through CAP * 4 bytes of the workspace;
 - the combines read the partial records (16 bytes per chunk, 4 * CAP with a warp), L2-resident.
 
 So a step reads about (K_b + 2) * V * E bytes of logits (+ Vd * 4 of q after a rejection), all
