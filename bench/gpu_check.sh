@@ -95,7 +95,8 @@ timeout 90 $PY -c "from specdec_kernels.models import default_target_path as d; 
 # threads per worker: 8 workers with torch's 16 threads each oversubscribed the 16 cores 8x.
 CUDA_TESTS="python_tests/test_kv_cache.py python_tests/test_verify_exact.py python_tests/test_verify_properties.py
  python_tests/test_verify_edges.py python_tests/test_verify_distribution.py python_tests/test_verify_greedy_fast_path.py
- python_tests/test_verify_sampling_fast_path.py python_tests/test_decoder_devices.py python_tests/test_decoder_triton_verify.py"
+ python_tests/test_verify_sampling_fast_path.py python_tests/test_verify_split.py python_tests/test_decoder_devices.py
+ python_tests/test_decoder_triton_verify.py"
 ignores=$(for f in $CUDA_TESTS; do printf -- "--ignore=%s " "$f"; done)
 stamp "tests on CUDA"
 OMP_NUM_THREADS=2 timeout -s INT -k 10 150 $PY -m pytest $CUDA_TESTS -q -n 8 -rfEs --durations=15 -p no:cacheprovider \

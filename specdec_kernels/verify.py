@@ -353,6 +353,10 @@ _TOP_K_CAP = 64
 # correct, the items are claimed in order). ptxas gives the kernel 214-255 registers at 8 warps
 # for sm_90 (scripts/gpu_compile_check.py), so one program fits a multiprocessor at a time.
 _PROGRAMS_PER_SM = 1
+# A register cap for the split kernel on CUDA (None: ptxas's choice). 128 fits two programs a
+# multiprocessor at 8 warps, at 92-528 bytes of spills (sm_90, Triton 3.9): one of the settings
+# a GPU run compares, with _PROGRAMS_PER_SM = 2, for the loads in flight at large B.
+_MAXNREG: Optional[int] = None
 
 
 @functools.lru_cache(maxsize=None)
@@ -500,7 +504,7 @@ def _launch_triton(a: _Args, order: Optional[torch.Tensor] = None) -> tuple[torc
                 tokens, num_accepted,
                 ws.counters, ws.part_f, ws.part_i, ws.cand, ws.mass, order if order is not None else dummy,
                 B, K, V, q.shape[-1] if q is not None else V, nc, grid,
-                **meta,
+                **meta, **({"maxnreg": _MAXNREG} if _MAXNREG is not None and dev.type == "cuda" else {}),
             )
         except BaseException:
             # A launch that did not finish (an interpreter error, an interrupt) may leave counters
