@@ -186,6 +186,41 @@ def test_counters_reset_themselves():
         assert int(counters.abs().sum()) == 0, counters.nonzero()
 
 
+def test_grown_workspace_keeps_the_old_tensors_and_the_op_path_uses_its_own():
+    """A larger shape grows the workspace and keeps the replaced tensors alive (a CUDA graph
+    captured with them replays into them); a call through the registered op (torch.compile's
+    path) uses a workspace of its own and leaves the cached one as it was."""
+    ws = verify_mod._workspace(torch.device(DEV))
+    logits, x, q = make_step(1, 1, 10, seed=1)
+    fused_verify(logits.to(DEV), x.to(DEV), q.to(DEV), seed=1, backend="triton")
+    before = ws.counters
+    big = make_step(9, 7, 20000, seed=2)
+    fused_verify(*(t.to(DEV) for t in big), seed=1, backend="triton")
+    if ws.counters is not before:
+        assert any(t is before for t in ws.retired)
+    names = ("counters", "part_f", "part_i", "cand", "mass")
+    fields = [getattr(ws, k) for k in names]
+    a = verify_mod._materialize(verify_mod._normalize(*(t.to(DEV) for t in big), None, 1.0, 5, None, 1, 0, None))
+    out = torch.ops.specdec.fused_verify(*a, "triton")
+    assert all(getattr(ws, k) is t for k, t in zip(names, fields))
+    assert (out[1] >= 0).all()
+
+
+def test_an_order_that_could_wait_for_ever_is_refused():
+    """The test hook's claim order must keep stage 2 after stage 1 (else a stage-2 item would
+    spin on a row whose stage-1 items come after it): refused before the launch."""
+    logits, x, q = make_step(1, 1, 40, seed=1)
+    a = verify_mod._normalize(logits.to(DEV), x.to(DEV), q.to(DEV), None, 1.0, None, None, 1, 0, None,
+                              materialize=False)
+    # one chunk: stage-1 items 0 and 1 (the two positions), then stage-2 item 2
+    with pytest.raises(ValueError, match="order must hold a permutation"):
+        verify_mod._launch_triton(a, order=torch.tensor([2, 0, 1], dtype=torch.int32))
+    with pytest.raises(ValueError, match="order must hold a permutation"):
+        verify_mod._launch_triton(a, order=torch.tensor([0, 0, 2], dtype=torch.int32))
+    tokens, num = verify_mod._launch_triton(a, order=torch.tensor([1, 0, 2], dtype=torch.int32))
+    assert int(num[0]) in (0, 1)
+
+
 @pytest.mark.parametrize("V", [15, 16, 17, 31, 32, 33, 97])
 @pytest.mark.parametrize("warp", [False, True], ids=["plain", "topk_topp"])
 def test_vocabularies_around_the_chunk_size(V, warp, monkeypatch):

@@ -132,7 +132,9 @@ def _row_params(b, K, V, flags,
     if HAS_TOP_P:
         top_p = _param(flags, _P_TOP_P, p_ptr, p_stride, p_scalar, b, tl.float32)
         bad_param = bad_param | ~(top_p > 0.0) | (top_p > 1.0)
-    inv_t = tl.where(greedy | bad_param, 1.0, 1.0 / tl.where(greedy | bad_param, 1.0, temp))
+    # IEEE division (div.full.f32, Triton's `/` on a GPU, may be 2 ulp off): 1 / T as the
+    # reference computes it, once per row
+    inv_t = tl.where(greedy | bad_param, 1.0, tl.math.div_rn(1.0, tl.where(greedy | bad_param, 1.0, temp)))
     k_on = ~greedy & (top_k > 0) & (top_k < V)
     p_on = ~greedy & (top_p < 1.0)
     return kb, greedy, bad_param, inv_t, k_on, p_on, top_k, top_p

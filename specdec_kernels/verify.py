@@ -367,13 +367,14 @@ def _sm_count(index: int) -> int:
 class _Workspace:
     """The split kernel's scratch on one device and stream: arrival counters (zero between
     launches: every launch resets what it used) and partial records, grown as needed, never
-    shrunk.  Under CUDA-graph capture the capture stream's workspace is used when it exists and
-    fits (warm up on the capture stream to get it); otherwise the captured call makes a temporary
-    one, zeroed inside the graph (one memset node more per replay), since a cached one grown
-    later would leave the graph pointing at freed memory."""
+    shrunk or freed.  Under CUDA-graph capture the capture stream's workspace is used when it
+    exists and fits (warm up on the capture stream to get it: the graph then has no memset, and
+    its replays must not overlap other calls that use that stream's workspace); otherwise the
+    captured call makes a temporary one, zeroed inside the graph (one memset node per replay)."""
 
     def __init__(self):
         self.counters = self.part_f = self.part_i = self.cand = self.mass = None
+        self.retired: list = []
 
     @staticmethod
     def _fits(t: Optional[torch.Tensor], n: int) -> bool:
@@ -389,11 +390,15 @@ class _Workspace:
         return all(self._fits(getattr(self, k), n) for k, n in sizes.items())
 
     def ensure(self, dev: torch.device, sizes: dict) -> None:
-        """Grow what is too small (counters zeroed: a device op, once per growth, not per call)."""
+        """Grow what is too small (counters zeroed: a device op, once per growth, not per call).
+        A replaced tensor is kept alive (``retired``): a CUDA graph captured with it replays into
+        it (doubling keeps all of them under twice the largest)."""
         for k, n in sizes.items():
             old = getattr(self, k)
             if self._fits(old, n):
                 continue
+            if old is not None:
+                self.retired.append(old)
             n = max(n, 2 * old.numel() if old is not None else 0)
             if k == "counters":
                 t = torch.zeros(n, dtype=torch.int32, device=dev)
@@ -450,11 +455,14 @@ def _param_args(value, bit: int, dummy: torch.Tensor, flags: int):
     return flags, dummy, 0, (0 if value is None else value)
 
 
-def _launch_triton(a: _Args, order: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+def _launch_triton(a: _Args, order: Optional[torch.Tensor] = None,
+                   local_workspace: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The split kernel (``_verify_split_kernel.py``): one launch, and on the device no op but the
     outputs' allocation (scalars go by value, tensors are read as they are).  ``order`` (tests
     only): int32 [N] permutation of the work items, stage-1 items among themselves and stage-2
-    items among themselves, to prove that arrival order does not change the result."""
+    items among themselves, to prove that arrival order does not change the result.
+    ``local_workspace``: a workspace of this call only (the registered op's path: torch.compile's
+    CUDA graphs allocate from pools whose memory they recycle, where a cached one could end up)."""
     from ._verify_split_kernel import _verify_split_kernel  # lazily: the torch path needs no Triton
 
     logits = a.target_logits if a.target_logits.stride(-1) == 1 else a.target_logits.contiguous()
@@ -474,13 +482,20 @@ def _launch_triton(a: _Args, order: Optional[torch.Tensor] = None) -> tuple[torc
     nc = -(-V // meta["CHUNK"])
     sizes = _Workspace.sizes(B, K1, nc, _TOP_K_CAP if warp else 0)
     ws = _workspace(dev)
-    if not ws.fits(sizes) and dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        ws = _Workspace()  # a temporary of the graph's memory pool, zeroed by a captured memset
+    if local_workspace or (not ws.fits(sizes) and dev.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        ws = _Workspace()  # this call's own (under capture: of the graph's pool, zeroed by a captured memset)
     ws.ensure(dev, sizes)
-    n_items = B * K1 * nc + B * nc
-    if order is not None and order.shape != (n_items,):
-        raise ValueError(f"order must have shape [{n_items}], got {list(order.shape)}")
+    n1, n_items = B * K1 * nc, B * K1 * nc + B * nc
     grid = 1 if dev.type != "cuda" else min(n_items, _sm_count(dev.index) * _PROGRAMS_PER_SM)
+    if n_items + grid >= 2**31:  # the kernel's int32 ticket
+        raise ValueError(f"fused_verify: B * (K + 1) * {nc} + B * {nc} work items (B = {B}, K + 1 = {K1}) must stay "
+                         f"below 2^31 - {grid}, got {n_items}")
+    if order is not None:
+        # a stage-2 item before its row's stage-1 items would wait for ever: refuse such orders
+        o = order.cpu().tolist()
+        if sorted(o[:n1]) != list(range(n1)) or sorted(o[n1:]) != list(range(n1, n_items)):
+            raise ValueError(f"order must hold a permutation of the {n1} stage-1 items, then one of the "
+                             f"{n_items - n1} stage-2 items, got {o}")
     dummy = num_accepted  # stands in for absent tensors; never dereferenced
     flags = 0
     flags, nd_p, nd_s, nd_v = _param_args(K if a.num_draft_tokens is None else a.num_draft_tokens, 1, dummy, flags)
@@ -507,9 +522,11 @@ def _launch_triton(a: _Args, order: Optional[torch.Tensor] = None) -> tuple[torc
                 **meta, **({"maxnreg": _MAXNREG} if _MAXNREG is not None and dev.type == "cuda" else {}),
             )
         except BaseException:
-            # A launch that did not finish (an interpreter error, an interrupt) may leave counters
-            # set: drop the workspace so that the next call starts from zeros.
-            _WORKSPACES.clear()
+            # An interpreted launch that did not finish (an error, an interrupt) may leave counters
+            # set: drop the workspaces so that the next call starts from zeros. On CUDA an error
+            # comes before the kernel is enqueued, and a captured graph may hold the workspace.
+            if dev.type != "cuda":
+                _WORKSPACES.clear()
             raise
     return tokens, num_accepted
 
@@ -850,12 +867,13 @@ def _run_torch(a: _Args) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _verify_impl(target_logits, draft_tokens, draft_probs, num_draft_tokens, temperature, top_k,
-                 top_p, seed, offset, uniforms, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+                 top_p, seed, offset, uniforms, backend: str,
+                 local_workspace: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     a = _Args(target_logits, draft_tokens, draft_probs, num_draft_tokens, temperature, top_k, top_p,
               seed, offset, uniforms)
     resolved = _resolve_backend(backend, target_logits.device)
     if resolved == "triton":
-        return _launch_triton(a)
+        return _launch_triton(a, local_workspace=local_workspace)
     a = _materialize(a)
     if resolved == "_triton_rows":
         return _launch_rows(a)
@@ -897,7 +915,7 @@ def _fused_verify_op(
     backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return _verify_impl(target_logits, draft_tokens, draft_probs, num_draft_tokens, temperature,
-                        top_k, top_p, seed, offset, uniforms, backend)
+                        top_k, top_p, seed, offset, uniforms, backend, local_workspace=True)
 
 
 @_fused_verify_op.register_fake
