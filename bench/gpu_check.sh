@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# One prepared run on a GPU machine: build with CUDA, the whole test suite on CUDA (the Triton
-# kernel for real, not interpreted; the decoder's CUDA paths in test_decoder_devices.py),
-# bench_verify on a reduced grid (its default providers: the split kernel, fused_triton, and the
+# One prepared run on a GPU machine: build with CUDA, the test files with CUDA cases on CUDA (the
+# Triton kernels for real, not interpreted; the decoder's CUDA paths in test_decoder_devices.py;
+# the other tests run on CPU in CI), bench_verify_knobs (the split kernel's launch settings: chunks
+# per work item, programs per multiprocessor, a register cap), bench_verify on a reduced grid (its default providers: the split kernel, fused_triton, and the
 # one-program-per-row kernel, fused_triton_rows, side by side, each also under CUDA graph replay
 # at B <= 16; the device copy behind pct_of_copy), bench_e2e on random-weight models of the
 # embedded pair's and feature draft's shapes (the target's GGUF does not travel; acceptance
-# figures come from CPU runs). Works offline from a fresh copy of the repository. The limits of the tests and the two
+# figures come from CPU runs). Works offline from a fresh copy of the repository. The limits of the tests and the three
 # benchmarks add up to 430 s (470 s with the grace periods); the build, random_pair.py and the
 # set-up take about a minute (on the VM: 24 s to build on 2 cores, 9 s for the random pair), and
 # the embedded target's conversion up to 90 s more where its wheel is installed (not in the GPU
@@ -16,7 +17,7 @@
 #   SPECDEC_COMMIT=$(git rev-parse --short=12 HEAD) ...   # where the copy has no .git (the device
 #                                          # tool's): the commit every result row records
 #
-# Leaves in OUT_DIR: env.txt, build.log, tests.log, tests_rest.log, bench_verify.{csv,txt,png},
+# Leaves in OUT_DIR: env.txt, build.log, tests.log, bench_verify_knobs.{csv,txt}, bench_verify.{csv,txt,png},
 # bench_e2e.{csv,txt,png}, and gpu_check.log (everything printed). Under the device tool ($OUT
 # set, no OUT_DIR given), which returns at most 8 files, they are written elsewhere and packed
 # into $OUT/gpu_check.tgz after every stage (and on exit), gpu_check.log copied beside it.
@@ -96,18 +97,16 @@ timeout 90 $PY -c "from specdec_kernels.models import default_target_path as d; 
 CUDA_TESTS="python_tests/test_kv_cache.py python_tests/test_verify_exact.py python_tests/test_verify_properties.py
  python_tests/test_verify_edges.py python_tests/test_verify_distribution.py python_tests/test_verify_greedy_fast_path.py
  python_tests/test_verify_sampling_fast_path.py python_tests/test_verify_split.py python_tests/test_decoder_devices.py
- python_tests/test_decoder_triton_verify.py"
-ignores=$(for f in $CUDA_TESTS; do printf -- "--ignore=%s " "$f"; done)
+ python_tests/test_decoder_triton_verify.py python_tests/test_bench_verify.py"
 stamp "tests on CUDA"
 OMP_NUM_THREADS=2 timeout -s INT -k 10 150 $PY -m pytest $CUDA_TESTS -q -n 8 -rfEs --durations=15 -p no:cacheprovider \
     >"$OUT_DIR/tests.log" 2>&1
 tests_rc=$?
 tail -n 40 "$OUT_DIR/tests.log"
-stamp "the other tests"
-OMP_NUM_THREADS=2 timeout -s INT -k 10 60 $PY -m pytest python_tests $ignores -q -n 8 -rfE -p no:cacheprovider \
-    >"$OUT_DIR/tests_rest.log" 2>&1
+# (the other tests run on CPU in CI: their minute here goes to the split kernel's settings)
+stamp "bench_verify_knobs (the split kernel's launch settings side by side)"
+timeout -s INT -k 10 60 $PY bench/bench_verify_knobs.py --out "$OUT_DIR"
 rest_rc=$?
-tail -n 15 "$OUT_DIR/tests_rest.log"
 
 stamp "bench_verify (gpu grid)"
 timeout -s INT -k 10 100 $PY bench/bench_verify.py --grid gpu --out "$OUT_DIR"
@@ -125,5 +124,5 @@ timeout -s INT -k 10 120 $PY bench/bench_e2e.py --draft "$PAIR/draft" --target "
     --device cuda --dtype fp32 --out "$OUT_DIR" --repeats 3 --max-new-tokens 64
 e2e_rc=$?
 
-stamp "done: build=$build_rc tests=$tests_rc other_tests=$rest_rc bench_verify=$verify_rc bench_e2e=$e2e_rc"
+stamp "done: build=$build_rc tests=$tests_rc knobs=$rest_rc bench_verify=$verify_rc bench_e2e=$e2e_rc"
 [ $build_rc -eq 0 ] && [ $tests_rc -eq 0 ] && [ $rest_rc -eq 0 ] && [ $verify_rc -eq 0 ] && [ $e2e_rc -eq 0 ]

@@ -39,3 +39,19 @@ def test_smoke_run_times_every_case_and_writes_its_files(tmp_path):
     assert cond["triton_interpret"] == "1" and cond["cpu"] and cond["versions"]["commit"] and cond["threads"] == 1
     assert cond["claim"]["ratio"] == float(rows[3]["ratio_to_plain"])
     assert "ratio_to_plain" in (tmp_path / "bench_verify_interpreter.txt").read_text()
+
+
+def test_knobs_smoke_runs_every_setting_and_checks_the_tokens(tmp_path):
+    """bench_verify_knobs --smoke (the interpreter, tiny shapes): a row per batch, warp and
+    setting, every setting giving the first one's tokens, and its CSV/table written. No timing is
+    asserted."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, os.path.join(root, "bench", "bench_verify_knobs.py"), "--smoke",
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    text = (tmp_path / "bench_verify_knobs.txt").read_text()
+    rows = [line for line in text.splitlines()[3:] if line.strip()]
+    assert len(rows) == 8, text  # 2 batches x 2 warps x 2 settings
+    assert all(" True " in r for r in rows), text
+    assert (tmp_path / "bench_verify_knobs.csv").exists()

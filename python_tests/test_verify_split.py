@@ -49,7 +49,7 @@ def _records(B, K1, V):
 def _permuted_order(rng: random.Random, B: int, K1: int, NC: int) -> tuple[torch.Tensor, dict]:
     """A claim order that permutes stage-1 items among themselves and stage-2 items among
     themselves (the only constraint: stage 2 after stage 1), and for each position (b, i) the
-    chunk whose item comes last (the one that combines it)."""
+    item (its chunks' index g) that comes last (the one that combines it). NC: items a position."""
     n1, n2 = B * K1 * NC, B * NC
     first = list(range(n1))
     rng.shuffle(first)
@@ -61,12 +61,14 @@ def _permuted_order(rng: random.Random, B: int, K1: int, NC: int) -> tuple[torch
     return torch.tensor(first + second, dtype=torch.int32), last
 
 
+@pytest.mark.parametrize("tiles", [1, 2], ids=["1_chunk_an_item", "2_chunks_an_item"])
 @pytest.mark.parametrize("warp", [False, True], ids=["plain", "topk_topp"])
-def test_arrival_order_does_not_change_the_result(warp, monkeypatch):
+def test_arrival_order_does_not_change_the_result(warp, tiles, monkeypatch):
     """Work items claimed in five random orders: the position records (max, kept mass,
     argmax, threshold) and the tokens are bit-identical to those of the in-order launch, while
     the program that combines a position (the last to arrive) differs between the orders."""
     monkeypatch.setattr(verify_mod, "_CHUNK_V", 32)
+    monkeypatch.setattr(verify_mod, "_TILES_PER_ITEM", tiles)
     B, K, V = 3, 3, 150  # 5 chunks a position
     logits, x, q = make_step(B, K, V, seed=5)
     kb = torch.tensor([3, 1, 2])
@@ -81,10 +83,11 @@ def test_arrival_order_does_not_change_the_result(warp, monkeypatch):
     assert torch.equal(want[0], ref[0]) and torch.equal(want[1], ref[1])
     NC = _chunks(V)
     assert NC == 5
+    NI = -(-NC // tiles)  # work items a position
     rng = random.Random(11)
     combiners = set()
     for _ in range(5):
-        order, last = _permuted_order(rng, B, K + 1, NC)
+        order, last = _permuted_order(rng, B, K + 1, NI)
         combiners.add(tuple(sorted(last.items())))
         got = _call(*args, order=order)
         rec = _records(B, K + 1, V)
@@ -174,6 +177,34 @@ def test_one_launch_and_no_other_device_op(case, monkeypatch):
     assert sorted(rec.ops, key=str) == sorted(want, key=str), rec.ops
     assert out.tokens.shape == (3, 5) and (out.num_accepted >= 0).all()
     assert out.tokens.device.type == torch.device(DEV).type
+
+
+@pytest.mark.parametrize("warp", [False, True], ids=["plain", "topk_topp"])
+def test_chunks_per_item_do_not_change_the_result(warp, monkeypatch):
+    """1, 2, 3 or 7 chunks a work item (the last item of a position short of chunks, or holding
+    all of them): the same position records and tokens, equal to the reference's."""
+    monkeypatch.setattr(verify_mod, "_CHUNK_V", 16)
+    B, K, V = 3, 3, 100  # 7 chunks a position
+    logits, x, q = make_step(B, K, V, seed=8)
+    kb = torch.tensor([3, 2, 1])
+    temperature = torch.tensor([1.0, 0.0, 0.6])
+    top_k = torch.tensor([9, 0, 0]) if warp else None
+    top_p = torch.tensor([0.8, 1.0, 0.5]) if warp else None
+    seed, offset = torch.tensor([1, 2, 3]), torch.tensor([4, 5, 6])
+    args = (logits, x, q, kb, temperature, top_k, top_p, seed, offset)
+    ref = _reference(*args)
+    want_rec = None
+    for tiles in (1, 2, 3, 7):
+        monkeypatch.setattr(verify_mod, "_TILES_PER_ITEM", tiles)
+        got = _call(*args)
+        assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1]), (tiles, got, ref)
+        rec = _records(B, K + 1, V)
+        if want_rec is None:
+            want_rec = rec
+        for b in range(B):
+            for i in range(int(kb[b]) + 1):
+                for name in ("m", "S", "argmax", "bad", "thr"):
+                    assert rec[name][b, i].view(torch.int32) == want_rec[name][b, i].view(torch.int32), (tiles, name)
 
 
 def test_counters_reset_themselves():

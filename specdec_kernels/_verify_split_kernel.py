@@ -323,7 +323,7 @@ def _verify_split_kernel(
     part_i_ptr,  # int32 [4 * B * (K+1) * NC + 4 * B * (K+1) + 4 * B + B * NC]
     cand_ptr,  # int32 [B * (K+1) * NC * CAP] (with a warp)
     mass_ptr,  # float64 [B * NC]
-    order_ptr,  # int32 [N1 + N2]: the item each ticket stands for (tests only, HAS_ORDER)
+    order_ptr,  # int32 [T1 + T2]: the item each ticket stands for (tests only, HAS_ORDER)
     B, K, V, Vd, NC, G,
     HAS_DRAFT_PROBS: tl.constexpr,
     HAS_TOP_K: tl.constexpr,
@@ -331,13 +331,17 @@ def _verify_split_kernel(
     HAS_UNIFORMS: tl.constexpr,
     HAS_ORDER: tl.constexpr,
     CHUNK: tl.constexpr,
+    TILES: tl.constexpr,  # chunks per work item
+    STAGES: tl.constexpr,  # software-pipelining depth over an item's chunks
     NCB: tl.constexpr,
     CAP: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     K1 = K + 1
-    N1 = B * K1 * NC
-    N2 = B * NC
+    N1 = B * K1 * NC  # per-chunk records
+    NI = (NC + TILES - 1) // TILES  # work items per position (TILES chunks each)
+    T1 = B * K1 * NI  # stage-1 tickets
+    T2 = B * NI  # stage-2 tickets
     # The workspace's fields (element offsets into its four tensors).
     ticket_ptr = counters_ptr
     exit_ptr = counters_ptr + 1
@@ -368,49 +372,55 @@ def _verify_split_kernel(
     ks = tl.arange(0, BLOCK_K)
 
     t = tl.atomic_add(ticket_ptr, 1)
-    while t < N1 + N2:
+    while t < T1 + T2:
         item = t
         if HAS_ORDER:
             item = tl.load(order_ptr + t)
-        if item < N1:
-            # ---------------------------------------------------------------- stage 1 (b, i, c)
-            b = (item // (K1 * NC)).to(tl.int64)
-            i = (item // NC) % K1
-            c = item % NC
+        if item < T1:
+            # ---------------------------------------------------------- stage 1 (b, i, chunks g)
+            b = (item // (K1 * NI)).to(tl.int64)
+            i = (item // NI) % K1
+            g = item % NI
             kb, greedy, bad_param, inv_t, k_on, p_on, top_k, top_p = _row_params(
                 b, K, V, param_flags, nd_ptr, nd_stride, nd_scalar, t_ptr, t_stride, t_scalar,
                 k_ptr, k_stride, k_scalar, p_ptr, p_stride, p_scalar, HAS_TOP_K, HAS_TOP_P)
             warp_on = k_on | p_on
             pid_bi = b * K1 + i
-            rec = pid_bi * NC + c
-            if (i <= kb) & (bad_param == 0):
+            row_on = (i <= kb) & (bad_param == 0)
+            pos_ptr = logits_ptr + b * stride_lb + i * stride_lk
+            # The item's TILES chunks, the next one's loads issued while this one reduces
+            # (software pipelining; one chunk per item by default)
+            v_read = tl.where(row_on, V, 0)  # a row or position that needs no read reads nothing
+            for tt in tl.range(0, TILES, num_stages=STAGES):
+                c = g * TILES + tt
+                rec = pid_bi * NC + c
                 offs = c * CHUNK + offs0
-                mask = offs < V
-                pos_ptr = logits_ptr + b * stride_lb + i * stride_lk
-                s = tl.load(pos_ptr + offs, mask=mask, other=float("-inf")).to(tl.float32) * inv_t
-                n_bad = tl.sum(((s != s) | (s == float("inf"))).to(tl.int32), axis=0)
-                s = tl.where(s != s, float("-inf"), s)
-                m_c = tl.max(s, axis=0)
-                a_c = tl.min(tl.where(s == m_c, offs, _INT32_MAX), axis=0)
-                sum_c = tl.full([], 0.0, tl.float32)
-                if greedy == 0:  # greedy rows need no exponential
-                    m_ref = tl.where(m_c == float("-inf"), 0.0, m_c)
-                    sum_c = tl.sum(tl.exp(s - m_ref), axis=0)
-                tl.store(cm_ptr + rec, m_c)
-                tl.store(cs_ptr + rec, sum_c)
-                tl.store(ca_ptr + rec, a_c)
-                tl.store(cb_ptr + rec, n_bad)
-                if HAS_TOP_K | HAS_TOP_P:
-                    if warp_on:
-                        keys = tl.where(mask, _order_key(s), _INT32_MIN)
-                        t_c, n_c = _chunk_candidates(keys, offs0, tl.minimum(V - c * CHUNK, CHUNK),
-                                                     cand_ptr + rec * CAP, CAP)
-                        tl.store(ct_ptr + rec, t_c.to(tl.int32))
-                        tl.store(cn_ptr + rec, n_c)
-            # Arrive at the position: the last of its NC chunks combines them.
+                mask = offs < V  # false past the last chunk
+                s = tl.load(pos_ptr + offs, mask=offs < v_read, other=float("-inf")).to(tl.float32) * inv_t
+                if row_on & (c < NC):
+                    n_bad = tl.sum(((s != s) | (s == float("inf"))).to(tl.int32), axis=0)
+                    s = tl.where(s != s, float("-inf"), s)
+                    m_c = tl.max(s, axis=0)
+                    a_c = tl.min(tl.where(s == m_c, offs, _INT32_MAX), axis=0)
+                    sum_c = tl.full([], 0.0, tl.float32)
+                    if greedy == 0:  # greedy rows need no exponential
+                        m_ref = tl.where(m_c == float("-inf"), 0.0, m_c)
+                        sum_c = tl.sum(tl.exp(s - m_ref), axis=0)
+                    tl.store(cm_ptr + rec, m_c)
+                    tl.store(cs_ptr + rec, sum_c)
+                    tl.store(ca_ptr + rec, a_c)
+                    tl.store(cb_ptr + rec, n_bad)
+                    if HAS_TOP_K | HAS_TOP_P:
+                        if warp_on:
+                            keys = tl.where(mask, _order_key(s), _INT32_MIN)
+                            t_c, n_c = _chunk_candidates(keys, offs0, tl.minimum(V - c * CHUNK, CHUNK),
+                                                         cand_ptr + rec * CAP, CAP)
+                            tl.store(ct_ptr + rec, t_c.to(tl.int32))
+                            tl.store(cn_ptr + rec, n_c)
+            # Arrive at the position: the last of its NI items combines its NC chunks.
             tl.debug_barrier()
             arrived = tl.atomic_add(pos_cnt_ptr + pid_bi, 1, sem="acq_rel")
-            if arrived == NC - 1:
+            if arrived == NI - 1:
                 tl.atomic_xchg(pos_cnt_ptr + pid_bi, 0)
                 if (i <= kb) & (bad_param == 0):
                     cmask = cs_ids < NC
@@ -517,9 +527,9 @@ def _verify_split_kernel(
                     tl.debug_barrier()
                     tl.atomic_xchg(ready_ptr + b, 1, sem="release")
         else:
-            # ---------------------------------------------------------------- stage 2 (b, c)
-            b = ((item - N1) // NC).to(tl.int64)
-            c = (item - N1) % NC
+            # ---------------------------------------------------------- stage 2 (b, chunks g)
+            b = ((item - T1) // NI).to(tl.int64)
+            g = (item - T1) % NI
             # Wait for the row's acceptance chain (stage-1 items only: all numbered before this one).
             ready = tl.atomic_add(ready_ptr + b, 0, sem="acquire")
             while ready == 0:
@@ -539,13 +549,16 @@ def _verify_split_kernel(
             S_j = tl.load(pS_ptr + b * K1 + j, cache_modifier=".cg")
             thr_j = tl.load(pt_ptr + b * K1 + j, cache_modifier=".cg").to(tl.int64)
             if sampled:
-                r, _, n_bad_q = _chunk_weights(pos_ptr, q_ptr, c * CHUNK + offs0, V, q_len, x_j, inv_t, m_j, S_j,
-                                               thr_j, rejected, HAS_DRAFT_PROBS)
-                tl.store(mass_ptr + b * NC + c, tl.sum(r.to(tl.float64), axis=0))
-                tl.store(cq_ptr + b * NC + c, n_bad_q)
+                for tt in tl.range(0, TILES, num_stages=STAGES):
+                    c = g * TILES + tt
+                    if c < NC:
+                        r, _, n_bad_q = _chunk_weights(pos_ptr, q_ptr, c * CHUNK + offs0, V, q_len, x_j, inv_t, m_j,
+                                                       S_j, thr_j, rejected, HAS_DRAFT_PROBS)
+                        tl.store(mass_ptr + b * NC + c, tl.sum(r.to(tl.float64), axis=0))
+                        tl.store(cq_ptr + b * NC + c, n_bad_q)
             tl.debug_barrier()
             arrived = tl.atomic_add(s2_cnt_ptr + b, 1, sem="acq_rel")
-            if arrived == NC - 1:
+            if arrived == NI - 1:
                 tl.atomic_xchg(s2_cnt_ptr + b, 0)
                 tl.atomic_xchg(ready_ptr + b, 0)
                 if sampled:

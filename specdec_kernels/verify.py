@@ -357,6 +357,10 @@ _PROGRAMS_PER_SM = 1
 # multiprocessor at 8 warps, at 92-528 bytes of spills (sm_90, Triton 3.9): one of the settings
 # a GPU run compares, with _PROGRAMS_PER_SM = 2, for the loads in flight at large B.
 _MAXNREG: Optional[int] = None
+# Chunks per work item of the split kernel, streamed with software pipelining (STAGES deep): more
+# bytes in flight per program at large B, fewer items at small B. 1 until a GPU run has compared.
+_TILES_PER_ITEM = 1
+_STAGES = 2
 
 
 @functools.lru_cache(maxsize=None)
@@ -442,7 +446,8 @@ def _split_meta(V: int, K1: int, has_draft_probs: bool, has_top_k: bool, has_top
     chunk = max(16, min(triton.next_power_of_2(V), _CHUNK_V))
     nc = triton.cdiv(V, chunk)
     return dict(HAS_DRAFT_PROBS=has_draft_probs, HAS_TOP_K=has_top_k, HAS_TOP_P=has_top_p,
-                HAS_UNIFORMS=has_uniforms, HAS_ORDER=has_order, CHUNK=chunk, NCB=triton.next_power_of_2(nc),
+                HAS_UNIFORMS=has_uniforms, HAS_ORDER=has_order, CHUNK=chunk, TILES=_TILES_PER_ITEM,
+                STAGES=_STAGES, NCB=triton.next_power_of_2(nc),
                 CAP=_TOP_K_CAP, BLOCK_K=triton.next_power_of_2(K1),
                 num_warps=8 if chunk >= 2048 else 4, enable_fp_fusion=False)
 
@@ -485,10 +490,11 @@ def _launch_triton(a: _Args, order: Optional[torch.Tensor] = None,
     if local_workspace or (not ws.fits(sizes) and dev.type == "cuda" and torch.cuda.is_current_stream_capturing()):
         ws = _Workspace()  # this call's own (under capture: of the graph's pool, zeroed by a captured memset)
     ws.ensure(dev, sizes)
-    n1, n_items = B * K1 * nc, B * K1 * nc + B * nc
+    ni = -(-nc // meta["TILES"])  # work items per position
+    n1, n_items = B * K1 * ni, B * K1 * ni + B * ni
     grid = 1 if dev.type != "cuda" else min(n_items, _sm_count(dev.index) * _PROGRAMS_PER_SM)
     if n_items + grid >= 2**31:  # the kernel's int32 ticket
-        raise ValueError(f"fused_verify: B * (K + 1) * {nc} + B * {nc} work items (B = {B}, K + 1 = {K1}) must stay "
+        raise ValueError(f"fused_verify: B * (K + 1) * {ni} + B * {ni} work items (B = {B}, K + 1 = {K1}) must stay "
                          f"below 2^31 - {grid}, got {n_items}")
     if order is not None:
         # a stage-2 item before its row's stage-1 items would wait for ever: refuse such orders
