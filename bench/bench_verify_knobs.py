@@ -35,7 +35,7 @@ from specdec_kernels import fused_verify  # noqa: E402
 from specdec_kernels import verify as verify_mod  # noqa: E402
 
 # (tiles, programs_per_sm, maxnreg)
-SETTINGS = [(1, 1, None), (4, 1, None), (1, 2, 128), (4, 2, 128), (2, 1, None)]
+SETTINGS = [(1, 1, None), (4, 1, None), (1, 2, 128), (4, 2, 128)]
 
 
 @contextlib.contextmanager
@@ -60,55 +60,77 @@ def main(argv=None):
     V, K, dt = (300, 2, torch.float32) if smoke else (128256, 4, torch.bfloat16)
     batches = [(2, False), (1, True)] if smoke else [(64, False), (16, True)]  # (B, graph replay)
     settings = SETTINGS[:2] if smoke else SETTINGS
-    copy_gbps = None if smoke else measure_copy(device, 1024)
+    copy_gbps = None if smoke else measure_copy(device, 256)
     ver, stamp, dev_name = versions(), now(), device_name(device)
-    rows = []
-    for B, graphed in batches:
-        logits, x, q = make_inputs(B, K, V, dt, device)
-        for warp in (False, True):
-            kw = dict(temperature=1.0, seed=torch.arange(B, device=device), offset=0)
-            if warp:
-                kw.update(top_k=50, top_p=0.9)
-            want = None
-            for tiles, programs, maxnreg in settings:
-                with setting(tiles, programs, maxnreg):
-                    def step():
-                        return fused_verify(logits, x, q, backend="triton", **kw)
-                    try:
-                        out = step()
-                        if want is None:
-                            want = out
-                        same = bool(torch.equal(out.tokens, want.tokens))
-                        med, q20, q80 = time_fn(step, device, min_time_s=0.05 if smoke else 0.2, max_reps=3 if smoke else 200)
-                        g_med = time_fn(step, device, cuda_graph=True)[0] if graphed and not smoke else None
-                        err = ""
-                    except Exception as e:  # noqa: BLE001 - a setting that fails (a compile error) is a finding
-                        med = q20 = q80 = g_med = None
-                        same, err = False, f"{type(e).__name__}: {e}"[:200]
-                        out = None
-                n = out.num_accepted if out is not None else torch.full((B,), K)
-                nbytes = bytes_moved(n.cpu(), K, V, V, logits.element_size())
-                gbps = nbytes / (med * 1e-3) / 1e9 if med else None
-                row = dict(op="verify_knobs", B=B, K=K, V=V, dtype=str(dt).replace("torch.", ""),
-                           warp="top-k 50 + top-p 0.9" if warp else "none", tiles=tiles,
-                           programs_per_sm=programs, maxnreg=maxnreg or "", median_ms=med, q20_ms=q20, q80_ms=q80,
-                           cuda_graph_median_ms=g_med, gbps=gbps, copy_gbps=copy_gbps,
-                           pct_of_copy=100 * gbps / copy_gbps if gbps and copy_gbps else None,
-                           same_tokens=same, error=err, device=dev_name, date=stamp, **ver)
-                rows.append(row)
-                print(f"# B={B} warp={warp} tiles={tiles} programs/SM={programs} maxnreg={maxnreg}: "
-                      f"{med} ms, graph {g_med} ms, {gbps} GB/s, same tokens {same} {err}", flush=True)
-    cols = ["B", "warp", "tiles", "programs_per_sm", "maxnreg", "median_ms", "cuda_graph_median_ms", "gbps",
-            "pct_of_copy", "same_tokens", "error"]
-    table = print_table(rows, cols)
-    head = f"# bench_verify_knobs on {dev_name}; {ver}; {stamp}; V={V} K={K} {dt} T=1, drafts accepted; copy {copy_gbps} GB/s"
-    print(head)
+    csv_path = os.path.join(args.out, "bench_verify_knobs.csv") if args.out else None
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-        append_csv(os.path.join(args.out, "bench_verify_knobs.csv"), rows)
+    rows = []
+    try:
+        for B, graphed in batches:
+            logits, x, q = make_inputs(B, K, V, dt, device)
+            for warp in (False, True):
+                want = None  # the first setting that ran: the tokens every other one must give
+                for tiles, programs, maxnreg in settings:
+                    row = measure(logits, x, q, warp, graphed and not smoke, smoke, device, (tiles, programs, maxnreg))
+                    if row["tokens"] is not None:
+                        if want is None:
+                            want = row["tokens"]
+                        row["same_tokens"] = bool(torch.equal(row["tokens"], want))
+                    row.pop("tokens")
+                    nbytes = bytes_moved(row.pop("num_accepted"), K, V, V, logits.element_size())
+                    med = row["median_ms"]
+                    row.update(gbps=nbytes / (med * 1e-3) / 1e9 if med else None, copy_gbps=copy_gbps)
+                    row["pct_of_copy"] = 100 * row["gbps"] / copy_gbps if row["gbps"] and copy_gbps else None
+                    row.update(op="verify_knobs", B=B, K=K, V=V, dtype=str(dt).replace("torch.", ""),
+                               warp="top-k 50 + top-p 0.9" if warp else "none", device=dev_name, date=stamp, **ver)
+                    rows.append(row)
+                    if csv_path:  # row by row: a run stopped at its time limit keeps what it measured
+                        append_csv(csv_path, [row])
+                    print(f"# B={B} warp={warp} tiles={tiles} programs/SM={programs} maxnreg={maxnreg}: "
+                          f"{med} ms, graph {row['cuda_graph_median_ms']} ms, {row['gbps']} GB/s, "
+                          f"same tokens {row['same_tokens']} {row['error']}", flush=True)
+    except KeyboardInterrupt:  # gpu_check.sh's time limit (SIGINT): keep the table of what ran
+        print("# stopped (SIGINT): the settings measured so far follow", flush=True)
+    cols = ["B", "warp", "tiles", "programs_per_sm", "maxnreg", "median_ms", "cuda_graph_median_ms", "gbps",
+            "pct_of_copy", "same_tokens", "error"]
+    head = f"# bench_verify_knobs on {dev_name}; {ver}; {stamp}; V={V} K={K} {dt} T=1, drafts accepted; copy {copy_gbps} GB/s"
+    table = print_table(rows, cols) if rows else ""
+    print(head)
+    if args.out:
         with open(os.path.join(args.out, "bench_verify_knobs.txt"), "w") as f:
             f.write(head + "\n" + table + "\n")
     return rows
+
+
+def measure(logits, x, q, warp, graphed, smoke, device, knobs):
+    """One setting on one case: its row (times, tokens and num_accepted for the caller, error).
+    A failing graph replay keeps the eager time; a failing setting (a compile error) is a row."""
+    tiles, programs, maxnreg = knobs
+    B = logits.shape[0]
+    kw = dict(temperature=1.0, seed=torch.arange(B, device=device), offset=0)
+    if warp:
+        kw.update(top_k=50, top_p=0.9)
+    row = dict(tiles=tiles, programs_per_sm=programs, maxnreg=maxnreg or "", median_ms=None, q20_ms=None,
+               q80_ms=None, cuda_graph_median_ms=None, same_tokens=None, error="", tokens=None,
+               num_accepted=torch.full((B,), x.shape[1]))
+    with setting(tiles, programs, maxnreg):
+        def step():
+            return fused_verify(logits, x, q, backend="triton", **kw)
+        try:
+            out = step()
+            row.update(tokens=out.tokens, num_accepted=out.num_accepted.cpu())
+            row["median_ms"], row["q20_ms"], row["q80_ms"] = time_fn(
+                step, device, min_time_s=0.05 if smoke else 0.2, max_reps=3 if smoke else 200)
+        except Exception as e:  # noqa: BLE001 - a setting that fails is a finding
+            row["error"] = f"{type(e).__name__}: {e}"[:200]
+            return row
+        if graphed:
+            try:
+                row["cuda_graph_median_ms"] = time_fn(step, device, cuda_graph=True)[0]
+            except Exception as e:  # noqa: BLE001
+                row["error"] = f"CUDA graph: {type(e).__name__}: {e}"[:200]
+    return row
 
 
 if __name__ == "__main__":

@@ -90,23 +90,25 @@ PYEOF
 # workers at a time (its tests skip when the wheel is absent, as on a machine without network).
 timeout 90 $PY -c "from specdec_kernels.models import default_target_path as d; print('embedded target:', d())" 2>&1 | tail -n 1
 
-# The tests that run on CUDA first (the kernel, the CUDA op, the decoder on the GPU), then the
-# rest, which CI runs on CPU anyway. SIGINT at the limit makes pytest print its summary of
+# The test files with CUDA cases (the kernels, the CUDA op, the decoder on the GPU); the rest CI
+# runs on CPU anyway. SIGINT at the limit makes pytest print its summary of
 # failures and skips so far (SIGTERM would lose it); KILL 10 s later if it does not stop. Two
 # threads per worker: 8 workers with torch's 16 threads each oversubscribed the 16 cores 8x.
 CUDA_TESTS="python_tests/test_kv_cache.py python_tests/test_verify_exact.py python_tests/test_verify_properties.py
  python_tests/test_verify_edges.py python_tests/test_verify_distribution.py python_tests/test_verify_greedy_fast_path.py
  python_tests/test_verify_sampling_fast_path.py python_tests/test_verify_split.py python_tests/test_decoder_devices.py
- python_tests/test_decoder_triton_verify.py python_tests/test_bench_verify.py"
+ python_tests/test_decoder_triton_verify.py python_tests/test_bench_verify.py python_tests/test_verify_contract.py
+ python_tests/test_cpp_ops_layouts.py"
 stamp "tests on CUDA"
 OMP_NUM_THREADS=2 timeout -s INT -k 10 150 $PY -m pytest $CUDA_TESTS -q -n 8 -rfEs --durations=15 -p no:cacheprovider \
     >"$OUT_DIR/tests.log" 2>&1
 tests_rc=$?
 tail -n 40 "$OUT_DIR/tests.log"
-# (the other tests run on CPU in CI: their minute here goes to the split kernel's settings)
+# (the files without CUDA cases run on CPU in CI: their minute here goes to the split kernel's
+# settings; bench_verify_knobs writes each row as it is measured)
 stamp "bench_verify_knobs (the split kernel's launch settings side by side)"
 timeout -s INT -k 10 60 $PY bench/bench_verify_knobs.py --out "$OUT_DIR"
-rest_rc=$?
+knobs_rc=$?
 
 stamp "bench_verify (gpu grid)"
 timeout -s INT -k 10 100 $PY bench/bench_verify.py --grid gpu --out "$OUT_DIR"
@@ -124,5 +126,5 @@ timeout -s INT -k 10 120 $PY bench/bench_e2e.py --draft "$PAIR/draft" --target "
     --device cuda --dtype fp32 --out "$OUT_DIR" --repeats 3 --max-new-tokens 64
 e2e_rc=$?
 
-stamp "done: build=$build_rc tests=$tests_rc knobs=$rest_rc bench_verify=$verify_rc bench_e2e=$e2e_rc"
-[ $build_rc -eq 0 ] && [ $tests_rc -eq 0 ] && [ $rest_rc -eq 0 ] && [ $verify_rc -eq 0 ] && [ $e2e_rc -eq 0 ]
+stamp "done: build=$build_rc tests=$tests_rc knobs=$knobs_rc bench_verify=$verify_rc bench_e2e=$e2e_rc"
+[ $build_rc -eq 0 ] && [ $tests_rc -eq 0 ] && [ $knobs_rc -eq 0 ] && [ $verify_rc -eq 0 ] && [ $e2e_rc -eq 0 ]

@@ -46,18 +46,18 @@ def _records(B, K1, V):
     return {k: v.cpu().clone() for k, v in ws.records(B, K1, _chunks(V)).items()}
 
 
-def _permuted_order(rng: random.Random, B: int, K1: int, NC: int) -> tuple[torch.Tensor, dict]:
+def _permuted_order(rng: random.Random, B: int, K1: int, NI: int) -> tuple[torch.Tensor, dict]:
     """A claim order that permutes stage-1 items among themselves and stage-2 items among
     themselves (the only constraint: stage 2 after stage 1), and for each position (b, i) the
-    item (its chunks' index g) that comes last (the one that combines it). NC: items a position."""
-    n1, n2 = B * K1 * NC, B * NC
+    item (its chunks' index g) that comes last (the one that combines it). NI: items a position."""
+    n1, n2 = B * K1 * NI, B * NI
     first = list(range(n1))
     rng.shuffle(first)
     second = list(range(n1, n1 + n2))
     rng.shuffle(second)
     last = {}
     for item in first:  # in claim order: the final assignment is the last arrival
-        last[(item // (K1 * NC), (item // NC) % K1)] = item % NC
+        last[(item // (K1 * NI), (item // NI) % K1)] = item % NI
     return torch.tensor(first + second, dtype=torch.int32), last
 
 

@@ -2,13 +2,15 @@
 
 Work decomposition.  Position i of row b is cut into NC = ceil(V / CHUNK) chunks of CHUNK
 tokens (a constant of the launcher, never a function of B, so a row's arithmetic does not
-depend on the batch).  The launch holds two kinds of *work item*, numbered in this order:
+depend on the batch).  A work item covers TILES consecutive chunks (1 by default; NI =
+ceil(NC / TILES) items a position), streamed with software pipelining.  The launch holds two
+kinds of work item, numbered in this order (written below for TILES = 1):
 
-- stage 1, item (b, i, c) for every row, position i <= K and chunk c (B * (K+1) * NC items):
+- stage 1, item (b, i, c) for every row, position i <= K and chunk c (B * (K+1) * NI items):
   the chunk's max, first argmax, sum of exp(s - chunk max) and non-finite count (greedy rows:
   max and argmax only, no exponential), and with top-k/top-p the chunk's CAP largest order keys;
   written to a partial record;
-- stage 2, item (b, c) for every row and chunk (B * NC items): the float64 mass of chunk c's
+- stage 2, item (b, c) for every row and chunk (B * NI items): the float64 mass of chunk c's
   final-draw weights (residual max(0, p - q) after a rejection, p for the bonus) at the row's
   stop position j.
 
@@ -16,7 +18,7 @@ Each program claims items from a ticket counter (atomic add) until none is left,
 *started* in number order whatever the grid and the hardware's scheduling.  Combines happen
 without a second launch, by the last program to arrive (an arrival counter, acq_rel):
 
-- the last stage-1 item of position (b, i) combines its NC partials **in chunk order** (the
+- the last stage-1 item of position (b, i) combines its NC chunk partials **in chunk order** (the
   result does not depend on which program arrives last) into the position's (m, S, thr, argmax,
   bad): top-k and top-p from the chunks' candidate keys (below);
 - the last position of row b to be combined runs the acceptance chain (all K_b tests at once,
@@ -549,13 +551,14 @@ def _verify_split_kernel(
             S_j = tl.load(pS_ptr + b * K1 + j, cache_modifier=".cg")
             thr_j = tl.load(pt_ptr + b * K1 + j, cache_modifier=".cg").to(tl.int64)
             if sampled:
+                # no `if` around the loads (the pipeliner leaves loads under one alone): a chunk
+                # past the last (c >= NC) is masked off by offs >= V and q_len <= Vd <= V
                 for tt in tl.range(0, TILES, num_stages=STAGES):
                     c = g * TILES + tt
-                    if c < NC:
-                        r, _, n_bad_q = _chunk_weights(pos_ptr, q_ptr, c * CHUNK + offs0, V, q_len, x_j, inv_t, m_j,
-                                                       S_j, thr_j, rejected, HAS_DRAFT_PROBS)
-                        tl.store(mass_ptr + b * NC + c, tl.sum(r.to(tl.float64), axis=0))
-                        tl.store(cq_ptr + b * NC + c, n_bad_q)
+                    r, _, n_bad_q = _chunk_weights(pos_ptr, q_ptr, c * CHUNK + offs0, V, q_len, x_j, inv_t, m_j,
+                                                   S_j, thr_j, rejected, HAS_DRAFT_PROBS)
+                    tl.store(mass_ptr + b * NC + c, tl.sum(r.to(tl.float64), axis=0), mask=c < NC)
+                    tl.store(cq_ptr + b * NC + c, n_bad_q, mask=c < NC)
             tl.debug_barrier()
             arrived = tl.atomic_add(s2_cnt_ptr + b, 1, sem="acq_rel")
             if arrived == NI - 1:
