@@ -60,7 +60,7 @@ def _spill_bound(kernel: str, variant: str) -> int:
 
 def test_verify_kernels_compile_for_sm90(tmp_path):
     sys.path.insert(0, os.path.dirname(SCRIPT))
-    from gpu_compile_check import VARIANTS  # the list only: the check itself runs in a subprocess
+    from gpu_compile_check import SPLIT_SETTINGS, VARIANTS  # the lists only: the check runs in a subprocess
 
     proc, results = _check(tmp_path, "--only", "triton", "--arch", "90")
     assert results is not None, proc.stderr[-3000:]
@@ -68,7 +68,8 @@ def test_verify_kernels_compile_for_sm90(tmp_path):
     assert not failed, failed
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     for kernel in _KERNELS:
-        assert [r["variant"] for r in results if r["kernel"] == kernel] == [v[0] for v in VARIANTS], kernel
+        extra = [v[0] for v in SPLIT_SETTINGS] if kernel == "_verify_split_kernel" else []
+        assert [r["variant"] for r in results if r["kernel"] == kernel] == [v[0] for v in VARIANTS] + extra, kernel
         assert f"{kernel} " in proc.stdout, f"the summary does not show {kernel}"
     assert sorted({r["kernel"] for r in results}) == sorted(_KERNELS)
     for r in results:

@@ -207,42 +207,69 @@ def _kernels() -> list:
     ]
 
 
+# The split kernel's launch settings beside its defaults (bench_verify_knobs.py times them on a
+# GPU): (variant, logits dtype, draft token dtype, V, K, draft_probs, top_k, top_p, uniforms,
+# chunks per work item). At 4 chunks its loads are software-pipelined (cp.async on a GPU, where
+# the JIT's alignment hints apply; this check compiles without them, so it checks validity only).
+SPLIT_SETTINGS = [
+    ("bf16 plain, 4 chunks an item", "bf16", "i64", 128256, 4, True, False, False, False, 4),
+    ("bf16 top-k + top-p, 4 chunks an item", "bf16", "i64", 128256, 4, True, True, True, False, 4),
+]
+
+
 def compile_triton(archs: list) -> list:
     import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     results = []
     tmp = tempfile.mkdtemp(prefix="specdec-aot-")
     for arch in archs:
         for kernel, meta_of, signature_of, shown in _kernels():
-            kname = kernel.fn.__name__
-            for name, logits, tokens, V, K, has_q, has_k, has_p, has_u in VARIANTS:
+            cases = [(v, None) for v in VARIANTS]
+            if kernel.fn.__name__ == "_verify_split_kernel":
+                cases += [(v[:-1], v[-1]) for v in SPLIT_SETTINGS]
+            for (name, logits, tokens, V, K, has_q, has_k, has_p, has_u), tiles in cases:
                 meta = meta_of(V, K + 1, has_q, has_k, has_p, has_u)
-                options = dict(num_warps=meta.pop("num_warps"), enable_fp_fusion=meta.pop("enable_fp_fusion"))
-                row = dict(part="triton", kernel=kname, variant=name, arch=arch, num_warps=options["num_warps"],
-                           **{f: meta[f] for f in shown}, triton=triton.__version__)
-                t0 = time.time()
-                try:
-                    src = ASTSource(fn=kernel, signature=signature_of(logits, tokens, meta), constexprs=meta)
-                    log = io.StringIO()
-                    with _ptxas_log_printed(), contextlib.redirect_stdout(log):
-                        k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
-                    path = os.path.join(tmp, f"{kname}-{arch}-{len(results)}.cubin")
-                    with open(path, "wb") as f:
-                        f.write(k.asm["cubin"])
-                    # fused multiply-adds in the PTX: none while enable_fp_fusion is off (the
-                    # kernels write no tl.fma), hundreds with it on
-                    ptx = k.asm["ptx"]
-                    row.update(ok=True, enable_fp_fusion=options["enable_fp_fusion"],
-                               fma_f32=ptx.count("fma.rn.f32"), fma_f64=ptx.count("fma.rn.f64"),
-                               **resource_usage(path).get(kname, {}), **_spills(log.getvalue()))
-                except Exception as e:  # noqa: BLE001  (reported, and the exit status says it)
-                    row.update(ok=False, error=f"{type(e).__name__}: {e}"[-2000:])
-                row["seconds"] = round(time.time() - t0, 2)
-                results.append(row)
+                if tiles is not None:
+                    meta["TILES"] = tiles
+                results.append(_compile_one(kernel, meta, signature_of(logits, tokens, meta), name, arch, shown,
+                                            tmp, len(results), triton.__version__))
     shutil.rmtree(tmp, ignore_errors=True)
     return results
+
+
+def _compile_one(kernel, meta: dict, signature: dict, name: str, arch: int, shown, tmp: str, n: int,
+                 triton_version: str) -> dict:
+    """One specialisation compiled for sm_<arch>: its result row (resources, spills, FMAs)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    kname = kernel.fn.__name__
+    meta = dict(meta)
+    options = dict(num_warps=meta.pop("num_warps"), enable_fp_fusion=meta.pop("enable_fp_fusion"))
+    row = dict(part="triton", kernel=kname, variant=name, arch=arch, num_warps=options["num_warps"],
+               **{f: meta[f] for f in shown}, triton=triton_version)
+    if "TILES" in meta:
+        row["TILES"] = meta["TILES"]
+    t0 = time.time()
+    try:
+        src = ASTSource(fn=kernel, signature=signature, constexprs=meta)
+        log = io.StringIO()
+        with _ptxas_log_printed(), contextlib.redirect_stdout(log):
+            k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+        path = os.path.join(tmp, f"{kname}-{arch}-{n}.cubin")
+        with open(path, "wb") as f:
+            f.write(k.asm["cubin"])
+        # fused multiply-adds in the PTX: none while enable_fp_fusion is off (the kernels write
+        # no tl.fma), hundreds with it on
+        ptx = k.asm["ptx"]
+        row.update(ok=True, enable_fp_fusion=options["enable_fp_fusion"],
+                   fma_f32=ptx.count("fma.rn.f32"), fma_f64=ptx.count("fma.rn.f64"),
+                   **resource_usage(path).get(kname, {}), **_spills(log.getvalue()))
+    except Exception as e:  # noqa: BLE001  (reported, and the exit status says it)
+        row.update(ok=False, error=f"{type(e).__name__}: {e}"[-2000:])
+    row["seconds"] = round(time.time() - t0, 2)
+    return row
 
 
 def _torch_cxx_std() -> str:
