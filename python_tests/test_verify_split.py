@@ -46,6 +46,16 @@ def _records(B, K1, V):
     return {k: v.cpu().clone() for k, v in ws.records(B, K1, _chunks(V)).items()}
 
 
+def _assert_same_records(rec: dict, want: dict, kb: torch.Tensor) -> None:
+    """The position records the rows use (positions 0..K_b) bit for bit: max, kept mass, argmax,
+    unusable, threshold."""
+    for b in range(kb.shape[0]):
+        for i in range(int(kb[b]) + 1):
+            for name in ("m", "S", "argmax", "bad", "thr"):
+                a, w = rec[name][b, i], want[name][b, i]
+                assert a.view(torch.int32) == w.view(torch.int32), (name, b, i, a, w)
+
+
 def _permuted_order(rng: random.Random, B: int, K1: int, NI: int) -> tuple[torch.Tensor, dict]:
     """A claim order that permutes stage-1 items among themselves and stage-2 items among
     themselves (the only constraint: stage 2 after stage 1), and for each position (b, i) the
@@ -90,13 +100,8 @@ def test_arrival_order_does_not_change_the_result(warp, tiles, monkeypatch):
         order, last = _permuted_order(rng, B, K + 1, NI)
         combiners.add(tuple(sorted(last.items())))
         got = _call(*args, order=order)
-        rec = _records(B, K + 1, V)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-        for b in range(B):
-            for i in range(int(kb[b]) + 1):  # the positions the row uses
-                for name in ("m", "S", "argmax", "bad", "thr"):
-                    a, w = rec[name][b, i], want_rec[name][b, i]
-                    assert a.view(torch.int32) == w.view(torch.int32), (name, b, i, a, w)
+        _assert_same_records(_records(B, K + 1, V), want_rec, kb)
     assert len(combiners) == 5, "the orders must make different programs combine the positions"
 
 
@@ -199,12 +204,8 @@ def test_chunks_per_item_do_not_change_the_result(warp, monkeypatch):
         got = _call(*args)
         assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1]), (tiles, got, ref)
         rec = _records(B, K + 1, V)
-        if want_rec is None:
-            want_rec = rec
-        for b in range(B):
-            for i in range(int(kb[b]) + 1):
-                for name in ("m", "S", "argmax", "bad", "thr"):
-                    assert rec[name][b, i].view(torch.int32) == want_rec[name][b, i].view(torch.int32), (tiles, name)
+        want_rec = rec if want_rec is None else want_rec
+        _assert_same_records(rec, want_rec, kb)
 
 
 def test_counters_reset_themselves():

@@ -114,6 +114,14 @@ def _param(flags, bit, ptr, stride, scalar, b, DTYPE: tl.constexpr):
 
 
 @triton.jit
+def _philox_key(b, flags, seed_ptr, seed_stride, seed_scalar, seed_row_step, off_ptr, off_stride, off_scalar):
+    """Row b's Philox seed and counter base (offset_b << 32; the low word is the draw's index)."""
+    seed = _param(flags, _P_SEED, seed_ptr, seed_stride, seed_scalar, b, tl.int64) + b * seed_row_step
+    counter_base = _param(flags, _P_OFFSET, off_ptr, off_stride, off_scalar, b, tl.int64) << 32
+    return seed, counter_base
+
+
+@triton.jit
 def _row_params(b, K, V, flags,
                 nd_ptr, nd_stride, nd_scalar, t_ptr, t_stride, t_scalar,
                 k_ptr, k_stride, k_scalar, p_ptr, p_stride, p_scalar,
@@ -502,10 +510,8 @@ def _verify_split_kernel(
                             u = tl.load(uniforms_ptr + b * stride_ub + ks * stride_uk, mask=dmask,
                                         other=0.0).to(tl.float64)
                         else:
-                            seed = (_param(param_flags, _P_SEED, seed_ptr, seed_stride, seed_scalar, b, tl.int64)
-                                    + b * seed_row_step)
-                            counter_base = _param(param_flags, _P_OFFSET, off_ptr, off_stride, off_scalar,
-                                                  b, tl.int64) << 32
+                            seed, counter_base = _philox_key(b, param_flags, seed_ptr, seed_stride, seed_scalar,
+                                                             seed_row_step, off_ptr, off_stride, off_scalar)
                             u = tl.rand(seed, counter_base | (ks + 1).to(tl.int64)).to(tl.float64)
                         bad_q = ((q_x != q_x) | (q_x < 0.0) | (q_x == float("inf"))) & (greedy == 0)
                         bad_x = ~x_ok | bad_q
@@ -584,10 +590,8 @@ def _verify_split_kernel(
                     if HAS_UNIFORMS:
                         u_final = tl.load(uniforms_ptr + b * stride_ub + K * stride_uk).to(tl.float64)
                     else:
-                        seed = (_param(param_flags, _P_SEED, seed_ptr, seed_stride, seed_scalar, b, tl.int64)
-                                + b * seed_row_step)
-                        counter_base = _param(param_flags, _P_OFFSET, off_ptr, off_stride, off_scalar,
-                                              b, tl.int64) << 32
+                        seed, counter_base = _philox_key(b, param_flags, seed_ptr, seed_stride, seed_scalar,
+                                                         seed_row_step, off_ptr, off_stride, off_scalar)
                         # 53 random bits (27 of Philox's first word, 26 of its second) on the
                         # 2^-53 grid: with fp32's 24, a token of probability below ~2^-24 would
                         # be drawn with probability 0 or 2^-24, not its own

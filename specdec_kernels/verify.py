@@ -460,6 +460,20 @@ def _param_args(value, bit: int, dummy: torch.Tensor, flags: int):
     return flags, dummy, 0, (0 if value is None else value)
 
 
+def _kernel_inputs(a: _Args):
+    """(logits, draft_probs, tokens, num_accepted) for either Triton kernel: the two inputs with a
+    contiguous last dim (the kernels read a row at ptr + v; a copy only when it is not) and the
+    outputs allocated ([B, K+1] and [B] int64)."""
+    logits = a.target_logits if a.target_logits.stride(-1) == 1 else a.target_logits.contiguous()
+    B, K1, _ = logits.shape
+    q = a.draft_probs
+    if q is not None and q.stride(-1) != 1:
+        q = q.contiguous()
+    tokens = torch.empty((B, K1), dtype=torch.int64, device=logits.device)
+    num_accepted = torch.empty((B,), dtype=torch.int64, device=logits.device)
+    return logits, q, tokens, num_accepted
+
+
 def _launch_triton(a: _Args, order: Optional[torch.Tensor] = None,
                    local_workspace: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The split kernel (``_verify_split_kernel.py``): one launch, and on the device no op but the
@@ -470,17 +484,12 @@ def _launch_triton(a: _Args, order: Optional[torch.Tensor] = None,
     CUDA graphs allocate from pools whose memory they recycle, where a cached one could end up)."""
     from ._verify_split_kernel import _verify_split_kernel  # lazily: the torch path needs no Triton
 
-    logits = a.target_logits if a.target_logits.stride(-1) == 1 else a.target_logits.contiguous()
+    logits, q, tokens, num_accepted = _kernel_inputs(a)
     B, K1, V = logits.shape
     K = K1 - 1
     dev = logits.device
-    tokens = torch.empty((B, K1), dtype=torch.int64, device=dev)
-    num_accepted = torch.empty((B,), dtype=torch.int64, device=dev)
     if B == 0:
         return tokens, num_accepted
-    q = a.draft_probs
-    if q is not None and q.stride(-1) != 1:
-        q = q.contiguous()
     x, u = a.draft_tokens, a.uniforms
     warp = a.top_k is not None or a.top_p is not None
     meta = _split_meta(V, K1, q is not None, a.top_k is not None, a.top_p is not None, u is not None, order is not None)
@@ -542,17 +551,12 @@ def _launch_rows(a: _Args) -> tuple[torch.Tensor, torch.Tensor]:
     kept until a GPU run has measured it beside the split kernel. Takes materialized arguments."""
     from ._verify_kernel import _verify_kernel  # imported lazily: the torch path needs no Triton
 
-    logits = a.target_logits if a.target_logits.stride(-1) == 1 else a.target_logits.contiguous()
+    logits, q, tokens, num_accepted = _kernel_inputs(a)
     B, K1, V = logits.shape
     K = K1 - 1
     dev = logits.device
-    tokens = torch.empty((B, K1), dtype=torch.int64, device=dev)
-    num_accepted = torch.empty((B,), dtype=torch.int64, device=dev)
     if B == 0:
         return tokens, num_accepted
-    q = a.draft_probs
-    if q is not None and q.stride(-1) != 1:
-        q = q.contiguous()
     uniforms = a.uniforms.contiguous() if a.uniforms is not None else None  # float64 (_normalize)
     x = a.draft_tokens if a.draft_tokens.stride(-1) == 1 else a.draft_tokens.contiguous()  # read at + j
     dummy = num_accepted  # stands in for absent optional pointers; never dereferenced
