@@ -97,7 +97,7 @@ timeout 90 $PY -c "from specdec_kernels.models import default_target_path as d; 
 CUDA_TESTS="python_tests/test_kv_cache.py python_tests/test_verify_exact.py python_tests/test_verify_properties.py
  python_tests/test_verify_edges.py python_tests/test_verify_distribution.py python_tests/test_verify_greedy_fast_path.py
  python_tests/test_verify_sampling_fast_path.py python_tests/test_verify_split.py python_tests/test_decoder_devices.py
- python_tests/test_decoder_triton_verify.py python_tests/test_bench_verify.py python_tests/test_verify_contract.py
+ python_tests/test_decoder_triton_verify.py python_tests/test_bench_verify.py python_tests/test_verify_contract.py python_tests/test_verify_packed.py
  python_tests/test_cpp_ops_layouts.py"
 stamp "tests on CUDA"
 OMP_NUM_THREADS=2 timeout -s INT -k 10 150 $PY -m pytest $CUDA_TESTS -q -n 8 -rfEs --durations=15 -p no:cacheprovider \

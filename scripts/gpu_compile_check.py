@@ -137,7 +137,9 @@ def verify_split_signature(logits: str, tokens: str, meta: dict) -> dict:
     sig = dict(
         logits_ptr=f"*{logits}", stride_lb="i32", stride_lk="i32",
         draft_tokens_ptr=f"*{tokens}", stride_tb="i32", stride_tk="i32",
-        draft_probs_ptr="*fp32" if meta["HAS_DRAFT_PROBS"] else placeholder, stride_qb="i32", stride_qk="i32",
+        draft_probs_ptr=f"*{meta.get('_q_dtype', 'fp32')}" if meta["HAS_DRAFT_PROBS"] else placeholder,
+        stride_qb="i32", stride_qk="i32",
+        cu_ptr="*i32" if meta["PACKED"] else placeholder, cu_stride="i32",
         uniforms_ptr="*fp64" if meta["HAS_UNIFORMS"] else placeholder, stride_ub="i32", stride_uk="i32",
         param_flags="i32",
         nd_ptr="*i64", nd_stride="i32", nd_scalar="i32",
@@ -147,7 +149,8 @@ def verify_split_signature(logits: str, tokens: str, meta: dict) -> dict:
         seed_ptr="*i64", seed_stride="i32", seed_scalar="i64",
         off_ptr="*i64", off_stride="i32", off_scalar="i64",
         seed_row_step="i32",
-        tokens_ptr="*i64", num_accepted_ptr="*i64",
+        tokens_ptr="*i64", stride_ob="i32", stride_oc="i32", num_accepted_ptr="*i64", stride_on="i32",
+        logprobs_ptr="*fp32" if meta["LOGPROBS"] else placeholder, stride_pb="i32", stride_pc="i32",
         counters_ptr="*i32", part_f_ptr="*fp32", part_i_ptr="*i32", cand_ptr="*i32", mass_ptr="*fp64",
         order_ptr="*i32" if meta["HAS_ORDER"] else placeholder,
         B="i32", K="i32", V="i32", Vd="i32", NC="i32", G="i32",
@@ -208,12 +211,19 @@ def _kernels() -> list:
 
 
 # The split kernel's launch settings beside its defaults (bench_verify_knobs.py times them on a
-# GPU): (variant, logits dtype, draft token dtype, V, K, draft_probs, top_k, top_p, uniforms,
-# chunks per work item). At 4 chunks its loads are software-pipelined (cp.async on a GPU, where
-# the JIT's alignment hints apply; this check compiles without them, so it checks validity only).
+# GPU) and its engine-facing forms: (variant, logits dtype, draft token dtype, V, K, draft_probs,
+# top_k, top_p, uniforms, constexprs set). At 4 chunks its loads are software-pipelined (cp.async
+# on a GPU, where the JIT's alignment hints apply; this check compiles without them, so it checks
+# validity only). "_q_dtype" is the draft probabilities' pointer type, not a constexpr.
 SPLIT_SETTINGS = [
-    ("bf16 plain, 4 chunks an item", "bf16", "i64", 128256, 4, True, False, False, False, 4),
-    ("bf16 top-k + top-p, 4 chunks an item", "bf16", "i64", 128256, 4, True, True, True, False, 4),
+    ("bf16 plain, 4 chunks an item", "bf16", "i64", 128256, 4, True, False, False, False, {"TILES": 4}),
+    ("bf16 top-k + top-p, 4 chunks an item", "bf16", "i64", 128256, 4, True, True, True, False, {"TILES": 4}),
+    ("bf16 packed, bf16 q, logprobs", "bf16", "i32", 128256, 4, True, False, False, False,
+     {"PACKED": True, "LOGPROBS": True, "_q_dtype": "bf16"}),
+    ("bf16 packed top-k + top-p, logprobs", "bf16", "i32", 128256, 4, True, True, True, False,
+     {"PACKED": True, "LOGPROBS": True}),
+    ("fp32 probabilities in, packed", "fp32", "i32", 128256, 4, True, False, False, False,
+     {"PACKED": True, "PROBS": True}),
 ]
 
 
@@ -227,12 +237,13 @@ def compile_triton(archs: list) -> list:
             cases = [(v, None) for v in VARIANTS]
             if kernel.fn.__name__ == "_verify_split_kernel":
                 cases += [(v[:-1], v[-1]) for v in SPLIT_SETTINGS]
-            for (name, logits, tokens, V, K, has_q, has_k, has_p, has_u), tiles in cases:
+            for (name, logits, tokens, V, K, has_q, has_k, has_p, has_u), extra in cases:
                 meta = meta_of(V, K + 1, has_q, has_k, has_p, has_u)
-                if tiles is not None:
-                    meta["TILES"] = tiles
-                results.append(_compile_one(kernel, meta, signature_of(logits, tokens, meta), name, arch, shown,
-                                            tmp, len(results), triton.__version__))
+                meta.update(extra or {})
+                signature = signature_of(logits, tokens, meta)
+                meta.pop("_q_dtype", None)
+                results.append(_compile_one(kernel, meta, signature, name, arch, shown, tmp, len(results),
+                                            triton.__version__))
     shutil.rmtree(tmp, ignore_errors=True)
     return results
 

@@ -7,7 +7,8 @@
 
 from . import cpu_linear as _cpu_linear  # noqa: F401  (registers the skinny_linear ops' fakes)
 from .decoder import GenerationResult, SpeculativeDecoder
-from .verify import VerifyOutput, fused_verify
+from .verify import VerifyOutput, VerifyOutputWithLogprobs, fused_verify, fused_verify_packed
 
-__all__ = ["GenerationResult", "SpeculativeDecoder", "VerifyOutput", "fused_verify"]
+__all__ = ["GenerationResult", "SpeculativeDecoder", "VerifyOutput", "VerifyOutputWithLogprobs", "fused_verify",
+           "fused_verify_packed"]
 __version__ = "0.1.0"

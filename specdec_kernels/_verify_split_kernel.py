@@ -67,6 +67,12 @@ draft-vocabulary entries of 4 bytes, and NC chunks:
   top-k set through CAP * 4 bytes of the workspace;
 - the combines read the partial records (16 bytes per chunk, 4 * CAP with a warp), L2-resident.
 
+The engine-facing forms change no pass: the packed layout (PACKED) reads row b's positions from
+logits row cu[b] + b and its drafts from cu[b] (two 4-8 byte reads of cu per item, the same bytes
+of logits); probabilities in (PROBS) read the same V * E bytes, with no exponential; fp16/bf16
+draft probabilities read Vd * 2 bytes instead of 4; log-probabilities (LOGPROBS) add one logit
+read for the final token, 4 * (K + 1) bytes written per row, and the exponentials of greedy rows.
+
 So a step reads about (K_b + 2) * V * E bytes of logits (+ Vd * 4 of q after a rejection), all
 but (K_b + 1) * V * E of it from L2.  Greedy rows skip stage 2 and compute no exponential.
 
@@ -124,16 +130,29 @@ def _philox_key(b, flags, seed_ptr, seed_stride, seed_scalar, seed_row_step, off
 @triton.jit
 def _row_params(b, K, V, flags,
                 nd_ptr, nd_stride, nd_scalar, t_ptr, t_stride, t_scalar,
-                k_ptr, k_stride, k_scalar, p_ptr, p_stride, p_scalar,
-                HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr):
+                k_ptr, k_stride, k_scalar, p_ptr, p_stride, p_scalar, cu_ptr, cu_stride,
+                HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, PACKED: tl.constexpr,
+                PROBS: tl.constexpr):
     """(kb, greedy, bad_param, inv_t, k_on, p_on, top_k, top_p) of row b, as the reference's
-    ``_row_parameters``; k_on / p_on: the row's top-k / top-p changes its distribution."""
-    kb = _param(flags, _P_NUM_DRAFT, nd_ptr, nd_stride, nd_scalar, b, tl.int64)
+    ``_row_parameters``; k_on / p_on: the row's top-k / top-p changes its distribution.  PACKED:
+    K_b = cu[b + 1] - cu[b], and a row whose drafts are not within [0, nd_scalar) is unusable.
+    PROBS (probabilities in): a temperature other than 0 or 1 is an unusable parameter, and
+    1 / T = 1."""
+    if PACKED:
+        c0 = tl.load(cu_ptr + b * cu_stride).to(tl.int64)
+        kb = tl.load(cu_ptr + (b + 1) * cu_stride).to(tl.int64) - c0
+        out_of_bounds = (c0 < 0) | (c0 + kb > nd_scalar)  # nd_scalar: the number of drafts, sum_b K_b
+    else:
+        kb = _param(flags, _P_NUM_DRAFT, nd_ptr, nd_stride, nd_scalar, b, tl.int64)
+        out_of_bounds = kb < 0
     temp = _param(flags, _P_TEMPERATURE, t_ptr, t_stride, t_scalar, b, tl.float32)
     greedy = temp == 0.0
-    # (0, 2^-126): 1 / T overflows, or a subnormal T is flushed to 0
+    # (0, 2^-126): 1 / T overflows, or a subnormal T is flushed to 0; a packed row outside the
+    # drafts reads nothing
     bad_param = ((temp != temp) | (temp < 0.0) | (temp == float("inf")) | ((temp > 0.0) & (temp < _FLT_MIN))
-                 | (kb < 0) | (kb > K))
+                 | (kb < 0) | (kb > K) | out_of_bounds)
+    if PROBS:
+        bad_param = bad_param | ((temp != 0.0) & (temp != 1.0))
     top_k = tl.full([], 0, tl.int64)
     top_p = tl.full([], 1.0, tl.float32)
     if HAS_TOP_K:
@@ -148,6 +167,56 @@ def _row_params(b, K, V, flags,
     k_on = ~greedy & (top_k > 0) & (top_k < V)
     p_on = ~greedy & (top_p < 1.0)
     return kb, greedy, bad_param, inv_t, k_on, p_on, top_k, top_p
+
+
+@triton.jit
+def _row_offsets(b, cu_ptr, cu_stride, stride_lb, stride_lk, stride_tb, stride_tk, stride_qb, stride_qk,
+                 PACKED: tl.constexpr):
+    """Element offsets of row b's first position in the logits, its first draft token and its
+    first draft distribution.  Padded: row b at b * stride.  PACKED: the rows back to back, row b's
+    K_b + 1 positions from logits row cu[b] + b, its drafts from cu[b]."""
+    if PACKED:
+        c0 = tl.load(cu_ptr + b * cu_stride).to(tl.int64)
+        l_off = (c0 + b) * stride_lk
+        t_off = c0 * stride_tk
+        q_off = c0 * stride_qk
+    else:
+        l_off = b * stride_lb
+        t_off = b * stride_tb
+        q_off = b * stride_qb
+    return l_off, t_off, q_off
+
+
+@triton.jit
+def _scores(ptr, offs, n, inv_t, PROBS: tl.constexpr):
+    """A chunk's scores as fp32: the logits times 1 / T, -inf at offs >= n; or, PROBS, the
+    probabilities as given, 0 at offs >= n."""
+    if PROBS:
+        s = tl.load(ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
+    else:
+        s = tl.load(ptr + offs, mask=offs < n, other=float("-inf")).to(tl.float32) * inv_t
+    return s
+
+
+@triton.jit
+def _weight(s, m, PROBS: tl.constexpr):
+    """The unnormalised target weight of a score: exp(s - m) for logits, s itself for PROBS."""
+    if PROBS:
+        w = s
+    else:
+        w = tl.exp(s - m)
+    return w
+
+
+@triton.jit
+def _logprob(s, m, S, kept, PROBS: tl.constexpr):
+    """log p(v) = (s - m) - log S (PROBS: log s - log S), -inf where the warp drops v."""
+    if PROBS:
+        pos = s > 0.0
+        lp = tl.where(pos, tl.log(tl.where(pos, s, 1.0)) - tl.log(S), float("-inf"))
+    else:
+        lp = (s - m) - tl.log(S)
+    return tl.where(kept, lp, float("-inf"))
 
 
 @triton.jit
@@ -282,15 +351,16 @@ def _warp_from_candidates(cand, t_sat, m, S, key_max, top_k, top_p, k_on, p_on, 
 
 @triton.jit
 def _chunk_weights(pos_ptr, q_ptr, offs, V, q_len, x_j, inv_t, m, S, thr, subtract_q,
-                   HAS_DRAFT_PROBS: tl.constexpr):
+                   HAS_DRAFT_PROBS: tl.constexpr, PROBS: tl.constexpr):
     """One chunk's final-draw weights (fp32): r = max(0, p - q) when subtract_q (the residual
-    after a rejection), else r = p; with the non-finite/negative q count.  q is read up to q_len
-    (0 = not at all), or is one-hot at x_j for a deterministic drafter."""
+    after a rejection), else r = p; with the non-finite/negative q count.  q (fp32, bf16 or fp16,
+    read as fp32) is read up to q_len (0 = not at all), or is one-hot at x_j for a deterministic
+    drafter."""
     mask = offs < V
-    s = tl.load(pos_ptr + offs, mask=mask, other=float("-inf")).to(tl.float32) * inv_t
-    p = tl.where(mask & (_order_key(s).to(tl.int64) >= thr), tl.exp(s - m) / S, 0.0)
+    s = _scores(pos_ptr, offs, V, inv_t, PROBS)
+    p = tl.where(mask & (_order_key(s).to(tl.int64) >= thr), _weight(s, m, PROBS) / S, 0.0)
     if HAS_DRAFT_PROBS:
-        q = tl.load(q_ptr + offs, mask=offs < q_len, other=0.0)
+        q = tl.load(q_ptr + offs, mask=offs < q_len, other=0.0).to(tl.float32)
     else:
         q = tl.where(offs == x_j, 1.0, 0.0)
     r = tl.where(subtract_q, tl.maximum(p - q, 0.0), p)
@@ -300,23 +370,25 @@ def _chunk_weights(pos_ptr, q_ptr, offs, V, q_len, x_j, inv_t, m, S, thr, subtra
 
 
 @triton.jit
-def _emit(tokens_ptr, num_accepted_ptr, draft_tokens_ptr, stride_tb, stride_tk, b, K, j, final, bad,
-          BLOCK_K: tl.constexpr):
-    """Row b's outputs: the accepted drafts, the final token at j, then -1 (all -1 if bad)."""
+def _emit(tokens_ptr, stride_ob, stride_oc, num_accepted_ptr, stride_on, row_tokens_ptr, stride_tk, b, K, j,
+          final, bad, BLOCK_K: tl.constexpr):
+    """Row b's outputs (stored as the outputs' dtype, int32 or int64): the accepted drafts, the
+    final token at j, then -1 (all -1 if bad).  row_tokens_ptr: the row's first draft token."""
     cols = tl.arange(0, BLOCK_K)
-    x_all = tl.load(draft_tokens_ptr + b * stride_tb + cols * stride_tk, mask=cols < K, other=-1).to(tl.int64)
+    x_all = tl.load(row_tokens_ptr + cols * stride_tk, mask=cols < j, other=-1).to(tl.int64)
     out = tl.where(cols < j, x_all, -1)
     out = tl.where(cols == j, final, out)
     out = tl.where(bad, -1, out)
-    tl.store(tokens_ptr + b * (K + 1) + cols, out, mask=cols < K + 1)
-    tl.store(num_accepted_ptr + b, tl.where(bad, -1, j))
+    tl.store(tokens_ptr + b * stride_ob + cols * stride_oc, out, mask=cols < K + 1)
+    tl.store(num_accepted_ptr + b * stride_on, tl.where(bad, -1, j))
 
 
 @triton.jit
 def _verify_split_kernel(
-    logits_ptr, stride_lb, stride_lk,  # [B, K+1, V] fp32/bf16/fp16, last dim contiguous
-    draft_tokens_ptr, stride_tb, stride_tk,  # [B, K] int32/int64
-    draft_probs_ptr, stride_qb, stride_qk,  # [B, K, Vd] fp32, last dim contiguous
+    logits_ptr, stride_lb, stride_lk,  # [B, K+1, V] (PACKED: [sum_b (K_b + 1), V]) fp32/bf16/fp16, last dim contiguous
+    draft_tokens_ptr, stride_tb, stride_tk,  # [B, K] (PACKED: [sum_b K_b]) int32/int64
+    draft_probs_ptr, stride_qb, stride_qk,  # [B, K, Vd] (PACKED: [sum_b K_b, Vd]) fp32/bf16/fp16, last dim contiguous
+    cu_ptr, cu_stride,  # PACKED: [B + 1] int32/int64, cu[b] = K_0 + ... + K_{b-1}
     uniforms_ptr, stride_ub, stride_uk,  # [B, K+1] float64/fp32
     param_flags,  # bit set: that parameter is a [B] tensor (ptr, stride), else the scalar
     nd_ptr, nd_stride, nd_scalar,  # num_draft_tokens: int
@@ -326,8 +398,9 @@ def _verify_split_kernel(
     seed_ptr, seed_stride, seed_scalar,  # seed: int64
     off_ptr, off_stride, off_scalar,  # offset: int64
     seed_row_step,  # row b's seed is seed + b * seed_row_step (1 for seed=None's base seed, else 0)
-    tokens_ptr,  # out [B, K+1] int64, contiguous
-    num_accepted_ptr,  # out [B] int64
+    tokens_ptr, stride_ob, stride_oc,  # out [B, K+1] int32/int64
+    num_accepted_ptr, stride_on,  # out [B] int32/int64
+    logprobs_ptr, stride_pb, stride_pc,  # out [B, K+1] fp32 (LOGPROBS)
     counters_ptr,  # int32 [2 + B * (K+1) + 3 * B], zero between launches
     part_f_ptr,  # fp32 [2 * B * (K+1) * NC + 2 * B * (K+1)]
     part_i_ptr,  # int32 [4 * B * (K+1) * NC + 4 * B * (K+1) + 4 * B + B * NC]
@@ -340,6 +413,9 @@ def _verify_split_kernel(
     HAS_TOP_P: tl.constexpr,
     HAS_UNIFORMS: tl.constexpr,
     HAS_ORDER: tl.constexpr,
+    PACKED: tl.constexpr,  # the ragged layout: rows back to back, K_b from cu
+    PROBS: tl.constexpr,  # the target given as probabilities (no temperature, no warp)
+    LOGPROBS: tl.constexpr,  # also write each emitted token's target log-probability
     CHUNK: tl.constexpr,
     TILES: tl.constexpr,  # chunks per work item
     STAGES: tl.constexpr,  # software-pipelining depth over an item's chunks
@@ -393,11 +469,14 @@ def _verify_split_kernel(
             g = item % NI
             kb, greedy, bad_param, inv_t, k_on, p_on, top_k, top_p = _row_params(
                 b, K, V, param_flags, nd_ptr, nd_stride, nd_scalar, t_ptr, t_stride, t_scalar,
-                k_ptr, k_stride, k_scalar, p_ptr, p_stride, p_scalar, HAS_TOP_K, HAS_TOP_P)
+                k_ptr, k_stride, k_scalar, p_ptr, p_stride, p_scalar, cu_ptr, cu_stride, HAS_TOP_K, HAS_TOP_P,
+                PACKED, PROBS)
+            l_off, t_off, q_off = _row_offsets(b, cu_ptr, cu_stride, stride_lb, stride_lk, stride_tb, stride_tk,
+                                               stride_qb, stride_qk, PACKED)
             warp_on = k_on | p_on
             pid_bi = b * K1 + i
             row_on = (i <= kb) & (bad_param == 0)
-            pos_ptr = logits_ptr + b * stride_lb + i * stride_lk
+            pos_ptr = logits_ptr + l_off + i * stride_lk
             # The item's TILES chunks, the next one's loads issued while this one reduces
             # (software pipelining; one chunk per item by default)
             v_read = tl.where(row_on, V, 0)  # a row or position that needs no read reads nothing
@@ -406,16 +485,20 @@ def _verify_split_kernel(
                 rec = pid_bi * NC + c
                 offs = c * CHUNK + offs0
                 mask = offs < V  # false past the last chunk
-                s = tl.load(pos_ptr + offs, mask=offs < v_read, other=float("-inf")).to(tl.float32) * inv_t
+                s = _scores(pos_ptr, offs, v_read, inv_t, PROBS)
                 if row_on & (c < NC):
-                    n_bad = tl.sum(((s != s) | (s == float("inf"))).to(tl.int32), axis=0)
-                    s = tl.where(s != s, float("-inf"), s)
+                    if PROBS:  # a probability must be a finite number >= 0
+                        n_bad = tl.sum(((s != s) | (s == float("inf")) | (s < 0.0)).to(tl.int32), axis=0)
+                        s = tl.where((s != s) | (s < 0.0), 0.0, s)
+                    else:
+                        n_bad = tl.sum(((s != s) | (s == float("inf"))).to(tl.int32), axis=0)
+                        s = tl.where(s != s, float("-inf"), s)
                     m_c = tl.max(s, axis=0)
                     a_c = tl.min(tl.where(s == m_c, offs, _INT32_MAX), axis=0)
                     sum_c = tl.full([], 0.0, tl.float32)
-                    if greedy == 0:  # greedy rows need no exponential
+                    if (greedy == 0) | LOGPROBS:  # greedy rows need no exponential (but for log-probabilities)
                         m_ref = tl.where(m_c == float("-inf"), 0.0, m_c)
-                        sum_c = tl.sum(tl.exp(s - m_ref), axis=0)
+                        sum_c = tl.sum(_weight(s, m_ref, PROBS), axis=0)
                     tl.store(cm_ptr + rec, m_c)
                     tl.store(cs_ptr + rec, sum_c)
                     tl.store(ca_ptr + rec, a_c)
@@ -441,13 +524,18 @@ def _verify_split_kernel(
                     m = tl.max(m_cs, axis=0)
                     amax = tl.min(tl.where(m_cs == m, a_cs, _INT32_MAX), axis=0)
                     bad = (tl.sum(b_cs, axis=0) > 0) | (m == float("-inf")) | (m == float("inf"))
+                    if PROBS:
+                        bad = bad | (m <= 0.0)  # no mass at all
                     m_safe = tl.where(bad, 0.0, m)
                     S = tl.full([], 1.0, tl.float32)
                     thr = tl.full([], _INT32_MIN, tl.int64)
                     scanned = tl.full([], 0, tl.int32)
-                    if (greedy == 0) & (bad == 0):
+                    if ((greedy == 0) | LOGPROBS) & (bad == 0):
                         s_cs = tl.load(cs_ptr + base + cs_ids, mask=cmask, other=0.0, cache_modifier=".cg")
-                        S = tl.sum(tl.where(cmask, s_cs * tl.exp(m_cs - m_safe), 0.0), axis=0)
+                        if PROBS:
+                            S = tl.sum(tl.where(cmask, s_cs, 0.0), axis=0)
+                        else:
+                            S = tl.sum(tl.where(cmask, s_cs * tl.exp(m_cs - m_safe), 0.0), axis=0)
                         if HAS_TOP_K | HAS_TOP_P:
                             if warp_on:
                                 # slot s of chunk s // CAP holds a key if s % CAP < that chunk's count
@@ -468,7 +556,7 @@ def _verify_split_kernel(
                                     S = S_w
                                 else:  # the lists cannot decide: bisect over the whole position
                                     scanned = tl.full([], 1, tl.int32)
-                                    S, thr = _warp_full(logits_ptr + b * stride_lb + i * stride_lk, V, inv_t,
+                                    S, thr = _warp_full(logits_ptr + l_off + i * stride_lk, V, inv_t,
                                                         m_safe, S, key_max, top_k, top_p, k_on, p_on,
                                                         HAS_TOP_K, HAS_TOP_P, CHUNK)
                     tl.store(pm_ptr + pid_bi, m_safe)
@@ -496,16 +584,17 @@ def _verify_split_kernel(
                         bad_i = tl.load(pb_ptr + b * K1 + ks, mask=pmask, other=0, cache_modifier=".cg") != 0
                         thr_i = tl.load(pt_ptr + b * K1 + ks, mask=pmask, other=_INT32_MIN,
                                         cache_modifier=".cg").to(tl.int64)
-                        x = tl.load(draft_tokens_ptr + b * stride_tb + ks * stride_tk, mask=dmask, other=0).to(tl.int64)
+                        x = tl.load(draft_tokens_ptr + t_off + ks * stride_tk, mask=dmask, other=0).to(tl.int64)
                         x_ok = (x >= 0) & (x < V)
                         x_safe = tl.where(x_ok, x, 0)
-                        s_x = tl.load(logits_ptr + b * stride_lb + ks * stride_lk + x_safe, mask=dmask,
+                        s_x = tl.load(logits_ptr + l_off + ks * stride_lk + x_safe, mask=dmask,
                                       other=0.0).to(tl.float32) * inv_t
-                        p_x = tl.where(_order_key(s_x).to(tl.int64) >= thr_i, tl.exp(s_x - m_i) / S_i, 0.0)
+                        kept_x = _order_key(s_x).to(tl.int64) >= thr_i
+                        p_x = tl.where(kept_x, _weight(s_x, m_i, PROBS) / S_i, 0.0)
                         q_x = tl.full([BLOCK_K], 1.0, tl.float32)
                         if HAS_DRAFT_PROBS:
-                            q_x = tl.load(draft_probs_ptr + b * stride_qb + ks * stride_qk + x_safe,
-                                          mask=dmask & (x_safe < Vd), other=0.0)
+                            q_x = tl.load(draft_probs_ptr + q_off + ks * stride_qk + x_safe,
+                                          mask=dmask & (x_safe < Vd), other=0.0).to(tl.float32)
                         if HAS_UNIFORMS:
                             u = tl.load(uniforms_ptr + b * stride_ub + ks * stride_uk, mask=dmask,
                                         other=0.0).to(tl.float64)
@@ -525,9 +614,21 @@ def _verify_split_kernel(
                             rejected & (tl.sum((at_j & bad_x).to(tl.int32), axis=0) > 0))
                         final = tl.sum(tl.where(at_j, a_i, 0), axis=0)
                         x_j = tl.where(rejected, tl.sum(tl.where(at_j, x, 0), axis=0), -1)
+                        if LOGPROBS:
+                            # the accepted drafts' log p_i(x_i); a greedy row's argmax at j: s = m_j
+                            lp = tl.where(ks < j, _logprob(s_x, m_i, S_i, kept_x, PROBS), float("-inf"))
+                            lp = tl.where(at_j & (greedy != 0), _logprob(m_i, m_i, S_i, at_j, PROBS), lp)
+                            lp = tl.where(bad_row != 0, float("-inf"), lp)
+                            # a sampled row's position j is written with its final token (stage 2)
+                            later = at_j & (greedy == 0) & (bad_row == 0)
+                            tl.store(logprobs_ptr + b * stride_pb + ks * stride_pc, lp, mask=(ks < K1) & (later == 0))
+                    if LOGPROBS:
+                        if bad_param != 0:
+                            tl.store(logprobs_ptr + b * stride_pb + ks * stride_pc,
+                                     tl.full([BLOCK_K], float("-inf"), tl.float32), mask=ks < K1)
                     if greedy | bad_row:
-                        _emit(tokens_ptr, num_accepted_ptr, draft_tokens_ptr, stride_tb, stride_tk, b, K, j,
-                              final, bad_row, BLOCK_K)
+                        _emit(tokens_ptr, stride_ob, stride_oc, num_accepted_ptr, stride_on, draft_tokens_ptr + t_off,
+                              stride_tk, b, K, j, final, bad_row, BLOCK_K)
                     tl.store(rj_ptr + b, j.to(tl.int32))
                     tl.store(rr_ptr + b, rejected.to(tl.int32))
                     tl.store(rbad_ptr + b, bad_row.to(tl.int32))
@@ -544,14 +645,17 @@ def _verify_split_kernel(
                 ready = tl.atomic_add(ready_ptr + b, 0, sem="acquire")
             kb, greedy, bad_param, inv_t, k_on, p_on, top_k, top_p = _row_params(
                 b, K, V, param_flags, nd_ptr, nd_stride, nd_scalar, t_ptr, t_stride, t_scalar,
-                k_ptr, k_stride, k_scalar, p_ptr, p_stride, p_scalar, HAS_TOP_K, HAS_TOP_P)
+                k_ptr, k_stride, k_scalar, p_ptr, p_stride, p_scalar, cu_ptr, cu_stride, HAS_TOP_K, HAS_TOP_P,
+                PACKED, PROBS)
+            l_off, t_off, q_off = _row_offsets(b, cu_ptr, cu_stride, stride_lb, stride_lk, stride_tb, stride_tk,
+                                               stride_qb, stride_qk, PACKED)
             j = tl.load(rj_ptr + b, cache_modifier=".cg").to(tl.int64)
             rejected = tl.load(rr_ptr + b, cache_modifier=".cg") != 0
             bad_row = tl.load(rbad_ptr + b, cache_modifier=".cg") != 0
             x_j = tl.load(rx_ptr + b, cache_modifier=".cg").to(tl.int64)
             sampled = (greedy == 0) & (bad_row == 0)
-            pos_ptr = logits_ptr + b * stride_lb + j * stride_lk
-            q_ptr = draft_probs_ptr + b * stride_qb + j * stride_qk
+            pos_ptr = logits_ptr + l_off + j * stride_lk
+            q_ptr = draft_probs_ptr + q_off + j * stride_qk
             q_len = tl.where(rejected, Vd, 0)  # q_j is read only after a rejection
             m_j = tl.load(pm_ptr + b * K1 + j, cache_modifier=".cg")
             S_j = tl.load(pS_ptr + b * K1 + j, cache_modifier=".cg")
@@ -562,7 +666,7 @@ def _verify_split_kernel(
                 for tt in tl.range(0, TILES, num_stages=STAGES):
                     c = g * TILES + tt
                     r, _, n_bad_q = _chunk_weights(pos_ptr, q_ptr, c * CHUNK + offs0, V, q_len, x_j, inv_t, m_j,
-                                                   S_j, thr_j, rejected, HAS_DRAFT_PROBS)
+                                                   S_j, thr_j, rejected, HAS_DRAFT_PROBS, PROBS)
                     tl.store(mass_ptr + b * NC + c, tl.sum(r.to(tl.float64), axis=0), mask=c < NC)
                     tl.store(cq_ptr + b * NC + c, n_bad_q, mask=c < NC)
             tl.debug_barrier()
@@ -584,7 +688,7 @@ def _verify_split_kernel(
                         W = tl.zeros([NCB], dtype=tl.float64)
                         for cc in range(0, NC):
                             r, _, _ = _chunk_weights(pos_ptr, q_ptr, cc * CHUNK + offs0, V, 0, -1, inv_t, m_j, S_j,
-                                                     thr_j, False, HAS_DRAFT_PROBS)
+                                                     thr_j, False, HAS_DRAFT_PROBS, PROBS)
                             W = tl.where(cs_ids == cc, tl.sum(r.to(tl.float64), axis=0), W)
                         total = tl.sum(W, axis=0)
                     if HAS_UNIFORMS:
@@ -609,7 +713,7 @@ def _verify_split_kernel(
                     carry = tl.sum(tl.where(cs_ids == c_star, cdf - W, 0.0), axis=0)
                     offs = tl.maximum(c_star, 0) * CHUNK + offs0
                     r, mask, _ = _chunk_weights(pos_ptr, q_ptr, offs, V, q_len, x_j, inv_t, m_j, S_j, thr_j,
-                                                rejected & ~use_p, HAS_DRAFT_PROBS)
+                                                rejected & ~use_p, HAS_DRAFT_PROBS, PROBS)
                     # float64: tiny weights keep their intervals; r > 0: a token of weight 0 is
                     # never the hit, whatever order tl.cumsum adds in
                     cdf_v = carry + tl.cumsum(r.to(tl.float64), axis=0)
@@ -617,8 +721,15 @@ def _verify_split_kernel(
                     last_nz = tl.max(tl.where(mask & (r > 0.0), offs, -1), axis=0)
                     final = tl.where(hit < _INT32_MAX, hit, last_nz).to(tl.int64)
                     bad_row = bad_row | (final < 0) | (c_star < 0)
-                    _emit(tokens_ptr, num_accepted_ptr, draft_tokens_ptr, stride_tb, stride_tk, b, K, j, final,
-                          bad_row, BLOCK_K)
+                    if LOGPROBS:
+                        s_f = tl.load(pos_ptr + tl.maximum(final, 0)).to(tl.float32) * inv_t
+                        lp_f = _logprob(s_f, m_j, S_j, _order_key(s_f).to(tl.int64) >= thr_j, PROBS)
+                        lp = tl.where(ks == j, lp_f, float("-inf"))
+                        # a row found bad here (its q_j) emits nothing: every slot -inf
+                        tl.store(logprobs_ptr + b * stride_pb + ks * stride_pc, lp,
+                                 mask=(ks < K1) & ((ks == j) | ((ks * 0 + bad_row.to(tl.int32)) != 0)))
+                    _emit(tokens_ptr, stride_ob, stride_oc, num_accepted_ptr, stride_on, draft_tokens_ptr + t_off,
+                          stride_tk, b, K, j, final, bad_row, BLOCK_K)
         t = tl.atomic_add(ticket_ptr, 1)
     # Leave: the last program to leave resets the ticket for the next launch on this stream.
     left = tl.atomic_add(exit_ptr, 1)

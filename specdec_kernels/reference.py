@@ -253,18 +253,33 @@ def verify_reference(
     uniforms: torch.Tensor,  # [B, K+1] float64 (or fp32) in [0, 1)
     *,
     sort_descending=_torch_sort_descending,  # the warp's sort (see warp_logits)
+    target_is_probs: bool = False,  # target_logits holds the target's probabilities, used as given
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One speculative-decoding verification step. Returns (tokens [B, K+1] int64,
-    num_accepted [B] int64); row b emits tokens[b, :num_accepted[b] + 1]."""
+    num_accepted [B] int64); row b emits tokens[b, :num_accepted[b] + 1].
+
+    ``target_is_probs``: p_i = target_logits[b, i] / its sum (fp32), no temperature or warp
+    (top_k and top_p must be None); temperature 0 is a greedy row (the argmax of p), 1 samples,
+    any other value makes the row invalid.  A position is unusable if an entry is NaN, inf or
+    negative, or if none is positive."""
     B, K1, V = target_logits.shape
     K = K1 - 1
     kb = num_draft_tokens.to(torch.int64)  # [B]
-    greedy, bad_param, inv_t = _row_parameters(kb, temperature, top_k, top_p, K)
-    s, keep = warp_logits(target_logits, inv_t[:, None].expand(B, K1), _per_position(top_k, K1),
-                          _per_position(top_p, K1), sort_descending)
-    # A position is unusable if any logit is NaN or +inf, or if nothing has a finite logit.
-    bad_pos = torch.isnan(s).any(-1) | torch.isposinf(s).any(-1) | torch.isneginf(s).all(-1)  # [B, K+1]
-    p = _target_probs(s, keep)  # [B, K+1, V]
+    if target_is_probs:
+        if top_k is not None or top_p is not None:
+            raise ValueError("top_k and top_p must be None with target_is_probs=True")
+        greedy, bad_param, _ = _row_parameters(kb, temperature, None, None, K)
+        bad_param = bad_param | (~greedy & (temperature.float() != 1))
+        s = target_logits.float()  # [B, K+1, V]
+        bad_pos = torch.isnan(s).any(-1) | torch.isinf(s).any(-1) | (s < 0).any(-1) | ~(s > 0).any(-1)
+        p = s / s.sum(-1, keepdim=True)
+    else:
+        greedy, bad_param, inv_t = _row_parameters(kb, temperature, top_k, top_p, K)
+        s, keep = warp_logits(target_logits, inv_t[:, None].expand(B, K1), _per_position(top_k, K1),
+                              _per_position(top_p, K1), sort_descending)
+        # A position is unusable if any logit is NaN or +inf, or if nothing has a finite logit.
+        bad_pos = torch.isnan(s).any(-1) | torch.isposinf(s).any(-1) | torch.isneginf(s).all(-1)  # [B, K+1]
+        p = _target_probs(s, keep)  # [B, K+1, V]
     argmax = s.argmax(-1)  # [B, K+1]: first index of the maximum
 
     x, x_safe, q_x, bad_x = _drafts(draft_tokens, draft_probs, greedy, V)
@@ -278,6 +293,43 @@ def verify_reference(
     p_j = p.gather(1, j[:, None, None].expand(B, 1, V))[:, 0]  # [B, V]
     final, bad_row = _final_token(p_j, x_safe, draft_probs, j, rejected, bad_row, greedy, argmax, u[:, K])
     return _outputs(x, j, final, bad_row)
+
+
+def emitted_logprobs(
+    target_logits: torch.Tensor,  # [B, K+1, V]: what verify_reference was given
+    tokens: torch.Tensor,  # [B, K+1] int: its output
+    num_accepted: torch.Tensor,  # [B] int: its output
+    temperature: torch.Tensor,  # [B]
+    top_k: torch.Tensor | None,  # [B] int, 0 = off
+    top_p: torch.Tensor | None,  # [B] fp32, 1 = off
+    *,
+    target_is_probs: bool = False,
+    sort_descending=_torch_sort_descending,
+) -> torch.Tensor:
+    """[B, K+1] fp32: the target log-probability of each emitted token, log p_i(tokens[b, i]) for
+    i <= num_accepted[b], under the row's warped distribution ((s - m) - log sum exp(s - m) over the
+    kept tokens; with target_is_probs, log p - log sum p); a greedy row's under softmax(logits)
+    (T = 1, no warp); -inf where nothing is emitted (and on invalid rows)."""
+    B, K1, V = target_logits.shape
+    temp = temperature.float()
+    greedy = temp == 0
+    if target_is_probs:
+        s = target_logits.float()
+        lp_all = torch.log(s) - torch.log(s.sum(-1, keepdim=True))
+    else:
+        inv_t = torch.where(greedy | ~(temp > 0), 1.0, 1.0 / temp.masked_fill(~(temp > 0), 1.0))
+        k = None if top_k is None else torch.where(greedy, 0, top_k.to(torch.int64))
+        p_ = None if top_p is None else torch.where(greedy, 1.0, top_p.float())
+        s, keep = warp_logits(target_logits, inv_t[:, None].expand(B, K1), _per_position(k, K1),
+                              _per_position(p_, K1), sort_descending)
+        m = s.masked_fill(~keep, float("-inf")).amax(-1, keepdim=True)
+        m = torch.where(torch.isfinite(m), m, 0.0)
+        lse = torch.log(torch.where(keep, torch.exp(s - m), 0.0).sum(-1, keepdim=True))
+        lp_all = torch.where(keep, (s - m) - lse, float("-inf"))
+    lp = lp_all.gather(-1, tokens.to(torch.int64).clamp(min=0)[..., None])[..., 0]  # [B, K+1]
+    cols = torch.arange(K1, device=tokens.device)[None, :]
+    emitted = (cols <= num_accepted.to(torch.int64)[:, None]) & (tokens >= 0)
+    return torch.where(emitted, lp, float("-inf"))
 
 
 def _per_position(t: torch.Tensor | None, K1: int) -> torch.Tensor | None:

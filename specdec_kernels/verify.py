@@ -31,7 +31,7 @@ from ._host import host_readable, sort_descending_cpu
 from .reference import (FLT_MIN, _drafts, _final_token, _outputs, _per_position, _philox_uniforms_host,
                         _row_parameters, _stop_position, philox_uniforms, verify_reference, warp_logits)
 
-__all__ = ["VerifyOutput", "fused_verify"]
+__all__ = ["VerifyOutput", "VerifyOutputWithLogprobs", "fused_verify", "fused_verify_packed"]
 
 _LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -48,6 +48,17 @@ class VerifyOutput(NamedTuple):
 
     tokens: torch.Tensor
     num_accepted: torch.Tensor
+
+
+class VerifyOutputWithLogprobs(NamedTuple):
+    """``VerifyOutput`` and, with ``return_logprobs=True``, logprobs [B, K+1] fp32: the target
+    log-probability of each emitted token under the row's warped distribution (temperature,
+    top-k, top-p; a greedy row's under softmax(logits), T = 1 and no warp), -inf in every slot
+    that emits nothing."""
+
+    tokens: torch.Tensor
+    num_accepted: torch.Tensor
+    logprobs: torch.Tensor
 
 
 # ----------------------------------------------------------------------------------------------
@@ -178,24 +189,25 @@ class _Args(NamedTuple):
 
 
 def _normalize(target_logits, draft_tokens, draft_probs, num_draft_tokens, temperature, top_k,
-               top_p, seed, offset, uniforms, materialize: bool = True) -> _Args:
+               top_p, seed, offset, uniforms, materialize: bool = True, target_is_probs: bool = False) -> _Args:
     """The arguments checked (errors name the argument, the expected and the actual value).
     With ``materialize`` every per-row parameter becomes a [B] tensor of the op's dtype; without,
     scalars stay Python scalars and tensors stay as given (the Triton launch reads both as they
     are: no device op per call)."""
+    name = "target_probs" if target_is_probs else "target_logits"
     if not isinstance(target_logits, torch.Tensor):
-        raise TypeError(f"target_logits must be a torch.Tensor, got {type(target_logits).__name__}")
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(target_logits).__name__}")
     if target_logits.dim() != 3:
-        raise ValueError(f"target_logits must have 3 dims [B, K+1, V], got {target_logits.dim()}: {_shape(target_logits)}")
+        raise ValueError(f"{name} must have 3 dims [B, K+1, V], got {target_logits.dim()}: {_shape(target_logits)}")
     if target_logits.dtype not in _LOGIT_DTYPES:
-        raise TypeError(f"target_logits must have dtype float32, bfloat16 or float16, got {str(target_logits.dtype).replace('torch.', '')}")
+        raise TypeError(f"{name} must have dtype float32, bfloat16 or float16, got {str(target_logits.dtype).replace('torch.', '')}")
     B, K1, V = target_logits.shape
     K = K1 - 1
     if K1 < 1:
-        raise ValueError(f"target_logits must have K+1 >= 1 positions (dim 1: the K drafts and the bonus), got "
+        raise ValueError(f"{name} must have K+1 >= 1 positions (dim 1: the K drafts and the bonus), got "
                          f"shape {_shape(target_logits)}")
     if V < 1:
-        raise ValueError(f"target_logits must have a vocabulary V >= 1, got shape {_shape(target_logits)}")
+        raise ValueError(f"{name} must have a vocabulary V >= 1, got shape {_shape(target_logits)}")
     dev = target_logits.device
     if not isinstance(draft_tokens, torch.Tensor):
         raise TypeError(f"draft_tokens must be a torch.Tensor, got {type(draft_tokens).__name__}")
@@ -210,19 +222,45 @@ def _normalize(target_logits, draft_tokens, draft_probs, num_draft_tokens, tempe
         Vd = draft_probs.shape[-1]
         if not 1 <= Vd <= V:
             raise ValueError(f"draft_probs must have a vocabulary 1 <= Vd <= V = {V}, got Vd = {Vd}")
-        _check_tensor("draft_probs", draft_probs, (torch.float32,), [B, K, Vd], dev)
+        _check_tensor("draft_probs", draft_probs, _LOGIT_DTYPES, [B, K, Vd], dev)
     if num_draft_tokens is None:
         kb = K
     else:
         kb = _per_row_spec("num_draft_tokens", num_draft_tokens, B, torch.int64, dev, int)
         if B > 0 and _range_fails(kb, lambda v: (v < 0) | (v > K)):
             raise ValueError(f"num_draft_tokens must be in [0, K] = [0, {K}], got {_listed(kb)}")
+    temp, top_k, top_p, seed, offset = _normalize_rows(B, K, dev, temperature, top_k, top_p, seed, offset, uniforms,
+                                                       target_is_probs)
+    if draft_probs is not None and K > 0 and B > 0 and _check_values(draft_probs) and _range_fails(temp, lambda v: v != 0):
+        # Read where the row reads q: sampled rows, j < K_b (a greedy row never reads q).
+        kb_t = _as_tensor(kb, B, torch.int64, dev)
+        sampled = _as_tensor(temp, B, torch.float32, dev) != 0
+        read = (torch.arange(K, device=dev)[None, :] < kb_t[:, None]) & sampled[:, None]  # [B, K]
+        _check_draft_sums(draft_probs.reshape(B * K, -1), read.reshape(-1), lambda n: f"[{n // K}, {n % K}]",
+                          lambda n: f"draft {n % K}")
+    a = _Args(target_logits, draft_tokens, draft_probs, kb, temp, top_k, top_p, seed, offset, uniforms)
+    return _materialize(a) if materialize else a
+
+
+def _normalize_rows(B: int, K: int, dev: torch.device, temperature, top_k, top_p, seed, offset, uniforms,
+                    target_is_probs: bool):
+    """The per-row parameters checked (both layouts): (temperature, top_k, top_p, seed, offset)
+    as ``_per_row_spec`` keeps them; uniforms [B, K+1] checked in place."""
     temp = _per_row_spec("temperature", temperature, B, torch.float32, dev, float)
     if B > 0 and _range_fails(temp, _not_finite_nonnegative):
         raise ValueError(f"temperature must be finite and >= 0 (0 = greedy), got {_listed(temperature)}")
     if B > 0 and _range_fails(temp, lambda v: (v > 0) & (v < FLT_MIN)):
         raise ValueError(f"temperature must be 0 (greedy) or >= {FLT_MIN:.8g} (the smallest normal fp32), "
                          f"got {_listed(temperature)}")
+    if target_is_probs:
+        # The probabilities are the caller's warped distribution: nothing is applied to them again.
+        if B > 0 and _range_fails(temp, lambda v: (v != 0) & (v != 1)):
+            raise ValueError(f"temperature must be 0 (greedy) or 1 (sample the probabilities as given) with "
+                             f"target_is_probs=True, got {_listed(temperature)}")
+        for pname, value in (("top_k", top_k), ("top_p", top_p)):
+            if value is not None:
+                raise ValueError(f"{pname} must be None with target_is_probs=True (the probabilities are used as "
+                                 f"given: apply the warp before taking them), got {_listed(value)}")
     if top_k is not None:
         top_k = _per_row_spec("top_k", top_k, B, torch.int64, dev, int)
         if B > 0 and _range_fails(top_k, lambda v: v < 0):
@@ -232,22 +270,6 @@ def _normalize(target_logits, draft_tokens, draft_probs, num_draft_tokens, tempe
         top_p = _per_row_spec("top_p", top_p, B, torch.float32, dev, float)
         if B > 0 and _range_fails(top_p, _outside_top_p_range):
             raise ValueError(f"top_p must be in (0, 1] (1 = off), got {_listed(top_p_in)}")
-    if draft_probs is not None and K > 0 and B > 0 and _check_values(draft_probs) and _range_fails(temp, lambda v: v != 0):
-        # q must be the distribution each draft was sampled from: a q that does not sum to 1
-        # biases the output (NaN/inf/negative q make their row invalid instead, as on CUDA,
-        # where nothing here is read).  Checked where the row reads it: sampled rows, j < K_b
-        # (a greedy row never reads q: an all-greedy batch sums nothing).
-        kb_t = _as_tensor(kb, B, torch.int64, dev)
-        sampled = _as_tensor(temp, B, torch.float32, dev) != 0
-        sums = draft_probs.sum(-1)  # [B, K]
-        read = (torch.arange(K, device=dev)[None, :] < kb_t[:, None]) & sampled[:, None]
-        off = read & torch.isfinite(sums) & ((sums - 1).abs() > DRAFT_PROBS_SUM_TOL)
-        if bool(off.any()):  # a negative entry makes its row invalid instead (the documented rule)
-            off &= draft_probs.amin(-1) >= 0
-        if bool(off.any()):
-            b, j = (int(i) for i in off.nonzero()[0])
-            raise ValueError(f"draft_probs[{b}, {j}] must sum to 1 (to within {DRAFT_PROBS_SUM_TOL:g}: the "
-                             f"distribution draft {j} was sampled from), got {sums[b, j].item():.6g}")
     if seed is None:
         if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
             # Inside a CUDA graph a host draw would be frozen into every replay: draw on the device
@@ -265,8 +287,22 @@ def _normalize(target_logits, draft_tokens, draft_probs, num_draft_tokens, tempe
             if bool(out.any()):
                 b, j = (int(i) for i in out.nonzero()[0])
                 raise ValueError(f"uniforms must lie in [0, 1), got {uniforms[b, j].item()!r} at [{b}, {j}]")
-    a = _Args(target_logits, draft_tokens, draft_probs, kb, temp, top_k, top_p, seed, offset, uniforms)
-    return _materialize(a) if materialize else a
+    return temp, top_k, top_p, seed, offset
+
+
+def _check_draft_sums(q: torch.Tensor, read: torch.Tensor, where, what) -> None:
+    """Each q [N, Vd] row that is read (read [N] bool) must sum to 1: the distribution its draft was
+    sampled from (a q that does not sum to 1 biases the output; NaN/inf/negative q make their row
+    invalid instead, as on CUDA, where nothing here is read).  where(n) / what(n): row n's index
+    and name in the caller's layout, for the message."""
+    sums = q.sum(-1).float()  # [N]
+    off = read & torch.isfinite(sums) & ((sums - 1).abs() > DRAFT_PROBS_SUM_TOL)
+    if bool(off.any()):  # a negative entry makes its row invalid instead (the documented rule)
+        off &= q.amin(-1) >= 0
+    if bool(off.any()):
+        n = int(off.nonzero()[0, 0])
+        raise ValueError(f"draft_probs{where(n)} must sum to 1 (to within {DRAFT_PROBS_SUM_TOL:g}: the "
+                         f"distribution {what(n)} was sampled from), got {sums[n].item():.6g}")
 
 
 def _not_finite_nonnegative(v):
@@ -437,7 +473,7 @@ def _workspace(dev: torch.device) -> _Workspace:
 
 
 def _split_meta(V: int, K1: int, has_draft_probs: bool, has_top_k: bool, has_top_p: bool, has_uniforms: bool,
-                has_order: bool = False) -> dict:
+                has_order: bool = False, packed: bool = False, probs: bool = False, logprobs: bool = False) -> dict:
     """The split kernel's compile-time parameters for V tokens and K + 1 = K1 positions: its
     constexprs, num_warps and enable_fp_fusion (pinned off, as ``_kernel_meta`` says).  The launch
     and the ahead-of-time compile check (``scripts/gpu_compile_check.py``) both take them here."""
@@ -446,7 +482,8 @@ def _split_meta(V: int, K1: int, has_draft_probs: bool, has_top_k: bool, has_top
     chunk = max(16, min(triton.next_power_of_2(V), _CHUNK_V))
     nc = triton.cdiv(V, chunk)
     return dict(HAS_DRAFT_PROBS=has_draft_probs, HAS_TOP_K=has_top_k, HAS_TOP_P=has_top_p,
-                HAS_UNIFORMS=has_uniforms, HAS_ORDER=has_order, CHUNK=chunk, TILES=_TILES_PER_ITEM,
+                HAS_UNIFORMS=has_uniforms, HAS_ORDER=has_order, PACKED=packed, PROBS=probs, LOGPROBS=logprobs,
+                CHUNK=chunk, TILES=_TILES_PER_ITEM,
                 STAGES=_STAGES, NCB=triton.next_power_of_2(nc),
                 CAP=_TOP_K_CAP, BLOCK_K=triton.next_power_of_2(K1),
                 num_warps=8 if chunk >= 2048 else 4, enable_fp_fusion=False)
@@ -460,39 +497,86 @@ def _param_args(value, bit: int, dummy: torch.Tensor, flags: int):
     return flags, dummy, 0, (0 if value is None else value)
 
 
-def _kernel_inputs(a: _Args):
-    """(logits, draft_probs, tokens, num_accepted) for either Triton kernel: the two inputs with a
-    contiguous last dim (the kernels read a row at ptr + v; a copy only when it is not) and the
-    outputs allocated ([B, K+1] and [B] int64)."""
+class _Layout(NamedTuple):
+    """What a call asks beyond ``_Args``: the batch (B rows, K = max_b K_b), the packed layout's
+    cu [B + 1] (None: padded), probabilities in, log-probabilities out, preallocated outputs."""
+
+    B: int
+    K: int
+    cu: Optional[torch.Tensor] = None
+    probs: bool = False
+    logprobs: bool = False
+    out: Optional[tuple] = None
+
+
+def _padded_layout(a: _Args) -> _Layout:
+    B, K1, _ = a.target_logits.shape
+    return _Layout(B, K1 - 1)
+
+
+def _check_out(out, B: int, K1: int, dev: torch.device, logprobs: bool) -> tuple:
+    """``out=``: (tokens [B, K+1], num_accepted [B]) int32/int64 (+ logprobs [B, K+1] fp32 with
+    return_logprobs=True), on the logits' device, any strides; written in place."""
+    n = 3 if logprobs else 2
+    names = ("tokens", "num_accepted", "logprobs")[:n]
+    if not isinstance(out, (tuple, list)) or len(out) != n:
+        raise TypeError(f"out must be a tuple ({', '.join(names)}) of {n} tensors"
+                        f"{' (return_logprobs=True)' if logprobs else ''}, got "
+                        f"{type(out).__name__}{f' of length {len(out)}' if isinstance(out, (tuple, list)) else ''}")
+    shapes = ([B, K1], [B], [B, K1])
+    for name, t, shape in zip(names, out, shapes):
+        dtypes = (torch.float32,) if name == "logprobs" else _INDEX_DTYPES
+        _check_tensor(f"out.{name}", t, dtypes, shape, dev)
+    return tuple(out)
+
+
+def _kernel_inputs(a: _Args, lay: _Layout):
+    """(logits, draft_probs, tokens, num_accepted, logprobs) for either Triton kernel: the two
+    inputs with a contiguous last dim (the kernels read a row at ptr + v; a copy only when it is
+    not) and the outputs: ``lay.out``'s, or allocated ([B, K+1] and [B] int64, [B, K+1] fp32)."""
     logits = a.target_logits if a.target_logits.stride(-1) == 1 else a.target_logits.contiguous()
-    B, K1, _ = logits.shape
+    B, K1 = lay.B, lay.K + 1
     q = a.draft_probs
     if q is not None and q.stride(-1) != 1:
         q = q.contiguous()
-    tokens = torch.empty((B, K1), dtype=torch.int64, device=logits.device)
-    num_accepted = torch.empty((B,), dtype=torch.int64, device=logits.device)
-    return logits, q, tokens, num_accepted
+    if lay.out is not None:
+        tokens, num_accepted = lay.out[0], lay.out[1]
+        logprobs = lay.out[2] if lay.logprobs else None
+    else:
+        tokens = torch.empty((B, K1), dtype=torch.int64, device=logits.device)
+        num_accepted = torch.empty((B,), dtype=torch.int64, device=logits.device)
+        logprobs = torch.empty((B, K1), dtype=torch.float32, device=logits.device) if lay.logprobs else None
+    return logits, q, tokens, num_accepted, logprobs
 
 
 def _launch_triton(a: _Args, order: Optional[torch.Tensor] = None,
                    local_workspace: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_launch`` of the padded layout: (tokens, num_accepted)."""
+    return _launch(a, _padded_layout(a), order, local_workspace)[:2]
+
+
+def _launch(a: _Args, lay: _Layout, order: Optional[torch.Tensor] = None,
+            local_workspace: bool = False) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """The split kernel (``_verify_split_kernel.py``): one launch, and on the device no op but the
-    outputs' allocation (scalars go by value, tensors are read as they are).  ``order`` (tests
-    only): int32 [N] permutation of the work items, stage-1 items among themselves and stage-2
-    items among themselves, to prove that arrival order does not change the result.
+    outputs' allocation (scalars go by value, tensors are read as they are; none with ``out=``).
+    Returns (tokens, num_accepted, logprobs or None).
+    ``order`` (tests only): int32 [N] permutation of the work items, stage-1 items among themselves
+    and stage-2 items among themselves, to prove that arrival order does not change the result.
     ``local_workspace``: a workspace of this call only (the registered op's path: torch.compile's
     CUDA graphs allocate from pools whose memory they recycle, where a cached one could end up)."""
     from ._verify_split_kernel import _verify_split_kernel  # lazily: the torch path needs no Triton
 
-    logits, q, tokens, num_accepted = _kernel_inputs(a)
-    B, K1, V = logits.shape
-    K = K1 - 1
+    logits, q, tokens, num_accepted, logprobs = _kernel_inputs(a, lay)
+    B, K = lay.B, lay.K
+    K1, V = K + 1, logits.shape[-1]
+    packed = lay.cu is not None
     dev = logits.device
     if B == 0:
-        return tokens, num_accepted
+        return tokens, num_accepted, logprobs
     x, u = a.draft_tokens, a.uniforms
     warp = a.top_k is not None or a.top_p is not None
-    meta = _split_meta(V, K1, q is not None, a.top_k is not None, a.top_p is not None, u is not None, order is not None)
+    meta = _split_meta(V, K1, q is not None, a.top_k is not None, a.top_p is not None, u is not None, order is not None,
+                       packed=packed, probs=lay.probs, logprobs=lay.logprobs)
     nc = -(-V // meta["CHUNK"])
     sizes = _Workspace.sizes(B, K1, nc, _TOP_K_CAP if warp else 0)
     ws = _workspace(dev)
@@ -513,25 +597,37 @@ def _launch_triton(a: _Args, order: Optional[torch.Tensor] = None,
                              f"{n_items - n1} stage-2 items, got {o}")
     dummy = num_accepted  # stands in for absent tensors; never dereferenced
     flags = 0
-    flags, nd_p, nd_s, nd_v = _param_args(K if a.num_draft_tokens is None else a.num_draft_tokens, 1, dummy, flags)
+    # packed: the kernel takes K_b from cu, and the number of drafts (a row's bound) in nd's scalar
+    nd = x.shape[0] if packed else (K if a.num_draft_tokens is None else a.num_draft_tokens)
+    flags, nd_p, nd_s, nd_v = _param_args(nd, 1, dummy, flags)
     flags, t_p, t_s, t_v = _param_args(a.temperature, 2, dummy, flags)
     flags, k_p, k_s, k_v = _param_args(a.top_k, 4, dummy, flags)
     flags, p_p, p_s, p_v = _param_args(1.0 if a.top_p is None else a.top_p, 8, dummy, flags)
     seed, seed_step = (a.seed.base, 1) if isinstance(a.seed, _RowSeeds) else (a.seed, 0)
     flags, s_p, s_s, s_v = _param_args(seed, 16, dummy, flags)
     flags, o_p, o_s, o_v = _param_args(a.offset, 32, dummy, flags)
+    if packed:  # row b at logits row cu[b] + b, its drafts at cu[b]: the kernel takes the row strides
+        l_strides = (0, logits.stride(0))
+        x_strides = (0, x.stride(0) if x.numel() else 1)
+        q_strides = (0, q.stride(0)) if q is not None else (0, 0)
+        cu, cu_stride = lay.cu, lay.cu.stride(0)
+    else:
+        l_strides = (logits.stride(0), logits.stride(1))
+        x_strides = (x.stride(0), x.stride(1) if K > 0 else 1)
+        q_strides = (q.stride(0), q.stride(1)) if q is not None else (0, 0)
+        cu, cu_stride = dummy, 0
+    lp = logprobs if logprobs is not None else dummy
+    lp_strides = (logprobs.stride(0), logprobs.stride(1)) if logprobs is not None else (0, 0)
     # Triton launches on the current device's current stream: make it the tensors'. Nothing to
     # do for the interpreter.
     with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
         try:
             _verify_split_kernel[(grid,)](
-                logits, logits.stride(0), logits.stride(1),
-                x, x.stride(0), x.stride(1) if K > 0 else 1,
-                q if q is not None else dummy, q.stride(0) if q is not None else 0, q.stride(1) if q is not None else 0,
+                logits, *l_strides, x, *x_strides, q if q is not None else dummy, *q_strides, cu, cu_stride,
                 u if u is not None else dummy, u.stride(0) if u is not None else 0, u.stride(1) if u is not None else 0,
                 flags, nd_p, nd_s, nd_v, t_p, t_s, float(t_v), k_p, k_s, k_v, p_p, p_s, float(p_v),
                 s_p, s_s, s_v, o_p, o_s, o_v, seed_step,
-                tokens, num_accepted,
+                tokens, tokens.stride(0), tokens.stride(1), num_accepted, num_accepted.stride(0), lp, *lp_strides,
                 ws.counters, ws.part_f, ws.part_i, ws.cand, ws.mass, order if order is not None else dummy,
                 B, K, V, q.shape[-1] if q is not None else V, nc, grid,
                 **meta, **({"maxnreg": _MAXNREG} if _MAXNREG is not None and dev.type == "cuda" else {}),
@@ -543,7 +639,7 @@ def _launch_triton(a: _Args, order: Optional[torch.Tensor] = None,
             if dev.type != "cuda":
                 _WORKSPACES.clear()
             raise
-    return tokens, num_accepted
+    return tokens, num_accepted, logprobs
 
 
 def _launch_rows(a: _Args) -> tuple[torch.Tensor, torch.Tensor]:
@@ -551,7 +647,9 @@ def _launch_rows(a: _Args) -> tuple[torch.Tensor, torch.Tensor]:
     kept until a GPU run has measured it beside the split kernel. Takes materialized arguments."""
     from ._verify_kernel import _verify_kernel  # imported lazily: the torch path needs no Triton
 
-    logits, q, tokens, num_accepted = _kernel_inputs(a)
+    logits, q, tokens, num_accepted, _ = _kernel_inputs(a, _padded_layout(a))
+    if q is not None:
+        q = q.float()  # this kernel reads fp32 q
     B, K1, V = logits.shape
     K = K1 - 1
     dev = logits.device
@@ -891,6 +989,72 @@ def _verify_impl(target_logits, draft_tokens, draft_probs, num_draft_tokens, tem
         return _run_torch(a)
 
 
+def _pad_packed(a: _Args, lay: _Layout) -> _Args:
+    """Packed arguments in the padded layout, for the torch path (CPU): one gather of the logits
+    (positions past a row's K_b repeat its bonus position and its drafts are another row's; no
+    padded step reads either)."""
+    cu = lay.cu.to(torch.int64)
+    B, K = lay.B, lay.K
+    dev = a.target_logits.device
+    kb = cu[1:] - cu[:-1]  # [B]
+    i = torch.arange(K + 1, device=dev)
+    rows = (cu[:-1] + torch.arange(B, device=dev))[:, None] + torch.minimum(i[None, :], kb[:, None])  # [B, K+1]
+    logits = a.target_logits[rows]  # [B, K+1, V]
+    nd = a.draft_tokens.shape[0]
+    if nd:
+        d = (cu[:-1, None] + i[None, :K]).clamp(max=nd - 1)  # [B, K]
+        x = a.draft_tokens[d]
+        q = None if a.draft_probs is None else a.draft_probs[d]  # [B, K, Vd]
+    else:
+        x = a.draft_tokens.new_zeros((B, K))
+        q = None if a.draft_probs is None else a.draft_probs.new_zeros((B, K, a.draft_probs.shape[-1]))
+    return a._replace(target_logits=logits, draft_tokens=x, draft_probs=q, num_draft_tokens=kb)
+
+
+def _run_torch_layout(a: _Args, lay: _Layout):
+    """The torch path of a call with a layout: (tokens, num_accepted, logprobs or None), written
+    into ``lay.out`` when given."""
+    if lay.cu is not None:
+        a = _pad_packed(a, lay)
+    a = _materialize(a)
+    with torch.no_grad():
+        if lay.probs:
+            u = _uniforms(a, lay.K)
+            tokens, num = verify_reference(a.target_logits, a.draft_tokens, a.draft_probs, a.num_draft_tokens,
+                                           a.temperature, None, None, u, target_is_probs=True)
+        else:
+            tokens, num = _run_torch(a)
+        lp = None
+        if lay.logprobs:
+            lp = _ref.emitted_logprobs(a.target_logits, tokens, num, a.temperature, a.top_k, a.top_p,
+                                       target_is_probs=lay.probs, sort_descending=sort_descending_cpu)
+    if lay.out is None:
+        return tokens, num, lp
+    outs = (tokens, num, lp)[:len(lay.out)]
+    for dst, src in zip(lay.out, outs):
+        dst.copy_(src)
+    return tuple(lay.out) + ((None,) if len(lay.out) == 2 else ())
+
+
+def _verify_layout(a: _Args, lay: _Layout, backend: str):
+    """``fused_verify`` / ``fused_verify_packed`` with a layout (packed, probabilities in,
+    log-probabilities, ``out=``): eager only."""
+    if torch.compiler.is_compiling():
+        raise NotImplementedError("fused_verify_packed, and fused_verify with target_is_probs, out= or "
+                                  "return_logprobs, are eager ops: call them outside torch.compile")
+    resolved = _resolve_backend(backend, a.target_logits.device)
+    if resolved == "_triton_rows":
+        raise ValueError("backend '_triton_rows' takes only fused_verify's padded logits, without "
+                         "target_is_probs, out= or return_logprobs")
+    if resolved == "triton":
+        tokens, num, lp = _launch(a, lay)
+    else:
+        tokens, num, lp = _run_torch_layout(a, lay)
+    if lay.logprobs:
+        return VerifyOutputWithLogprobs(tokens, num, lp)
+    return VerifyOutput(tokens, num)
+
+
 def _verify_checked(target_logits, draft_tokens, draft_probs, num_draft_tokens, temperature, top_k, top_p,
                     seed, offset, uniforms=None, backend: str = "auto") -> VerifyOutput:
     """``fused_verify`` from arguments that are already what ``_normalize`` returns ([B] tensors
@@ -959,7 +1123,10 @@ def fused_verify(
     offset=0,  # int or [B] int64: a step counter (its low 32 bits enter Philox's counter)
     uniforms: Optional[torch.Tensor] = None,  # [B, K+1] float64 (or fp32) in [0, 1): explicit random numbers
     backend: str = "auto",  # "auto" | "triton" | "torch"
-) -> VerifyOutput:
+    target_is_probs: bool = False,  # target_logits holds probabilities [B, K+1, V], used as given
+    out: Optional[tuple] = None,  # (tokens [B, K+1], num_accepted [B]) int32/int64 (+ logprobs [B, K+1] fp32)
+    return_logprobs: bool = False,  # also return each emitted token's target log-probability
+):
     """Verify K drafted tokens against the target in one step (Leviathan et al. 2023; Chen et al. 2023).
 
     For each row b and verify position i, p_i = softmax(warp(target_logits[b, i] / T)), where the
@@ -987,6 +1154,18 @@ def fused_verify(
     that is free; on CUDA an out-of-range value marks its row invalid instead (no host sync).
     Each ``draft_probs[b, j]`` a row reads must sum to 1 (checked on CPU to within 1e-2; not on
     CUDA, where a q that does not sum to 1 biases the output, as in every rejection sampler).
+    ``draft_probs`` may be fp32, bf16 or fp16 (read as it is, computed in fp32).
+
+    ``target_is_probs=True``: ``target_logits`` holds the target's probabilities (already
+    warped, as FlashInfer's and SGLang's pipelines hold them): p_i = target_logits[b, i] / its
+    sum, no temperature or warp applied again (top_k and top_p must be None; temperature 0 verifies
+    the row greedily against the argmax of p, 1 samples); a position with a NaN, inf or negative
+    entry, or none positive, makes its row invalid.
+    ``out=``: preallocated outputs written in place (no allocation: capturable in a CUDA graph);
+    the call returns them.  ``return_logprobs=True`` returns ``VerifyOutputWithLogprobs``, whose
+    logprobs [B, K+1] fp32 hold log p_i(token) of each emitted token under the row's warped
+    target distribution (a greedy row's under softmax(logits)), -inf where nothing is emitted.
+    These three are eager-only (not under torch.compile).
     """
     if isinstance(temperature, float):
         check_temperature(temperature)
@@ -1001,5 +1180,122 @@ def fused_verify(
     if backend not in _BACKENDS + _PRIVATE_BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
     a = _normalize(target_logits, draft_tokens, draft_probs, num_draft_tokens, temperature, top_k,
-                   top_p, seed, offset, uniforms, materialize=False)
+                   top_p, seed, offset, uniforms, materialize=False, target_is_probs=bool(target_is_probs))
+    if target_is_probs or out is not None or return_logprobs:
+        B, K1, _ = target_logits.shape
+        if out is not None:
+            out = _check_out(out, B, K1, target_logits.device, bool(return_logprobs))
+        lay = _Layout(B, K1 - 1, None, bool(target_is_probs), bool(return_logprobs), out)
+        return _verify_layout(a, lay, backend)
     return _verify_checked(*a, backend=backend)
+
+
+def _normalize_packed(logits, draft_tokens, cu, draft_probs, max_num_draft_tokens, temperature, top_k, top_p,
+                      seed, offset, uniforms, target_is_probs: bool) -> tuple[_Args, int, int]:
+    """``fused_verify_packed``'s arguments checked: (args, B, K = max_b K_b)."""
+    name = "target_probs" if target_is_probs else "logits"
+    if not isinstance(logits, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(logits).__name__}")
+    if logits.dim() != 2:
+        raise ValueError(f"{name} must have 2 dims [sum_b (K_b + 1), V], got {logits.dim()}: {_shape(logits)}")
+    if logits.dtype not in _LOGIT_DTYPES:
+        raise TypeError(f"{name} must have dtype float32, bfloat16 or float16, got {str(logits.dtype).replace('torch.', '')}")
+    N, V = logits.shape
+    if V < 1:
+        raise ValueError(f"{name} must have a vocabulary V >= 1, got shape {_shape(logits)}")
+    dev = logits.device
+    for arg, t in (("cu_num_draft_tokens", cu), ("draft_tokens", draft_tokens)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{arg} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 1:
+            raise ValueError(f"{arg} must have 1 dim, got {t.dim()}: {_shape(t)}")
+    if cu.numel() < 1:
+        raise ValueError(f"cu_num_draft_tokens must have B + 1 >= 1 entries (cu[0] = 0), got shape {_shape(cu)}")
+    B = cu.numel() - 1
+    _check_tensor("cu_num_draft_tokens", cu, _INDEX_DTYPES, [B + 1], dev)
+    nd = draft_tokens.numel()
+    _check_tensor("draft_tokens", draft_tokens, _INDEX_DTYPES, [nd], dev)
+    if N != nd + B:
+        raise ValueError(f"{name} must have sum_b (K_b + 1) = {nd} + {B} = {nd + B} rows (each row's drafts and its "
+                         f"bonus position), got {N}")
+    if draft_probs is not None:
+        if not isinstance(draft_probs, torch.Tensor):
+            raise TypeError(f"draft_probs must be a torch.Tensor or None, got {type(draft_probs).__name__}")
+        if draft_probs.dim() != 2:
+            raise ValueError(f"draft_probs must have 2 dims [sum_b K_b, Vd], got {draft_probs.dim()}: {_shape(draft_probs)}")
+        Vd = draft_probs.shape[-1]
+        if not 1 <= Vd <= V:
+            raise ValueError(f"draft_probs must have a vocabulary 1 <= Vd <= V = {V}, got Vd = {Vd}")
+        _check_tensor("draft_probs", draft_probs, _LOGIT_DTYPES, [nd, Vd], dev)
+    if max_num_draft_tokens is not None and (isinstance(max_num_draft_tokens, bool)
+                                             or not isinstance(max_num_draft_tokens, int) or max_num_draft_tokens < 0):
+        raise ValueError(f"max_num_draft_tokens must be None or an int >= 0, got {max_num_draft_tokens!r}")
+    kb = None
+    if host_readable(cu):
+        c = cu.tolist()
+        kb = [c[b + 1] - c[b] for b in range(B)]
+        if c[0] != 0 or any(k < 0 for k in kb) or c[-1] != nd:
+            raise ValueError(f"cu_num_draft_tokens must rise from 0 to the number of drafts {nd} (cu[b + 1] >= cu[b]), "
+                             f"got {c}")
+        k_max = max(kb, default=0)
+        if max_num_draft_tokens is not None and max_num_draft_tokens < k_max:
+            raise ValueError(f"max_num_draft_tokens must be >= max_b K_b = {k_max}, got {max_num_draft_tokens}")
+        K = k_max if max_num_draft_tokens is None else max_num_draft_tokens
+    elif max_num_draft_tokens is not None:
+        K = max_num_draft_tokens  # a row with more drafts is marked invalid in the kernel
+    else:
+        K = int((cu[1:] - cu[:-1]).max()) if B else 0  # a host sync: pass max_num_draft_tokens to avoid it
+    temp, top_k, top_p, seed, offset = _normalize_rows(B, K, dev, temperature, top_k, top_p, seed, offset, uniforms,
+                                                       target_is_probs)
+    if draft_probs is not None and nd and kb is not None and _check_values(draft_probs) \
+            and _range_fails(temp, lambda v: v != 0):
+        row = torch.repeat_interleave(torch.arange(B, device=dev), torch.tensor(kb, device=dev))  # [nd]
+        sampled = _as_tensor(temp, B, torch.float32, dev) != 0
+        starts = [c[r] for r in row.tolist()]
+        _check_draft_sums(draft_probs, sampled[row], lambda n: f"[{n}]",
+                          lambda n: f"draft {n - starts[n]} of row {int(row[n])}")
+    a = _Args(logits, draft_tokens, draft_probs, None, temp, top_k, top_p, seed, offset, uniforms)
+    return a, B, K
+
+
+def fused_verify_packed(
+    logits: torch.Tensor,  # [sum_b (K_b + 1), V] fp32/bf16/fp16: row b's K_b verify positions, then its bonus
+    draft_tokens: torch.Tensor,  # [sum_b K_b] int32/int64
+    cu_num_draft_tokens: torch.Tensor,  # [B + 1] int32/int64: cu[0] = 0, row b's drafts at cu[b]:cu[b + 1]
+    draft_probs: Optional[torch.Tensor] = None,  # [sum_b K_b, Vd] fp32/bf16/fp16, Vd <= V; None = one-hot q
+    *,
+    max_num_draft_tokens: Optional[int] = None,  # max_b K_b (None: read from cu, a host sync on CUDA)
+    temperature=1.0,
+    top_k=None,
+    top_p=None,
+    seed=None,
+    offset=0,
+    uniforms: Optional[torch.Tensor] = None,  # [B, K+1], K = max_num_draft_tokens
+    backend: str = "auto",
+    target_is_probs: bool = False,
+    out: Optional[tuple] = None,
+    return_logprobs: bool = False,
+):
+    """``fused_verify`` in the packed (ragged) layout engines hold: the rows back to back, row b's
+    K_b = cu[b + 1] - cu[b] verify positions followed by its bonus position, no padding.  The
+    same kernel, indexed through cu: no copy of the logits, one launch (the CPU torch path gathers
+    them into the padded layout).  Every keyword is ``fused_verify``'s; outputs are padded to
+    K = ``max_num_draft_tokens`` (tokens [B, K+1] with -1, num_accepted [B]), and row b's
+    results equal ``fused_verify``'s on the same row padded, for the same seeds and uniforms
+    (the random numbers depend on (seed[b], offset[b]) only).
+
+    On CUDA, cu is trusted as far as its values go (not read on the host unless
+    ``max_num_draft_tokens`` is None): a row with K_b > K or drafts outside [0, sum_b K_b) gets
+    ``num_accepted = -1`` and reads nothing.  On CPU, cu is checked and must rise from 0 to
+    ``len(draft_tokens)``.
+    """
+    if isinstance(temperature, float):
+        check_temperature(temperature)
+    if backend not in _BACKENDS + _PRIVATE_BACKENDS:
+        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+    a, B, K = _normalize_packed(logits, draft_tokens, cu_num_draft_tokens, draft_probs, max_num_draft_tokens,
+                                temperature, top_k, top_p, seed, offset, uniforms, bool(target_is_probs))
+    if out is not None:
+        out = _check_out(out, B, K + 1, logits.device, bool(return_logprobs))
+    lay = _Layout(B, K, cu_num_draft_tokens, bool(target_is_probs), bool(return_logprobs), out)
+    return _verify_layout(a, lay, backend)
