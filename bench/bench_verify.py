@@ -5,6 +5,9 @@ Providers, all computing the same step on the same inputs:
                       split into chunks across programs; CUDA only)
   fused_triton_rows   fused_verify(backend="_triton_rows"), the one-program-per-row kernel it
                       replaced, kept until the two have been measured side by side (CUDA only)
+  fused_packed        fused_verify_packed on the same step in the packed layout (the logits as a
+                      [B * (K+1), V] view, cu_num_draft_tokens, max_num_draft_tokens and out=
+                      given: an engine's call), on CUDA the split kernel, on CPU the torch path
   fused_cpu           fused_verify on CPU tensors: the reference's computation, or its greedy
                       fast route (argmax and compare) when every row has temperature 0 (CPU only)
   torch_batched       the step as a lean batched PyTorch program (bench/torch_batched.py: every row
@@ -58,7 +61,7 @@ from harness import (append_csv, device_name, now, peak_gbps, print_table, time_
 from hf_style import hf_style_verify  # noqa: E402
 from torch_batched import torch_batched_verify  # noqa: E402
 
-from specdec_kernels import fused_verify  # noqa: E402
+from specdec_kernels import fused_verify, fused_verify_packed  # noqa: E402
 from specdec_kernels.reference import verify_reference  # noqa: E402
 
 GRIDS = {
@@ -74,10 +77,10 @@ GRIDS = {
     "smoke": dict(B=[1, 4], K=[2], V=[1000], dtype=["fp32"], temperature=[1.0], warp=[False, True]),
 }
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-PROVIDERS = ["fused_triton", "fused_triton_rows", "fused_cpu", "torch_batched", "reference_eager",
+PROVIDERS = ["fused_triton", "fused_triton_rows", "fused_packed", "fused_cpu", "torch_batched", "reference_eager",
              "reference_compiled", "hf_style"]
 # The fused kernels, timed also under CUDA graph replay where a call takes microseconds (B <= 16).
-GRAPHED = ("fused_triton", "fused_triton_rows")
+GRAPHED = ("fused_triton", "fused_triton_rows", "fused_packed")
 GRAPH_MAX_B = 16
 
 
@@ -146,6 +149,11 @@ def build_providers(logits, x, q, temperature, warp, device, compiled_cache):
         return lambda: fused_verify(logits, x, q, temperature=temp, top_k=top_k, top_p=top_p, seed=seed, offset=0,
                                     backend=backend)
 
+    cu = torch.arange(B + 1, dtype=torch.int64, device=device) * (K1 - 1)
+    packed = (logits.view(B * K1, V), x.reshape(-1), cu, q.reshape(B * (K1 - 1), V))  # views: no copy
+    out = (torch.empty((B, K1), dtype=torch.int32, device=device), torch.empty((B,), dtype=torch.int32, device=device))
+    providers["fused_packed"] = lambda: fused_verify_packed(
+        *packed, max_num_draft_tokens=K1 - 1, temperature=temp, top_k=top_k, top_p=top_p, seed=seed, offset=0, out=out)
     if device.type == "cuda":
         providers["fused_triton"] = fused("triton")
         providers["fused_triton_rows"] = fused("_triton_rows")

@@ -59,13 +59,16 @@ def test_smoke_grid_writes_every_case_and_provider(bench_verify, tmp_path, capsy
 
 def test_the_fused_kernels_are_providers_on_cuda_only(bench_verify):
     assert bench_verify.PROVIDERS[:2] == ["fused_triton", "fused_triton_rows"]
-    assert set(bench_verify.GRAPHED) == {"fused_triton", "fused_triton_rows"}
+    assert set(bench_verify.GRAPHED) == {"fused_triton", "fused_triton_rows", "fused_packed"}
     import torch
 
     logits, x, q = bench_verify.make_inputs(2, 2, 100, torch.float32, torch.device("cpu"))
     # {"fn": None}: no torch.compile wrapper made, none of the providers is called
     prov = bench_verify.build_providers(logits, x, q, 1.0, False, torch.device("cpu"), {"fn": None})
     assert "fused_cpu" in prov and "fused_triton" not in prov and "fused_triton_rows" not in prov
+    # the packed provider runs on either device, on the same step: the same tokens
+    tokens = prov["fused_packed"]().tokens
+    assert torch.equal(tokens.long(), prov["fused_cpu"]().tokens)
 
 
 def test_the_gpu_branch_times_the_fused_kernels_under_graph_replay_too(bench_verify, monkeypatch, capsys):
