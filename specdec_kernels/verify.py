@@ -214,15 +214,7 @@ def _normalize(target_logits, draft_tokens, draft_probs, num_draft_tokens, tempe
     if draft_tokens.dim() != 2:
         raise ValueError(f"draft_tokens must have 2 dims [B, K], got {draft_tokens.dim()}: {_shape(draft_tokens)}")
     _check_tensor("draft_tokens", draft_tokens, _INDEX_DTYPES, [B, K], dev)
-    if draft_probs is not None:
-        if not isinstance(draft_probs, torch.Tensor):
-            raise TypeError(f"draft_probs must be a torch.Tensor or None, got {type(draft_probs).__name__}")
-        if draft_probs.dim() != 3:
-            raise ValueError(f"draft_probs must have 3 dims [B, K, Vd], got {draft_probs.dim()}: {_shape(draft_probs)}")
-        Vd = draft_probs.shape[-1]
-        if not 1 <= Vd <= V:
-            raise ValueError(f"draft_probs must have a vocabulary 1 <= Vd <= V = {V}, got Vd = {Vd}")
-        _check_tensor("draft_probs", draft_probs, _LOGIT_DTYPES, [B, K, Vd], dev)
+    _check_draft_probs(draft_probs, [B, K], "[B, K, Vd]", V, dev)
     if num_draft_tokens is None:
         kb = K
     else:
@@ -240,6 +232,22 @@ def _normalize(target_logits, draft_tokens, draft_probs, num_draft_tokens, tempe
                           lambda n: f"draft {n % K}")
     a = _Args(target_logits, draft_tokens, draft_probs, kb, temp, top_k, top_p, seed, offset, uniforms)
     return _materialize(a) if materialize else a
+
+
+def _check_draft_probs(draft_probs, lead: list, layout: str, V: int, dev: torch.device) -> None:
+    """draft_probs None, or a tensor of shape lead + [Vd] (layout: the dims' names, for the
+    message), 1 <= Vd <= V, fp32/bf16/fp16, on dev."""
+    if draft_probs is None:
+        return
+    if not isinstance(draft_probs, torch.Tensor):
+        raise TypeError(f"draft_probs must be a torch.Tensor or None, got {type(draft_probs).__name__}")
+    if draft_probs.dim() != len(lead) + 1:
+        raise ValueError(f"draft_probs must have {len(lead) + 1} dims {layout}, got {draft_probs.dim()}: "
+                         f"{_shape(draft_probs)}")
+    Vd = draft_probs.shape[-1]
+    if not 1 <= Vd <= V:
+        raise ValueError(f"draft_probs must have a vocabulary 1 <= Vd <= V = {V}, got Vd = {Vd}")
+    _check_tensor("draft_probs", draft_probs, _LOGIT_DTYPES, lead + [Vd], dev)
 
 
 def _normalize_rows(B: int, K: int, dev: torch.device, temperature, top_k, top_p, seed, offset, uniforms,
@@ -1218,15 +1226,7 @@ def _normalize_packed(logits, draft_tokens, cu, draft_probs, max_num_draft_token
     if N != nd + B:
         raise ValueError(f"{name} must have sum_b (K_b + 1) = {nd} + {B} = {nd + B} rows (each row's drafts and its "
                          f"bonus position), got {N}")
-    if draft_probs is not None:
-        if not isinstance(draft_probs, torch.Tensor):
-            raise TypeError(f"draft_probs must be a torch.Tensor or None, got {type(draft_probs).__name__}")
-        if draft_probs.dim() != 2:
-            raise ValueError(f"draft_probs must have 2 dims [sum_b K_b, Vd], got {draft_probs.dim()}: {_shape(draft_probs)}")
-        Vd = draft_probs.shape[-1]
-        if not 1 <= Vd <= V:
-            raise ValueError(f"draft_probs must have a vocabulary 1 <= Vd <= V = {V}, got Vd = {Vd}")
-        _check_tensor("draft_probs", draft_probs, _LOGIT_DTYPES, [nd, Vd], dev)
+    _check_draft_probs(draft_probs, [nd], "[sum_b K_b, Vd]", V, dev)
     if max_num_draft_tokens is not None and (isinstance(max_num_draft_tokens, bool)
                                              or not isinstance(max_num_draft_tokens, int) or max_num_draft_tokens < 0):
         raise ValueError(f"max_num_draft_tokens must be None or an int >= 0, got {max_num_draft_tokens!r}")
@@ -1251,9 +1251,8 @@ def _normalize_packed(logits, draft_tokens, cu, draft_probs, max_num_draft_token
             and _range_fails(temp, lambda v: v != 0):
         row = torch.repeat_interleave(torch.arange(B, device=dev), torch.tensor(kb, device=dev))  # [nd]
         sampled = _as_tensor(temp, B, torch.float32, dev) != 0
-        starts = [c[r] for r in row.tolist()]
         _check_draft_sums(draft_probs, sampled[row], lambda n: f"[{n}]",
-                          lambda n: f"draft {n - starts[n]} of row {int(row[n])}")
+                          lambda n: f"draft {n - c[int(row[n])]} of row {int(row[n])}")
     a = _Args(logits, draft_tokens, draft_probs, None, temp, top_k, top_p, seed, offset, uniforms)
     return a, B, K
 
