@@ -61,7 +61,7 @@ def write_feature_draft(path: str, target) -> None:
     cfg = LlamaConfig(**{k: v for k, v in layers.items() if k not in ("architectures", "transformers_version",
                                                                       "model_type")})
     fd = FeatureDraft(cfg, target_identity(target))
-    vocab = load_draft_vocab(os.path.join(FEATURE_ASSETS, "draft_vocab.safetensors"), target.config.vocab_size)
+    vocab = load_draft_vocab(FEATURE_ASSETS, target.config.vocab_size)
     save_feature_draft(fd, path, vocab)
     n = sum(p.numel() for name, p in fd.named_parameters() if not name.startswith(("lm.lm_head", "lm.model.embed")))
     print(f"wrote {path}: {n / 1e6:.1f}M parameters, {len(vocab)} draft tokens")

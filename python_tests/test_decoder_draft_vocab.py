@@ -225,6 +225,52 @@ def test_frequent_tokens_and_the_file():
         dv.frequent_tokens(counts.float(), 2)
 
 
+def test_draft_vocab_file_forms(tmp_path):
+    """The file is JSON (``draft_vocab.json``), so a model directory holding one loads in engines
+    that read every ``*.safetensors`` there as weights; the earlier ``draft_vocab.safetensors``
+    is still read (file or directory), and saving over it replaces it."""
+    from safetensors.torch import save_file
+
+    from specdec_kernels import draft_vocab as dv
+
+    assert dv.FILE_NAME == "draft_vocab.json" and dv.LEGACY_FILE_NAME == "draft_vocab.safetensors"
+    path = dv.save_draft_vocab(tmp_path, [7, 3, 5], 11, source="a test")
+    assert path == tmp_path / "draft_vocab.json" and not list(tmp_path.glob("*.safetensors"))
+    doc = json.loads(path.read_text())
+    assert doc["token_ids"] == [3, 5, 7] and doc["vocab_size"] == 11 and doc["metadata"] == {"source": "a test"}
+    assert dv.load_draft_vocab(tmp_path, 11).tolist() == [3, 5, 7]
+    assert dv.load_draft_vocab(path, None).tolist() == [3, 5, 7]
+    with pytest.raises(ValueError, match=r"must be a draft vocabulary for vocab_size 12 \(the draft's\), got one "
+                                         r"saved for vocab_size 11"):
+        dv.load_draft_vocab(tmp_path, 12)
+    # the earlier form, as directories written before hold it
+    old = tmp_path / "old"
+    old.mkdir()
+    save_file({"token_ids": torch.tensor([4, 1])}, str(old / dv.LEGACY_FILE_NAME), metadata={"vocab_size": "9"})
+    assert dv.directory_vocab_file(old) == old / dv.LEGACY_FILE_NAME
+    assert dv.load_draft_vocab(old, 9).tolist() == [1, 4]
+    assert dv.load_draft_vocab(old / dv.LEGACY_FILE_NAME, 9).tolist() == [1, 4]
+    with pytest.raises(ValueError, match="saved for vocab_size 9"):
+        dv.load_draft_vocab(old, 10)
+    dv.save_draft_vocab(old, [2], 9)
+    assert sorted(p.name for p in old.iterdir()) == ["draft_vocab.json"]
+    assert dv.load_draft_vocab(old, 9).tolist() == [2]
+    # bad JSON files are named
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match=r"bad.json must be a JSON draft vocabulary \(an object with 'token_ids'\), "
+                                         r"got a file it cannot read \(JSONDecodeError"):
+        dv.load_draft_vocab(bad, None)
+    bad.write_text(json.dumps({"ids": [1]}))
+    with pytest.raises(ValueError, match=r"bad.json must hold an object with 'token_ids', got \['ids'\]"):
+        dv.load_draft_vocab(bad, None)
+    bad.write_text(json.dumps({"token_ids": [1, "2"]}))
+    with pytest.raises(TypeError, match=r"token_ids of .*bad.json must be a 1-D integer tensor or a list of ints, "
+                                        r"got a list holding a str"):
+        dv.load_draft_vocab(bad, None)
+    assert dv.directory_vocab_file(tmp_path / "nowhere") is None
+
+
 def test_cli_draft_vocab(capsys, tmp_path):
     from specdec_kernels import draft_vocab as dv
 

@@ -223,13 +223,18 @@ def test_shipped_draft_vocabulary(pair):
 
 def test_feature_draft_files_are_shipped():
     """The embedded feature draft's files are there, and all the weights the repository holds
-    (draft model, feature draft, their draft vocabularies) stay under 30 MB."""
+    (draft model, feature draft, their draft vocabularies) stay under 30 MB.  The draft model's
+    directory holds no safetensors file but its weights (engines such as vLLM load every
+    ``*.safetensors`` of a model directory as weights): its vocabulary is ``draft_vocab.json``."""
     from specdec_kernels.feature_draft import default_feature_draft_path
 
     d = Path(default_feature_draft_path())
     for name in ("feature_draft.json", "model.safetensors", "draft_vocab.safetensors"):
         assert (d / name).is_file(), f"{name} missing from {d}"
-    weights = [p for p in Path(models.default_draft_path()).parent.rglob("*.safetensors")]
+    draft_dir = Path(models.default_draft_path())
+    assert sorted(p.name for p in draft_dir.glob("*.safetensors")) == ["model.safetensors"]
+    assert (draft_dir / "draft_vocab.json").is_file()
+    weights = [p for p in draft_dir.parent.rglob("*.safetensors")] + [draft_dir / "draft_vocab.json"]
     total = sum(p.stat().st_size for p in weights)
     assert len(weights) == 4 and total < 30e6, (
         f"the shipped weights must stay under 30 MB, got {total / 1e6:.2f} MB in {[str(p) for p in weights]}")

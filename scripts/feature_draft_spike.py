@@ -273,7 +273,7 @@ def load_draft(target, weights: str):
 def draft_vocab():
     from specdec_kernels.draft_vocab import load_draft_vocab
 
-    return load_draft_vocab(Path(models.default_draft_path()) / "draft_vocab.safetensors", 49152)
+    return load_draft_vocab(models.default_draft_path(), 49152)
 
 
 def load_feature_files(n: int):

@@ -42,7 +42,7 @@ distilled from the target in five steps:
 
 The draft's vocabulary (``--draft-vocab N``, default 12,288; ``specdec_kernels.draft_vocab``): the
 N tokens the target emits most often in the training corpus, written beside the weights as
-draft_vocab.safetensors; the decoder's draft proposes only those, and alpha is measured so.
+draft_vocab.json; the decoder's draft proposes only those, and alpha is measured so.
 
 Everything is seeded; CPU results depend on the thread count (``--threads``: the shipped draft
 was trained with 2; corpus generation is the same with any count).  Time of the shipped build on
@@ -829,7 +829,7 @@ def stage_history(prev: dict) -> dict:
 def save_draft(draft, target_dir: str, out: Path, info: dict, vocab=None):
     """fp16 weights (half the bytes), config dtype float32 so that ``from_pretrained`` without a
     dtype gives the fast CPU dtype; the target's tokenizer files, copied byte for byte; the draft
-    vocabulary ``vocab`` (token ids, or None for none) as draft_vocab.safetensors."""
+    vocabulary ``vocab`` (token ids, or None for none) as draft_vocab.json."""
     tmp = Path(tempfile.mkdtemp(prefix="draft-", dir=str(out.parent)))
     try:
         if vocab is not None:
@@ -909,7 +909,7 @@ def main(argv=None):
     ap.add_argument("--draft-vocab", type=int, default=None,
                     help="the draft vocabulary: the N tokens the target emits most often in the training corpus "
                          f"(0: the whole vocabulary; default {DRAFT_VOCAB} when training; with --eval-only: "
-                         "the draft_vocab.safetensors in --out, if any, unless N is given)")
+                         "the draft_vocab.json in --out, if any, unless N is given)")
     ap.add_argument("--e2e-k", type=int, default=None, help="K of the end-to-end run (default: best simulated)")
     ap.add_argument("--e2e-rounds", type=int, default=2, help="rounds of the end-to-end run (0: skip it)")
     args = ap.parse_args(argv)
@@ -1090,7 +1090,7 @@ def main(argv=None):
         in_vocab = torch.zeros(V_draft, dtype=torch.bool)
         in_vocab[vocab] = True
         cover = torch.cat([in_vocab[c["gen"].long()] for c in eval_corpus]).float().mean().item()
-        info.setdefault("draft_vocab", {"size": vocab.numel(), "source": "draft_vocab.safetensors"})
+        info.setdefault("draft_vocab", {"size": vocab.numel(), "source": "draft_vocab.json"})
         info["draft_vocab"]["eval_coverage"] = cover
         print(f"draft vocabulary: {vocab.numel()} of {V_draft} tokens; they are {100 * cover:.1f}% of the "
               f"evaluation's target tokens")

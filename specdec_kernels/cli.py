@@ -127,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run every decode step through the models' own forward (default: a Llama on the "
                         "CPU takes the lean step, the same logits with less Python per call)")
     g.add_argument("--draft-vocab", default="auto", metavar="auto|full|PATH",
-                   help="the tokens the draft may propose: 'auto' (default: the draft_vocab.safetensors "
+                   help="the tokens the draft may propose: 'auto' (default: the draft_vocab.json "
                         "shipped in the draft's directory, if any), 'full' (the whole vocabulary) or a file")
     g.add_argument("--baseline", action="store_true",
                    help="also decode with the target alone, to report the measured speed-up (both sides warmed "

@@ -231,8 +231,8 @@ class SpeculativeDecoder:
     draft_vocab: the tokens the draft may propose (``specdec_kernels.draft_vocab``): its logits
     are computed for those rows of its output layer only and its distribution is zero elsewhere
     (exactness does not depend on the set; the residual covers the rest).  ``"auto"`` (default):
-    the ``draft_vocab.safetensors`` of the local directory the draft was loaded from, if it has
-    one (the embedded draft ships 12,288 tokens), else the whole vocabulary; None: the whole
+    the ``draft_vocab.json`` (or an older directory's ``draft_vocab.safetensors``) of the local
+    directory the draft was loaded from, if it has one (the embedded draft ships 12,288 tokens), else the whole vocabulary; None: the whole
     vocabulary; a path (a directory or the file); or the token ids (a 1-D tensor or a list).
     ``self.draft_vocab`` is what was chosen (sorted int64 ids, or None).
 

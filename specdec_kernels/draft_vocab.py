@@ -12,13 +12,20 @@ min(1, p/q) and otherwise samples the residual max(0, p - q), whose mass include
 draft cannot propose: the output is distributed as the target's whatever set is used (the tests
 check it with a chi-square).  The set only changes how often drafts are accepted.
 
-A draft vocabulary travels with the draft as ``draft_vocab.safetensors`` in its directory (one
-int64 tensor ``token_ids``: sorted, unique).  ``SpeculativeDecoder(draft_vocab="auto")`` (the
-default) uses it when the draft was loaded from a directory that holds one.
+A draft vocabulary travels with the draft as ``draft_vocab.json`` in its directory: an object
+with ``"token_ids"`` (sorted, unique ints), ``"vocab_size"`` (the draft's), ``"size"`` and string
+``"metadata"`` (how it was chosen).  It is JSON, not safetensors, because engines that load every
+``*.safetensors`` of a model directory as weights (vLLM) refuse a directory holding a tensor that
+is not one; ``from_pretrained`` ignores the file either way.  Directories written before hold
+``draft_vocab.safetensors`` (one int64 tensor ``token_ids``, the same metadata): they are still
+read, and ``save_draft_vocab`` replaces that file by the JSON one.
+``SpeculativeDecoder(draft_vocab="auto")`` (the default) uses the file when the draft was loaded
+from a directory that holds one.
 """
 
 from __future__ import annotations
 
+import json
 import numbers
 import os
 from pathlib import Path
@@ -27,9 +34,12 @@ from typing import Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-__all__ = ["FILE_NAME", "check_draft_vocab", "frequent_tokens", "load_draft_vocab", "save_draft_vocab"]
+__all__ = ["FILE_NAME", "LEGACY_FILE_NAME", "check_draft_vocab", "directory_vocab_file", "frequent_tokens",
+           "load_draft_vocab", "save_draft_vocab"]
 
-FILE_NAME = "draft_vocab.safetensors"
+FILE_NAME = "draft_vocab.json"
+LEGACY_FILE_NAME = "draft_vocab.safetensors"  # the earlier form, still read
+_FORMAT = "specdec_kernels.draft_vocab"
 
 
 def check_draft_vocab(token_ids: Union[Tensor, Sequence[int]], vocab_size: int, name: str = "draft_vocab") -> Tensor:
@@ -80,31 +90,51 @@ def frequent_tokens(counts: Tensor, n: int) -> Tensor:
     return order[:n].sort().values
 
 
+def directory_vocab_file(directory: Union[str, os.PathLike]) -> Optional[Path]:
+    """The draft vocabulary file in ``directory``: ``draft_vocab.json``, else the earlier
+    ``draft_vocab.safetensors``, else None."""
+    d = Path(directory)
+    for name in (FILE_NAME, LEGACY_FILE_NAME):
+        if (d / name).is_file():
+            return d / name
+    return None
+
+
 def save_draft_vocab(directory: Union[str, os.PathLike], token_ids: Tensor, vocab_size: int,
                      **metadata: str) -> Path:
-    """Write ``token_ids`` (checked against ``vocab_size``) to ``directory/draft_vocab.safetensors``
-    with string ``metadata`` (how it was chosen); returns the file's path."""
-    from safetensors.torch import save_file
-
+    """Write ``token_ids`` (checked against ``vocab_size``) to ``directory/draft_vocab.json`` with
+    string ``metadata`` (how it was chosen), removing an earlier ``draft_vocab.safetensors`` there;
+    returns the file's path."""
     t = check_draft_vocab(token_ids, vocab_size)
-    path = Path(directory) / FILE_NAME
-    meta = {"vocab_size": str(vocab_size), "size": str(t.numel())}
-    meta.update({str(k): str(v) for k, v in metadata.items()})
-    save_file({"token_ids": t.contiguous()}, str(path), metadata=meta)
+    d = Path(directory)
+    path = d / FILE_NAME
+    doc = {"format": _FORMAT, "vocab_size": vocab_size, "size": t.numel(),
+           "metadata": {str(k): str(v) for k, v in metadata.items()}, "token_ids": t.tolist()}
+    tmp = d / (FILE_NAME + ".tmp")
+    tmp.write_text(json.dumps(doc, separators=(",", ":")) + "\n")
+    os.replace(tmp, path)
+    legacy = d / LEGACY_FILE_NAME
+    if legacy.is_file():
+        legacy.unlink()
     return path
 
 
-def load_draft_vocab(path: Union[str, os.PathLike], vocab_size: Optional[int]) -> Tensor:
-    """The token ids of a draft vocabulary file (or of ``FILE_NAME`` in a directory), checked
-    against ``vocab_size`` (also the one the file records; None: the file's form only, as the CLI
-    checks before any model loads).  ``FileNotFoundError`` names the path when there is none."""
+def _read_json(p: Path) -> tuple[dict, object]:
+    try:
+        doc = json.loads(p.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{p} must be a JSON draft vocabulary (an object with 'token_ids'), got a file it cannot "
+                         f"read ({type(e).__name__}: {e})") from None
+    if not isinstance(doc, dict) or "token_ids" not in doc:
+        got = sorted(doc) if isinstance(doc, dict) else type(doc).__name__
+        raise ValueError(f"{p} must hold an object with 'token_ids', got {got}")
+    recorded = doc.get("vocab_size")
+    return {"vocab_size": str(recorded) if recorded is not None else None}, doc["token_ids"]
+
+
+def _read_safetensors(p: Path) -> tuple[dict, object]:
     from safetensors import safe_open
 
-    p = Path(path)
-    if p.is_dir():
-        p = p / FILE_NAME
-    if not p.is_file():
-        raise FileNotFoundError(f"no draft vocabulary at {p}")
     try:
         with safe_open(str(p), framework="pt") as f:
             meta = f.metadata() or {}
@@ -112,13 +142,28 @@ def load_draft_vocab(path: Union[str, os.PathLike], vocab_size: Optional[int]) -
     except Exception as e:  # safetensors' own error types: a file that is not one
         raise ValueError(f"{p} must be a safetensors draft vocabulary (a tensor 'token_ids'), got a file it "
                          f"cannot read ({type(e).__name__}: {e})") from None
+    if "token_ids" not in data:
+        raise ValueError(f"{p} must hold a tensor 'token_ids', got {sorted(data)}")
+    return meta, data["token_ids"]
+
+
+def load_draft_vocab(path: Union[str, os.PathLike], vocab_size: Optional[int]) -> Tensor:
+    """The token ids of a draft vocabulary file (``.json``, or the earlier ``.safetensors``), or of
+    the one in a directory (``directory_vocab_file``), checked against ``vocab_size`` (also the one
+    the file records; None: the file's form only, as the CLI checks before any model loads).
+    ``FileNotFoundError`` names the path when there is none."""
+    p = Path(path)
+    if p.is_dir():
+        found = directory_vocab_file(p)
+        p = found if found is not None else p / FILE_NAME
+    if not p.is_file():
+        raise FileNotFoundError(f"no draft vocabulary at {p}")
+    meta, ids = _read_json(p) if p.suffix == ".json" else _read_safetensors(p)
     recorded = meta.get("vocab_size")
     if vocab_size is not None and recorded is not None and recorded.isdigit() and int(recorded) != vocab_size:
         raise ValueError(f"{p} must be a draft vocabulary for vocab_size {vocab_size} (the draft's), got one "
                          f"saved for vocab_size {recorded}")
-    if "token_ids" not in data:
-        raise ValueError(f"{p} must hold a tensor 'token_ids', got {sorted(data)}")
-    return check_draft_vocab(data["token_ids"], 2**62 if vocab_size is None else vocab_size, name=f"token_ids of {p}")
+    return check_draft_vocab(ids, 2**62 if vocab_size is None else vocab_size, name=f"token_ids of {p}")
 
 
 def model_directory_vocab(model) -> Optional[Path]:
@@ -126,5 +171,4 @@ def model_directory_vocab(model) -> Optional[Path]:
     where = getattr(model, "name_or_path", None) or getattr(getattr(model, "config", None), "_name_or_path", None)
     if not where:
         return None
-    p = Path(str(where)) / FILE_NAME
-    return p if p.is_file() else None
+    return directory_vocab_file(Path(str(where)))

@@ -21,7 +21,8 @@ weight and refuses another target (``check_target``).  The embedded one
 SmolLM2-135M-Instruct.
 
 Files: ``feature_draft.json`` (the layer's Llama configuration, the target's identity),
-``model.safetensors`` (fc, the layer, the norm) and ``draft_vocab.safetensors`` (its tokens).
+``model.safetensors`` (fc, the layer, the norm) and ``draft_vocab.json`` (its tokens; the embedded
+one has it in the earlier form, ``draft_vocab.safetensors``, which is read the same).
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ __all__ = ["FeatureDraft", "load_feature_draft", "save_feature_draft", "default_
 
 _CONFIG = "feature_draft.json"
 _WEIGHTS = "model.safetensors"
-_VOCAB = "draft_vocab.safetensors"
+_VOCAB = "draft_vocab.json"
+_LEGACY_VOCAB = "draft_vocab.safetensors"  # read where an earlier save wrote it
 
 
 def default_feature_draft_path() -> str:
@@ -175,11 +177,12 @@ def save_feature_draft(draft: FeatureDraft, directory, vocab: Optional[Tensor] =
           if not k.startswith(("lm.lm_head.", "lm.model.embed_tokens."))}
     save_file(sd, str(out / _WEIGHTS))
     (out / _CONFIG).write_text(json.dumps(cfg, indent=1) + "\n")
-    vocab_file = out / _VOCAB
     if vocab is not None:
         save_draft_vocab(out, vocab, draft.target["vocab_size"])
-    elif vocab_file.exists():
-        vocab_file.unlink()
+    else:
+        for name in (_VOCAB, _LEGACY_VOCAB):
+            if (out / name).exists():
+                (out / name).unlink()
     return out
 
 
@@ -188,7 +191,7 @@ def load_feature_draft(directory, dtype: torch.dtype = torch.float32, device=Non
     from safetensors.torch import load_file
     from transformers import LlamaConfig
 
-    from .draft_vocab import load_draft_vocab
+    from .draft_vocab import directory_vocab_file, load_draft_vocab
 
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"load_feature_draft: dtype must be a floating torch.dtype, got {dtype!r}")
@@ -209,6 +212,7 @@ def load_feature_draft(directory, dtype: torch.dtype = torch.float32, device=Non
                          f"(missing {missing[:4]}, unexpected {unexpected[:4]})")
     draft = draft.to(dtype=dtype, device=device).eval().requires_grad_(False)
     vocab = None
-    if (d / _VOCAB).is_file():
-        vocab = load_draft_vocab(d / _VOCAB, cfg["target"]["vocab_size"])
+    vocab_file = directory_vocab_file(d)
+    if vocab_file is not None:
+        vocab = load_draft_vocab(vocab_file, cfg["target"]["vocab_size"])
     return draft, vocab
