@@ -151,7 +151,12 @@ setup(
         "test": ["pytest", "scipy"],
         "bench": ["matplotlib"],
     },
-    entry_points={"console_scripts": ["specdec = specdec_kernels.cli:main"]},
+    entry_points={
+        "console_scripts": ["specdec = specdec_kernels.cli:main"],
+        # vLLM calls every general plugin at start-up in each of its processes; this one swaps in
+        # the fused rejection sampler only when SPECDEC_VLLM=1 (specdec_kernels/integrations/vllm.py).
+        "vllm.general_plugins": ["specdec_kernels = specdec_kernels.integrations.vllm:register"],
+    },
     ext_modules=_extensions(),
     cmdclass={"build_ext": BuildExtension},
     options={"bdist_wheel": {"py_limited_api": "cp310"}},

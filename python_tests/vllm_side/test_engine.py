@@ -1,0 +1,102 @@
+"""``vllm.LLM`` (vLLM 0.32.0, CPU, V1 engine) on the embedded target with the fused rejection
+sampler: greedy outputs are the same token ids with the plugin as without, for the embedded
+draft model and for n-gram drafts, on a batch of 8 prompts; in a batch mixing greedy and sampled
+requests each greedy request emits what it emits alone.
+
+With vLLM's own sampler that last property fails on this CPU: its C++ override of
+``expand_kernel`` leaves the per-token temperatures uninitialised (see
+``specdec_kernels/integrations/vllm.py``), so the greedy rows of a mixed batch take the argmax of
+logits divided by arbitrary values.  ``test_vllm_own_sampler_mixed_batch`` records what it does
+here; it does not fail when vLLM gets it right.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from engine_setup import MAX_TOKENS, PROMPTS, close_llm, make_llm, token_ids
+
+from specdec_kernels.integrations import vllm as sv
+
+
+@pytest.fixture(scope="module", params=["draft_model", "ngram"])
+def llm(request):
+    engine = make_llm(request.param)
+    engine.method = request.param
+    yield engine
+    sv.unpatch()
+    close_llm(engine)
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """The number of steps that went through fused_rejection_sample."""
+    counter = []
+    real = sv.fused_rejection_sample
+
+    def counting(*args, **kwargs):
+        counter.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(sv, "fused_rejection_sample", counting)
+    return counter
+
+
+def greedy():
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+def mixed_params():
+    """Even requests greedy, odd ones sampled (T = 0.8, top-p 0.9, each its own seed)."""
+    from vllm import SamplingParams
+
+    return [greedy() if i % 2 == 0 else
+            SamplingParams(temperature=0.8, top_p=0.9, seed=100 + i, max_tokens=MAX_TOKENS, ignore_eos=True)
+            for i in range(len(PROMPTS))]
+
+
+def test_greedy_batch_same_with_plugin(llm, calls):
+    sv.unpatch()
+    without = token_ids(llm, PROMPTS, greedy())
+    assert not calls
+    sv.patch()
+    try:
+        with_plugin = token_ids(llm, PROMPTS, greedy())
+    finally:
+        sv.unpatch()
+    assert calls, "the fused sampler was never called: the engine did not speculate"
+    assert all(len(t) == MAX_TOKENS for t in with_plugin)
+    for i, (a, b) in enumerate(zip(without, with_plugin)):
+        assert a == b, f"{llm.method}: prompt {i} differs with the plugin:\n{a}\n{b}"
+
+
+def test_mixed_batch_greedy_rows_equal_solo_with_plugin(llm, calls):
+    sv.patch()
+    try:
+        mixed = token_ids(llm, PROMPTS, mixed_params())
+        solo = {i: token_ids(llm, [PROMPTS[i]], greedy())[0] for i in range(0, len(PROMPTS), 2)}
+        again = token_ids(llm, PROMPTS, mixed_params())
+    finally:
+        sv.unpatch()
+    assert calls
+    for i, want in solo.items():
+        assert mixed[i] == want, f"{llm.method}: greedy request {i} in a mixed batch differs from its solo run"
+    # seeded sampled requests are reproducible
+    for i in range(1, len(PROMPTS), 2):
+        assert mixed[i] == again[i], f"{llm.method}: seeded request {i} differs between two identical runs"
+
+
+def test_vllm_own_sampler_mixed_batch(llm, calls, record_property):
+    """vLLM's own sampler on the same mixed batch: how many greedy requests differ from their solo
+    run (recorded; on this CPU the expand override makes them differ)."""
+    if llm.method != "draft_model":
+        pytest.skip("recorded once, with the draft model")
+    sv.unpatch()
+    mixed = token_ids(llm, PROMPTS, mixed_params())
+    solo = {i: token_ids(llm, [PROMPTS[i]], greedy())[0] for i in range(0, len(PROMPTS), 2)}
+    differ = [i for i, want in solo.items() if mixed[i] != want]
+    record_property("vllm_own_greedy_rows_differing", differ)
+    print(f"vLLM's own sampler: greedy requests {differ} of {sorted(solo)} differ from their solo run in a mixed batch")
+    assert not calls
