@@ -17,6 +17,11 @@ Providers, all computing the same step on the same inputs:
   reference_compiled  the same under torch.compile
   hf_style            the step as transformers writes it, looped over the rows (bench/hf_style.py);
                       it has no top-k/top-p of its own, so warped rows are marked n/a for it
+  vllm_sampler        vLLM V1's own RejectionSampler.forward on the step in its packed layout (its
+                      SpecDecodeMetadata and SamplingMetadata, per-request temperature/top-k/top-p);
+                      only where vLLM imports (run this script with .venv-vllm/bin/python)
+  vllm_plugin         the same call through specdec_kernels.integrations.vllm.fused_forward (what
+                      the vLLM plugin runs: the metadata mapped onto one fused_verify_packed call)
 
 Timing on CUDA: every provider under triton.testing.do_bench (launches included, cold L2), the
 column median_ms, from which the speed-ups and GB/s come; the two fused kernels at B <= 16 (a
@@ -78,9 +83,10 @@ GRIDS = {
 }
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 PROVIDERS = ["fused_triton", "fused_triton_rows", "fused_packed", "fused_cpu", "torch_batched", "reference_eager",
-             "reference_compiled", "hf_style"]
+             "reference_compiled", "hf_style", "vllm_sampler", "vllm_plugin"]
 # The fused kernels, timed also under CUDA graph replay where a call takes microseconds (B <= 16).
 GRAPHED = ("fused_triton", "fused_triton_rows", "fused_packed")
+_VLLM: dict = {}  # vLLM's sampler, built once (None: vLLM does not import here)
 GRAPH_MAX_B = 16
 
 
@@ -154,12 +160,43 @@ def build_providers(logits, x, q, temperature, warp, device, compiled_cache):
     out = (torch.empty((B, K1), dtype=torch.int32, device=device), torch.empty((B,), dtype=torch.int32, device=device))
     providers["fused_packed"] = lambda: fused_verify_packed(
         *packed, max_num_draft_tokens=K1 - 1, temperature=temp, top_k=top_k, top_p=top_p, seed=seed, offset=0, out=out)
+    providers.update(vllm_providers(logits, x, q, temp, top_k, top_p, device))
     if device.type == "cuda":
         providers["fused_triton"] = fused("triton")
         providers["fused_triton_rows"] = fused("_triton_rows")
     else:  # fused_verify's CPU path: the reference, or its greedy fast route when every row has T = 0
         providers["fused_cpu"] = fused()
     return providers
+
+
+def vllm_providers(logits, x, q, temp, top_k, top_p, device) -> dict:
+    """vllm_sampler and vllm_plugin on the step (every row with K drafts, as vLLM's runner packs
+    them), or {} where vLLM does not import."""
+    if "sampler" not in _VLLM:
+        try:
+            from vllm.platforms import current_platform
+            from vllm.v1.sample.rejection_sampler import RejectionSampler
+            from vllm.v1.sample.sampler import Sampler
+        except ImportError:
+            _VLLM["sampler"] = None
+        else:
+            if device.type == "cpu":  # the C++ stand-ins of vLLM's Triton kernels, as its CPU worker registers them
+                current_platform.register_triton_kernel_overrides()
+            _VLLM["sampler"] = RejectionSampler(Sampler())
+    sampler = _VLLM["sampler"]
+    if sampler is None:
+        return {}
+    from specdec_kernels.integrations import vllm as sv
+
+    B, K1, V = logits.shape
+    md = sv.spec_decode_metadata(x.tolist(), device)
+    flat_logits = logits.view(B * K1, V)  # vLLM's packed layout: each row's K positions, then its bonus
+    flat_q = q.reshape(B * (K1 - 1), V)
+    greedy = bool((temp == 0).all())
+    sm = sv.sampling_metadata(None if greedy else temp, top_k=top_k, top_p=top_p, vocab_size=V, device=device)
+    original = sv.original_forward()
+    return {"vllm_sampler": lambda: original(sampler, md, flat_q, flat_logits, sm),
+            "vllm_plugin": lambda: sv.fused_forward(sampler, md, flat_q, flat_logits, sm)}
 
 
 def measure_copy(device, mib):

