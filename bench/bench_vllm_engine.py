@@ -28,6 +28,7 @@ import os
 import statistics
 import sys
 import time
+from pathlib import Path
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process: patch() reaches it
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB: the embedded pair is small
@@ -52,17 +53,32 @@ PROMPTS = [
 ]
 
 
+def target_path() -> str:
+    """The embedded target's converted directory: ``$SPECDEC_VLLM_TARGET``, else the cache's path
+    (converted from the GGUF wheel by ``models.default_target_path()`` where gguf is installed:
+    the main environment)."""
+    path = os.environ.get("SPECDEC_VLLM_TARGET") or models.default_target_path(convert=False)
+    if not (Path(path) / "config.json").is_file():
+        raise FileNotFoundError(f"the embedded target must be converted first (SPECDEC_VLLM_TARGET or {path}): "
+                                f"run specdec_kernels.models.default_target_path() in the main environment")
+    return path
+
+
 def speculative_config(method: str, k: int) -> dict:
+    """vLLM's speculative_config for the embedded draft model or n-gram prompt lookup."""
     if method == "draft_model":
         return {"method": "draft_model", "model": models.default_draft_path(), "num_speculative_tokens": k}
-    return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    if method == "ngram":
+        return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    raise ValueError(f"method must be 'draft_model' or 'ngram', got {method!r}")
 
 
-def make_llm(method: str, k: int, max_num_seqs: int):
+def make_llm(method: str, k: int, max_num_seqs: int, max_model_len: int = 512):
+    """``vllm.LLM`` on the embedded target, fp32, eager, its engine core in this process."""
     from vllm import LLM
 
-    return LLM(model=models.default_target_path(), speculative_config=speculative_config(method, k),
-               enforce_eager=True, max_model_len=512, max_num_seqs=max_num_seqs, dtype="float32", seed=0,
+    return LLM(model=target_path(), speculative_config=speculative_config(method, k), enforce_eager=True,
+               max_model_len=max_model_len, max_num_seqs=max_num_seqs, dtype="float32", seed=0,
                gpu_memory_utilization=0.25)
 
 

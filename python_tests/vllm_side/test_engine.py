@@ -101,20 +101,3 @@ def test_vllm_own_sampler_mixed_batch(llm, calls, record_property):
     print(f"vLLM's own sampler: greedy requests {differ} of {sorted(solo)} differ from their solo run in a mixed batch")
     assert not calls
 
-
-def test_bench_vllm_engine_runs(tmp_path):
-    """bench/bench_vllm_engine.py on a small case: both samplers' rows, the same greedy tokens,
-    steps through the fused op."""
-    import csv
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[2] / "bench" / "bench_vllm_engine.py"
-    spec = importlib.util.spec_from_file_location("bench_vllm_engine", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    bench.main(["--methods", "ngram", "--batches", "2", "--rounds", "1", "--max-tokens", "8", "--out", str(tmp_path)])
-    rows = list(csv.DictReader(open(tmp_path / "bench_vllm_engine.csv")))
-    assert [(r["sampler"], r["B"]) for r in rows] == [("vLLM", "2"), ("specdec plugin", "2")]
-    assert all(r["same_tokens"] == "True" for r in rows)
-    assert int(rows[1]["fused_steps"]) > 0 and not sv.is_patched()

@@ -84,3 +84,20 @@ def test_multiprocess_engine_uses_the_plugin():
     line = next(ln for ln in r.stdout.splitlines() if ln.startswith("RESULT "))
     out = json.loads(line[len("RESULT "):])
     assert [len(t) for t in out] == [MAX_TOKENS] * 2
+
+
+def test_bench_vllm_engine_runs(tmp_path):
+    """bench/bench_vllm_engine.py on a small case, in a process of its own: both samplers' rows,
+    the same greedy tokens, steps through the fused op."""
+    import csv
+
+    bench = HERE.parents[1] / "bench" / "bench_vllm_engine.py"
+    r = subprocess.run([sys.executable, str(bench), "--methods", "ngram", "--batches", "2", "--rounds", "1",
+                        "--max-tokens", "8", "--out", str(tmp_path)],
+                       env={k: v for k, v in os.environ.items() if k != "SPECDEC_VLLM"}, capture_output=True,
+                       text=True, timeout=420)
+    assert r.returncode == 0, r.stderr[-4000:]
+    rows = list(csv.DictReader(open(tmp_path / "bench_vllm_engine.csv")))
+    assert [(row["sampler"], row["B"]) for row in rows] == [("vLLM", "2"), ("specdec plugin", "2")]
+    assert all(row["same_tokens"] == "True" for row in rows)
+    assert rows[0]["fused_steps"] == "0" and int(rows[1]["fused_steps"]) > 0
