@@ -47,8 +47,10 @@ def _spill_bound(kernel: str, variant: str) -> int:
     Measured under Triton 3.9 for sm_90 at 8 warps:
     - the split kernel: 202-255 registers and no spills in every 49152- or 152064-token variant
       (214-216 on the plain paths, 254-255 with top-k/top-p or given uniforms), 8 bytes at 4
-      warps for V = 100 (72 registers).  Bounded at 64 bytes: a change that pushes it past 255
-      registers and spills in earnest fails here.
+      warps for V = 100 (72 registers).  The draft-logits forms (DRAFT_LOGITS, V = 128,256): 252
+      registers and no spills (bf16 plain), 255 and 16 bytes (packed, top-k + top-p, logprobs).
+      Bounded at 64 bytes: a change that pushes it past 255 registers and spills in earnest fails
+      here.
     - the one-program-per-row kernel: ptxas keeps 128 registers (two blocks a multiprocessor)
       and spills a few bytes in some variants (8 on the plain path, 8-64 with top-k/top-p under
       Triton 3.9; up to 144 under 3.6): 16 bytes on the plain paths, 256 otherwise."""

@@ -214,7 +214,8 @@ def _kernels() -> list:
 # GPU) and its engine-facing forms: (variant, logits dtype, draft token dtype, V, K, draft_probs,
 # top_k, top_p, uniforms, constexprs set). At 4 chunks its loads are software-pipelined (cp.async
 # on a GPU, where the JIT's alignment hints apply; this check compiles without them, so it checks
-# validity only). "_q_dtype" is the draft probabilities' pointer type, not a constexpr.
+# validity only). "_q_dtype" is the draft probabilities' (or, DRAFT_LOGITS, the draft logits')
+# pointer type, not a constexpr.
 SPLIT_SETTINGS = [
     ("bf16 plain, 4 chunks an item", "bf16", "i64", 128256, 4, True, False, False, False, {"TILES": 4}),
     ("bf16 top-k + top-p, 4 chunks an item", "bf16", "i64", 128256, 4, True, True, True, False, {"TILES": 4}),
@@ -224,6 +225,10 @@ SPLIT_SETTINGS = [
      {"PACKED": True, "LOGPROBS": True}),
     ("fp32 probabilities in, packed", "fp32", "i32", 128256, 4, True, False, False, False,
      {"PACKED": True, "PROBS": True}),
+    ("bf16 draft logits (bf16)", "bf16", "i64", 128256, 4, True, False, False, False,
+     {"DRAFT_LOGITS": True, "_q_dtype": "bf16"}),
+    ("bf16 packed top-k + top-p, fp32 draft logits, logprobs", "bf16", "i32", 128256, 4, True, True, True, False,
+     {"PACKED": True, "LOGPROBS": True, "DRAFT_LOGITS": True}),
 ]
 
 

@@ -73,8 +73,25 @@ of logits); probabilities in (PROBS) read the same V * E bytes, with no exponent
 draft probabilities read Vd * 2 bytes instead of 4; log-probabilities (LOGPROBS) add one logit
 read for the final token, 4 * (K + 1) bytes written per row, and the exponentials of greedy rows.
 
-So a step reads about (K_b + 2) * V * E bytes of logits (+ Vd * 4 of q after a rejection), all
-but (K_b + 1) * V * E of it from L2.  Greedy rows skip stage 2 and compute no exponential.
+Draft logits in (DRAFT_LOGITS: ``draft_logits=``; draft_probs_ptr holds the draft's logits, Vd
+entries of Ed bytes, 4 fp32 or 2 bf16/fp16), the one form that adds reads to a pass: q_i =
+softmax(l_i / T) with the row's temperature, no top-k/top-p.  Each stage-1 item (b, i, c) of a
+sampled row's draft position i < K_b also reduces chunk c of l_i / T (the same chunks as the
+target's; a chunk past Vd reads nothing): its max, sum of exp(l / T - chunk max) and NaN/+inf
+count, to three more per-chunk records; the position's combine makes (m_d, S_d, bad_d) in chunk
+order as it does (m, S) for the target (bad_d: a NaN or +inf scaled logit, or none finite: q_i
+is then NaN, as the reference's softmax of such a row, and makes the row invalid where it is
+read).  The acceptance chain reads l_i(x_i) and takes q_i(x_i) = exp(l_i(x_i) / T - m_d) / S_d;
+stage 2 computes q_j per token the same way from position j's draft logits.  Added traffic per
+sampled row: K_b * Vd * Ed bytes read in stage 1 (every draft position, in parallel with the
+target's positions: where draft_probs reads K_b entries, the logits' softmax needs the whole
+row), 12 bytes written per draft-position chunk and read back by the combine (L2), 12 * (K + 1)
+bytes of position records; after a rejection stage 2 reads q_j's Vd * Ed bytes of logits
+(instead of Vd * 4 or 2 bytes of probabilities; L2-hot).  Greedy rows read no draft logits.
+
+So a step reads about (K_b + 2) * V * E bytes of logits (+ Vd * 4 of q after a rejection; with
+draft logits + K_b * Vd * Ed, and Vd * Ed after a rejection), all but (K_b + 1) * V * E (+ K_b *
+Vd * Ed) of it from L2.  Greedy rows skip stage 2 and compute no exponential.
 
 Randomness is counter-based, as in ``reference.philox_uniforms``: row b's numbers come from
 Philox at counter ``(offset_b << 32) | c``: ``tl.rand`` (24 bits) with c = i + 1 for draft i's
@@ -350,17 +367,30 @@ def _warp_from_candidates(cand, t_sat, m, S, key_max, top_k, top_p, k_on, p_on, 
 
 
 @triton.jit
-def _chunk_weights(pos_ptr, q_ptr, offs, V, q_len, x_j, inv_t, m, S, thr, subtract_q,
-                   HAS_DRAFT_PROBS: tl.constexpr, PROBS: tl.constexpr):
+def _draft_q(ld, m_d, S_d):
+    """q(v) = exp(l_v / T - m_d) / S_d of scaled draft logits ld = l * (1 / T) (DRAFT_LOGITS), with
+    the position's max m_d and sum S_d = sum_v exp(ld_v - m_d): the reference's e / sum(e), the
+    division IEEE-rounded (``/`` may be 2 ulp off on a GPU)."""
+    return tl.math.div_rn(tl.exp(ld - m_d), tl.zeros_like(ld) + S_d)
+
+
+@triton.jit
+def _chunk_weights(pos_ptr, q_ptr, offs, V, q_len, x_j, inv_t, m, S, thr, subtract_q, m_d, S_d,
+                   HAS_DRAFT_PROBS: tl.constexpr, PROBS: tl.constexpr, DRAFT_LOGITS: tl.constexpr):
     """One chunk's final-draw weights (fp32): r = max(0, p - q) when subtract_q (the residual
     after a rejection), else r = p; with the non-finite/negative q count.  q (fp32, bf16 or fp16,
     read as fp32) is read up to q_len (0 = not at all), or is one-hot at x_j for a deterministic
-    drafter."""
+    drafter; DRAFT_LOGITS: q_ptr holds the draft's logits, q = exp(l / T - m_d) / S_d (m_d, S_d:
+    the position's draft max and sum, from its stage-1 records)."""
     mask = offs < V
     s = _scores(pos_ptr, offs, V, inv_t, PROBS)
     p = tl.where(mask & (_order_key(s).to(tl.int64) >= thr), _weight(s, m, PROBS) / S, 0.0)
     if HAS_DRAFT_PROBS:
-        q = tl.load(q_ptr + offs, mask=offs < q_len, other=0.0).to(tl.float32)
+        if DRAFT_LOGITS:
+            ld = tl.load(q_ptr + offs, mask=offs < q_len, other=float("-inf")).to(tl.float32) * inv_t
+            q = tl.where(offs < q_len, _draft_q(ld, m_d, S_d), 0.0)
+        else:
+            q = tl.load(q_ptr + offs, mask=offs < q_len, other=0.0).to(tl.float32)
     else:
         q = tl.where(offs == x_j, 1.0, 0.0)
     r = tl.where(subtract_q, tl.maximum(p - q, 0.0), p)
@@ -388,6 +418,7 @@ def _verify_split_kernel(
     logits_ptr, stride_lb, stride_lk,  # [B, K+1, V] (PACKED: [sum_b (K_b + 1), V]) fp32/bf16/fp16, last dim contiguous
     draft_tokens_ptr, stride_tb, stride_tk,  # [B, K] (PACKED: [sum_b K_b]) int32/int64
     draft_probs_ptr, stride_qb, stride_qk,  # [B, K, Vd] (PACKED: [sum_b K_b, Vd]) fp32/bf16/fp16, last dim contiguous
+    #                                        (DRAFT_LOGITS: the draft's logits, same layout and dtypes)
     cu_ptr, cu_stride,  # PACKED: [B + 1] int32/int64, cu[b] = K_0 + ... + K_{b-1}
     uniforms_ptr, stride_ub, stride_uk,  # [B, K+1] float64/fp32
     param_flags,  # bit set: that parameter is a [B] tensor (ptr, stride), else the scalar
@@ -402,8 +433,8 @@ def _verify_split_kernel(
     num_accepted_ptr, stride_on,  # out [B] int32/int64
     logprobs_ptr, stride_pb, stride_pc,  # out [B, K+1] fp32 (LOGPROBS)
     counters_ptr,  # int32 [2 + B * (K+1) + 3 * B], zero between launches
-    part_f_ptr,  # fp32 [2 * B * (K+1) * NC + 2 * B * (K+1)]
-    part_i_ptr,  # int32 [4 * B * (K+1) * NC + 4 * B * (K+1) + 4 * B + B * NC]
+    part_f_ptr,  # fp32 [2 * B * (K+1) * NC + 2 * B * (K+1)] (DRAFT_LOGITS: twice that)
+    part_i_ptr,  # int32 [4 * B * (K+1) * NC + 4 * B * (K+1) + 4 * B + B * NC] (DRAFT_LOGITS: + B * (K+1) * (NC + 1))
     cand_ptr,  # int32 [B * (K+1) * NC * CAP] (with a warp)
     mass_ptr,  # float64 [B * NC]
     order_ptr,  # int32 [T1 + T2]: the item each ticket stands for (tests only, HAS_ORDER)
@@ -416,6 +447,7 @@ def _verify_split_kernel(
     PACKED: tl.constexpr,  # the ragged layout: rows back to back, K_b from cu
     PROBS: tl.constexpr,  # the target given as probabilities (no temperature, no warp)
     LOGPROBS: tl.constexpr,  # also write each emitted token's target log-probability
+    DRAFT_LOGITS: tl.constexpr,  # draft_probs_ptr holds the draft's logits: q = softmax(logits / T), per row's T
     CHUNK: tl.constexpr,
     TILES: tl.constexpr,  # chunks per work item
     STAGES: tl.constexpr,  # software-pipelining depth over an item's chunks
@@ -452,6 +484,13 @@ def _verify_split_kernel(
     rx_ptr = rbad_ptr + B  # [B] the rejected draft x_j (-1 if none)
     cq_ptr = rx_ptr + B  # [B, NC] chunk count of non-finite/negative q_j entries
     pf_ptr = cq_ptr + B * NC  # [B, K+1] 1 where the warp fell back to scanning the whole position
+    # DRAFT_LOGITS only (after the fields above, which keep their offsets):
+    dm_ptr = pS_ptr + B * K1  # [B, K+1, NC] chunk max of the draft's scaled logits
+    ds_ptr = dm_ptr + N1  # [B, K+1, NC] chunk sum of exp(l / T - chunk max)
+    pmd_ptr = ds_ptr + N1  # [B, K+1] position draft max m_d (0 if unusable)
+    pSd_ptr = pmd_ptr + B * K1  # [B, K+1] position draft sum S_d
+    db_ptr = pf_ptr + B * K1  # [B, K+1, NC] chunk count of NaN/+inf draft logits
+    pbd_ptr = db_ptr + N1  # [B, K+1] position draft unusable (q_i not a distribution)
 
     offs0 = tl.arange(0, CHUNK)
     cs_ids = tl.arange(0, NCB)
@@ -480,12 +519,27 @@ def _verify_split_kernel(
             # The item's TILES chunks, the next one's loads issued while this one reduces
             # (software pipelining; one chunk per item by default)
             v_read = tl.where(row_on, V, 0)  # a row or position that needs no read reads nothing
+            # DRAFT_LOGITS: a sampled row's draft position i < K_b also reduces the draft's logits
+            # l_i / T over the chunk (max, sum of exp, NaN/+inf count); chunks past Vd read nothing
+            d_on = row_on & (i < kb) & (greedy == 0)
+            vd_read = tl.where(d_on, Vd, 0)
+            d_pos_ptr = draft_probs_ptr + q_off + i * stride_qk
             for tt in tl.range(0, TILES, num_stages=STAGES):
                 c = g * TILES + tt
                 rec = pid_bi * NC + c
                 offs = c * CHUNK + offs0
                 mask = offs < V  # false past the last chunk
                 s = _scores(pos_ptr, offs, v_read, inv_t, PROBS)
+                if DRAFT_LOGITS:
+                    ld = _scores(d_pos_ptr, offs, vd_read, inv_t, False)  # -inf past Vd
+                    if d_on & (c < NC):
+                        n_bad_d = tl.sum(((ld != ld) | (ld == float("inf"))).to(tl.int32), axis=0)
+                        ld = tl.where(ld != ld, float("-inf"), ld)
+                        md_c = tl.max(ld, axis=0)
+                        md_ref = tl.where(md_c == float("-inf"), 0.0, md_c)
+                        tl.store(dm_ptr + rec, md_c)
+                        tl.store(ds_ptr + rec, tl.sum(tl.exp(ld - md_ref), axis=0))
+                        tl.store(db_ptr + rec, n_bad_d)
                 if row_on & (c < NC):
                     if PROBS:  # a probability must be a finite number >= 0
                         n_bad = tl.sum(((s != s) | (s == float("inf")) | (s < 0.0)).to(tl.int32), axis=0)
@@ -559,6 +613,26 @@ def _verify_split_kernel(
                                     S, thr = _warp_full(logits_ptr + l_off + i * stride_lk, V, inv_t,
                                                         m_safe, S, key_max, top_k, top_p, k_on, p_on,
                                                         HAS_TOP_K, HAS_TOP_P, CHUNK)
+                    if DRAFT_LOGITS:
+                        # the draft's (m_d, S_d) of position i, its chunks in chunk order; defaults
+                        # where q_i is not read (greedy rows, the bonus position)
+                        m_d = tl.full([], 0.0, tl.float32)
+                        S_d = tl.full([], 1.0, tl.float32)
+                        bad_d = tl.full([], 0, tl.int1)
+                        if (i < kb) & (greedy == 0):
+                            md_cs = tl.load(dm_ptr + base + cs_ids, mask=cmask, other=float("-inf"),
+                                            cache_modifier=".cg")
+                            db_cs = tl.load(db_ptr + base + cs_ids, mask=cmask, other=0, cache_modifier=".cg")
+                            sd_cs = tl.load(ds_ptr + base + cs_ids, mask=cmask, other=0.0, cache_modifier=".cg")
+                            md = tl.max(md_cs, axis=0)
+                            # a NaN or +inf logit, or none finite: q_i is no distribution
+                            bad_d = (tl.sum(db_cs, axis=0) > 0) | (md == float("-inf")) | (md == float("inf"))
+                            m_d = tl.where(bad_d, 0.0, md)
+                            S_d = tl.sum(tl.where(cmask, sd_cs * tl.exp(md_cs - m_d), 0.0), axis=0)
+                            S_d = tl.where(bad_d, 1.0, S_d)
+                        tl.store(pmd_ptr + pid_bi, m_d)
+                        tl.store(pSd_ptr + pid_bi, S_d)
+                        tl.store(pbd_ptr + pid_bi, bad_d.to(tl.int32))
                     tl.store(pm_ptr + pid_bi, m_safe)
                     tl.store(pS_ptr + pid_bi, S)
                     tl.store(pa_ptr + pid_bi, amax)
@@ -595,6 +669,14 @@ def _verify_split_kernel(
                         if HAS_DRAFT_PROBS:
                             q_x = tl.load(draft_probs_ptr + q_off + ks * stride_qk + x_safe,
                                           mask=dmask & (x_safe < Vd), other=0.0).to(tl.float32)
+                            if DRAFT_LOGITS:
+                                # q_i(x_i) from the draft's logit at x_i; an unusable q_i is NaN (as
+                                # the reference's softmax of such a row), 0 past Vd all the same
+                                md_i = tl.load(pmd_ptr + b * K1 + ks, mask=dmask, other=0.0, cache_modifier=".cg")
+                                Sd_i = tl.load(pSd_ptr + b * K1 + ks, mask=dmask, other=1.0, cache_modifier=".cg")
+                                bd_i = tl.load(pbd_ptr + b * K1 + ks, mask=dmask, other=0, cache_modifier=".cg") != 0
+                                q_x = tl.where(bd_i, float("nan"), _draft_q(q_x * inv_t, md_i, Sd_i))
+                                q_x = tl.where(dmask & (x_safe < Vd), q_x, 0.0)
                         if HAS_UNIFORMS:
                             u = tl.load(uniforms_ptr + b * stride_ub + ks * stride_uk, mask=dmask,
                                         other=0.0).to(tl.float64)
@@ -660,13 +742,19 @@ def _verify_split_kernel(
             m_j = tl.load(pm_ptr + b * K1 + j, cache_modifier=".cg")
             S_j = tl.load(pS_ptr + b * K1 + j, cache_modifier=".cg")
             thr_j = tl.load(pt_ptr + b * K1 + j, cache_modifier=".cg").to(tl.int64)
+            m_dj = tl.full([], 0.0, tl.float32)
+            S_dj = tl.full([], 1.0, tl.float32)
+            if DRAFT_LOGITS:
+                m_dj = tl.load(pmd_ptr + b * K1 + j, cache_modifier=".cg")
+                S_dj = tl.load(pSd_ptr + b * K1 + j, cache_modifier=".cg")
             if sampled:
                 # no `if` around the loads (the pipeliner leaves loads under one alone): a chunk
                 # past the last (c >= NC) is masked off by offs >= V and q_len <= Vd <= V
                 for tt in tl.range(0, TILES, num_stages=STAGES):
                     c = g * TILES + tt
                     r, _, n_bad_q = _chunk_weights(pos_ptr, q_ptr, c * CHUNK + offs0, V, q_len, x_j, inv_t, m_j,
-                                                   S_j, thr_j, rejected, HAS_DRAFT_PROBS, PROBS)
+                                                   S_j, thr_j, rejected, m_dj, S_dj, HAS_DRAFT_PROBS, PROBS,
+                                                   DRAFT_LOGITS)
                     tl.store(mass_ptr + b * NC + c, tl.sum(r.to(tl.float64), axis=0), mask=c < NC)
                     tl.store(cq_ptr + b * NC + c, n_bad_q, mask=c < NC)
             tl.debug_barrier()
@@ -680,6 +768,8 @@ def _verify_split_kernel(
                     n_bad_q = tl.sum(tl.load(cq_ptr + b * NC + cs_ids, mask=cmask, other=0, cache_modifier=".cg"),
                                      axis=0)
                     bad_row = n_bad_q > 0
+                    if DRAFT_LOGITS:  # an unusable q_j after a rejection (its m_d, S_d are placeholders)
+                        bad_row = bad_row | (rejected & (tl.load(pbd_ptr + b * K1 + j, cache_modifier=".cg") != 0))
                     total = tl.sum(W, axis=0)
                     use_p = total <= 0.0
                     if use_p:
@@ -688,7 +778,7 @@ def _verify_split_kernel(
                         W = tl.zeros([NCB], dtype=tl.float64)
                         for cc in range(0, NC):
                             r, _, _ = _chunk_weights(pos_ptr, q_ptr, cc * CHUNK + offs0, V, 0, -1, inv_t, m_j, S_j,
-                                                     thr_j, False, HAS_DRAFT_PROBS, PROBS)
+                                                     thr_j, False, m_dj, S_dj, HAS_DRAFT_PROBS, PROBS, DRAFT_LOGITS)
                             W = tl.where(cs_ids == cc, tl.sum(r.to(tl.float64), axis=0), W)
                         total = tl.sum(W, axis=0)
                     if HAS_UNIFORMS:
@@ -713,7 +803,7 @@ def _verify_split_kernel(
                     carry = tl.sum(tl.where(cs_ids == c_star, cdf - W, 0.0), axis=0)
                     offs = tl.maximum(c_star, 0) * CHUNK + offs0
                     r, mask, _ = _chunk_weights(pos_ptr, q_ptr, offs, V, q_len, x_j, inv_t, m_j, S_j, thr_j,
-                                                rejected & ~use_p, HAS_DRAFT_PROBS, PROBS)
+                                                rejected & ~use_p, m_dj, S_dj, HAS_DRAFT_PROBS, PROBS, DRAFT_LOGITS)
                     # float64: tiny weights keep their intervals; r > 0: a token of weight 0 is
                     # never the hit, whatever order tl.cumsum adds in
                     cdf_v = carry + tl.cumsum(r.to(tl.float64), axis=0)

@@ -39,6 +39,7 @@ import torch
 
 __all__ = [
     "compact_kv_reference",
+    "draft_softmax",
     "order_key",
     "warp_logits",
     "verify_reference",
@@ -211,6 +212,24 @@ def _target_probs(s: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     return e / e.sum(-1, keepdim=True)
 
 
+def draft_softmax(draft_logits: torch.Tensor, inv_temperature: torch.Tensor) -> torch.Tensor:
+    """The draft distributions of ``draft_logits=``: q = softmax(draft_logits / T) per row, fp32.
+
+    draft_logits [B, K, Vd] (any float dtype, read as fp32); inv_temperature [B] fp32, each row's
+    1 / T (``_row_parameters``: the target's own, 1 for greedy and invalid rows).  Computed as
+    the target's p: s = logits.float() * (1 / T), m = max s, e = exp(s - m), q = e / sum(e); no
+    top-k/top-p (q is the law the draft sampled from).  A row holding a NaN or +inf scaled logit,
+    or no finite one, gets q all NaN (an unusable draft distribution, as such a softmax gives):
+    a sampling row that reads it is invalid.  -inf logits have q = 0."""
+    s = draft_logits.float() * inv_temperature.float()[:, None, None]  # [B, K, Vd]
+    bad = torch.isnan(s).any(-1, keepdim=True) | torch.isposinf(s).any(-1, keepdim=True) | torch.isneginf(s).all(
+        -1, keepdim=True)
+    m = s.amax(-1, keepdim=True).masked_fill(bad, 0.0)
+    e = torch.exp(s - m)
+    q = e / e.sum(-1, keepdim=True)
+    return q.masked_fill(bad, float("nan"))
+
+
 def _accept(u: torch.Tensor, p_x: torch.Tensor, q_x: torch.Tensor) -> torch.Tensor:
     """Accept with probability min(1, p(x) / q(x)): u * q(x) < p(x), with no division, in
     float64 (u float64; p(x), q(x) fp32, so the product of a 24-bit u and q is exact)."""
@@ -254,9 +273,13 @@ def verify_reference(
     *,
     sort_descending=_torch_sort_descending,  # the warp's sort (see warp_logits)
     target_is_probs: bool = False,  # target_logits holds the target's probabilities, used as given
+    draft_logits: torch.Tensor | None = None,  # [B, K, Vd], Vd <= V: the draft's logits instead of draft_probs
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One speculative-decoding verification step. Returns (tokens [B, K+1] int64,
     num_accepted [B] int64); row b emits tokens[b, :num_accepted[b] + 1].
+
+    ``draft_logits`` (draft_probs None): q = ``draft_softmax(draft_logits, 1 / T)``, the row's own
+    temperature, no top-k/top-p; then exactly the draft_probs computation with that q.
 
     ``target_is_probs``: p_i = target_logits[b, i] / its sum (fp32), no temperature or warp
     (top_k and top_p must be None); temperature 0 is a greedy row (the argmax of p), 1 samples,
@@ -265,6 +288,11 @@ def verify_reference(
     B, K1, V = target_logits.shape
     K = K1 - 1
     kb = num_draft_tokens.to(torch.int64)  # [B]
+    if draft_logits is not None:
+        if draft_probs is not None:
+            raise ValueError("draft_probs and draft_logits are exclusive: pass one of them, got both")
+        _, _, inv_t_d = _row_parameters(kb, temperature, top_k, top_p, K)
+        draft_probs = draft_softmax(draft_logits, inv_t_d)
     if target_is_probs:
         if top_k is not None or top_p is not None:
             raise ValueError("top_k and top_p must be None with target_is_probs=True")

@@ -6,9 +6,10 @@ launcher here (validates, allocates, picks the grid and launches), and the publi
 ``torch.compile(fullgraph=True)`` traces through it.
 
 Dtypes are decided here: logits fp32/bf16/fp16 (read as they are, the softmax accumulated in
-fp32), draft probabilities fp32, temperature and top-p fp32, seeds/offsets/top-k int64, explicit
-uniforms float64 (fp32 accepted and widened), tokens int64 out; the acceptance test and the final
-draw's masses and cumulative sums compute in float64.
+fp32), draft probabilities or draft logits (``draft_logits=``) fp32/bf16/fp16 (read as fp32),
+temperature and top-p fp32, seeds/offsets/top-k int64, explicit uniforms float64 (fp32 accepted
+and widened), tokens int64 out; the acceptance test and the final draw's masses and cumulative
+sums compute in float64.
 """
 
 from __future__ import annotations
@@ -189,11 +190,16 @@ class _Args(NamedTuple):
 
 
 def _normalize(target_logits, draft_tokens, draft_probs, num_draft_tokens, temperature, top_k,
-               top_p, seed, offset, uniforms, materialize: bool = True, target_is_probs: bool = False) -> _Args:
+               top_p, seed, offset, uniforms, materialize: bool = True, target_is_probs: bool = False,
+               draft_logits=None) -> _Args:
     """The arguments checked (errors name the argument, the expected and the actual value).
     With ``materialize`` every per-row parameter becomes a [B] tensor of the op's dtype; without,
     scalars stay Python scalars and tensors stay as given (the Triton launch reads both as they
-    are: no device op per call)."""
+    are: no device op per call).  ``draft_logits`` (exclusive with draft_probs) is checked as
+    draft_probs is, under its own name, and returned in the draft_probs field (the caller's
+    ``_Layout(draft_logits=True)`` says what it holds); no sum is checked."""
+    draft_probs, logits_q = _draft_input(draft_probs, draft_logits)
+    q_name = "draft_logits" if logits_q else "draft_probs"
     name = "target_probs" if target_is_probs else "target_logits"
     if not isinstance(target_logits, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(target_logits).__name__}")
@@ -214,7 +220,7 @@ def _normalize(target_logits, draft_tokens, draft_probs, num_draft_tokens, tempe
     if draft_tokens.dim() != 2:
         raise ValueError(f"draft_tokens must have 2 dims [B, K], got {draft_tokens.dim()}: {_shape(draft_tokens)}")
     _check_tensor("draft_tokens", draft_tokens, _INDEX_DTYPES, [B, K], dev)
-    _check_draft_probs(draft_probs, [B, K], "[B, K, Vd]", V, dev)
+    _check_draft_probs(draft_probs, [B, K], "[B, K, Vd]", V, dev, q_name)
     if num_draft_tokens is None:
         kb = K
     else:
@@ -223,7 +229,8 @@ def _normalize(target_logits, draft_tokens, draft_probs, num_draft_tokens, tempe
             raise ValueError(f"num_draft_tokens must be in [0, K] = [0, {K}], got {_listed(kb)}")
     temp, top_k, top_p, seed, offset = _normalize_rows(B, K, dev, temperature, top_k, top_p, seed, offset, uniforms,
                                                        target_is_probs)
-    if draft_probs is not None and K > 0 and B > 0 and _check_values(draft_probs) and _range_fails(temp, lambda v: v != 0):
+    if draft_probs is not None and not logits_q and K > 0 and B > 0 and _check_values(draft_probs) \
+            and _range_fails(temp, lambda v: v != 0):
         # Read where the row reads q: sampled rows, j < K_b (a greedy row never reads q).
         kb_t = _as_tensor(kb, B, torch.int64, dev)
         sampled = _as_tensor(temp, B, torch.float32, dev) != 0
@@ -234,20 +241,33 @@ def _normalize(target_logits, draft_tokens, draft_probs, num_draft_tokens, tempe
     return _materialize(a) if materialize else a
 
 
-def _check_draft_probs(draft_probs, lead: list, layout: str, V: int, dev: torch.device) -> None:
-    """draft_probs None, or a tensor of shape lead + [Vd] (layout: the dims' names, for the
-    message), 1 <= Vd <= V, fp32/bf16/fp16, on dev."""
+def _check_draft_probs(draft_probs, lead: list, layout: str, V: int, dev: torch.device,
+                       name: str = "draft_probs") -> None:
+    """draft_probs (or, name "draft_logits", the draft's logits) None, or a tensor of shape
+    lead + [Vd] (layout: the dims' names, for the message), 1 <= Vd <= V, fp32/bf16/fp16, on dev."""
     if draft_probs is None:
         return
     if not isinstance(draft_probs, torch.Tensor):
-        raise TypeError(f"draft_probs must be a torch.Tensor or None, got {type(draft_probs).__name__}")
+        raise TypeError(f"{name} must be a torch.Tensor or None, got {type(draft_probs).__name__}")
     if draft_probs.dim() != len(lead) + 1:
-        raise ValueError(f"draft_probs must have {len(lead) + 1} dims {layout}, got {draft_probs.dim()}: "
+        raise ValueError(f"{name} must have {len(lead) + 1} dims {layout}, got {draft_probs.dim()}: "
                          f"{_shape(draft_probs)}")
     Vd = draft_probs.shape[-1]
     if not 1 <= Vd <= V:
-        raise ValueError(f"draft_probs must have a vocabulary 1 <= Vd <= V = {V}, got Vd = {Vd}")
-    _check_tensor("draft_probs", draft_probs, _LOGIT_DTYPES, lead + [Vd], dev)
+        raise ValueError(f"{name} must have a vocabulary 1 <= Vd <= V = {V}, got Vd = {Vd}")
+    _check_tensor(name, draft_probs, _LOGIT_DTYPES, lead + [Vd], dev)
+
+
+def _draft_input(draft_probs, draft_logits):
+    """(the draft tensor, whether it holds logits) of a call: draft_probs and draft_logits are
+    exclusive (each may be None: a one-hot q)."""
+    if draft_logits is None:
+        return draft_probs, False
+    if draft_probs is not None:
+        raise ValueError("draft_probs and draft_logits are exclusive: pass the draft's probabilities or its logits, "
+                         f"not both (got a {type(draft_probs).__name__} for draft_probs and a "
+                         f"{type(draft_logits).__name__} for draft_logits)")
+    return draft_logits, True
 
 
 def _normalize_rows(B: int, K: int, dev: torch.device, temperature, top_k, top_p, seed, offset, uniforms,
@@ -429,10 +449,14 @@ class _Workspace:
         return t is not None and t.numel() >= n
 
     @staticmethod
-    def sizes(B: int, K1: int, NC: int, cap: int) -> dict:
+    def sizes(B: int, K1: int, NC: int, cap: int, draft_logits: bool = False) -> dict:
+        """Elements of each tensor a launch uses; ``draft_logits``: the draft's per-chunk max, sum
+        and NaN/+inf count and its per-position (m_d, S_d, bad_d), after the other fields."""
         N1 = B * K1 * NC
-        return dict(counters=2 + B * K1 + 3 * B, part_f=2 * N1 + 2 * B * K1,
-                    part_i=4 * N1 + 4 * B * K1 + 4 * B + B * NC, cand=max(1, N1 * cap), mass=B * NC)
+        d = 1 if draft_logits else 0
+        return dict(counters=2 + B * K1 + 3 * B, part_f=(2 * N1 + 2 * B * K1) * (1 + d),
+                    part_i=4 * N1 + 4 * B * K1 + 4 * B + B * NC + d * (N1 + B * K1), cand=max(1, N1 * cap),
+                    mass=B * NC)
 
     def fits(self, sizes: dict) -> bool:
         return all(self._fits(getattr(self, k), n) for k, n in sizes.items())
@@ -455,17 +479,25 @@ class _Workspace:
                                 device=dev)
             setattr(self, k, t)
 
-    def records(self, B: int, K1: int, NC: int) -> dict:
+    def records(self, B: int, K1: int, NC: int, draft_logits: bool = False) -> dict:
         """The last launch's per-position records as [B, K+1] views (tests and diagnostics):
         m (max), S (kept mass), argmax, bad, thr (the smallest kept order key), scanned (1 where
-        top-k/top-p fell back to bisecting the whole position), in the kernel's layout."""
+        top-k/top-p fell back to bisecting the whole position), in the kernel's layout; with
+        ``draft_logits`` (a launch with draft logits) also m_d, S_d, bad_d (the draft's max, sum
+        and unusable flag, written at the positions i < K_b of sampled rows)."""
         N1, P = B * K1 * NC, B * K1
         f, i = self.part_f, self.part_i
         c = 4 * N1  # the position records follow the four per-chunk arrays
         rows = c + 3 * P + 4 * B + B * NC  # where `scanned` starts
-        return dict(m=f[2 * N1:2 * N1 + P].view(B, K1), S=f[2 * N1 + P:2 * N1 + 2 * P].view(B, K1),
-                    argmax=i[c:c + P].view(B, K1), bad=i[c + P:c + 2 * P].view(B, K1),
-                    thr=i[c + 2 * P:c + 3 * P].view(B, K1), scanned=i[rows:rows + P].view(B, K1))
+        out = dict(m=f[2 * N1:2 * N1 + P].view(B, K1), S=f[2 * N1 + P:2 * N1 + 2 * P].view(B, K1),
+                   argmax=i[c:c + P].view(B, K1), bad=i[c + P:c + 2 * P].view(B, K1),
+                   thr=i[c + 2 * P:c + 3 * P].view(B, K1), scanned=i[rows:rows + P].view(B, K1))
+        if draft_logits:
+            fd = 2 * N1 + 2 * P + 2 * N1  # after the target's fields and the draft's two per-chunk arrays
+            idd = rows + P + N1  # after `scanned` and the draft's per-chunk counts
+            out.update(m_d=f[fd:fd + P].view(B, K1), S_d=f[fd + P:fd + 2 * P].view(B, K1),
+                       bad_d=i[idd:idd + P].view(B, K1))
+        return out
 
 
 _WORKSPACES: dict = {}
@@ -481,17 +513,19 @@ def _workspace(dev: torch.device) -> _Workspace:
 
 
 def _split_meta(V: int, K1: int, has_draft_probs: bool, has_top_k: bool, has_top_p: bool, has_uniforms: bool,
-                has_order: bool = False, packed: bool = False, probs: bool = False, logprobs: bool = False) -> dict:
+                has_order: bool = False, packed: bool = False, probs: bool = False, logprobs: bool = False,
+                draft_logits: bool = False) -> dict:
     """The split kernel's compile-time parameters for V tokens and K + 1 = K1 positions: its
     constexprs, num_warps and enable_fp_fusion (pinned off, as ``_kernel_meta`` says).  The launch
-    and the ahead-of-time compile check (``scripts/gpu_compile_check.py``) both take them here."""
+    and the ahead-of-time compile check (``scripts/gpu_compile_check.py``) both take them here.
+    ``draft_logits``: the draft tensor holds logits (DRAFT_LOGITS; with has_draft_probs)."""
     import triton
 
     chunk = max(16, min(triton.next_power_of_2(V), _CHUNK_V))
     nc = triton.cdiv(V, chunk)
     return dict(HAS_DRAFT_PROBS=has_draft_probs, HAS_TOP_K=has_top_k, HAS_TOP_P=has_top_p,
                 HAS_UNIFORMS=has_uniforms, HAS_ORDER=has_order, PACKED=packed, PROBS=probs, LOGPROBS=logprobs,
-                CHUNK=chunk, TILES=_TILES_PER_ITEM,
+                DRAFT_LOGITS=bool(draft_logits and has_draft_probs), CHUNK=chunk, TILES=_TILES_PER_ITEM,
                 STAGES=_STAGES, NCB=triton.next_power_of_2(nc),
                 CAP=_TOP_K_CAP, BLOCK_K=triton.next_power_of_2(K1),
                 num_warps=8 if chunk >= 2048 else 4, enable_fp_fusion=False)
@@ -507,7 +541,8 @@ def _param_args(value, bit: int, dummy: torch.Tensor, flags: int):
 
 class _Layout(NamedTuple):
     """What a call asks beyond ``_Args``: the batch (B rows, K = max_b K_b), the packed layout's
-    cu [B + 1] (None: padded), probabilities in, log-probabilities out, preallocated outputs."""
+    cu [B + 1] (None: padded), probabilities in, log-probabilities out, preallocated outputs, and
+    whether ``_Args.draft_probs`` holds the draft's logits (``draft_logits=``: q = softmax(l / T))."""
 
     B: int
     K: int
@@ -515,6 +550,7 @@ class _Layout(NamedTuple):
     probs: bool = False
     logprobs: bool = False
     out: Optional[tuple] = None
+    draft_logits: bool = False
 
 
 def _padded_layout(a: _Args) -> _Layout:
@@ -584,9 +620,9 @@ def _launch(a: _Args, lay: _Layout, order: Optional[torch.Tensor] = None,
     x, u = a.draft_tokens, a.uniforms
     warp = a.top_k is not None or a.top_p is not None
     meta = _split_meta(V, K1, q is not None, a.top_k is not None, a.top_p is not None, u is not None, order is not None,
-                       packed=packed, probs=lay.probs, logprobs=lay.logprobs)
+                       packed=packed, probs=lay.probs, logprobs=lay.logprobs, draft_logits=lay.draft_logits)
     nc = -(-V // meta["CHUNK"])
-    sizes = _Workspace.sizes(B, K1, nc, _TOP_K_CAP if warp else 0)
+    sizes = _Workspace.sizes(B, K1, nc, _TOP_K_CAP if warp else 0, meta["DRAFT_LOGITS"])
     ws = _workspace(dev)
     if local_workspace or (not ws.fits(sizes) and dev.type == "cuda" and torch.cuda.is_current_stream_capturing()):
         ws = _Workspace()  # this call's own (under capture: of the graph's pool, zeroed by a captured memset)
@@ -1026,6 +1062,11 @@ def _run_torch_layout(a: _Args, lay: _Layout):
         a = _pad_packed(a, lay)
     a = _materialize(a)
     with torch.no_grad():
+        if lay.draft_logits and a.draft_probs is not None:
+            # q = softmax(l / T) with each row's 1 / T (the reference's own function: a mutant of
+            # it reaches this path too), then the draft_probs computation
+            _, _, inv_t = _row_parameters(a.num_draft_tokens, a.temperature, a.top_k, a.top_p, lay.K)
+            a = a._replace(draft_probs=_ref.draft_softmax(a.draft_probs, inv_t))
         if lay.probs:
             u = _uniforms(a, lay.K)
             tokens, num = verify_reference(a.target_logits, a.draft_tokens, a.draft_probs, a.num_draft_tokens,
@@ -1046,11 +1087,15 @@ def _run_torch_layout(a: _Args, lay: _Layout):
 
 def _verify_layout(a: _Args, lay: _Layout, backend: str):
     """``fused_verify`` / ``fused_verify_packed`` with a layout (packed, probabilities in,
-    log-probabilities, ``out=``): eager only."""
+    log-probabilities, ``out=``, draft logits): eager only."""
     if torch.compiler.is_compiling():
-        raise NotImplementedError("fused_verify_packed, and fused_verify with target_is_probs, out= or "
+        raise NotImplementedError("fused_verify_packed, and fused_verify with draft_logits, target_is_probs, out= or "
                                   "return_logprobs, are eager ops: call them outside torch.compile")
     resolved = _resolve_backend(backend, a.target_logits.device)
+    if resolved == "_triton_rows" and lay.draft_logits:
+        raise NotImplementedError("backend '_triton_rows' does not take draft_logits (the one-program-per-row kernel "
+                                  "reads draft probabilities only): use backend 'triton' or 'torch', or pass "
+                                  "draft_probs")
     if resolved == "_triton_rows":
         raise ValueError("backend '_triton_rows' takes only fused_verify's padded logits, without "
                          "target_is_probs, out= or return_logprobs")
@@ -1123,6 +1168,7 @@ def fused_verify(
     draft_tokens: torch.Tensor,  # [B, K] int32/int64
     draft_probs: Optional[torch.Tensor] = None,  # [B, K, Vd] fp32, Vd <= V; None = one-hot q
     *,
+    draft_logits: Optional[torch.Tensor] = None,  # [B, K, Vd] instead of draft_probs: q = softmax(l / T)
     num_draft_tokens=None,  # None, int or [B] int: row b uses its first K_b <= K drafts
     temperature=1.0,  # float or [B]: 0 = greedy verification for that row, else >= 2^-126
     top_k=None,  # None, int or [B] int (0 = off)
@@ -1174,6 +1220,19 @@ def fused_verify(
     logprobs [B, K+1] fp32 hold log p_i(token) of each emitted token under the row's warped
     target distribution (a greedy row's under softmax(logits)), -inf where nothing is emitted.
     These three are eager-only (not under torch.compile).
+
+    ``draft_logits=``: the draft's raw logits [B, K, Vd] (fp32, bf16 or fp16, Vd <= V) in place of
+    ``draft_probs`` (passing both is a ValueError): q_i = softmax(draft_logits[b, i] / T), T the
+    row's own temperature (the target's), computed in the kernel at the positions it reads, in
+    fp32 as the target's softmax.  No top-k or top-p is applied to q: q must be the law the draft
+    sampled from, so a draft that sampled with its own warp must pass its warped probabilities as
+    ``draft_probs``.  Greedy rows ignore q.  A draft position whose logits hold a NaN or a +inf
+    (after the scaling by 1 / T), or no finite one, has no distribution: q is taken as NaN
+    there (what the softmax gives), so a sampling row whose drafts read it gets
+    ``num_accepted = -1`` as with a NaN in ``draft_probs`` (nothing is refused on the host);
+    -inf logits are allowed (q = 0).  The result equals ``draft_probs=reference.draft_softmax(
+    draft_logits, 1 / T)`` (fp32; the kernel's sums round in another order, as for p).
+    Eager-only too; the private ``"_triton_rows"`` backend refuses it (NotImplementedError).
     """
     if isinstance(temperature, float):
         check_temperature(temperature)
@@ -1188,19 +1247,23 @@ def fused_verify(
     if backend not in _BACKENDS + _PRIVATE_BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
     a = _normalize(target_logits, draft_tokens, draft_probs, num_draft_tokens, temperature, top_k,
-                   top_p, seed, offset, uniforms, materialize=False, target_is_probs=bool(target_is_probs))
-    if target_is_probs or out is not None or return_logprobs:
+                   top_p, seed, offset, uniforms, materialize=False, target_is_probs=bool(target_is_probs),
+                   draft_logits=draft_logits)
+    if target_is_probs or out is not None or return_logprobs or draft_logits is not None:
         B, K1, _ = target_logits.shape
         if out is not None:
             out = _check_out(out, B, K1, target_logits.device, bool(return_logprobs))
-        lay = _Layout(B, K1 - 1, None, bool(target_is_probs), bool(return_logprobs), out)
+        lay = _Layout(B, K1 - 1, None, bool(target_is_probs), bool(return_logprobs), out,
+                      draft_logits=draft_logits is not None)
         return _verify_layout(a, lay, backend)
     return _verify_checked(*a, backend=backend)
 
 
 def _normalize_packed(logits, draft_tokens, cu, draft_probs, max_num_draft_tokens, temperature, top_k, top_p,
-                      seed, offset, uniforms, target_is_probs: bool) -> tuple[_Args, int, int]:
-    """``fused_verify_packed``'s arguments checked: (args, B, K = max_b K_b)."""
+                      seed, offset, uniforms, target_is_probs: bool, draft_logits=None) -> tuple[_Args, int, int]:
+    """``fused_verify_packed``'s arguments checked: (args, B, K = max_b K_b); ``draft_logits`` as
+    in ``_normalize`` (returned in the draft_probs field)."""
+    draft_probs, logits_q = _draft_input(draft_probs, draft_logits)
     name = "target_probs" if target_is_probs else "logits"
     if not isinstance(logits, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(logits).__name__}")
@@ -1226,7 +1289,7 @@ def _normalize_packed(logits, draft_tokens, cu, draft_probs, max_num_draft_token
     if N != nd + B:
         raise ValueError(f"{name} must have sum_b (K_b + 1) = {nd} + {B} = {nd + B} rows (each row's drafts and its "
                          f"bonus position), got {N}")
-    _check_draft_probs(draft_probs, [nd], "[sum_b K_b, Vd]", V, dev)
+    _check_draft_probs(draft_probs, [nd], "[sum_b K_b, Vd]", V, dev, "draft_logits" if logits_q else "draft_probs")
     if max_num_draft_tokens is not None and (isinstance(max_num_draft_tokens, bool)
                                              or not isinstance(max_num_draft_tokens, int) or max_num_draft_tokens < 0):
         raise ValueError(f"max_num_draft_tokens must be None or an int >= 0, got {max_num_draft_tokens!r}")
@@ -1247,7 +1310,7 @@ def _normalize_packed(logits, draft_tokens, cu, draft_probs, max_num_draft_token
         K = int((cu[1:] - cu[:-1]).max()) if B else 0  # a host sync: pass max_num_draft_tokens to avoid it
     temp, top_k, top_p, seed, offset = _normalize_rows(B, K, dev, temperature, top_k, top_p, seed, offset, uniforms,
                                                        target_is_probs)
-    if draft_probs is not None and nd and kb is not None and _check_values(draft_probs) \
+    if draft_probs is not None and not logits_q and nd and kb is not None and _check_values(draft_probs) \
             and _range_fails(temp, lambda v: v != 0):
         row = torch.repeat_interleave(torch.arange(B, device=dev), torch.tensor(kb, device=dev))  # [nd]
         sampled = _as_tensor(temp, B, torch.float32, dev) != 0
@@ -1263,6 +1326,7 @@ def fused_verify_packed(
     cu_num_draft_tokens: torch.Tensor,  # [B + 1] int32/int64: cu[0] = 0, row b's drafts at cu[b]:cu[b + 1]
     draft_probs: Optional[torch.Tensor] = None,  # [sum_b K_b, Vd] fp32/bf16/fp16, Vd <= V; None = one-hot q
     *,
+    draft_logits: Optional[torch.Tensor] = None,  # [sum_b K_b, Vd] fp32/bf16/fp16, instead of draft_probs
     max_num_draft_tokens: Optional[int] = None,  # max_b K_b (None: read from cu, a host sync on CUDA)
     temperature=1.0,
     top_k=None,
@@ -1278,7 +1342,8 @@ def fused_verify_packed(
     """``fused_verify`` in the packed (ragged) layout engines hold: the rows back to back, row b's
     K_b = cu[b + 1] - cu[b] verify positions followed by its bonus position, no padding.  The
     same kernel, indexed through cu: no copy of the logits, one launch (the CPU torch path gathers
-    them into the padded layout).  Every keyword is ``fused_verify``'s; outputs are padded to
+    them into the padded layout).  Every keyword is ``fused_verify``'s (``draft_logits`` [sum_b K_b,
+    Vd] the draft's logits, in the draft_probs layout); outputs are padded to
     K = ``max_num_draft_tokens`` (tokens [B, K+1] with -1, num_accepted [B]), and row b's
     results equal ``fused_verify``'s on the same row padded, for the same seeds and uniforms
     (the random numbers depend on (seed[b], offset[b]) only).
@@ -1293,8 +1358,10 @@ def fused_verify_packed(
     if backend not in _BACKENDS + _PRIVATE_BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
     a, B, K = _normalize_packed(logits, draft_tokens, cu_num_draft_tokens, draft_probs, max_num_draft_tokens,
-                                temperature, top_k, top_p, seed, offset, uniforms, bool(target_is_probs))
+                                temperature, top_k, top_p, seed, offset, uniforms, bool(target_is_probs),
+                                draft_logits=draft_logits)
     if out is not None:
         out = _check_out(out, B, K + 1, logits.device, bool(return_logprobs))
-    lay = _Layout(B, K, cu_num_draft_tokens, bool(target_is_probs), bool(return_logprobs), out)
+    lay = _Layout(B, K, cu_num_draft_tokens, bool(target_is_probs), bool(return_logprobs), out,
+                  draft_logits=draft_logits is not None)
     return _verify_layout(a, lay, backend)
