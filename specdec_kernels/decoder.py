@@ -27,7 +27,8 @@ drafts.  Nothing already cached is ever fed again.
 Finished rows are sliced out of both caches.  This module holds the loop and the target's side;
 each drafter's forwards and cache bookkeeping are in ``draft_steps.py``, the draft's warp and
 random numbers in ``draft_sampling.py``, the prefill in ``prefill.py``, the checks of the
-arguments in ``arguments.py``, the DynamicCache helpers in ``kv_cache.py``.
+arguments in ``arguments.py``, transformers' arguments (``GenerationConfig``, streamers, stopping
+criteria, chat messages) in ``hf_args.py``, the DynamicCache helpers in ``kv_cache.py``.
 
 Host synchronisation: one device-to-host copy per step (the accepted counts and tokens, needed
 to detokenise, check stop strings and EOS, and crop the caches); everything else stays on the
@@ -51,6 +52,7 @@ depend on the other rows.
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 import os
 import time
@@ -66,6 +68,7 @@ from .draft_steps import (draft_with_features, draft_with_model, feature_after_v
 from .arguments import (as_float, as_int, check_context, check_generate_args, encode_prompts, eos_ids, resolve_dtype, row_seeds,
                         verbose_stream, vocab_mismatch)
 from .drafters import PromptLookupDrafter
+from .hf_args import check_streamer, decoder_arguments
 from .kv_cache import _crop_, _new_cache, compact_dynamic_cache_
 from .prefill import prefill_
 from .runners import _FeatureRunner, _Runner
@@ -115,11 +118,12 @@ class _Clock:
 class GenerationResult:
     """texts[p]: the generated text of prompt p (None without a tokenizer); token_ids[p]: its
     generated ids (ending with the EOS or the token that completed a stop string, if any);
-    finish_reasons[p]: eos | stop | length | context | nonfinite (the target's logits, or logit / T,
-    were NaN/inf where the row needed them, which includes a verify block whose drafts make the
-    target's forward NaN; a draft's own NaN/inf only costs its drafts: the target decodes that
-    position itself); stats: see DecodingStats; seeds[p]: row p's seed (the one drawn when
-    ``seed=None``: passing these as ``seed`` repeats the run, at a fixed K)."""
+    finish_reasons[p]: eos | stop (a stop string or a stopping criterion) | length | context |
+    nonfinite (the target's logits, or logit / T, were NaN/inf where the row needed them, which
+    includes a verify block whose drafts make the target's forward NaN; a draft's own NaN/inf
+    only costs its drafts: the target decodes that position itself); stats: see DecodingStats;
+    seeds[p]: row p's seed (the one drawn when ``seed=None``: passing these as ``seed`` repeats
+    the run, at a fixed K)."""
 
     texts: Optional[list]
     token_ids: list
@@ -191,6 +195,8 @@ class _State:
     pend_cnt_host: list = field(default_factory=list)
     block_start: int = 0  # the draft cache column where this step's pending pairs went
     waited: bool = False  # the pending pairs include some that waited through K = 0 steps
+    streamer: Any = None  # transformers' BaseStreamer (batch 1): each step's emitted tokens
+    criteria: Any = None  # hf_args.RowCriteria: (prompt, generated, new) -> new tokens kept, or None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -468,7 +474,7 @@ class SpeculativeDecoder:
     @torch.inference_mode()
     def generate(
         self,
-        prompts,
+        prompts=None,
         max_new_tokens: int = 64,
         num_draft_tokens: Union[int, str] = 4,
         temperature: float = 0.0,
@@ -478,7 +484,12 @@ class SpeculativeDecoder:
         stop: Union[str, Sequence[str], None] = None,
         verbose: Union[bool, TextIO] = False,
         *,
+        input_ids: Optional[torch.Tensor] = None,
         attention_mask: Optional[torch.Tensor] = None,
+        generation_config: Any = None,
+        do_sample: Optional[bool] = None,
+        streamer: Any = None,
+        stopping_criteria: Any = None,
         max_draft_tokens: int = 8,
         draft_confidence: float = 0.0,
         eos_token_id: Union[int, Sequence[int], None] = None,
@@ -489,7 +500,11 @@ class SpeculativeDecoder:
         """Generate up to ``max_new_tokens`` tokens for each prompt.
 
         prompts: a str, a list of str, a list of token-id lists, or [B, T] ids (with an
-        optional ``attention_mask`` marking the valid tokens of padded rows).
+        optional ``attention_mask`` marking the valid tokens of padded rows); or chat messages
+        (a list of {"role", "content"} dicts, or a list of such lists), which go through the
+        tokenizer's chat template with the generation prompt.  input_ids: the [B, T] ids under
+        transformers' name (``**tokenizer(texts, return_tensors="pt", padding=True)``), instead
+        of prompts.
         num_draft_tokens: K, or "auto" to pick K in 1..max_draft_tokens every step from the
         running acceptance rate, the measured draft forward time and the target's step time
         per verified length K + 1 (see ``stats.StatsRecorder``); with a draft model or a feature
@@ -511,7 +526,26 @@ class SpeculativeDecoder:
         ``generate_target_only`` run's ``stats.time_per_target_forward_s``): the cost model's
         T_target(0), for ``"auto"``'s K = 0 and for ``stats.predicted_speedup`` (else extrapolated
         from the verify steps, a few to 20% low on the CPU).
+
+        Transformers' arguments (``hf_args.py``; the field table is in ``hf.py``):
+        generation_config: a ``GenerationConfig``, resolved as ``target.generate`` resolves it
+        (unset fields from the target's ``generation_config``, then transformers' defaults); it
+        then sets the sampling, length, EOS and draft arguments (passing one of those too, at a
+        value other than its default, is refused), its ``stop_strings`` stop rows as
+        transformers' ``StopStringCriteria`` does, and a field the loop cannot honour is refused
+        by name.  do_sample: False is greedy whatever the temperature; True samples at
+        ``temperature`` (1.0 when it is left at 0).  streamer: transformers' ``BaseStreamer``
+        (``TextStreamer``, ``TextIteratorStreamer``): ``put`` gets the prompt ([1, T]), then each
+        step's emitted tokens (1-D), then ``end()``; one prompt only.  stopping_criteria: a
+        ``StoppingCriteriaList``, evaluated after each emitted token on that row alone ([1, T]:
+        the row as given, then its generated ids; ``scores=None``); the row ends at the first
+        token where one fires (finish reason ``"stop"``).
         """
+        args, streamer, criteria = decoder_arguments(self, locals(), _GENERATE_DEFAULTS)
+        prompts, max_new_tokens, num_draft_tokens, temperature, top_k, top_p, stop, eos_token_id, \
+            max_draft_tokens, draft_confidence = (args[k] for k in (
+                "prompts", "max_new_tokens", "num_draft_tokens", "temperature", "top_k", "top_p", "stop",
+                "eos_token_id", "max_draft_tokens", "draft_confidence"))
         baseline_tokens_per_s, target_step_s = as_float(baseline_tokens_per_s), as_float(target_step_s)
         for name, v in (("baseline_tokens_per_s", baseline_tokens_per_s), ("target_step_s", target_step_s)):
             if v is not None:
@@ -522,8 +556,16 @@ class SpeculativeDecoder:
         st = self._start(prompts, max_new_tokens, num_draft_tokens, temperature, top_k, top_p, seed, stop,
                          verbose, attention_mask, max_draft_tokens, eos_token_id, progress, target_only=False,
                          draft_confidence=draft_confidence)
+        check_streamer(streamer, len(st.seqs))
+        st.streamer, st.criteria = streamer, criteria
+        if streamer is not None:
+            streamer.put(torch.tensor([st.seqs[0]]))  # the prompt, [1, T], as transformers' generate does
         if target_step_s is not None:
             st.recorder.set_target_step(target_step_s)
+        return self._decode(st, baseline_tokens_per_s)
+
+    def _decode(self, st: _State, baseline_tokens_per_s=None) -> GenerationResult:
+        """Run a started state (``_start``) to the end with this decoder's forward paths."""
         self._refresh_lean()
         with self._linear_layers():
             return self._run(st, baseline_tokens_per_s)
@@ -539,9 +581,7 @@ class SpeculativeDecoder:
         ``stats.tokens_per_s`` is what ``generate(baseline_tokens_per_s=...)`` compares to."""
         st = self._start(prompts, max_new_tokens, 1, temperature, top_k, top_p, seed, stop, False,
                          attention_mask, 1, eos_token_id, progress, target_only=True)
-        self._refresh_lean()
-        with self._linear_layers():
-            return self._run(st, None)
+        return self._decode(st)
 
     # -- the loop -----------------------------------------------------------------------------
     def _start(self, prompts, max_new_tokens, num_draft_tokens, temperature, top_k, top_p, seed, stop,
@@ -634,6 +674,8 @@ class SpeculativeDecoder:
         total = time.perf_counter() - t0
         if st.pbar is not None:
             st.pbar.close()
+        if st.streamer is not None:
+            st.streamer.end()
         stats = st.recorder.finalize(total, st.prefill_time, st.finish, baseline_tokens_per_s,
                                      draft_is_free=self._d is None)
         texts = None
@@ -794,6 +836,12 @@ class SpeculativeDecoder:
                 cut = self._stop_cut(st.generated[p], new, st.stop)
                 if cut is not None:
                     new, reason = new[:cut], "stop"
+            if st.criteria is not None and new:
+                cut = st.criteria(p, st.generated[p], new)  # the first token where one fires (EOS wins a tie)
+                if cut is not None and (reason is None or cut < len(new)):
+                    new, reason = new[:cut], "stop"
+            if st.streamer is not None and new:
+                st.streamer.put(torch.tensor(new))
             if st.verbose is not None:
                 self._log(st, p, x_host[i][: kb_host[i]], m, kb_host[i], new)
             st.generated[p].extend(new)
@@ -882,3 +930,8 @@ class SpeculativeDecoder:
         if len(emitted) == n + 1:
             kind = "target, no drafts" if kb == 0 else "bonus" if n == kb else "recovered"
             print(f"{head} + {kind}: {show(emitted[n:])}", file=out)
+
+
+# generate's arguments and their defaults, taken once (hf_args tells a passed argument from a default)
+_GENERATE_DEFAULTS = {n: p.default for n, p in inspect.signature(SpeculativeDecoder.generate).parameters.items()
+                      if n != "self"}
