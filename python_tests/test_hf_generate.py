@@ -448,8 +448,8 @@ def test_embedded_pair_chat_and_streamer(embedded, capsys):
 _REFUSED_FIELDS = [
     ("num_beams", 2), ("num_beam_groups", 2), ("diversity_penalty", 0.5), ("penalty_alpha", 0.6),
     ("dola_layers", "low"),
-    ("force_words_ids", [[1]]), ("repetition_penalty", 1.2), ("encoder_repetition_penalty", 1.1),
-    ("no_repeat_ngram_size", 2), ("bad_words_ids", [[3]]), ("sequence_bias", {(3,): 1.0}), ("min_length", 5),
+    ("force_words_ids", [[1]]), ("encoder_repetition_penalty", 1.1),
+    ("sequence_bias", {(3,): 1.0}), ("min_length", 5),
     ("min_new_tokens", 2), ("forced_bos_token_id", 1), ("forced_eos_token_id", 2), ("suppress_tokens", [4]),
     ("begin_suppress_tokens", [4]), ("exponential_decay_length_penalty", (2, 1.1)), ("remove_invalid_values", True),
     ("guidance_scale", 1.5), ("output_scores", True), ("output_logits", True), ("output_attentions", True),
@@ -504,8 +504,6 @@ def test_refused_processors_arguments_and_calls_are_named(pair, chars):
     kw = dict(max_new_tokens=4, pad_token_id=PAD)
     with pytest.raises(ValueError, match="logits_processor _Bias is not supported"):
         _hook(target, ids, logits_processor=LogitsProcessorList([_Bias()]), assistant_model=draft, **kw)
-    with pytest.raises(ValueError, match="logits_processor PrefixConstrainedLogitsProcessor is not supported"):
-        _hook(target, ids, prefix_allowed_tokens_fn=lambda b, s: [1, 2], assistant_model=draft, **kw)
     with pytest.raises(ValueError, match="in the order temperature, top-k, top-p, got TopKLogitsWarper, "
                                          "TemperatureLogitsWarper"):
         _hook(target, ids, do_sample=True, temperature=0.5, top_k=0,

@@ -197,6 +197,7 @@ class _State:
     waited: bool = False  # the pending pairs include some that waited through K = 0 steps
     streamer: Any = None  # transformers' BaseStreamer (batch 1): each step's emitted tokens
     criteria: Any = None  # hf_args.RowCriteria: (prompt, generated, new) -> new tokens kept, or None
+    procs: Any = None  # logits_procs.VerifyProcessors: the verify logits' sequence processors, or None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -490,6 +491,11 @@ class SpeculativeDecoder:
         do_sample: Optional[bool] = None,
         streamer: Any = None,
         stopping_criteria: Any = None,
+        logits_processor: Any = None,
+        repetition_penalty: Optional[float] = None,
+        no_repeat_ngram_size: Optional[int] = None,
+        bad_words_ids: Optional[Sequence[Sequence[int]]] = None,
+        prefix_allowed_tokens_fn: Any = None,
         max_draft_tokens: int = 8,
         draft_confidence: float = 0.0,
         eos_token_id: Union[int, Sequence[int], None] = None,
@@ -540,8 +546,17 @@ class SpeculativeDecoder:
         ``StoppingCriteriaList``, evaluated after each emitted token on that row alone ([1, T]:
         the row as given, then its generated ids; ``scores=None``); the row ends at the first
         token where one fires (finish reason ``"stop"``).
+        repetition_penalty, no_repeat_ngram_size, bad_words_ids, prefix_allowed_tokens_fn,
+        logits_processor: transformers' sequence-dependent logits processors (or the config's
+        fields of the same names), built and ordered as ``generate`` builds them, then the
+        ``LogitsProcessorList``'s; each verify position's target scores are processed with the ids
+        the target alone would have seen there (the row as given, its generated ids, the drafts
+        before that position), before temperature, top-k and top-p (``logits_procs.py``: which
+        processors are accepted, ``specdec_stateless = True`` for yours).  A draft model over the
+        whole vocabulary applies them to its drafts too (its q is the processed distribution);
+        other drafters propose without them (the output's law does not depend on it).
         """
-        args, streamer, criteria = decoder_arguments(self, locals(), _GENERATE_DEFAULTS)
+        args, streamer, criteria, procs = decoder_arguments(self, locals(), _GENERATE_DEFAULTS)
         prompts, max_new_tokens, num_draft_tokens, temperature, top_k, top_p, stop, eos_token_id, \
             max_draft_tokens, draft_confidence = (args[k] for k in (
                 "prompts", "max_new_tokens", "num_draft_tokens", "temperature", "top_k", "top_p", "stop",
@@ -557,7 +572,7 @@ class SpeculativeDecoder:
                          verbose, attention_mask, max_draft_tokens, eos_token_id, progress, target_only=False,
                          draft_confidence=draft_confidence)
         check_streamer(streamer, len(st.seqs))
-        st.streamer, st.criteria = streamer, criteria
+        st.streamer, st.criteria, st.procs = streamer, criteria, procs
         if streamer is not None:
             streamer.put(torch.tensor([st.seqs[0]]))  # the prompt, [1, T], as transformers' generate does
         if target_step_s is not None:
@@ -784,6 +799,8 @@ class SpeculativeDecoder:
             logits, feats = self._t.step_hidden(st.tc, ids, mask, pos, st.Tt, K + 1)  # + [B, K+1, H]
         else:
             logits = self._t.step(st.tc, ids, mask, pos, st.Tt, K + 1)  # [B, K+1, V]
+        if st.procs is not None:  # sequence processors: position i sees the row's ids, then x_1 .. x_i
+            logits = st.procs(logits, X, kb.tolist(), st.rows, st.generated)
         # fused_verify's computation without its per-call argument checks (generate checked
         # the parameters; the tensors below are built here in its dtypes and shapes)
         temp, top_k, top_p = self._row_params(st, B)

@@ -160,7 +160,10 @@ def draft_with_model(d, st: "_State", K: int):
     unless ``_Drafts`` cut every row sooner (CPU only); a row's K_b is where its confidence
     stopped it or before its first position without a distribution (None when greedy without
     ``st.draft_confidence``: nothing cuts).  With a draft vocabulary the draft picks among its
-    tokens (logits [B, N]) and Q is zero on the others."""
+    tokens (logits [B, N]) and Q is zero on the others.  The target's sequence logits processors
+    (``st.procs``) are applied to each draft's logits with its prefix (the row's ids, the drafts
+    before it) when the draft scores the target's whole vocabulary (no draft vocabulary, the same
+    size): its q is then the processed distribution it sampled from."""
     rows = d.vocab_rows  # [N] or None
     dev = st.device
     B = len(st.rows)
@@ -181,6 +184,9 @@ def draft_with_model(d, st: "_State", K: int):
     T = st.Td
     limit = _pos_limit(st)
     picks = _Drafts(st, K, rows, Vd)
+    # the sequence processors, where the draft scores the target's whole vocabulary (else the
+    # draft proposes without them: the verify does not need it to see them)
+    procs = st.procs if (st.procs is not None and rows is None and Vd == st.procs.vocab_size) else None
     for j in range(K):
         if j > 0:
             ids = picks.xs[-1][:, None]
@@ -192,6 +198,8 @@ def draft_with_model(d, st: "_State", K: int):
             mask = torch.cat([mask, new_valid], 1)
         logits = d.step(st.dc, ids, mask, pos, T, 1)[:, -1]  # [B, Vd], or [B, N] over rows
         T += ids.shape[1]
+        if procs is not None:  # the target's sequence processors, at this draft's prefix
+            logits = procs.draft_scores(logits, picks.xs, st.rows, st.generated)
         if picks.add(logits, j):
             break  # every row's K_b is cut before here
     st.Td = T

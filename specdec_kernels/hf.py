@@ -73,11 +73,11 @@ diversity_penalty, penalty_alpha,      contrastive, DoLa and constrained search
 dola_layers, constraints,
 force_words_ids
 num_return_sequences > 1               refused: repeat the prompt instead
-repetition_penalty != 1,               refused: processors that read the sequence (per verify
-encoder_repetition_penalty,            position) or mask tokens are not applied by the loop
-no_repeat_ngram_size,
-encoder_no_repeat_ngram_size,
-bad_words_ids, sequence_bias,
+repetition_penalty,                    transformers' processors, applied at each verify
+no_repeat_ngram_size, bad_words_ids    position with its own prefix (``logits_procs.py``)
+encoder_repetition_penalty,            refused: processors that are not applied per verify
+encoder_no_repeat_ngram_size,          position (``logits_procs.py`` lists the ones that are)
+sequence_bias,
 min_length, min_new_tokens,
 forced_bos/eos_token_id,
 suppress_tokens,
@@ -98,12 +98,20 @@ speculation_type, use_mtp
 any other field set to a non-default   refused by name
 =====================================  =======================================================
 
-Logits processors: the temperature, top-k and top-p warpers (at most one each, in that order,
-``filter_value=-inf``, top-p with ``min_tokens_to_keep=1``) and a final ``LogitNormalization``;
-any other processor (a ``logits_processor=`` of yours, ``prefix_allowed_tokens_fn``) is refused by
-its class name.  Model keyword arguments: ``attention_mask`` (left or right padding; the new
-tokens follow the valid ones, where transformers would continue a right-padded row from its pad
-column), ``position_ids`` equal to the mask's, an empty cache; any other is refused by name.
+Logits processors: first the sequence-dependent ones, ``RepetitionPenaltyLogitsProcessor``,
+``NoRepeatNGramLogitsProcessor``, ``NoBadWordsLogitsProcessor``, ``PrefixConstrainedLogitsProcessor``
+(``prefix_allowed_tokens_fn``) and a ``logits_processor=`` of yours whose class or instance sets
+``specdec_stateless = True``: each verify position's target scores are processed with the ids the
+target alone would have seen there (the input row as given, its new tokens, the drafts before that
+position; ``logits_procs.py``); then the temperature, top-k and top-p warpers (at most one each, in
+that order, ``filter_value=-inf``, top-p with ``min_tokens_to_keep=1``) and a final
+``LogitNormalization``.  Any other processor is refused by its class name.  An assistant model of
+the target's vocabulary size applies the same processors to its drafts (prompt lookup proposes
+without them; exactness does not need the draft to see them).
+
+Model keyword arguments: ``attention_mask`` (left or right padding; the new tokens follow the
+valid ones, where transformers would continue a right-padded row from its pad column),
+``position_ids`` equal to the mask's, an empty cache; any other is refused by name.
 """
 
 from __future__ import annotations
@@ -114,7 +122,8 @@ from typing import Any, Optional
 import torch
 
 from .hf_args import (RowCriteria, check_generation_config, check_streamer, draft_settings, resolve_generation_config,
-                      sampling_from_config, sampling_from_processors, split_criteria)
+                      sampling_from_config, split_criteria)
+from .logits_procs import VerifyProcessors, processors_from_arguments, split_processors
 
 __all__ = ["generate"]
 
@@ -203,10 +212,17 @@ def generate(model, input_ids: torch.Tensor, logits_processor=None, stopping_cri
                          "prompt_lookup_num_tokens=<K>, got neither")
     # called by transformers' generate: the processors and criteria it built from the config (and
     # the caller's); called directly without them: the config's fields themselves
+    procs = []
     if logits_processor is None:
         temperature, top_k, top_p = sampling_from_config(gc)
+        procs = processors_from_arguments(getattr(gc, "repetition_penalty", None),
+                                          getattr(gc, "no_repeat_ngram_size", None),
+                                          getattr(gc, "bad_words_ids", None),
+                                          eos=None if gc.eos_token_id is None else
+                                          torch.as_tensor(gc.eos_token_id).reshape(-1).tolist(),
+                                          attention_mask=model_kwargs.get("attention_mask"))
     else:
-        temperature, top_k, top_p = sampling_from_processors(logits_processor, bool(gc.do_sample))
+        procs, (temperature, top_k, top_p) = split_processors(logits_processor, bool(gc.do_sample))
     max_length, eos, rest = split_criteria(stopping_criteria)
     if stopping_criteria is None:
         if getattr(gc, "stop_strings", None) is not None:
@@ -244,6 +260,7 @@ def generate(model, input_ids: torch.Tensor, logits_processor=None, stopping_cri
                             target_only=False, draft_confidence=draft["draft_confidence"])
             st.streamer = streamer  # transformers' generate put the prompt
             st.criteria = RowCriteria(rest, input_ids.tolist(), dec.device) if len(rest) else None
+            st.procs = VerifyProcessors(procs, input_ids.tolist(), dec.device, dec._t.vocab_size) if procs else None
             res = dec._decode(st)
     finally:
         for m, training in modes:

@@ -36,11 +36,8 @@ _REFUSED = {
     "constraints": (lambda v: v is not None, "constrained beam search"),
     "force_words_ids": (lambda v: v is not None, "constrained beam search"),
     "num_return_sequences": (lambda v: v is not None and v > 1, "several sequences per prompt (repeat the prompt)"),
-    "repetition_penalty": (lambda v: v not in (None, 1, 1.0), "a repetition penalty"),
     "encoder_repetition_penalty": (lambda v: v not in (None, 1, 1.0), "an encoder repetition penalty"),
-    "no_repeat_ngram_size": (lambda v: v not in (None, 0), "n-gram blocking"),
     "encoder_no_repeat_ngram_size": (lambda v: v not in (None, 0), "encoder n-gram blocking"),
-    "bad_words_ids": (lambda v: v is not None, "banned words"),
     "sequence_bias": (lambda v: v is not None, "sequence biases"),
     "min_new_tokens": (lambda v: v not in (None, 0), "a minimum length (an EOS mask)"),
     "min_length": (lambda v: v not in (None, 0), "a minimum length (an EOS mask)"),
@@ -83,7 +80,8 @@ _MAPPED = {
     "num_assistant_tokens_schedule", "assistant_confidence_threshold", "prompt_lookup_num_tokens",
     "max_matching_ngram_size", "assistant_lookbehind", "target_lookbehind", "is_assistant",
     "return_dict_in_generate", "renormalize_logits", "early_stopping", "length_penalty", "low_memory",
-    "compile_config", "disable_compile", "transformers_version",
+    "compile_config", "disable_compile", "transformers_version", "repetition_penalty", "no_repeat_ngram_size",
+    "bad_words_ids",
 }
 
 
@@ -331,6 +329,7 @@ def decoder_arguments(dec, call: dict, defaults: dict) -> tuple:
     from transformers import MaxTimeCriteria, StopStringCriteria
 
     args = {n: call[n] for n in defaults}
+    procs_given = {n: args.pop(n) for n in _PROCESSOR_ARGS}
     prompts, input_ids = args.pop("prompts"), args.pop("input_ids")
     if input_ids is not None and prompts is not None:
         raise ValueError("pass the prompts as prompts or as input_ids, not both")
@@ -380,6 +379,14 @@ def decoder_arguments(dec, call: dict, defaults: dict) -> tuple:
             raise ValueError(f"generation_config.max_matching_ngram_size must equal the decoder's max_ngram "
                              f"({dec.lookup.max_ngram}), got {ngram!r}")
         given.update(draft_settings(gc, dec.drafter, dec._d is not None))
+        for name in ("repetition_penalty", "no_repeat_ngram_size", "bad_words_ids"):
+            v = getattr(gc, name, None)
+            if v is None or (name == "repetition_penalty" and v == 1.0) or (name == "no_repeat_ngram_size" and v == 0):
+                continue
+            if procs_given[name] is not None:
+                raise ValueError(f"{name}={procs_given[name]!r} and generation_config (which sets it to {v!r}): pass "
+                                 f"{name} in one place")
+            procs_given[name] = v
         for name, value in given.items():
             if not _at_default(args[name], defaults[name]):
                 raise ValueError(f"{name}={args[name]!r} and generation_config (which sets it to {value!r}): pass "
@@ -396,7 +403,21 @@ def decoder_arguments(dec, call: dict, defaults: dict) -> tuple:
                 raise TypeError(f"stopping_criteria must hold StoppingCriteria (callables), got {type(c).__name__}")
     criteria = (criteria or []) + extra
     row_criteria = RowCriteria(criteria, _rows_as_given(prompts, dec), dec.device) if criteria else None
-    return args, streamer, row_criteria
+    verify_procs = None
+    if any(v is not None for v in procs_given.values()):
+        from .arguments import eos_ids
+        from .logits_procs import VerifyProcessors, processors_from_arguments
+
+        eos = eos_ids(args["eos_token_id"], dec.target, dec.tokenizer, dec._t.vocab_size)
+        procs = processors_from_arguments(eos=eos, attention_mask=args["attention_mask"], **procs_given)
+        if procs:
+            verify_procs = VerifyProcessors(procs, _rows_as_given(prompts, dec), dec.device, dec._t.vocab_size)
+    return args, streamer, row_criteria, verify_procs
+
+
+# SpeculativeDecoder.generate's arguments that make sequence-dependent logits processors
+_PROCESSOR_ARGS = ("repetition_penalty", "no_repeat_ngram_size", "bad_words_ids", "prefix_allowed_tokens_fn",
+                   "logits_processor")
 
 
 def _rows_as_given(prompts, dec) -> list:
