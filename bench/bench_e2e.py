@@ -10,6 +10,10 @@ On the same prompts, seeds, max_new_tokens, dtype and device, for one draft/targ
                        num_assistant_tokens=K, num_assistant_tokens_schedule="constant",
                        assistant_confidence_threshold=0 (no early stop, so every step drafts K).
                        K="auto": transformers' own default dynamic schedule, untouched.
+  hook_hf              ``target.generate(assistant_model=draft, custom_generate=specdec_kernels.hf.generate)``:
+                       transformers' own call with this package's hook (batch 1 and 8); fixed K:
+                       num_assistant_tokens=K, schedule "constant", assistant_confidence_threshold=0;
+                       K="auto": transformers' default schedule, which the hook maps to K="auto"
   specdec              ``SpeculativeDecoder.generate`` with K in --ks (fixed K or "auto")
   specdec_feature      the same with ``drafter="feature"`` (a draft that reads the target's hidden
                        states; the embedded one, or --feature-draft DIR) at K in --feature-ks
@@ -88,7 +92,7 @@ PROMPTS = [
     "Summarise the passage above in one sentence:",
 ]
 
-METHODS = ["target_hf", "assisted_hf", "specdec", "specdec_target_only"]
+METHODS = ["target_hf", "assisted_hf", "hook_hf", "specdec", "specdec_target_only"]
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
 NA_BATCH = "n/a (batch 1 only)"
@@ -230,14 +234,22 @@ class Bench:
             stack.enter_context(use_skinny_linear(m))
         return stack
 
-    def hf(self, batch: int, temperature: float, assistant_cfg: Optional[dict], stock_linear: bool = False) -> RunOut:
+    def hf(self, batch: int, temperature: float, assistant_cfg: Optional[dict], stock_linear: bool = False,
+           hook: bool = False) -> RunOut:
+        """target.generate: alone (assistant_cfg None), HF assisted generation, or with
+        ``custom_generate=specdec_kernels.hf.generate`` (hook: the assistant's K passed as
+        generate's own num_assistant_tokens fields)."""
         kw = self._hf_kwargs(temperature)
         out_ids = []
         with torch.inference_mode(), self._hf_eos(), self._linear_layers(stock_linear), (
-                generation_settings(self.draft, **assistant_cfg) if assistant_cfg is not None
+                generation_settings(self.draft, **assistant_cfg) if assistant_cfg is not None and not hook
                 else contextlib.nullcontext()):
             if assistant_cfg is not None:
                 kw["assistant_model"] = self.draft
+            if hook:
+                from specdec_kernels import hf as hf_hook
+
+                kw.update(custom_generate=hf_hook.generate, **(assistant_cfg or {}))
             _sync(self.device)
             t0 = time.perf_counter()
             for chunk in self._chunks(batch):
@@ -576,6 +588,8 @@ def run_config(bench: Bench, batch: int, temperature: float, ks: list, repeats: 
         for k in ks:
             methods[("assisted_hf", k)] = (lambda k=k: bench.hf(batch, temperature, assistant_config(k)))
     for k in ks:
+        methods[("hook_hf", k)] = (lambda k=k: bench.hf(batch, temperature, assistant_config(k), hook=True))
+    for k in ks:
         methods[("specdec", k)] = (lambda k=k: bench.specdec(batch, temperature, k))
     for k in feature_ks:
         methods[("specdec_feature", k)] = (lambda k=k: bench.specdec(batch, temperature, k, feature=True))
@@ -659,9 +673,9 @@ def run_config(bench: Bench, batch: int, temperature: float, ks: list, repeats: 
         if method != "target_hf":
             row["speedup_vs_target"] = tps / base
 
-        if method == "specdec" and ("assisted_hf", k) in med:
+        if method in ("specdec", "hook_hf") and ("assisted_hf", k) in med:
             row["speedup_vs_assisted"] = tps / med[("assisted_hf", k)][0]
-        elif method == "specdec" and batch != 1:
+        elif method in ("specdec", "hook_hf") and batch != 1:
             row["speedup_vs_assisted"] = NA_BATCH
         if greedy:
             row["greedy_check"] = ("FAIL: prompts " + ",".join(map(str, failed[key])) + " differ") if key in failed \
@@ -670,7 +684,7 @@ def run_config(bench: Bench, batch: int, temperature: float, ks: list, repeats: 
                 row["greedy_check"] = "differs (rounding, see notes)"
             if k in refused_ks or key in failed:
                 row["speedup_vs_target"] = REFUSED if method != "target_hf" else None
-                if method == "specdec":
+                if method in ("specdec", "hook_hf"):
                     row["speedup_vs_assisted"] = REFUSED
         else:
             row["greedy_check"] = "n/a (sampling)"

@@ -58,7 +58,8 @@ def test_bench_e2e_quick(tmp_path):
         if HAS_EXT:  # fp32 CPU: every method uses skinny_linear, and the target alone also runs stock
             want += [("target_hf_torch_linear", "-", "1", t), ("target_hf_torch_linear", "-", "8", t)]
         for k in ("1", "auto@0.3"):
-            want += [("assisted_hf", k, "1", t), ("specdec", k, "1", t), ("specdec", k, "8", t)]
+            want += [("assisted_hf", k, "1", t), ("specdec", k, "1", t), ("specdec", k, "8", t),
+                     ("hook_hf", k, "1", t), ("hook_hf", k, "8", t)]
     assert got == sorted(want)
 
     for r in rows:
@@ -93,6 +94,11 @@ def test_bench_e2e_quick(tmp_path):
                 float(r["speedup_vs_assisted"])
             else:
                 assert r["speedup_vs_assisted"] == "n/a (batch 1 only)"
+        if r["method"] == "hook_hf":  # transformers' generate with the hook, at batch 8 too
+            if r["batch"] == "1":
+                float(r["speedup_vs_assisted"])
+            else:
+                assert r["speedup_vs_assisted"] == "n/a (batch 1 only)"
         if r["method"] == "assisted_hf":
             assert "assistant_confidence_threshold=" + ("0.3" if r["K"] == "auto@0.3" else "0") in r["hf_config"]
 
@@ -115,7 +121,7 @@ def test_greedy_mismatch_refuses_the_speedup(capsys):
     ids = [[1, 2, 3], [4, 5, 6]]
 
     class FakeBench:
-        def hf(self, batch, temperature, assistant_cfg):
+        def hf(self, batch, temperature, assistant_cfg, hook=False):
             return bench_e2e.RunOut([list(x) for x in ids], 1.0)
 
         def specdec(self, batch, temperature, k, target_only=False):

@@ -97,6 +97,22 @@ def test_greedy_batch_of_one_equals_generate(pair, draft_kind):
     assert out.tolist() == ref.tolist() and out.shape == (1, 11)
 
 
+def test_a_minimum_length_already_reached_is_no_refusal(pair):
+    """min_new_tokens=0 (generate makes it min_length = T) and a min_length <= T mask nothing:
+    the hook runs them, with an EOS, as generate does; a minimum still ahead is refused."""
+    draft, target = pair
+    ids = torch.tensor([PROMPTS[0]])
+    T = ids.shape[1]
+    for kw in (dict(min_new_tokens=0), dict(min_length=T), dict(min_length=1)):
+        ref = target.generate(ids, do_sample=False, max_new_tokens=12, pad_token_id=PAD, eos_token_id=5, **kw)
+        out = _hook(target, ids, do_sample=False, max_new_tokens=12, pad_token_id=PAD, eos_token_id=5,
+                    assistant_model=draft, **kw)
+        assert out.tolist() == ref.tolist(), kw
+    with pytest.raises(ValueError, match=r"generation_config\.min_length asks for a minimum length"):
+        _hook(target, ids, max_new_tokens=4, pad_token_id=PAD, eos_token_id=5, assistant_model=draft,
+              min_length=T + 1)
+
+
 @pytest.mark.parametrize("draft_kind", ["assistant_model", "prompt_lookup"])
 def test_greedy_ragged_batch_equals_generate(pair, batch, draft_kind):
     draft, target = pair

@@ -201,7 +201,7 @@ def generate(model, input_ids: torch.Tensor, logits_processor=None, stopping_cri
         got = list(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
         raise ValueError(f"input_ids must be [B, T] token ids with T >= 1 (inputs_embeds are not supported), got {got}")
     gc = resolve_generation_config(generation_config if generation_config is not None else GenerationConfig(), model)
-    check_generation_config(gc)
+    check_generation_config(gc, input_length=input_ids.shape[1])
     mask = _check_model_kwargs(model_kwargs, input_ids)
     lookup_k = getattr(gc, "prompt_lookup_num_tokens", None)
     if assistant_model is not None and lookup_k is not None:
@@ -222,7 +222,7 @@ def generate(model, input_ids: torch.Tensor, logits_processor=None, stopping_cri
                                           torch.as_tensor(gc.eos_token_id).reshape(-1).tolist(),
                                           attention_mask=model_kwargs.get("attention_mask"))
     else:
-        procs, (temperature, top_k, top_p) = split_processors(logits_processor, bool(gc.do_sample))
+        procs, (temperature, top_k, top_p) = split_processors(logits_processor, bool(gc.do_sample), input_ids.shape[1])
     max_length, eos, rest = split_criteria(stopping_criteria)
     if stopping_criteria is None:
         if getattr(gc, "stop_strings", None) is not None:

@@ -113,13 +113,17 @@ def resolve_generation_config(generation_config, target):
     return gc
 
 
-def check_generation_config(gc) -> None:
+def check_generation_config(gc, input_length: Optional[int] = None) -> None:
     """Refuse, by name, every field that asks for something the loop does not do (see the table
-    in ``hf.py``), and any transformers field this module does not know that is set."""
+    in ``hf.py``), and any transformers field this module does not know that is set.
+    ``input_length``: the width T of the input ids where known; a ``min_length`` <= T asks for
+    nothing (``generate`` turns ``min_new_tokens=0`` into ``min_length = T``)."""
     from transformers import GenerationConfig
 
     for name, (on, what) in _REFUSED.items():
         v = getattr(gc, name, None)
+        if name == "min_length" and input_length is not None and v is not None and v <= input_length:
+            continue
         if on(v):
             raise ValueError(f"generation_config.{name} asks for {what}, which specdec_kernels does not do: it must "
                              f"be unset, got {v!r}")

@@ -78,14 +78,31 @@ def check_sequence_processor(proc) -> None:
                      f"generate argument that made it")
 
 
-def split_processors(processors, do_sample: bool) -> tuple:
+def _never_fires(proc, input_length: Optional[int]) -> bool:
+    """A minimum-length processor that masks nothing for inputs of width ``input_length``: its
+    minimum is already reached (``generate`` builds one for ``min_new_tokens=0``)."""
+    from transformers import MinLengthLogitsProcessor, MinNewTokensLengthLogitsProcessor
+
+    if input_length is None:
+        return False
+    if type(proc) is MinLengthLogitsProcessor:
+        return proc.min_length <= input_length
+    if type(proc) is MinNewTokensLengthLogitsProcessor:
+        return proc.min_new_tokens <= 0
+    return False
+
+
+def split_processors(processors, do_sample: bool, input_length: Optional[int] = None) -> tuple:
     """(the sequence processors, in order; (temperature, top_k, top_p)) from the processors
     ``generate`` prepared: the sequence processors first, then the temperature / top-k / top-p
-    warpers and a final ``LogitNormalization`` (``hf_args.sampling_from_processors``)."""
+    warpers and a final ``LogitNormalization`` (``hf_args.sampling_from_processors``).  Minimum
+    lengths already reached by inputs of width ``input_length`` are dropped (they mask nothing)."""
     from .hf_args import sampling_from_processors
 
     warpers, seq, rest = _warpers(), [], []
     for proc in processors or ():
+        if _never_fires(proc, input_length):
+            continue
         if type(proc) in warpers:
             rest.append(proc)
             continue
