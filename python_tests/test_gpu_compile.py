@@ -49,6 +49,8 @@ def _spill_bound(kernel: str, variant: str) -> int:
       (214-216 on the plain paths, 254-255 with top-k/top-p or given uniforms), 8 bytes at 4
       warps for V = 100 (72 registers).  The draft-logits forms (DRAFT_LOGITS, V = 128,256): 252
       registers and no spills (bf16 plain), 255 and 16 bytes (packed, top-k + top-p, logprobs).
+      The min-p forms (HAS_MIN_P, V = 128,256): 255 registers and 8 bytes (bf16 min-p; with top-k +
+      top-p), 16 bytes (packed, top-k + top-p, draft logits, logprobs).
       Bounded at 64 bytes: a change that pushes it past 255 registers and spills in earnest fails
       here.
     - the one-program-per-row kernel: ptxas keeps 128 registers (two blocks a multiprocessor)

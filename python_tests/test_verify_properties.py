@@ -393,7 +393,8 @@ def _op_args(backend, dev):
     B = 3
     return (lg.to(dev), x.to(dev), q.to(dev), torch.tensor([4, 2, 3], device=dev), torch.tensor([1.0, 0.0, 0.8], device=dev),
             torch.tensor([0, 5, 10], device=dev), torch.tensor([0.9, 1.0, 0.95], device=dev),
-            torch.arange(B, device=dev), torch.zeros(B, dtype=torch.int64, device=dev), None, backend)
+            torch.arange(B, device=dev), torch.zeros(B, dtype=torch.int64, device=dev), None,
+            torch.tensor([0.0, 0.05, 0.3], device=dev), backend)
 
 
 @pytest.mark.parametrize("backend,dev", BACKENDS)

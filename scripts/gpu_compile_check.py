@@ -146,6 +146,7 @@ def verify_split_signature(logits: str, tokens: str, meta: dict) -> dict:
         t_ptr="*fp32", t_stride="i32", t_scalar="fp32",
         k_ptr="*i64", k_stride="i32", k_scalar="i32",
         p_ptr="*fp32" if meta["HAS_TOP_P"] else placeholder, p_stride="i32", p_scalar="fp32",
+        mp_ptr="*fp32" if meta.get("HAS_MIN_P") else placeholder, mp_stride="i32", mp_scalar="fp32",
         seed_ptr="*i64", seed_stride="i32", seed_scalar="i64",
         off_ptr="*i64", off_stride="i32", off_scalar="i64",
         seed_row_step="i32",
@@ -215,7 +216,8 @@ def _kernels() -> list:
 # top_k, top_p, uniforms, constexprs set). At 4 chunks its loads are software-pipelined (cp.async
 # on a GPU, where the JIT's alignment hints apply; this check compiles without them, so it checks
 # validity only). "_q_dtype" is the draft probabilities' (or, DRAFT_LOGITS, the draft logits')
-# pointer type, not a constexpr.
+# pointer type, not a constexpr. HAS_MIN_P: a min_p argument, its pointer typed as a [B] fp32
+# tensor (the kernel reads it or the scalar at run time, so both paths compile).
 SPLIT_SETTINGS = [
     ("bf16 plain, 4 chunks an item", "bf16", "i64", 128256, 4, True, False, False, False, {"TILES": 4}),
     ("bf16 top-k + top-p, 4 chunks an item", "bf16", "i64", 128256, 4, True, True, True, False, {"TILES": 4}),
@@ -229,6 +231,10 @@ SPLIT_SETTINGS = [
      {"DRAFT_LOGITS": True, "_q_dtype": "bf16"}),
     ("bf16 packed top-k + top-p, fp32 draft logits, logprobs", "bf16", "i32", 128256, 4, True, True, True, False,
      {"PACKED": True, "LOGPROBS": True, "DRAFT_LOGITS": True}),
+    ("bf16 min-p", "bf16", "i64", 128256, 4, True, False, False, False, {"HAS_MIN_P": True}),
+    ("bf16 top-k + top-p + min-p", "bf16", "i64", 128256, 4, True, True, True, False, {"HAS_MIN_P": True}),
+    ("bf16 packed top-k + top-p + min-p, fp32 draft logits, logprobs", "bf16", "i32", 128256, 4, True, True, True,
+     False, {"PACKED": True, "LOGPROBS": True, "DRAFT_LOGITS": True, "HAS_MIN_P": True}),
 ]
 
 

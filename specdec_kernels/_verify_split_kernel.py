@@ -8,8 +8,8 @@ kinds of work item, numbered in this order (written below for TILES = 1):
 
 - stage 1, item (b, i, c) for every row, position i <= K and chunk c (B * (K+1) * NI items):
   the chunk's max, first argmax, sum of exp(s - chunk max) and non-finite count (greedy rows:
-  max and argmax only, no exponential), and with top-k/top-p the chunk's CAP largest order keys;
-  written to a partial record;
+  max and argmax only, no exponential), and with top-k/top-p/min-p the chunk's CAP largest order
+  keys; written to a partial record;
 - stage 2, item (b, c) for every row and chunk (B * NI items): the float64 mass of chunk c's
   final-draw weights (residual max(0, p - q) after a rejection, p for the bonus) at the row's
   stop position j.
@@ -53,6 +53,16 @@ of it): exact, slow, and said in the README.  The semantics are the reference's:
 top-k boundary kept, top-p's strict boundary, the smallest key whose strictly-greater mass is <
 top_p * S over the top-k set.
 
+min-p (HAS_MIN_P; after top-k and top-p, transformers' order) keeps the tokens with s >= T,
+T = fl32(m + fl32(ln min_p)) (``reference.min_p_threshold``; the float64 log by the steps of
+``reference.min_p_log``, ``_min_p_key``): a threshold on the order key from the position's max m
+alone, known at the combine, so no pass over the logits finds it.  Its kept set is an upper set
+holding the maximum, so it composes with top-k/top-p's as the higher of the two thresholds.  The
+kept mass S comes from the candidate lists when that threshold lies above t_sat (the lists hold
+every kept token: the usual case, a min-p set of fewer than ~CAP tokens of any chunk); otherwise
+the combining program sums exp(s - m) over the position's keys >= it in one pass (``scanned``),
+one read where top-p's fallback bisects.
+
 Memory traffic per row b with K_b drafts, V tokens, E-byte logits (4 fp32, 2 bf16/fp16), Vd
 draft-vocabulary entries of 4 bytes, and NC chunks:
 
@@ -65,6 +75,10 @@ draft-vocabulary entries of 4 bytes, and NC chunks:
 - the final draw rescans one chunk (CHUNK * (E + 4) bytes, L2-hot) and writes (K + 2) * 8 bytes;
 - with top-k/top-p: no more reads of the logits when the candidate lists decide (above), the
   top-k set through CAP * 4 bytes of the workspace;
+- min-p adds no read of the logits when its kept set lies in the candidate lists (a scalar min_p
+  is passed by value; a [B] tensor's element is read once per item, as top_p's), the lists' 4 *
+  CAP bytes a chunk as with top-k/top-p; one more read of a position (V * E bytes, by its
+  combining program) only when its kept set overflows the lists;
 - the combines read the partial records (16 bytes per chunk, 4 * CAP with a warp), L2-resident.
 
 The engine-facing forms change no pass: the packed layout (PACKED) reads row b's positions from
@@ -104,7 +118,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._verify_kernel import _order_key, _warp_full
+from ._verify_kernel import _masked_mass, _order_key, _warp_full
 
 _INT32_MAX = tl.constexpr(2147483647)
 _INT32_MIN = tl.constexpr(-2147483648)
@@ -117,6 +131,7 @@ _P_TOP_K = tl.constexpr(4)
 _P_TOP_P = tl.constexpr(8)
 _P_SEED = tl.constexpr(16)
 _P_OFFSET = tl.constexpr(32)
+_P_MIN_P = tl.constexpr(64)
 
 
 @triton.jit
@@ -147,11 +162,12 @@ def _philox_key(b, flags, seed_ptr, seed_stride, seed_scalar, seed_row_step, off
 @triton.jit
 def _row_params(b, K, V, flags,
                 nd_ptr, nd_stride, nd_scalar, t_ptr, t_stride, t_scalar,
-                k_ptr, k_stride, k_scalar, p_ptr, p_stride, p_scalar, cu_ptr, cu_stride,
-                HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, PACKED: tl.constexpr,
+                k_ptr, k_stride, k_scalar, p_ptr, p_stride, p_scalar, mp_ptr, mp_stride, mp_scalar, cu_ptr, cu_stride,
+                HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr, PACKED: tl.constexpr,
                 PROBS: tl.constexpr):
-    """(kb, greedy, bad_param, inv_t, k_on, p_on, top_k, top_p) of row b, as the reference's
-    ``_row_parameters``; k_on / p_on: the row's top-k / top-p changes its distribution.  PACKED:
+    """(kb, greedy, bad_param, inv_t, k_on, p_on, top_k, top_p, mp_on, min_p) of row b, as the
+    reference's ``_row_parameters``; k_on / p_on / mp_on: the row's top-k / top-p / min-p is
+    applied (min_p > 0 on a sampled row: min-p may change its distribution).  PACKED:
     K_b = cu[b + 1] - cu[b], and a row whose drafts are not within [0, nd_scalar) is unusable.
     PROBS (probabilities in): a temperature other than 0 or 1 is an unusable parameter, and
     1 / T = 1."""
@@ -178,12 +194,71 @@ def _row_params(b, K, V, flags,
     if HAS_TOP_P:
         top_p = _param(flags, _P_TOP_P, p_ptr, p_stride, p_scalar, b, tl.float32)
         bad_param = bad_param | ~(top_p > 0.0) | (top_p > 1.0)
+    min_p = tl.full([], 0.0, tl.float32)
+    if HAS_MIN_P:
+        min_p = _param(flags, _P_MIN_P, mp_ptr, mp_stride, mp_scalar, b, tl.float32)
+        bad_param = bad_param | ~(min_p >= 0.0) | (min_p > 1.0)  # NaN fails the first test
     # IEEE division (div.full.f32, Triton's `/` on a GPU, may be 2 ulp off): 1 / T as the
     # reference computes it, once per row
     inv_t = tl.where(greedy | bad_param, 1.0, tl.math.div_rn(1.0, tl.where(greedy | bad_param, 1.0, temp)))
     k_on = ~greedy & (top_k > 0) & (top_k < V)
     p_on = ~greedy & (top_p < 1.0)
-    return kb, greedy, bad_param, inv_t, k_on, p_on, top_k, top_p
+    mp_on = ~greedy & (min_p > 0.0)
+    return kb, greedy, bad_param, inv_t, k_on, p_on, top_k, top_p, mp_on, min_p
+
+
+# reference.min_p_log's constants: 2 / (2k + 1), k = 0..11 (ln f = 2 atanh z), ln 2, sqrt(2)
+_LC0 = tl.constexpr(2.0)
+_LC1 = tl.constexpr(0.6666666666666666)
+_LC2 = tl.constexpr(0.4)
+_LC3 = tl.constexpr(0.2857142857142857)
+_LC4 = tl.constexpr(0.2222222222222222)
+_LC5 = tl.constexpr(0.18181818181818182)
+_LC6 = tl.constexpr(0.15384615384615385)
+_LC7 = tl.constexpr(0.13333333333333333)
+_LC8 = tl.constexpr(0.11764705882352941)
+_LC9 = tl.constexpr(0.10526315789473684)
+_LC10 = tl.constexpr(0.09523809523809523)
+_LC11 = tl.constexpr(0.08695652173913043)
+_LN2 = tl.constexpr(0.6931471805599453)
+_SQRT2 = tl.constexpr(1.4142135623730951)
+
+
+@triton.jit
+def _f64(c):
+    """A Python float as a float64 scalar, all 53 bits of it (not rounded through fp32)."""
+    return tl.full([], c, tl.float64)
+
+
+@triton.jit
+def _min_p_key(m, min_p):
+    """The order key of min-p's threshold T = fl32(m + L), L = fl32(ln(min_p)) (``reference.
+    min_p_threshold``): min-p keeps the tokens whose key is >= it.  L by ``reference.min_p_log``'s
+    float64 steps, one for one (no fused multiply-add: enable_fp_fusion is off; IEEE division),
+    so the bits are the reference's on every backend.  m: the position's max scaled logit; min_p
+    in (0, 1] (another value gives some key: its row is invalid anyway)."""
+    bits = min_p.to(tl.float64).to(tl.int64, bitcast=True)
+    e = ((bits >> 52) & 0x7FF) - 1023
+    f = ((bits & 0xFFFFFFFFFFFFF) | (1023 << 52)).to(tl.float64, bitcast=True)
+    big = f > _f64(_SQRT2)
+    f = tl.where(big, f * _f64(0.5), f)
+    e = tl.where(big, e + 1, e).to(tl.float64)
+    z = (f - _f64(1.0)) / (f + _f64(1.0))  # float64 `/` is IEEE (div.rn.f64 on a GPU)
+    w = z * z
+    acc = _f64(_LC11)
+    acc = acc * w + _f64(_LC10)
+    acc = acc * w + _f64(_LC9)
+    acc = acc * w + _f64(_LC8)
+    acc = acc * w + _f64(_LC7)
+    acc = acc * w + _f64(_LC6)
+    acc = acc * w + _f64(_LC5)
+    acc = acc * w + _f64(_LC4)
+    acc = acc * w + _f64(_LC3)
+    acc = acc * w + _f64(_LC2)
+    acc = acc * w + _f64(_LC1)
+    acc = acc * w + _f64(_LC0)
+    L = (e * _f64(_LN2) + z * acc).to(tl.float32)
+    return _order_key(m + L).to(tl.int64)
 
 
 @triton.jit
@@ -426,6 +501,7 @@ def _verify_split_kernel(
     t_ptr, t_stride, t_scalar,  # temperature: float, 0 = greedy
     k_ptr, k_stride, k_scalar,  # top_k: int, 0 = off
     p_ptr, p_stride, p_scalar,  # top_p: float, 1 = off
+    mp_ptr, mp_stride, mp_scalar,  # min_p: float, 0 = off
     seed_ptr, seed_stride, seed_scalar,  # seed: int64
     off_ptr, off_stride, off_scalar,  # offset: int64
     seed_row_step,  # row b's seed is seed + b * seed_row_step (1 for seed=None's base seed, else 0)
@@ -442,6 +518,7 @@ def _verify_split_kernel(
     HAS_DRAFT_PROBS: tl.constexpr,
     HAS_TOP_K: tl.constexpr,
     HAS_TOP_P: tl.constexpr,
+    HAS_MIN_P: tl.constexpr,  # a min_p argument (tensor or scalar) was given
     HAS_UNIFORMS: tl.constexpr,
     HAS_ORDER: tl.constexpr,
     PACKED: tl.constexpr,  # the ragged layout: rows back to back, K_b from cu
@@ -506,13 +583,13 @@ def _verify_split_kernel(
             b = (item // (K1 * NI)).to(tl.int64)
             i = (item // NI) % K1
             g = item % NI
-            kb, greedy, bad_param, inv_t, k_on, p_on, top_k, top_p = _row_params(
+            kb, greedy, bad_param, inv_t, k_on, p_on, top_k, top_p, mp_on, min_p = _row_params(
                 b, K, V, param_flags, nd_ptr, nd_stride, nd_scalar, t_ptr, t_stride, t_scalar,
-                k_ptr, k_stride, k_scalar, p_ptr, p_stride, p_scalar, cu_ptr, cu_stride, HAS_TOP_K, HAS_TOP_P,
-                PACKED, PROBS)
+                k_ptr, k_stride, k_scalar, p_ptr, p_stride, p_scalar, mp_ptr, mp_stride, mp_scalar, cu_ptr, cu_stride,
+                HAS_TOP_K, HAS_TOP_P, HAS_MIN_P, PACKED, PROBS)
             l_off, t_off, q_off = _row_offsets(b, cu_ptr, cu_stride, stride_lb, stride_lk, stride_tb, stride_tk,
                                                stride_qb, stride_qk, PACKED)
-            warp_on = k_on | p_on
+            warp_on = k_on | p_on | mp_on
             pid_bi = b * K1 + i
             row_on = (i <= kb) & (bad_param == 0)
             pos_ptr = logits_ptr + l_off + i * stride_lk
@@ -557,7 +634,7 @@ def _verify_split_kernel(
                     tl.store(cs_ptr + rec, sum_c)
                     tl.store(ca_ptr + rec, a_c)
                     tl.store(cb_ptr + rec, n_bad)
-                    if HAS_TOP_K | HAS_TOP_P:
+                    if HAS_TOP_K | HAS_TOP_P | HAS_MIN_P:
                         if warp_on:
                             keys = tl.where(mask, _order_key(s), _INT32_MIN)
                             t_c, n_c = _chunk_candidates(keys, offs0, tl.minimum(V - c * CHUNK, CHUNK),
@@ -590,7 +667,7 @@ def _verify_split_kernel(
                             S = tl.sum(tl.where(cmask, s_cs, 0.0), axis=0)
                         else:
                             S = tl.sum(tl.where(cmask, s_cs * tl.exp(m_cs - m_safe), 0.0), axis=0)
-                        if HAS_TOP_K | HAS_TOP_P:
+                        if HAS_TOP_K | HAS_TOP_P | HAS_MIN_P:
                             if warp_on:
                                 # slot s of chunk s // CAP holds a key if s % CAP < that chunk's count
                                 cids = tl.arange(0, NCB * CAP)
@@ -613,6 +690,19 @@ def _verify_split_kernel(
                                     S, thr = _warp_full(logits_ptr + l_off + i * stride_lk, V, inv_t,
                                                         m_safe, S, key_max, top_k, top_p, k_on, p_on,
                                                         HAS_TOP_K, HAS_TOP_P, CHUNK)
+                                if HAS_MIN_P:
+                                    # min-p after top-k/top-p: a threshold key from m alone, the
+                                    # higher of the two kept (an intersection of upper sets)
+                                    thr_mp = _min_p_key(m_safe, min_p)
+                                    if mp_on & (thr_mp > thr):
+                                        thr = thr_mp
+                                        if thr > t_sat:  # every kept token is a candidate: no read
+                                            e_c = tl.exp(_key_value(cand) - m_safe)
+                                            S = tl.sum(tl.where(cand.to(tl.int64) >= thr, e_c, 0.0), axis=0)
+                                        else:  # kept tokens below the lists: one pass for the mass
+                                            scanned = tl.full([], 1, tl.int32)
+                                            S = _masked_mass(logits_ptr + l_off + i * stride_lk, V, inv_t,
+                                                             m_safe, thr, CHUNK)
                     if DRAFT_LOGITS:
                         # the draft's (m_d, S_d) of position i, its chunks in chunk order; defaults
                         # where q_i is not read (greedy rows, the bonus position)
@@ -725,10 +815,10 @@ def _verify_split_kernel(
             ready = tl.atomic_add(ready_ptr + b, 0, sem="acquire")
             while ready == 0:
                 ready = tl.atomic_add(ready_ptr + b, 0, sem="acquire")
-            kb, greedy, bad_param, inv_t, k_on, p_on, top_k, top_p = _row_params(
+            kb, greedy, bad_param, inv_t, k_on, p_on, top_k, top_p, mp_on, min_p = _row_params(
                 b, K, V, param_flags, nd_ptr, nd_stride, nd_scalar, t_ptr, t_stride, t_scalar,
-                k_ptr, k_stride, k_scalar, p_ptr, p_stride, p_scalar, cu_ptr, cu_stride, HAS_TOP_K, HAS_TOP_P,
-                PACKED, PROBS)
+                k_ptr, k_stride, k_scalar, p_ptr, p_stride, p_scalar, mp_ptr, mp_stride, mp_scalar, cu_ptr, cu_stride,
+                HAS_TOP_K, HAS_TOP_P, HAS_MIN_P, PACKED, PROBS)
             l_off, t_off, q_off = _row_offsets(b, cu_ptr, cu_stride, stride_lb, stride_lk, stride_tb, stride_tk,
                                                stride_qb, stride_qk, PACKED)
             j = tl.load(rj_ptr + b, cache_modifier=".cg").to(tl.int64)

@@ -9,7 +9,7 @@ via Speculative Decoding"; Chen et al. 2023, "Accelerating Large Language Model 
 Speculative Sampling"):
 
 - *target distribution* p_i: softmax of the target's logits at verify position i, after
-  temperature, top-k and top-p (the "warp"). Tokens removed by the warp have p = 0.
+  temperature, top-k, top-p and min-p (the "warp"). Tokens removed by the warp have p = 0.
 - *draft distribution* q_i: the distribution the drafter sampled x_i from (one-hot for a
   deterministic drafter; zero beyond the draft vocabulary).
 - *accepted*: draft x_i is accepted when ``u_i * q_i(x_i) < p_i(x_i)``, i.e. with probability
@@ -41,6 +41,8 @@ __all__ = [
     "compact_kv_reference",
     "draft_softmax",
     "order_key",
+    "min_p_log",
+    "min_p_threshold",
     "warp_logits",
     "verify_reference",
     "philox_uniforms",
@@ -146,7 +148,7 @@ def philox_uniforms(seed: torch.Tensor, offset: torch.Tensor, num_draft_slots: i
 
 
 # ----------------------------------------------------------------------------------------------
-# The warp: temperature, top-k, top-p
+# The warp: temperature, top-k, top-p, min-p
 # ----------------------------------------------------------------------------------------------
 def order_key(x: torch.Tensor) -> torch.Tensor:
     """Map fp32 to int32 so that integer order equals float order (-0.0 taken as +0.0)."""
@@ -158,12 +160,52 @@ def _torch_sort_descending(s: torch.Tensor) -> torch.Tensor:
     return torch.sort(s, dim=-1, descending=True).values
 
 
+# ln(f) = 2 atanh(z), z = (f - 1) / (f + 1): the series' coefficients 2 / (2k + 1), k = 0..11, for
+# |z| <= (sqrt(2) - 1) / (sqrt(2) + 1) (f in [sqrt(2) / 2, sqrt(2)]), where the first omitted term
+# is below 2^-60 of the sum.  The Triton kernel holds the same constants (``_verify_split_kernel``).
+LOG_SERIES = tuple(2.0 / (2 * k + 1) for k in range(12))
+LN2 = 0.6931471805599453  # ln 2 rounded to float64
+SQRT2 = 1.4142135623730951  # sqrt(2) rounded to float64
+
+
+def min_p_log(min_p: torch.Tensor) -> torch.Tensor:
+    """L = fl32(ln(min_p)) [...] fp32 of min_p [...] in (0, 1] (fp32 values), by a fixed sequence
+    of float64 IEEE operations that the Triton kernel repeats step for step (its fused multiply-
+    adds are off), so that every backend gets the same bits: min_p = f * 2^e (f in [1, 2), halved
+    above sqrt(2)), ln(min_p) = e * ln 2 + 2 atanh((f - 1) / (f + 1)), the series summed by
+    Horner's rule, then rounded once to fp32.  Within a few float64 ulps of ln(min_p), so L is
+    fl32(ln(min_p)) but for values within ~2^-50 of a rounding boundary of fp32.  min_p = 1 gives
+    exactly 0; min_p = 2^-j gives fl32(-j * LN2), the product rounded in float64 first."""
+    x = min_p.double()
+    bits = x.view(torch.int64)
+    e = ((bits >> 52) & 0x7FF) - 1023  # the exponent (an fp32 value is normal in float64)
+    f = ((bits & 0xFFFFFFFFFFFFF) | (1023 << 52)).view(torch.float64)  # the significand, in [1, 2)
+    big = f > SQRT2
+    f = torch.where(big, f * 0.5, f)  # exact
+    e = torch.where(big, e + 1, e).double()
+    z = (f - 1.0) / (f + 1.0)
+    w = z * z
+    acc = torch.full_like(w, LOG_SERIES[-1])
+    for c in LOG_SERIES[-2::-1]:
+        acc = acc * w + c  # two roundings (no fused multiply-add), as in the kernel
+    return (e * LN2 + z * acc).float()
+
+
+def min_p_threshold(m: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """The smallest scaled logit min-p keeps: T = fl32(m + L), L = ``min_p_log(min_p)`` = fl32(ln
+    min_p), [...] fp32.  m [...] fp32: the position's largest scaled logit; min_p [...] fp32 in (0,
+    1].  One fp32 addition (one IEEE rounding), as in the kernel.  min-p keeps token v iff s_v >= T."""
+    return m.float() + min_p_log(min_p)
+
+
 def warp_logits(
     logits: torch.Tensor,  # [..., V] any float dtype
     inv_temperature: torch.Tensor,  # [...] fp32: 1 / temperature
     top_k: torch.Tensor | None,  # [...] int, 0 = off
     top_p: torch.Tensor | None,  # [...] fp32, >= 1 = off
     sort_descending=_torch_sort_descending,
+    *,
+    min_p: torch.Tensor | None = None,  # [...] fp32 in [0, 1], 0 = off
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Scaled logits s = logits * (1 / T) and the mask of the tokens the warp keeps.
 
@@ -171,15 +213,40 @@ def warp_logits(
     kept; k >= V keeps all).  top-p then keeps token v iff the probability mass, renormalised
     over the top-k set, of the tokens with s strictly greater than s_v is < top_p: the smallest
     set of most likely tokens whose mass reaches top_p, with ties kept together.
+    min-p (after temperature, top-k and top-p: transformers' order, ``GenerationMixin.
+    _get_logits_processor`` appends ``MinPLogitsWarper`` after ``TopKLogitsWarper`` and
+    ``TopPLogitsWarper``) keeps token v iff p(v) >= min_p * max_w p(w), i.e. exp(s_v - m) >=
+    min_p with m = max_w s_w (the ratio does not depend on the renormalisation by top-k/top-p,
+    whose kept sets hold the maximum), evaluated exactly as
+
+        s_v >= T,   T = fl32(m + L),   L = fl32(ln(min_p))   (``min_p_threshold``, ``min_p_log``:
+                                                        ln in float64 by fixed IEEE steps)
+
+    so a set of tied values is kept or dropped whole, min_p = 1 keeps the maximum and its ties
+    only (T = m), and min_p = 0 is off (nothing is applied, bit for bit the call without it).  The
+    kept set is an upper set of s holding the maximum, so it intersects the top-k/top-p set (a
+    higher threshold); top-p's mass is over the top-k set, not over the min-p set.  A position
+    whose maximum is not finite (NaN, +inf, all -inf: unusable anyway) is not min-p filtered.
     ``sort_descending`` sorts s's last dimension (torch's sort; the CPU path passes
-    ``_host.sort_descending_cpu``, the same values faster).
+    ``_host.sort_descending_cpu``, the same values faster); min-p alone needs no sort.
     Returns (s [..., V] fp32, keep [..., V] bool).
     """
     s = logits.float() * inv_temperature[..., None]
+    keep = torch.ones_like(s, dtype=torch.bool)
+    if top_k is not None or top_p is not None:
+        keep = _warp_top_k_top_p(s, top_k, top_p, sort_descending)
+    if min_p is not None:
+        m = s.amax(-1)  # [...]
+        active = (min_p > 0) & (min_p <= 1) & torch.isfinite(m)  # out of range: an invalid row
+        T = min_p_threshold(m, min_p.float().masked_fill(~active, 1.0))
+        keep = keep & (~active[..., None] | (s >= T[..., None]))
+    return s, keep
+
+
+def _warp_top_k_top_p(s: torch.Tensor, top_k, top_p, sort_descending) -> torch.Tensor:
+    """``warp_logits``'s top-k then top-p mask of the scaled logits s [..., V]."""
     V = s.shape[-1]
     keep = torch.ones_like(s, dtype=torch.bool)
-    if top_k is None and top_p is None:
-        return s, keep
     s_sorted = sort_descending(s)  # [..., V]
     if top_k is not None:
         k = top_k.to(torch.int64)
@@ -202,7 +269,7 @@ def warp_logits(
         cut = s_sorted.gather(-1, (n_keep - 1).clamp(min=0))  # the smallest kept value
         active = (top_p < 1.0)[..., None]
         keep = keep & (~active | (s >= cut))
-    return s, keep
+    return keep
 
 
 def _target_probs(s: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
@@ -274,15 +341,21 @@ def verify_reference(
     sort_descending=_torch_sort_descending,  # the warp's sort (see warp_logits)
     target_is_probs: bool = False,  # target_logits holds the target's probabilities, used as given
     draft_logits: torch.Tensor | None = None,  # [B, K, Vd], Vd <= V: the draft's logits instead of draft_probs
+    min_p: torch.Tensor | None = None,  # [B] fp32 in [0, 1], 0 = off
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One speculative-decoding verification step. Returns (tokens [B, K+1] int64,
     num_accepted [B] int64); row b emits tokens[b, :num_accepted[b] + 1].
+
+    The target's warp is temperature, top-k, top-p, then min-p (``warp_logits``, which defines
+    each; min-p keeps v iff s_v >= fl32(max s + fl32(ln min_p))).  Greedy rows use none of them
+    (the argmax of the logits), but a parameter out of range (top_k < 0, top_p outside (0, 1],
+    min_p outside [0, 1] or NaN) makes any row invalid.  The warp applies to p only, never to q.
 
     ``draft_logits`` (draft_probs None): q = ``draft_softmax(draft_logits, 1 / T)``, the row's own
     temperature, no top-k/top-p; then exactly the draft_probs computation with that q.
 
     ``target_is_probs``: p_i = target_logits[b, i] / its sum (fp32), no temperature or warp
-    (top_k and top_p must be None); temperature 0 is a greedy row (the argmax of p), 1 samples,
+    (top_k, top_p and min_p must be None); temperature 0 is a greedy row (the argmax of p), 1 samples,
     any other value makes the row invalid.  A position is unusable if an entry is NaN, inf or
     negative, or if none is positive."""
     B, K1, V = target_logits.shape
@@ -291,20 +364,20 @@ def verify_reference(
     if draft_logits is not None:
         if draft_probs is not None:
             raise ValueError("draft_probs and draft_logits are exclusive: pass one of them, got both")
-        _, _, inv_t_d = _row_parameters(kb, temperature, top_k, top_p, K)
+        _, _, inv_t_d = _row_parameters(kb, temperature, top_k, top_p, K, min_p)
         draft_probs = draft_softmax(draft_logits, inv_t_d)
     if target_is_probs:
-        if top_k is not None or top_p is not None:
-            raise ValueError("top_k and top_p must be None with target_is_probs=True")
+        if top_k is not None or top_p is not None or min_p is not None:
+            raise ValueError("top_k, top_p and min_p must be None with target_is_probs=True")
         greedy, bad_param, _ = _row_parameters(kb, temperature, None, None, K)
         bad_param = bad_param | (~greedy & (temperature.float() != 1))
         s = target_logits.float()  # [B, K+1, V]
         bad_pos = torch.isnan(s).any(-1) | torch.isinf(s).any(-1) | (s < 0).any(-1) | ~(s > 0).any(-1)
         p = s / s.sum(-1, keepdim=True)
     else:
-        greedy, bad_param, inv_t = _row_parameters(kb, temperature, top_k, top_p, K)
+        greedy, bad_param, inv_t = _row_parameters(kb, temperature, top_k, top_p, K, min_p)
         s, keep = warp_logits(target_logits, inv_t[:, None].expand(B, K1), _per_position(top_k, K1),
-                              _per_position(top_p, K1), sort_descending)
+                              _per_position(top_p, K1), sort_descending, min_p=_per_position(min_p, K1))
         # A position is unusable if any logit is NaN or +inf, or if nothing has a finite logit.
         bad_pos = torch.isnan(s).any(-1) | torch.isposinf(s).any(-1) | torch.isneginf(s).all(-1)  # [B, K+1]
         p = _target_probs(s, keep)  # [B, K+1, V]
@@ -333,6 +406,7 @@ def emitted_logprobs(
     *,
     target_is_probs: bool = False,
     sort_descending=_torch_sort_descending,
+    min_p: torch.Tensor | None = None,  # [B] fp32, 0 = off
 ) -> torch.Tensor:
     """[B, K+1] fp32: the target log-probability of each emitted token, log p_i(tokens[b, i]) for
     i <= num_accepted[b], under the row's warped distribution ((s - m) - log sum exp(s - m) over the
@@ -348,8 +422,9 @@ def emitted_logprobs(
         inv_t = torch.where(greedy | ~(temp > 0), 1.0, 1.0 / temp.masked_fill(~(temp > 0), 1.0))
         k = None if top_k is None else torch.where(greedy, 0, top_k.to(torch.int64))
         p_ = None if top_p is None else torch.where(greedy, 1.0, top_p.float())
+        mp = None if min_p is None else torch.where(greedy, 0.0, min_p.float())
         s, keep = warp_logits(target_logits, inv_t[:, None].expand(B, K1), _per_position(k, K1),
-                              _per_position(p_, K1), sort_descending)
+                              _per_position(p_, K1), sort_descending, min_p=_per_position(mp, K1))
         m = s.masked_fill(~keep, float("-inf")).amax(-1, keepdim=True)
         m = torch.where(torch.isfinite(m), m, 0.0)
         lse = torch.log(torch.where(keep, torch.exp(s - m), 0.0).sum(-1, keepdim=True))
@@ -371,10 +446,11 @@ def _row_parameters(
     top_k: torch.Tensor | None,  # [B] int
     top_p: torch.Tensor | None,  # [B] fp32
     K: int,
+    min_p: torch.Tensor | None = None,  # [B] fp32
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(greedy, bad_param, inv_t), each [B]: temperature 0 (-0.0 too); a parameter out of range
-    (temperature NaN, inf, negative or in (0, FLT_MIN));
-    1 / T (1 for greedy and bad rows)."""
+    (temperature NaN, inf, negative or in (0, FLT_MIN); top_k < 0; top_p outside (0, 1]; min_p
+    outside [0, 1]; NaN); 1 / T (1 for greedy and bad rows)."""
     temp = temperature.float()
     greedy = temp == 0
     # A positive temperature below the smallest normal fp32 (2^-126) is refused: its reciprocal
@@ -384,6 +460,8 @@ def _row_parameters(
         bad_param |= top_k < 0
     if top_p is not None:
         bad_param |= ~(top_p > 0) | (top_p > 1)  # NaN fails the first test
+    if min_p is not None:
+        bad_param |= ~(min_p >= 0) | (min_p > 1)
     inv_t = torch.where(greedy | bad_param, 1.0, 1.0 / temp.masked_fill(temp == 0, 1.0))
     return greedy, bad_param, inv_t
 

@@ -7,7 +7,7 @@ launcher here (validates, allocates, picks the grid and launches), and the publi
 
 Dtypes are decided here: logits fp32/bf16/fp16 (read as they are, the softmax accumulated in
 fp32), draft probabilities or draft logits (``draft_logits=``) fp32/bf16/fp16 (read as fp32),
-temperature and top-p fp32, seeds/offsets/top-k int64, explicit uniforms float64 (fp32 accepted
+temperature, top-p and min-p fp32, seeds/offsets/top-k int64, explicit uniforms float64 (fp32 accepted
 and widened), tokens int64 out; the acceptance test and the final draw's masses and cumulative
 sums compute in float64.
 """
@@ -54,7 +54,7 @@ class VerifyOutput(NamedTuple):
 class VerifyOutputWithLogprobs(NamedTuple):
     """``VerifyOutput`` and, with ``return_logprobs=True``, logprobs [B, K+1] fp32: the target
     log-probability of each emitted token under the row's warped distribution (temperature,
-    top-k, top-p; a greedy row's under softmax(logits), T = 1 and no warp), -inf in every slot
+    top-k, top-p, min-p; a greedy row's under softmax(logits), T = 1 and no warp), -inf in every slot
     that emits nothing."""
 
     tokens: torch.Tensor
@@ -187,11 +187,12 @@ class _Args(NamedTuple):
     seed: torch.Tensor  # [B] int64
     offset: torch.Tensor  # [B] int64
     uniforms: Optional[torch.Tensor]  # [B, K+1] float64
+    min_p: Optional[torch.Tensor] = None  # [B] fp32 (last: the fields before it keep their places)
 
 
 def _normalize(target_logits, draft_tokens, draft_probs, num_draft_tokens, temperature, top_k,
                top_p, seed, offset, uniforms, materialize: bool = True, target_is_probs: bool = False,
-               draft_logits=None) -> _Args:
+               draft_logits=None, min_p=None) -> _Args:
     """The arguments checked (errors name the argument, the expected and the actual value).
     With ``materialize`` every per-row parameter becomes a [B] tensor of the op's dtype; without,
     scalars stay Python scalars and tensors stay as given (the Triton launch reads both as they
@@ -227,8 +228,8 @@ def _normalize(target_logits, draft_tokens, draft_probs, num_draft_tokens, tempe
         kb = _per_row_spec("num_draft_tokens", num_draft_tokens, B, torch.int64, dev, int)
         if B > 0 and _range_fails(kb, lambda v: (v < 0) | (v > K)):
             raise ValueError(f"num_draft_tokens must be in [0, K] = [0, {K}], got {_listed(kb)}")
-    temp, top_k, top_p, seed, offset = _normalize_rows(B, K, dev, temperature, top_k, top_p, seed, offset, uniforms,
-                                                       target_is_probs)
+    temp, top_k, top_p, seed, offset, min_p = _normalize_rows(B, K, dev, temperature, top_k, top_p, seed, offset,
+                                                              uniforms, target_is_probs, min_p)
     if draft_probs is not None and not logits_q and K > 0 and B > 0 and _check_values(draft_probs) \
             and _range_fails(temp, lambda v: v != 0):
         # Read where the row reads q: sampled rows, j < K_b (a greedy row never reads q).
@@ -237,7 +238,7 @@ def _normalize(target_logits, draft_tokens, draft_probs, num_draft_tokens, tempe
         read = (torch.arange(K, device=dev)[None, :] < kb_t[:, None]) & sampled[:, None]  # [B, K]
         _check_draft_sums(draft_probs.reshape(B * K, -1), read.reshape(-1), lambda n: f"[{n // K}, {n % K}]",
                           lambda n: f"draft {n % K}")
-    a = _Args(target_logits, draft_tokens, draft_probs, kb, temp, top_k, top_p, seed, offset, uniforms)
+    a = _Args(target_logits, draft_tokens, draft_probs, kb, temp, top_k, top_p, seed, offset, uniforms, min_p)
     return _materialize(a) if materialize else a
 
 
@@ -271,9 +272,9 @@ def _draft_input(draft_probs, draft_logits):
 
 
 def _normalize_rows(B: int, K: int, dev: torch.device, temperature, top_k, top_p, seed, offset, uniforms,
-                    target_is_probs: bool):
-    """The per-row parameters checked (both layouts): (temperature, top_k, top_p, seed, offset)
-    as ``_per_row_spec`` keeps them; uniforms [B, K+1] checked in place."""
+                    target_is_probs: bool, min_p=None):
+    """The per-row parameters checked (both layouts): (temperature, top_k, top_p, seed, offset,
+    min_p) as ``_per_row_spec`` keeps them; uniforms [B, K+1] checked in place."""
     temp = _per_row_spec("temperature", temperature, B, torch.float32, dev, float)
     if B > 0 and _range_fails(temp, _not_finite_nonnegative):
         raise ValueError(f"temperature must be finite and >= 0 (0 = greedy), got {_listed(temperature)}")
@@ -285,7 +286,7 @@ def _normalize_rows(B: int, K: int, dev: torch.device, temperature, top_k, top_p
         if B > 0 and _range_fails(temp, lambda v: (v != 0) & (v != 1)):
             raise ValueError(f"temperature must be 0 (greedy) or 1 (sample the probabilities as given) with "
                              f"target_is_probs=True, got {_listed(temperature)}")
-        for pname, value in (("top_k", top_k), ("top_p", top_p)):
+        for pname, value in (("top_k", top_k), ("top_p", top_p), ("min_p", min_p)):
             if value is not None:
                 raise ValueError(f"{pname} must be None with target_is_probs=True (the probabilities are used as "
                                  f"given: apply the warp before taking them), got {_listed(value)}")
@@ -298,6 +299,11 @@ def _normalize_rows(B: int, K: int, dev: torch.device, temperature, top_k, top_p
         top_p = _per_row_spec("top_p", top_p, B, torch.float32, dev, float)
         if B > 0 and _range_fails(top_p, _outside_top_p_range):
             raise ValueError(f"top_p must be in (0, 1] (1 = off), got {_listed(top_p_in)}")
+    if min_p is not None:
+        min_p_in = min_p
+        min_p = _per_row_spec("min_p", min_p, B, torch.float32, dev, float)
+        if B > 0 and _range_fails(min_p, _outside_min_p_range):
+            raise ValueError(f"min_p must be in [0, 1] (0 = off), got {_listed(min_p_in)}")
     if seed is None:
         if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
             # Inside a CUDA graph a host draw would be frozen into every replay: draw on the device
@@ -315,7 +321,7 @@ def _normalize_rows(B: int, K: int, dev: torch.device, temperature, top_k, top_p
             if bool(out.any()):
                 b, j = (int(i) for i in out.nonzero()[0])
                 raise ValueError(f"uniforms must lie in [0, 1), got {uniforms[b, j].item()!r} at [{b}, {j}]")
-    return temp, top_k, top_p, seed, offset
+    return temp, top_k, top_p, seed, offset, min_p
 
 
 def _check_draft_sums(q: torch.Tensor, read: torch.Tensor, where, what) -> None:
@@ -345,10 +351,16 @@ def _outside_top_p_range(v):
     return not 0 < v <= 1  # NaN included
 
 
+def _outside_min_p_range(v):
+    if isinstance(v, torch.Tensor):
+        return ~((v >= 0) & (v <= 1))
+    return not 0 <= v <= 1  # NaN included
+
+
 def _materialize(a: _Args) -> _Args:
     """Checked arguments (scalars kept as given) as the [B] tensors of the op's dtypes that the
     torch path, the old kernel and the registered op take: num_draft_tokens, seed and offset
-    int64, temperature and top-p fp32, top-k int64, uniforms float64."""
+    int64, temperature, top-p and min-p fp32, top-k int64, uniforms float64."""
     B = a.target_logits.shape[0]
     dev = a.target_logits.device
     def t(v, dtype):
@@ -356,7 +368,7 @@ def _materialize(a: _Args) -> _Args:
     u = a.uniforms.to(torch.float64) if a.uniforms is not None else None  # the tests and the draw compute in float64
     return _Args(a.target_logits, a.draft_tokens, a.draft_probs, t(a.num_draft_tokens, torch.int64),
                  t(a.temperature, torch.float32), t(a.top_k, torch.int64), t(a.top_p, torch.float32),
-                 t(a.seed, torch.int64), t(a.offset, torch.int64), u)
+                 t(a.seed, torch.int64), t(a.offset, torch.int64), u, t(a.min_p, torch.float32))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -514,16 +526,17 @@ def _workspace(dev: torch.device) -> _Workspace:
 
 def _split_meta(V: int, K1: int, has_draft_probs: bool, has_top_k: bool, has_top_p: bool, has_uniforms: bool,
                 has_order: bool = False, packed: bool = False, probs: bool = False, logprobs: bool = False,
-                draft_logits: bool = False) -> dict:
+                draft_logits: bool = False, has_min_p: bool = False) -> dict:
     """The split kernel's compile-time parameters for V tokens and K + 1 = K1 positions: its
     constexprs, num_warps and enable_fp_fusion (pinned off, as ``_kernel_meta`` says).  The launch
     and the ahead-of-time compile check (``scripts/gpu_compile_check.py``) both take them here.
-    ``draft_logits``: the draft tensor holds logits (DRAFT_LOGITS; with has_draft_probs)."""
+    ``draft_logits``: the draft tensor holds logits (DRAFT_LOGITS; with has_draft_probs);
+    ``has_min_p``: a min_p argument was given (HAS_MIN_P)."""
     import triton
 
     chunk = max(16, min(triton.next_power_of_2(V), _CHUNK_V))
     nc = triton.cdiv(V, chunk)
-    return dict(HAS_DRAFT_PROBS=has_draft_probs, HAS_TOP_K=has_top_k, HAS_TOP_P=has_top_p,
+    return dict(HAS_DRAFT_PROBS=has_draft_probs, HAS_TOP_K=has_top_k, HAS_TOP_P=has_top_p, HAS_MIN_P=has_min_p,
                 HAS_UNIFORMS=has_uniforms, HAS_ORDER=has_order, PACKED=packed, PROBS=probs, LOGPROBS=logprobs,
                 DRAFT_LOGITS=bool(draft_logits and has_draft_probs), CHUNK=chunk, TILES=_TILES_PER_ITEM,
                 STAGES=_STAGES, NCB=triton.next_power_of_2(nc),
@@ -618,9 +631,10 @@ def _launch(a: _Args, lay: _Layout, order: Optional[torch.Tensor] = None,
     if B == 0:
         return tokens, num_accepted, logprobs
     x, u = a.draft_tokens, a.uniforms
-    warp = a.top_k is not None or a.top_p is not None
+    warp = a.top_k is not None or a.top_p is not None or a.min_p is not None
     meta = _split_meta(V, K1, q is not None, a.top_k is not None, a.top_p is not None, u is not None, order is not None,
-                       packed=packed, probs=lay.probs, logprobs=lay.logprobs, draft_logits=lay.draft_logits)
+                       packed=packed, probs=lay.probs, logprobs=lay.logprobs, draft_logits=lay.draft_logits,
+                       has_min_p=a.min_p is not None)
     nc = -(-V // meta["CHUNK"])
     sizes = _Workspace.sizes(B, K1, nc, _TOP_K_CAP if warp else 0, meta["DRAFT_LOGITS"])
     ws = _workspace(dev)
@@ -647,6 +661,7 @@ def _launch(a: _Args, lay: _Layout, order: Optional[torch.Tensor] = None,
     flags, t_p, t_s, t_v = _param_args(a.temperature, 2, dummy, flags)
     flags, k_p, k_s, k_v = _param_args(a.top_k, 4, dummy, flags)
     flags, p_p, p_s, p_v = _param_args(1.0 if a.top_p is None else a.top_p, 8, dummy, flags)
+    flags, mp_p, mp_s, mp_v = _param_args(0.0 if a.min_p is None else a.min_p, 64, dummy, flags)
     seed, seed_step = (a.seed.base, 1) if isinstance(a.seed, _RowSeeds) else (a.seed, 0)
     flags, s_p, s_s, s_v = _param_args(seed, 16, dummy, flags)
     flags, o_p, o_s, o_v = _param_args(a.offset, 32, dummy, flags)
@@ -670,7 +685,7 @@ def _launch(a: _Args, lay: _Layout, order: Optional[torch.Tensor] = None,
                 logits, *l_strides, x, *x_strides, q if q is not None else dummy, *q_strides, cu, cu_stride,
                 u if u is not None else dummy, u.stride(0) if u is not None else 0, u.stride(1) if u is not None else 0,
                 flags, nd_p, nd_s, nd_v, t_p, t_s, float(t_v), k_p, k_s, k_v, p_p, p_s, float(p_v),
-                s_p, s_s, s_v, o_p, o_s, o_v, seed_step,
+                mp_p, mp_s, float(mp_v), s_p, s_s, s_v, o_p, o_s, o_v, seed_step,
                 tokens, tokens.stride(0), tokens.stride(1), num_accepted, num_accepted.stride(0), lp, *lp_strides,
                 ws.counters, ws.part_f, ws.part_i, ws.cand, ws.mass, order if order is not None else dummy,
                 B, K, V, q.shape[-1] if q is not None else V, nc, grid,
@@ -803,7 +818,7 @@ def _verify_greedy(a: _Args) -> tuple[torch.Tensor, torch.Tensor]:
     if B * K1 <= _HOST_GREEDY_MAX and host_readable(logits):
         # (CPU only: reading device tensors on the host would be a sync per call)
         return _greedy_host(a, m, argmax, B, K, V)
-    _, bad_param, _ = _row_parameters(kb, a.temperature, a.top_k, a.top_p, K)
+    _, bad_param, _ = _row_parameters(kb, a.temperature, a.top_k, a.top_p, K, a.min_p)
     argmax = argmax.view(B, K1)  # [B, K+1]: first index of the maximum, as the reference
     bad_pos = ~torch.isfinite(m).view(B, K1)  # [B, K+1]
 
@@ -834,6 +849,7 @@ def _greedy_host(a: _Args, m: torch.Tensor, argmax: torch.Tensor, B: int, K: int
     fin = torch.isfinite(m).view(B, K1).tolist()  # usable position: a finite maximum
     top_k = a.top_k.tolist() if a.top_k is not None else None
     top_p = a.top_p.tolist() if a.top_p is not None else None
+    min_p = a.min_p.tolist() if a.min_p is not None else None
     tokens = [[-1] * K1 for _ in range(B)]
     num = [-1] * B
     for b in range(B):
@@ -843,6 +859,8 @@ def _greedy_host(a: _Args, m: torch.Tensor, argmax: torch.Tensor, B: int, K: int
             bad_param |= top_k[b] < 0
         if top_p is not None:
             bad_param |= not (top_p[b] > 0) or top_p[b] > 1
+        if min_p is not None:
+            bad_param |= not (min_p[b] >= 0) or min_p[b] > 1
         xb, ab, fb = x[b], am[b], fin[b]
         bad_x = [not 0 <= v < V for v in xb]
         j = 0
@@ -866,7 +884,7 @@ def _verify_untruncated(a: _Args, u: torch.Tensor) -> tuple[torch.Tensor, torch.
 
 
 def _verify_warped(a: _Args, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``verify_reference`` with top-k / top-p rows (``_verify_sampled``)."""
+    """``verify_reference`` with top-k / top-p / min-p rows (``_verify_sampled``)."""
     return _verify_sampled(a, u, warped=True)
 
 
@@ -885,21 +903,22 @@ def _verify_sampled(a: _Args, u: torch.Tensor, warped: bool) -> tuple[torch.Tens
 
     With a warp (``warped``), the keep mask is the reference's own ``warp_logits`` (through
     NumPy's sort), and e is zeroed outside it, as the reference's ``where``.  The maximum stays
-    the unmasked one: top-k keeps every token >= the k-th largest and top-p at least the most
-    likely ones, so at a usable position (no NaN or +inf, not all -inf) the maximum is kept and
-    the masked maximum is the same number; at an unusable position the row is invalid as soon as
-    the position is reached, and its values are never read.  The reference's scans for unusable
-    positions are over the unmasked s too.
+    the unmasked one: top-k keeps every token >= the k-th largest, top-p at least the most
+    likely ones and min-p every token >= fl32(m + ln(min_p)) <= m, so at a usable position (no
+    NaN or +inf, not all -inf) the maximum is kept and the masked maximum is the same number; at
+    an unusable position the row is invalid as soon as the position is reached, and its values
+    are never read.  The reference's scans for unusable positions are over the unmasked s too.
     """
     logits = a.target_logits
     B, K1, V = logits.shape
     K = K1 - 1
     kb = a.num_draft_tokens.to(torch.int64)
-    greedy, bad_param, inv_t = _row_parameters(kb, a.temperature, a.top_k, a.top_p, K)
+    greedy, bad_param, inv_t = _row_parameters(kb, a.temperature, a.top_k, a.top_p, K, a.min_p)
     keep = None
     if warped:
         s, keep = warp_logits(logits, inv_t[:, None].expand(B, K1), _per_position(a.top_k, K1),
-                              _per_position(a.top_p, K1), sort_descending_cpu)  # s fresh, keep [B, K+1, V] bool
+                              _per_position(a.top_p, K1), sort_descending_cpu,
+                              min_p=_per_position(a.min_p, K1))  # s fresh, keep [B, K+1, V] bool
     else:
         s = logits.float() * inv_t[:, None].expand(B, K1)[..., None]  # [B, K+1, V], as warp_logits
     m, argmax = _max_and_first_argmax(s.reshape(B * K1, V))  # a copy only for permuted logits
@@ -1012,20 +1031,23 @@ def _run_torch(a: _Args) -> tuple[torch.Tensor, torch.Tensor]:
     u = _uniforms(a, K)
     if a.target_logits.shape[0] == 0:
         return verify_reference(a.target_logits, a.draft_tokens, a.draft_probs, a.num_draft_tokens,
-                                a.temperature, a.top_k, a.top_p, u)
-    if a.top_k is None and a.top_p is None:
+                                a.temperature, a.top_k, a.top_p, u, min_p=a.min_p)
+    if a.top_k is None and a.top_p is None and a.min_p is None:
         return _verify_untruncated(a, u)
     return _verify_warped(a, u)
 
 
 def _verify_impl(target_logits, draft_tokens, draft_probs, num_draft_tokens, temperature, top_k,
-                 top_p, seed, offset, uniforms, backend: str,
+                 top_p, seed, offset, uniforms, min_p, backend: str,
                  local_workspace: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     a = _Args(target_logits, draft_tokens, draft_probs, num_draft_tokens, temperature, top_k, top_p,
-              seed, offset, uniforms)
+              seed, offset, uniforms, min_p)
     resolved = _resolve_backend(backend, target_logits.device)
     if resolved == "triton":
         return _launch_triton(a, local_workspace=local_workspace)
+    if resolved == "_triton_rows" and min_p is not None:
+        raise NotImplementedError("backend '_triton_rows' does not take min_p (the one-program-per-row kernel "
+                                  "warps with top-k/top-p only): use backend 'triton' or 'torch'")
     a = _materialize(a)
     if resolved == "_triton_rows":
         return _launch_rows(a)
@@ -1065,7 +1087,7 @@ def _run_torch_layout(a: _Args, lay: _Layout):
         if lay.draft_logits and a.draft_probs is not None:
             # q = softmax(l / T) with each row's 1 / T (the reference's own function: a mutant of
             # it reaches this path too), then the draft_probs computation
-            _, _, inv_t = _row_parameters(a.num_draft_tokens, a.temperature, a.top_k, a.top_p, lay.K)
+            _, _, inv_t = _row_parameters(a.num_draft_tokens, a.temperature, a.top_k, a.top_p, lay.K, a.min_p)
             a = a._replace(draft_probs=_ref.draft_softmax(a.draft_probs, inv_t))
         if lay.probs:
             u = _uniforms(a, lay.K)
@@ -1076,7 +1098,8 @@ def _run_torch_layout(a: _Args, lay: _Layout):
         lp = None
         if lay.logprobs:
             lp = _ref.emitted_logprobs(a.target_logits, tokens, num, a.temperature, a.top_k, a.top_p,
-                                       target_is_probs=lay.probs, sort_descending=sort_descending_cpu)
+                                       target_is_probs=lay.probs, sort_descending=sort_descending_cpu,
+                                       min_p=a.min_p)
     if lay.out is None:
         return tokens, num, lp
     outs = (tokens, num, lp)[:len(lay.out)]
@@ -1092,6 +1115,9 @@ def _verify_layout(a: _Args, lay: _Layout, backend: str):
         raise NotImplementedError("fused_verify_packed, and fused_verify with draft_logits, target_is_probs, out= or "
                                   "return_logprobs, are eager ops: call them outside torch.compile")
     resolved = _resolve_backend(backend, a.target_logits.device)
+    if resolved == "_triton_rows" and a.min_p is not None:
+        raise NotImplementedError("backend '_triton_rows' does not take min_p (the one-program-per-row kernel "
+                                  "warps with top-k/top-p only): use backend 'triton' or 'torch'")
     if resolved == "_triton_rows" and lay.draft_logits:
         raise NotImplementedError("backend '_triton_rows' does not take draft_logits (the one-program-per-row kernel "
                                   "reads draft probabilities only): use backend 'triton' or 'torch', or pass "
@@ -1109,14 +1135,14 @@ def _verify_layout(a: _Args, lay: _Layout, backend: str):
 
 
 def _verify_checked(target_logits, draft_tokens, draft_probs, num_draft_tokens, temperature, top_k, top_p,
-                    seed, offset, uniforms=None, backend: str = "auto") -> VerifyOutput:
+                    seed, offset, uniforms=None, min_p=None, backend: str = "auto") -> VerifyOutput:
     """``fused_verify`` from arguments that are already what ``_normalize`` returns ([B] tensors
     of its dtypes on the logits' device, in range), without the per-call checks: the tail of
     ``fused_verify``, and ``SpeculativeDecoder``'s entry (it checks its parameters once per
     ``generate``; inside its CPU loop the checks cost about 0.2 ms a step, Zen 5 VM, 1 thread,
     B = 1, about 1% of a step of the embedded target).  The same computation either way."""
     a = _Args(target_logits, draft_tokens, draft_probs, num_draft_tokens, temperature, top_k, top_p, seed, offset,
-              uniforms)
+              uniforms, min_p)
     if torch.compiler.is_compiling():
         fn, a = _fused_verify_op, _materialize(a)  # the registered op's schema takes [B] tensors
     else:
@@ -1139,15 +1165,16 @@ def _fused_verify_op(
     seed: torch.Tensor,
     offset: torch.Tensor,
     uniforms: Optional[torch.Tensor],
+    min_p: Optional[torch.Tensor],
     backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return _verify_impl(target_logits, draft_tokens, draft_probs, num_draft_tokens, temperature,
-                        top_k, top_p, seed, offset, uniforms, backend, local_workspace=True)
+                        top_k, top_p, seed, offset, uniforms, min_p, backend, local_workspace=True)
 
 
 @_fused_verify_op.register_fake
 def _(target_logits, draft_tokens, draft_probs, num_draft_tokens, temperature, top_k, top_p, seed,
-      offset, uniforms, backend):
+      offset, uniforms, min_p, backend):
     B, K1, _ = target_logits.shape
     return (target_logits.new_empty((B, K1), dtype=torch.int64),
             target_logits.new_empty((B,), dtype=torch.int64))
@@ -1173,6 +1200,7 @@ def fused_verify(
     temperature=1.0,  # float or [B]: 0 = greedy verification for that row, else >= 2^-126
     top_k=None,  # None, int or [B] int (0 = off)
     top_p=None,  # None, float or [B] (1.0 = off)
+    min_p=None,  # None, float or [B] in [0, 1] (0 = off): keep p(v) >= min_p * max p, after top-k/top-p
     seed=None,  # None (torch's default generator), int, or [B] int64
     offset=0,  # int or [B] int64: a step counter (its low 32 bits enter Philox's counter)
     uniforms: Optional[torch.Tensor] = None,  # [B, K+1] float64 (or fp32) in [0, 1): explicit random numbers
@@ -1184,10 +1212,15 @@ def fused_verify(
     """Verify K drafted tokens against the target in one step (Leviathan et al. 2023; Chen et al. 2023).
 
     For each row b and verify position i, p_i = softmax(warp(target_logits[b, i] / T)), where the
-    warp is top-k then top-p.  Draft x_i is *accepted* with probability min(1, p_i(x_i)/q_i(x_i))
-    (as ``u_i * q_i(x_i) < p_i(x_i)``, no division).  At the first rejection the *recovered*
-    token is drawn from the residual norm(max(0, p_i - q_i)) (from p_i if that sums to zero in
-    floating point); if all K_b drafts are accepted, the *bonus* token is drawn from p_{K_b}.
+    warp is top-k, then top-p, then min-p (transformers' order in ``generate``: temperature,
+    top-k, top-p, min-p; ``reference.warp_logits`` defines each).  min-p keeps token v iff
+    s_v >= fl32(m + fl32(ln min_p)), s = logits / T and m = max s: p(v) >= min_p * max p with
+    ties kept or dropped together (min_p = 1 keeps the argmax and its ties, 0 is off; the log is
+    ``reference.min_p_log``'s, the same bits on every backend).  Draft x_i is *accepted* with
+    probability min(1, p_i(x_i)/q_i(x_i)) (as ``u_i * q_i(x_i) < p_i(x_i)``, no division).  At
+    the first rejection the *recovered* token is drawn from the residual norm(max(0, p_i - q_i))
+    (from p_i if that sums to zero in floating point); if all K_b drafts are accepted, the
+    *bonus* token is drawn from p_{K_b}.
     Rows with temperature 0 are verified greedily: accept while x_i == argmax p_i, then emit the
     argmax.  The emitted tokens are distributed exactly as sampling from the target alone.
 
@@ -1204,7 +1237,7 @@ def fused_verify(
     a NaN/inf/negative draft probability or a draft id outside [0, V) at a position it reads
     gets ``num_accepted = -1`` and ``tokens = -1``.  Shapes, dtypes, devices
     and scalar arguments are checked here and raise ValueError/TypeError; tensor-valued
-    parameters (num_draft_tokens, temperature, top_k, top_p) are range-checked on CPU, where
+    parameters (num_draft_tokens, temperature, top_k, top_p, min_p) are range-checked on CPU, where
     that is free; on CUDA an out-of-range value marks its row invalid instead (no host sync).
     Each ``draft_probs[b, j]`` a row reads must sum to 1 (checked on CPU to within 1e-2; not on
     CUDA, where a q that does not sum to 1 biases the output, as in every rejection sampler).
@@ -1212,7 +1245,7 @@ def fused_verify(
 
     ``target_is_probs=True``: ``target_logits`` holds the target's probabilities (already
     warped, as FlashInfer's and SGLang's pipelines hold them): p_i = target_logits[b, i] / its
-    sum, no temperature or warp applied again (top_k and top_p must be None; temperature 0 verifies
+    sum, no temperature or warp applied again (top_k, top_p and min_p must be None; temperature 0 verifies
     the row greedily against the argmax of p, 1 samples); a position with a NaN, inf or negative
     entry, or none positive, makes its row invalid.
     ``out=``: preallocated outputs written in place (no allocation: capturable in a CUDA graph);
@@ -1224,7 +1257,7 @@ def fused_verify(
     ``draft_logits=``: the draft's raw logits [B, K, Vd] (fp32, bf16 or fp16, Vd <= V) in place of
     ``draft_probs`` (passing both is a ValueError): q_i = softmax(draft_logits[b, i] / T), T the
     row's own temperature (the target's), computed in the kernel at the positions it reads, in
-    fp32 as the target's softmax.  No top-k or top-p is applied to q: q must be the law the draft
+    fp32 as the target's softmax.  No top-k, top-p or min-p is applied to q: q must be the law the draft
     sampled from, so a draft that sampled with its own warp must pass its warped probabilities as
     ``draft_probs``.  Greedy rows ignore q.  A draft position whose logits hold a NaN or a +inf
     (after the scaling by 1 / T), or no finite one, has no distribution: q is taken as NaN
@@ -1240,6 +1273,8 @@ def fused_verify(
         raise ValueError(f"top_k must be >= 0 (0 = off), got {top_k}")
     if isinstance(top_p, float) and not 0.0 < top_p <= 1.0:
         raise ValueError(f"top_p must be in (0, 1] (1 = off), got {top_p}")
+    if isinstance(min_p, float) and not 0.0 <= min_p <= 1.0:
+        raise ValueError(f"min_p must be in [0, 1] (0 = off), got {min_p}")
     if isinstance(num_draft_tokens, int) and isinstance(target_logits, torch.Tensor) and target_logits.dim() == 3:
         K = target_logits.shape[1] - 1
         if not 0 <= num_draft_tokens <= K:
@@ -1248,7 +1283,7 @@ def fused_verify(
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
     a = _normalize(target_logits, draft_tokens, draft_probs, num_draft_tokens, temperature, top_k,
                    top_p, seed, offset, uniforms, materialize=False, target_is_probs=bool(target_is_probs),
-                   draft_logits=draft_logits)
+                   draft_logits=draft_logits, min_p=min_p)
     if target_is_probs or out is not None or return_logprobs or draft_logits is not None:
         B, K1, _ = target_logits.shape
         if out is not None:
@@ -1260,7 +1295,8 @@ def fused_verify(
 
 
 def _normalize_packed(logits, draft_tokens, cu, draft_probs, max_num_draft_tokens, temperature, top_k, top_p,
-                      seed, offset, uniforms, target_is_probs: bool, draft_logits=None) -> tuple[_Args, int, int]:
+                      seed, offset, uniforms, target_is_probs: bool, draft_logits=None,
+                      min_p=None) -> tuple[_Args, int, int]:
     """``fused_verify_packed``'s arguments checked: (args, B, K = max_b K_b); ``draft_logits`` as
     in ``_normalize`` (returned in the draft_probs field)."""
     draft_probs, logits_q = _draft_input(draft_probs, draft_logits)
@@ -1308,15 +1344,15 @@ def _normalize_packed(logits, draft_tokens, cu, draft_probs, max_num_draft_token
         K = max_num_draft_tokens  # a row with more drafts is marked invalid in the kernel
     else:
         K = int((cu[1:] - cu[:-1]).max()) if B else 0  # a host sync: pass max_num_draft_tokens to avoid it
-    temp, top_k, top_p, seed, offset = _normalize_rows(B, K, dev, temperature, top_k, top_p, seed, offset, uniforms,
-                                                       target_is_probs)
+    temp, top_k, top_p, seed, offset, min_p = _normalize_rows(B, K, dev, temperature, top_k, top_p, seed, offset,
+                                                              uniforms, target_is_probs, min_p)
     if draft_probs is not None and not logits_q and nd and kb is not None and _check_values(draft_probs) \
             and _range_fails(temp, lambda v: v != 0):
         row = torch.repeat_interleave(torch.arange(B, device=dev), torch.tensor(kb, device=dev))  # [nd]
         sampled = _as_tensor(temp, B, torch.float32, dev) != 0
         _check_draft_sums(draft_probs, sampled[row], lambda n: f"[{n}]",
                           lambda n: f"draft {n - c[int(row[n])]} of row {int(row[n])}")
-    a = _Args(logits, draft_tokens, draft_probs, None, temp, top_k, top_p, seed, offset, uniforms)
+    a = _Args(logits, draft_tokens, draft_probs, None, temp, top_k, top_p, seed, offset, uniforms, min_p)
     return a, B, K
 
 
@@ -1331,6 +1367,7 @@ def fused_verify_packed(
     temperature=1.0,
     top_k=None,
     top_p=None,
+    min_p=None,
     seed=None,
     offset=0,
     uniforms: Optional[torch.Tensor] = None,  # [B, K+1], K = max_num_draft_tokens
@@ -1359,7 +1396,7 @@ def fused_verify_packed(
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
     a, B, K = _normalize_packed(logits, draft_tokens, cu_num_draft_tokens, draft_probs, max_num_draft_tokens,
                                 temperature, top_k, top_p, seed, offset, uniforms, bool(target_is_probs),
-                                draft_logits=draft_logits)
+                                draft_logits=draft_logits, min_p=min_p)
     if out is not None:
         out = _check_out(out, B, K + 1, logits.device, bool(return_logprobs))
     lay = _Layout(B, K, cu_num_draft_tokens, bool(target_is_probs), bool(return_logprobs), out,
