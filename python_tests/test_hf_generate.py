@@ -470,10 +470,10 @@ _REFUSED_FIELDS = [
     ("begin_suppress_tokens", [4]), ("exponential_decay_length_penalty", (2, 1.1)), ("remove_invalid_values", True),
     ("guidance_scale", 1.5), ("output_scores", True), ("output_logits", True), ("output_attentions", True),
     ("output_hidden_states", True), ("cache_implementation", "static"), ("prefill_chunk_size", 4),
-    ("assistant_early_exit", 1), ("assistant_ensemble_weight", 0.5), ("use_mtp", True), ("min_p", 0.1), ("top_h", 0.5), ("typical_p", 0.5),
+    ("assistant_early_exit", 1), ("assistant_ensemble_weight", 0.5), ("use_mtp", True), ("top_h", 0.5), ("typical_p", 0.5),
     ("epsilon_cutoff", 0.01), ("eta_cutoff", 0.01), ("max_cache_len", 64),
 ]
-_SAMPLING_ONLY = ("min_p", "top_h", "typical_p", "epsilon_cutoff", "eta_cutoff")
+_SAMPLING_ONLY = ("top_h", "typical_p", "epsilon_cutoff", "eta_cutoff")
 
 
 @pytest.mark.parametrize("field,value", _REFUSED_FIELDS)
@@ -520,7 +520,7 @@ def test_refused_processors_arguments_and_calls_are_named(pair, chars):
     kw = dict(max_new_tokens=4, pad_token_id=PAD)
     with pytest.raises(ValueError, match="logits_processor _Bias is not supported"):
         _hook(target, ids, logits_processor=LogitsProcessorList([_Bias()]), assistant_model=draft, **kw)
-    with pytest.raises(ValueError, match="in the order temperature, top-k, top-p, got TopKLogitsWarper, "
+    with pytest.raises(ValueError, match="in the order temperature, top-k, top-p, min-p, got TopKLogitsWarper, "
                                          "TemperatureLogitsWarper"):
         _hook(target, ids, do_sample=True, temperature=0.5, top_k=0,
               logits_processor=LogitsProcessorList([TopKLogitsWarper(5)]), assistant_model=draft, **kw)

@@ -56,7 +56,8 @@ def vocab_mismatch(a: dict, b: dict) -> Optional[str]:
 
 
 def check_generate_args(max_new_tokens, num_draft_tokens, temperature, top_k, top_p, stop, max_draft_tokens,
-                        draft_confidence, *, drafter: str, has_draft: bool, has_tokenizer: bool) -> tuple:
+                        draft_confidence, *, drafter: str, has_draft: bool, has_tokenizer: bool,
+                        min_p=None) -> tuple:
     """``generate``'s scalar arguments checked, in this order (each error names the argument,
     what it must be and what it got): returns (k_max, the stop strings as a list).
     ``has_draft``: a draft network gives probabilities (``draft_confidence`` needs them)."""
@@ -98,6 +99,11 @@ def check_generate_args(max_new_tokens, num_draft_tokens, temperature, top_k, to
             raise TypeError(f"top_p must be a float or None, got {type(top_p).__name__}")
         if not 0.0 < top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1] (1 = off), got {top_p}")
+    if min_p is not None:
+        if isinstance(min_p, bool) or not isinstance(min_p, (int, float)):
+            raise TypeError(f"min_p must be a float in [0, 1] or None, got {type(min_p).__name__}")
+        if not 0.0 <= min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1] (0 = off), got {min_p}")
     if stop is None:
         stop = []
     elif isinstance(stop, str):

@@ -111,6 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep the k most likely tokens, and any tied with the k-th (default: off)")
     g.add_argument("--top-p", type=float, default=None,
                    help="keep the smallest set of most likely tokens reaching this mass (default: off)")
+    g.add_argument("--min-p", type=float, default=None,
+                   help="keep the tokens at least this fraction as likely as the most likely one, after "
+                        "--top-k/--top-p (default: off)")
     g.add_argument("--seed", type=int, default=0, help="prompt p samples with seed + p (default 0)")
     g.add_argument("--max-new-tokens", type=int, default=64, help="per prompt (default 64)")
     g.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
@@ -146,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
 # generate()'s argument names as the flags that set them, for the errors it raises
 _FLAGS = {"max_new_tokens": "--max-new-tokens", "num_draft_tokens": "-k", "max_draft_tokens": "--max-draft-tokens",
           "draft_confidence": "--draft-confidence", "temperature": "--temperature", "top_k": "--top-k",
-          "top_p": "--top-p", "seed": "--seed", "stop strings": "--stop", "dtype": "--dtype", "device": "--device",
+          "top_p": "--top-p", "min_p": "--min-p", "seed": "--seed", "stop strings": "--stop", "dtype": "--dtype", "device": "--device",
           "draft_vocab": "--draft-vocab"}
 
 
@@ -177,7 +180,7 @@ def _check_early(args, parser) -> None:
     try:
         check_generate_args(args.max_new_tokens, args.num_draft_tokens, args.temperature, args.top_k, args.top_p,
                             args.stop, args.max_draft_tokens, args.draft_confidence, drafter=drafter,
-                            has_draft=drafter != "prompt_lookup", has_tokenizer=True)
+                            has_draft=drafter != "prompt_lookup", has_tokenizer=True, min_p=args.min_p)
         row_seeds(args.seed, len(args.prompts))
         resolve_dtype(args.dtype)
         resolve_device(args.device)
@@ -353,7 +356,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             parser.generate_parser.error(str(e))
     progress = not args.no_progress and len(prompts) * args.max_new_tokens >= 256
     common = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                  top_p=args.top_p, seed=args.seed, stop=args.stop)
+                  top_p=args.top_p, min_p=args.min_p, seed=args.seed, stop=args.stop)
     try:
         res, base_runs, runs, same = _decode(dec, inputs, args, common, progress)
     except (ValueError, TypeError) as e:

@@ -198,6 +198,7 @@ class _State:
     streamer: Any = None  # transformers' BaseStreamer (batch 1): each step's emitted tokens
     criteria: Any = None  # hf_args.RowCriteria: (prompt, generated, new) -> new tokens kept, or None
     procs: Any = None  # logits_procs.VerifyProcessors: the verify logits' sequence processors, or None
+    min_p: Optional[float] = None  # min-p after top-k/top-p (None: off, or a greedy run)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -485,6 +486,7 @@ class SpeculativeDecoder:
         stop: Union[str, Sequence[str], None] = None,
         verbose: Union[bool, TextIO] = False,
         *,
+        min_p: Optional[float] = None,
         input_ids: Optional[torch.Tensor] = None,
         attention_mask: Optional[torch.Tensor] = None,
         generation_config: Any = None,
@@ -516,6 +518,9 @@ class SpeculativeDecoder:
         per verified length K + 1 (see ``stats.StatsRecorder``); with a draft model or a feature
         draft it may also pick K = 0 (a step of the target alone, no draft forward).
         temperature 0 is greedy; top_k/top_p warp the target (and the draft) before sampling.
+        min_p (a float in [0, 1], None or 0 = off): after top_k/top_p, keep the tokens whose
+        probability is >= min_p times the largest one (transformers' ``MinPLogitsWarper``); no
+        effect when greedy.
         seed: row p uses ``seed + p`` (or ``seed[p]``); None draws one.
         stop: strings that end a row once its generated text contains one (the tokens up to
         the one that completed it are kept).  Rows also stop at EOS (kept), after
@@ -558,9 +563,9 @@ class SpeculativeDecoder:
         """
         args, streamer, criteria, procs = decoder_arguments(self, locals(), _GENERATE_DEFAULTS)
         prompts, max_new_tokens, num_draft_tokens, temperature, top_k, top_p, stop, eos_token_id, \
-            max_draft_tokens, draft_confidence = (args[k] for k in (
+            max_draft_tokens, draft_confidence, min_p = (args[k] for k in (
                 "prompts", "max_new_tokens", "num_draft_tokens", "temperature", "top_k", "top_p", "stop",
-                "eos_token_id", "max_draft_tokens", "draft_confidence"))
+                "eos_token_id", "max_draft_tokens", "draft_confidence", "min_p"))
         baseline_tokens_per_s, target_step_s = as_float(baseline_tokens_per_s), as_float(target_step_s)
         for name, v in (("baseline_tokens_per_s", baseline_tokens_per_s), ("target_step_s", target_step_s)):
             if v is not None:
@@ -570,7 +575,7 @@ class SpeculativeDecoder:
                     raise ValueError(f"{name} must be finite and > 0, got {v}")
         st = self._start(prompts, max_new_tokens, num_draft_tokens, temperature, top_k, top_p, seed, stop,
                          verbose, attention_mask, max_draft_tokens, eos_token_id, progress, target_only=False,
-                         draft_confidence=draft_confidence)
+                         draft_confidence=draft_confidence, min_p=min_p)
         check_streamer(streamer, len(st.seqs))
         st.streamer, st.criteria, st.procs = streamer, criteria, procs
         if streamer is not None:
@@ -590,26 +595,29 @@ class SpeculativeDecoder:
                              top_k: Optional[int] = None, top_p: Optional[float] = None,
                              seed: Union[int, Sequence[int], None] = 0, stop=None, *,
                              attention_mask: Optional[torch.Tensor] = None,
-                             eos_token_id=None, progress: bool = False) -> GenerationResult:
+                             eos_token_id=None, progress: bool = False,
+                             min_p: Optional[float] = None) -> GenerationResult:
         """The baseline: the target alone, one token per forward, through the same cache
         handling and sampler (so greedy output is identical to ``generate``'s).  Its
         ``stats.tokens_per_s`` is what ``generate(baseline_tokens_per_s=...)`` compares to."""
         st = self._start(prompts, max_new_tokens, 1, temperature, top_k, top_p, seed, stop, False,
-                         attention_mask, 1, eos_token_id, progress, target_only=True)
+                         attention_mask, 1, eos_token_id, progress, target_only=True, min_p=min_p)
         return self._decode(st)
 
     # -- the loop -----------------------------------------------------------------------------
     def _start(self, prompts, max_new_tokens, num_draft_tokens, temperature, top_k, top_p, seed, stop,
                verbose, attention_mask, max_draft_tokens, eos_token_id, progress, target_only,
-               draft_confidence: float = 0.0) -> _State:
+               draft_confidence: float = 0.0, min_p: Optional[float] = None) -> _State:
         """Validate everything, encode, allocate the state (no model work yet)."""
         # NumPy (or other Integral / Real) scalars as Python ones; anything else is refused below
         max_new_tokens, num_draft_tokens, top_k, max_draft_tokens = (
             as_int(v) for v in (max_new_tokens, num_draft_tokens, top_k, max_draft_tokens))
-        temperature, top_p, draft_confidence = (as_float(v) for v in (temperature, top_p, draft_confidence))
+        temperature, top_p, draft_confidence, min_p = (as_float(v) for v in (temperature, top_p, draft_confidence,
+                                                                             min_p))
         k_max, stop = check_generate_args(max_new_tokens, num_draft_tokens, temperature, top_k, top_p, stop,
                                           max_draft_tokens, draft_confidence, drafter=self.drafter,
-                                          has_draft=self._d is not None, has_tokenizer=self.tokenizer is not None)
+                                          has_draft=self._d is not None, has_tokenizer=self.tokenizer is not None,
+                                          min_p=min_p)
         rows = encode_prompts(prompts, attention_mask, self.tokenizer, self._t.vocab_size)
         context = check_context(rows, (self._t,))  # the target's: a draft's shorter one only stops drafting
         draft_context = None if (target_only or self._d is None) else self._d.context
@@ -643,6 +651,8 @@ class SpeculativeDecoder:
             generated=[[] for _ in rows], finish=[None] * B,
             k=num_draft_tokens, k_max=k_max, temperature=float(temperature), top_k=top_k,
             top_p=None if top_p is None else float(top_p), eos=eos,
+            # min_p: None when off (0) or greedy (the verify call then skips it)
+            min_p=None if not min_p or temperature == 0 else float(min_p),
             stop=stop,
             max_new=max_new_tokens, context=context, target_only=target_only,
             # K = 0 steps run no draft forward (see _step)
@@ -730,13 +740,13 @@ class SpeculativeDecoder:
 
     @staticmethod
     def _row_params(st: _State, B: int) -> tuple:
-        """(temperature [B] fp32, top_k [B] int64 or None, top_p [B] fp32 or None) for
-        ``fused_verify``, made once per batch size (rows drop out as they finish)."""
+        """(temperature [B] fp32, top_k [B] int64 or None, top_p [B] fp32 or None, min_p [B] fp32 or
+        None) for ``fused_verify``, made once per batch size (rows drop out as they finish)."""
         got = st.row_params.get(B)
         if got is None:
             full = lambda v, dt: None if v is None else torch.full((B,), v, dtype=dt, device=st.device)
             got = st.row_params[B] = (full(st.temperature, torch.float32), full(st.top_k, torch.int64),
-                                      full(st.top_p, torch.float32))
+                                      full(st.top_p, torch.float32), full(st.min_p, torch.float32))
         return got
 
     def _step(self, st: _State) -> None:
@@ -803,8 +813,9 @@ class SpeculativeDecoder:
             logits = st.procs(logits, X, kb.tolist(), st.rows, st.generated)
         # fused_verify's computation without its per-call argument checks (generate checked
         # the parameters; the tensors below are built here in its dtypes and shapes)
-        temp, top_k, top_p = self._row_params(st, B)
-        out = _verify_checked(logits, X, Q, kb, temp, top_k, top_p, st.seed, st.step, backend=self.verify_backend)
+        temp, top_k, top_p, min_p = self._row_params(st, B)
+        out = _verify_checked(logits, X, Q, kb, temp, top_k, top_p, st.seed, st.step, min_p=min_p,
+                              backend=self.verify_backend)
         n = out.num_accepted  # [B] int64 in [-1, K_b]
         # On CUDA the mark goes before the sync, which then guarantees that the event has
         # completed (elapsed_time raises on one that has not).

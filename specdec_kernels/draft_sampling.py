@@ -38,6 +38,8 @@ def warp_probs(
     temperature: Union[float, torch.Tensor],  # float or [...]: 0 = greedy
     top_k: Union[int, torch.Tensor, None] = None,  # int or [...]: 0 or >= V = off
     top_p: Union[float, torch.Tensor, None] = None,  # float or [...]: 1.0 = off
+    *,
+    min_p: Union[float, torch.Tensor, None] = None,  # float or [...] in [0, 1]: 0 = off
 ) -> torch.Tensor:
     """The distribution a row samples from: [..., V] fp32, rows sum to 1.
 
@@ -45,6 +47,8 @@ def warp_probs(
     largest s (ties at the boundary all kept).  top-p then keeps token v iff the probability
     mass, renormalised over the top-k set, of the tokens with s strictly greater than s_v is
     < top_p (the smallest set of most likely tokens reaching top_p, ties kept together).
+    min-p then keeps token v iff s_v >= fl32(m + fl32(ln min_p)), m the largest s
+    (``reference.min_p_threshold``, the verifier's rule).
     p = exp(s - max) over the kept tokens, normalised.  Temperature 0 is greedy: one-hot at
     the argmax of the logits (the lowest index on ties).  These are the verifier's semantics.
     """
@@ -74,6 +78,14 @@ def warp_probs(
             n_keep = (before < p_lim[..., None] * csum[..., -1:]).sum(-1, keepdim=True)  # >= 1
             cut = s_sorted.gather(-1, (n_keep - 1).clamp(min=0))  # smallest kept value; ties kept
             keep = keep & ((p_lim >= 1.0)[..., None] | (s >= cut))
+    if min_p is not None:
+        from .reference import min_p_threshold
+
+        mp = _per_row_param(min_p, bshape, torch.float32, s0.device)  # [...]
+        m = s.amax(-1)  # [...]: the maximum is in every kept set
+        active = (mp > 0) & (mp <= 1) & torch.isfinite(m)
+        T = min_p_threshold(m, mp.masked_fill(~active, 1.0))
+        keep = keep & (~active[..., None] | (s >= T[..., None]))
     m = s.masked_fill(~keep, float("-inf")).amax(-1, keepdim=True)
     e = torch.where(keep, torch.exp(s - m), 0.0)
     probs = e / e.sum(-1, keepdim=True)

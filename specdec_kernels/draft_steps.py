@@ -91,7 +91,7 @@ class _Drafts:
             if self.cum is not None:  # the draft's own probability of its argmax
                 self.cum = self.cum * torch.softmax(logits.float(), -1).gather(1, x[:, None])[:, 0]
         else:
-            q = warp_probs(logits, st.temperature, st.top_k, st.top_p)  # [B, Vd] (or [B, N]) fp32
+            q = warp_probs(logits, st.temperature, st.top_k, st.top_p, min_p=st.min_p)  # [B, Vd] (or [B, N]) fp32
             x = _sample_inverse_cdf(q, self.u[:, j])
             if self.cum is not None:
                 self.cum = self.cum * q.gather(1, x[:, None])[:, 0]

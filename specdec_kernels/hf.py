@@ -44,8 +44,9 @@ field                                  here
 max_new_tokens, max_length             the budget of new tokens (max_length - T, T the input
                                        width; hf: from transformers' ``MaxLengthCriteria``)
 do_sample                              False: greedy; True: sampling at the fields below
-temperature, top_k, top_p              the verifier's warp (hf: read from transformers'
-                                       ``Temperature/TopK/TopPLogitsWarper``, in that order)
+temperature, top_k, top_p, min_p      the verifier's warp (hf: read from transformers'
+                                       ``Temperature/TopK/TopP/MinPLogitsWarper``, in that
+                                       order; min-p's min_tokens_to_keep must be 1)
 eos_token_id                           the EOS set (hf: from ``EosTokenCriteria``); the EOS is kept
 pad_token_id                           fills ended rows (hf, needed when B > 1); decoder: no effect
 stop_strings                           decoder: transformers' ``StopStringCriteria``, per token;
@@ -66,7 +67,7 @@ low_memory                             transformers' greedy and sampling modes
 assistant_lookbehind,                  for drafts over another tokenizer: no effect (draft and
 target_lookbehind, is_assistant        target share one vocabulary; is_assistant: internal)
 compile_config, disable_compile        for static caches (refused): no effect
-min_p, top_h, typical_p,               refused with do_sample=True (ValueError naming the field);
+top_h, typical_p,                      refused with do_sample=True (ValueError naming the field);
 epsilon_cutoff, eta_cutoff             no effect when greedy, as in transformers
 num_beams > 1, num_beam_groups > 1,    refused (ValueError naming the field): beam, group beam,
 diversity_penalty, penalty_alpha,      contrastive, DoLa and constrained search
@@ -214,7 +215,7 @@ def generate(model, input_ids: torch.Tensor, logits_processor=None, stopping_cri
     # the caller's); called directly without them: the config's fields themselves
     procs = []
     if logits_processor is None:
-        temperature, top_k, top_p = sampling_from_config(gc)
+        temperature, top_k, top_p, min_p = sampling_from_config(gc)
         procs = processors_from_arguments(getattr(gc, "repetition_penalty", None),
                                           getattr(gc, "no_repeat_ngram_size", None),
                                           getattr(gc, "bad_words_ids", None),
@@ -222,7 +223,8 @@ def generate(model, input_ids: torch.Tensor, logits_processor=None, stopping_cri
                                           torch.as_tensor(gc.eos_token_id).reshape(-1).tolist(),
                                           attention_mask=model_kwargs.get("attention_mask"))
     else:
-        procs, (temperature, top_k, top_p) = split_processors(logits_processor, bool(gc.do_sample), input_ids.shape[1])
+        procs, (temperature, top_k, top_p, min_p) = split_processors(logits_processor, bool(gc.do_sample),
+                                                                     input_ids.shape[1])
     max_length, eos, rest = split_criteria(stopping_criteria)
     if stopping_criteria is None:
         if getattr(gc, "stop_strings", None) is not None:
@@ -257,7 +259,7 @@ def generate(model, input_ids: torch.Tensor, logits_processor=None, stopping_cri
         with torch.inference_mode():
             st = dec._start(input_ids, max_length - T, draft["num_draft_tokens"], temperature, top_k, top_p, seed, None,
                             False, mask, draft["max_draft_tokens"], [] if eos is None else eos, False,
-                            target_only=False, draft_confidence=draft["draft_confidence"])
+                            target_only=False, draft_confidence=draft["draft_confidence"], min_p=min_p)
             st.streamer = streamer  # transformers' generate put the prompt
             st.criteria = RowCriteria(rest, input_ids.tolist(), dec.device) if len(rest) else None
             st.procs = VerifyProcessors(procs, input_ids.tolist(), dec.device, dec._t.vocab_size) if procs else None

@@ -67,7 +67,6 @@ _REFUSED = {
 }
 # Applied by transformers only when sampling (its "warpers"): refused with do_sample=True only.
 _REFUSED_WHEN_SAMPLING = {
-    "min_p": (lambda v: v is not None, "min-p sampling"),
     "top_h": (lambda v: v is not None, "top-H sampling"),
     "typical_p": (lambda v: v not in (None, 1, 1.0), "typical sampling"),
     "epsilon_cutoff": (lambda v: v not in (None, 0, 0.0), "epsilon sampling"),
@@ -75,7 +74,7 @@ _REFUSED_WHEN_SAMPLING = {
 }
 # Fields that are used, or have no effect here as in transformers' greedy/sampling modes.
 _MAPPED = {
-    "max_new_tokens", "max_length", "max_time", "stop_strings", "do_sample", "temperature", "top_k", "top_p",
+    "max_new_tokens", "max_length", "max_time", "stop_strings", "do_sample", "temperature", "top_k", "top_p", "min_p",
     "eos_token_id", "pad_token_id", "bos_token_id", "decoder_start_token_id", "num_assistant_tokens",
     "num_assistant_tokens_schedule", "assistant_confidence_threshold", "prompt_lookup_num_tokens",
     "max_matching_ngram_size", "assistant_lookbehind", "target_lookbehind", "is_assistant",
@@ -150,10 +149,10 @@ def _positive_int(name: str, v) -> int:
 
 
 def sampling_from_config(gc) -> tuple:
-    """(temperature, top_k, top_p) for the decoder from a resolved config: (0.0, None, None)
-    when ``do_sample`` is not True (greedy, as transformers)."""
+    """(temperature, top_k, top_p, min_p) for the decoder from a resolved config: (0.0, None, None,
+    None) when ``do_sample`` is not True (greedy, as transformers)."""
     if not getattr(gc, "do_sample", None):
-        return 0.0, None, None
+        return 0.0, None, None, None
     t = gc.temperature
     if isinstance(t, bool) or not isinstance(t, numbers.Real) or not (math.isfinite(t) and t > 0):
         raise ValueError(f"generation_config.temperature must be a finite float > 0 with do_sample=True, got {t!r}")
@@ -163,31 +162,38 @@ def sampling_from_config(gc) -> tuple:
     top_p = gc.top_p
     if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, numbers.Real) or not 0 < top_p <= 1):
         raise ValueError(f"generation_config.top_p must be in (0, 1] (1 = off), got {top_p!r}")
+    min_p = getattr(gc, "min_p", None)
+    if min_p is not None and (isinstance(min_p, bool) or not isinstance(min_p, numbers.Real) or not 0 <= min_p <= 1):
+        raise ValueError(f"generation_config.min_p must be in [0, 1] (0 = off), got {min_p!r}")
     return (float(t), int(top_k) if top_k else None,
-            float(top_p) if top_p is not None and top_p < 1 else None)
+            float(top_p) if top_p is not None and top_p < 1 else None, float(min_p) if min_p else None)
 
 
 def sampling_from_processors(processors, do_sample: bool) -> tuple:
-    """(temperature, top_k, top_p) from the logits processors ``generate`` prepared (from the
-    config and the caller's ``logits_processor``): temperature, top-k and top-p warpers, in that
-    order, and a final ``LogitNormalization`` (it changes no token).  Any other processor is
-    refused by its class name.  Without sampling the warpers change no argmax: (0.0, None, None)."""
-    from transformers import LogitNormalization, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+    """(temperature, top_k, top_p, min_p) from the logits processors ``generate`` prepared (from
+    the config and the caller's ``logits_processor``): temperature, top-k, top-p and min-p warpers,
+    in that order, and a final ``LogitNormalization`` (it changes no token).  Any other processor
+    is refused by its class name.  Without sampling the warpers change no argmax: (0.0, None,
+    None, None)."""
+    from transformers import (LogitNormalization, MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper,
+                              TopPLogitsWarper)
 
-    order = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, LogitNormalization)
-    t, top_k, top_p, last = 1.0, None, None, -1
+    order = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper, LogitNormalization)
+    t, top_k, top_p, min_p, last = 1.0, None, None, None, -1
     for proc in processors or ():
         kind = type(proc)
         if kind not in order:
             raise ValueError(f"logits_processor {kind.__name__} is not supported by specdec_kernels (it applies "
-                             f"temperature, top-k and top-p only): remove it, or the generate argument that made it")
+                             f"temperature, top-k, top-p and min-p only): remove it, or the generate argument that "
+                             f"made it")
         pos = order.index(kind)
         if pos <= last:
             seen = ", ".join(type(p).__name__ for p in processors)
             raise ValueError(f"logits_processor must apply at most one of each warper, in the order temperature, "
-                             f"top-k, top-p, got {seen}")
+                             f"top-k, top-p, min-p, got {seen}")
         last = pos
-        if kind in (TopKLogitsWarper, TopPLogitsWarper) and getattr(proc, "filter_value", -math.inf) != -math.inf:
+        if (kind in (TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper)
+                and getattr(proc, "filter_value", -math.inf) != -math.inf):
             raise ValueError(f"logits_processor {kind.__name__} must have filter_value=-inf, got {proc.filter_value}")
         if kind is TemperatureLogitsWarper:
             t = float(proc.temperature)
@@ -198,9 +204,15 @@ def sampling_from_processors(processors, do_sample: bool) -> tuple:
                 raise ValueError(f"logits_processor TopPLogitsWarper must have min_tokens_to_keep=1, got "
                                  f"{proc.min_tokens_to_keep}")
             top_p = float(proc.top_p) if proc.top_p < 1 else None
+        elif kind is MinPLogitsWarper:
+            # the verifier keeps at least the maximum (and its ties) only
+            if getattr(proc, "min_tokens_to_keep", 1) != 1:
+                raise ValueError(f"logits_processor MinPLogitsWarper must have min_tokens_to_keep=1, got "
+                                 f"{proc.min_tokens_to_keep}")
+            min_p = float(proc.min_p) or None
     if not do_sample:
-        return 0.0, None, None
-    return t, top_k, top_p
+        return 0.0, None, None, None
+    return t, top_k, top_p, min_p
 
 
 def split_criteria(criteria) -> tuple:
@@ -356,8 +368,8 @@ def decoder_arguments(dec, call: dict, defaults: dict) -> tuple:
             raise ValueError(f"do_sample={do_sample} and generation_config.do_sample={gc.do_sample}: pass it in one "
                              f"place")
         given = {}
-        temperature, top_k, top_p = sampling_from_config(gc)
-        given.update(temperature=temperature, top_k=top_k, top_p=top_p)
+        temperature, top_k, top_p, min_p = sampling_from_config(gc)
+        given.update(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
         if gc.max_new_tokens is not None:
             given["max_new_tokens"] = gc.max_new_tokens
         elif gc.max_length is not None:

@@ -53,9 +53,10 @@ def _vouched() -> tuple:
 
 
 def _warpers() -> tuple:
-    from transformers import LogitNormalization, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+    from transformers import (LogitNormalization, MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper,
+                              TopPLogitsWarper)
 
-    return (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, LogitNormalization)
+    return (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper, LogitNormalization)
 
 
 def check_sequence_processor(proc) -> None:
@@ -93,8 +94,8 @@ def _never_fires(proc, input_length: Optional[int]) -> bool:
 
 
 def split_processors(processors, do_sample: bool, input_length: Optional[int] = None) -> tuple:
-    """(the sequence processors, in order; (temperature, top_k, top_p)) from the processors
-    ``generate`` prepared: the sequence processors first, then the temperature / top-k / top-p
+    """(the sequence processors, in order; (temperature, top_k, top_p, min_p)) from the processors
+    ``generate`` prepared: the sequence processors first, then the temperature / top-k / top-p / min-p
     warpers and a final ``LogitNormalization`` (``hf_args.sampling_from_processors``).  Minimum
     lengths already reached by inputs of width ``input_length`` are dropped (they mask nothing)."""
     from .hf_args import sampling_from_processors
