@@ -11,7 +11,7 @@ same tokens (checked: a difference is printed and the row is marked), so the two
 same work.  Each request generates ``--max-tokens`` tokens (``ignore_eos``).
 
 Columns: tokens_per_s (all requests' generated tokens over the call's wall time, median over the
-rounds), speedup_plugin (the plugin's tokens/s over vLLM's own in the same rounds), and the
+rounds; rounds_s: every round's seconds), speedup_plugin (the plugin's tokens/s over vLLM's own in the same rounds), and the
 share of steps that went through the fused op (``fused_steps``; the rest fell back to vLLM's
 sampler, see ``fallback_reason``).  The verification step is a small part of an engine step on a
 CPU (the target's forward dominates): the ratio says what the plugin costs or saves end to end
@@ -129,6 +129,7 @@ def bench_method(method: str, batches: list, rounds: int, max_tokens: int, k: in
                 rows.append(dict(method=method, sampler="specdec plugin" if plugin else "vLLM", B=B, K=k,
                                  max_tokens=max_tokens, rounds=rounds, tokens=n_tok,
                                  tokens_per_s=tps[plugin], median_s=statistics.median(secs[plugin]),
+                                 rounds_s=" ".join(f"{x:.3g}" for x in secs[plugin]),
                                  speedup_plugin=tps[True] / tps[False], same_tokens=same,
                                  fused_steps=fused if plugin else 0, device=f"CPU {cpu_model()}",
                                  threads=torch.get_num_threads(), date=stamp, **ver))
@@ -166,8 +167,8 @@ def main(argv=None):
         rows += bench_method(method, batches, args.rounds, args.max_tokens, args.k, stamp, ver)
     os.makedirs(args.out, exist_ok=True)
     append_csv(os.path.join(args.out, "bench_vllm_engine.csv"), rows)
-    cols = ["method", "sampler", "B", "K", "tokens", "tokens_per_s", "median_s", "speedup_plugin", "same_tokens",
-            "fused_steps"]
+    cols = ["method", "sampler", "B", "K", "tokens", "tokens_per_s", "median_s", "rounds_s", "speedup_plugin",
+            "same_tokens", "fused_steps"]
     text = print_table(rows, cols)
     with open(os.path.join(args.out, "bench_vllm_engine.txt"), "w") as f:
         f.write(f"# bench_vllm_engine on CPU {cpu_model()}; {ver}; {stamp}\n{text}\n")
