@@ -16,6 +16,7 @@ import warnings
 import pytest
 import torch
 from transformers import (GenerationConfig, LogitsProcessor, LogitsProcessorList, MinLengthLogitsProcessor,
+                          NoBadWordsLogitsProcessor, NoRepeatNGramLogitsProcessor,
                           PrefixConstrainedLogitsProcessor, RepetitionPenaltyLogitsProcessor,
                           TemperatureLogitsWarper, TopKLogitsWarper)
 
@@ -203,6 +204,49 @@ def test_sampling_law_with_a_repetition_penalty_alone(pair, monkeypatch):
     monkeypatch.setattr(logits_procs, "_position_ids", lambda base, drafts, i: base)
     bad = _sample_counts(target, draft, prompt, n, t, k, penalty, grammar=False)
     assert _chisquare_pvalue(bad, law) < SIGNIFICANCE
+
+
+_MASKS = {  # generate's keyword -> the processor transformers builds for it
+    "no_repeat_ngram_size": (2, lambda v: NoRepeatNGramLogitsProcessor(v)),
+    "bad_words_ids": ([[5], [1, 2], [4, 1, 7]], lambda v: NoBadWordsLogitsProcessor(v)),
+}
+
+
+@pytest.mark.parametrize("kind", list(_MASKS))
+def test_sampling_law_with_a_sequence_mask(pair, monkeypatch, kind):
+    """n-gram blocking and bad words, each alone: 20,000 rows of a prompt ending in tokens they
+    act on (the bigram (1, 4) and the words [1, 2], [4, 1, 7] are live at t1 and t2); the counts
+    of (t1, t2) against the target's law under transformers' own processor (chi-square, p >
+    SIGNIFICANCE = 1e-3, nothing outside the support); the accepted-prefix-only mutant is
+    rejected (tokens outside the support, or p < 1e-3)."""
+    draft, target = pair
+    value, make = _MASKS[kind]
+    prompt, n, (t, k) = [3, 1, 4, 1], 20_000, (0.8, 20)
+    procs = LogitsProcessorList([make(value), TemperatureLogitsWarper(t), TopKLogitsWarper(k)])
+    with torch.inference_mode():
+        ids = torch.tensor([prompt])
+        p1 = torch.softmax(procs(ids, target(ids).logits[:, -1].float()), -1).double()[0]  # [V]
+        ext = torch.tensor([prompt + [x] for x in range(V)])  # [V, T+1]
+        p2 = torch.softmax(procs(ext, target(ext).logits[:, -1].float()), -1).double()  # [V, V]
+    law = p1[:, None] * p2
+    plain = LogitsProcessorList([TemperatureLogitsWarper(t), TopKLogitsWarper(k)])
+    with torch.inference_mode():
+        q1 = torch.softmax(plain(ids, target(ids).logits[:, -1].float()), -1).double()[0]
+    assert float(q1[law.sum(1) == 0].sum()) > 0.01  # the mask removes real mass at t1
+
+    def counts():
+        torch.manual_seed(1234)
+        out = _hook(target, torch.tensor([prompt] * n), do_sample=True, temperature=t, top_k=k, max_new_tokens=2,
+                    pad_token_id=PAD, assistant_model=draft, num_assistant_tokens=3, **{kind: value})
+        T = len(prompt)
+        return torch.bincount(out[:, T] * V + out[:, T + 1], minlength=V * V).reshape(V, V)
+
+    c = counts()
+    assert c.sum() == n and c[law == 0].sum() == 0
+    assert _chisquare_pvalue(c, law) > SIGNIFICANCE
+    monkeypatch.setattr(logits_procs, "_position_ids", lambda base, drafts, i: base)
+    bad = counts()
+    assert bad[law == 0].sum() > 0 or _chisquare_pvalue(bad, law) < SIGNIFICANCE
 
 
 # ----------------------------------------------------------------------------------------------
