@@ -6,14 +6,13 @@ draft's warp, transformers' ``MinPLogitsWarper`` (the hook and generation config
 from __future__ import annotations
 
 import json
-import warnings
 
 import pytest
 import torch
 from transformers import (GenerationConfig, LogitsProcessorList, MinPLogitsWarper, TemperatureLogitsWarper,
                           TopPLogitsWarper)
 
-from specdec_kernels import hf, reference
+from specdec_kernels import reference
 from specdec_kernels.cli import main as cli_main
 from specdec_kernels.decoder import SpeculativeDecoder
 from specdec_kernels.draft_sampling import warp_probs
@@ -21,24 +20,11 @@ from specdec_kernels.hf_args import sampling_from_config, sampling_from_processo
 
 from decoder_setup import PROMPTS, SIGNIFICANCE, _chisquare_pvalue, _llama
 from decoder_setup import _one_thread, pair  # noqa: F401  (fixtures; _one_thread: autouse)
-
-PAD = 0
-
-
-@pytest.fixture(autouse=True)
-def _quiet():
-    import transformers
-
-    level = transformers.logging.get_verbosity()
-    transformers.logging.set_verbosity_error()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
-    transformers.logging.set_verbosity(level)
+from hf_setup import _quiet  # noqa: F401  (autouse fixture)
+from hf_setup import PAD, _hook
 
 
-def _hook(target, *args, **kwargs):
-    return target.generate(*args, custom_generate=hf.generate, **kwargs)
+
 
 
 def _target_greedy(target, prompt, n):

@@ -10,7 +10,6 @@ stopping criteria cut at their token, chat templates, every refusal by name, see
 from __future__ import annotations
 
 import copy
-import warnings
 
 import pytest
 import torch
@@ -27,34 +26,13 @@ from specdec_kernels.hf_args import draft_settings
 
 from decoder_setup import PROMPTS, SIGNIFICANCE, _chisquare_pvalue, _llama
 from decoder_setup import _one_thread, pair  # noqa: F401  (fixtures; _one_thread: autouse)
+from hf_setup import _quiet  # noqa: F401  (autouse fixture)
+from hf_setup import PAD, _hook, _left_padded
 
-PAD = 0
 NEW = 20
 
 
-@pytest.fixture(autouse=True)
-def _quiet():
-    """transformers warns about flags its own loop would ignore; the warnings are not under test."""
-    import transformers
 
-    level = transformers.logging.get_verbosity()
-    transformers.logging.set_verbosity_error()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
-    transformers.logging.set_verbosity(level)
-
-
-def _left_padded(prompts, pad: int = PAD):
-    """input_ids [B, T] left-padded with ``pad`` and its attention_mask [B, T]."""
-    T = max(len(p) for p in prompts)
-    ids = torch.tensor([[pad] * (T - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (T - len(p)) + [1] * len(p) for p in prompts])
-    return ids, mask
-
-
-def _hook(target, *args, **kwargs):
-    return target.generate(*args, custom_generate=hf.generate, **kwargs)
 
 
 @pytest.fixture(scope="module")

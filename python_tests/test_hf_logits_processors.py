@@ -11,7 +11,6 @@ processor call sees (a recording processor); refusals by name.
 
 from __future__ import annotations
 
-import warnings
 
 import pytest
 import torch
@@ -23,36 +22,16 @@ from transformers import (GenerationConfig, LogitsProcessor, LogitsProcessorList
 from specdec_kernels import hf, logits_procs
 from specdec_kernels.decoder import SpeculativeDecoder
 
-from decoder_setup import CACHE_ATOL, CACHE_RTOL, PROMPTS, SIGNIFICANCE, _chisquare_pvalue, _llama
+from decoder_setup import CACHE_ATOL, CACHE_RTOL, PROMPTS, SIGNIFICANCE, _chisquare_pvalue
 from decoder_setup import _one_thread, pair  # noqa: F401  (fixtures; _one_thread: autouse)
+from hf_setup import _quiet  # noqa: F401  (autouse fixture)
+from hf_setup import PAD, _hook, _left_padded
 
-PAD = 0
 NEW = 20
 V = 32
 
 
-@pytest.fixture(autouse=True)
-def _quiet():
-    """transformers warns about flags its own loop would ignore; the warnings are not under test."""
-    import transformers
 
-    level = transformers.logging.get_verbosity()
-    transformers.logging.set_verbosity_error()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
-    transformers.logging.set_verbosity(level)
-
-
-def _left_padded(prompts, pad: int = PAD):
-    T = max(len(p) for p in prompts)
-    ids = torch.tensor([[pad] * (T - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (T - len(p)) + [1] * len(p) for p in prompts])
-    return ids, mask
-
-
-def _hook(target, *args, **kwargs):
-    return target.generate(*args, custom_generate=hf.generate, **kwargs)
 
 
 def _grammar(batch_id, sent):

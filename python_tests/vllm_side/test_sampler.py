@@ -356,3 +356,12 @@ def test_bench_verify_vllm_providers_agree():
     packed = prov["fused_packed"]()
     assert torch.equal(theirs, ours)
     assert torch.equal(ours.long(), packed.tokens.long())
+
+
+def test_metadata_builders_name_bad_arguments():
+    with pytest.raises(TypeError, match=r"drafts must be a list of token-id lists"):
+        sv.spec_decode_metadata([[1, "a"]])
+    with pytest.raises(TypeError, match=r"drafts must be a list of token-id lists .* got \[\[-1\]\]"):
+        sv.spec_decode_metadata([[-1]])
+    with pytest.raises(ValueError, match=r"temperature must be None or \[B\] finite values >= 0"):
+        sv.sampling_metadata([1.0, -1.0])

@@ -266,6 +266,10 @@ def spec_decode_metadata(drafts: list, device="cpu"):
     position).  For calling a ``RejectionSampler`` outside an engine (tests, benchmarks)."""
     from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
 
+    if not isinstance(drafts, (list, tuple)) or not all(
+            isinstance(d, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in d)
+            for d in drafts):
+        raise TypeError(f"drafts must be a list of token-id lists (ints >= 0), one per request, got {drafts!r:.200}")
     num_draft = [len(d) for d in drafts]
     cu_draft = torch.tensor(num_draft, dtype=torch.int64).cumsum(0).to(torch.int32)  # [B] inclusive
     cu_sampled = (torch.tensor(num_draft, dtype=torch.int64) + 1).cumsum(0).to(torch.int32)  # [B] inclusive
@@ -296,6 +300,9 @@ def sampling_metadata(temperature, top_k=None, top_p=None, generators=None, voca
         B, all_greedy, all_random = None, True, False
     else:
         temperature = torch.as_tensor(temperature, dtype=torch.float32, device=device)
+        if temperature.dim() != 1 or bool((temperature < 0).any()) or not bool(torch.isfinite(temperature).all()):
+            raise ValueError(f"temperature must be None or [B] finite values >= 0 (0 = greedy), got "
+                             f"{temperature.tolist()!r:.200}")
         B = temperature.numel()
         all_greedy = bool((temperature == 0).all())
         all_random = bool((temperature != 0).all())
