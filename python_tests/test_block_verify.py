@@ -13,7 +13,9 @@ import pytest
 import torch
 from scipy.stats import chi2
 
-from specdec_kernels import reference
+from test_verify_distribution import chi_square_pvalue
+
+from specdec_kernels import fused_verify, reference
 from specdec_kernels.reference import _inverse_cdf, block_verify_reference, verify_reference
 
 D = torch.float64
@@ -338,7 +340,7 @@ def test_greedy_rows_equal_token_verification(with_q):
     assert (n_b[g] == kb[g]).any()
 
 
-def test_invalid_rows_and_top_k_refused():
+def test_invalid_rows():
     B, K, V = 4, 2, 3
     logits = torch.randn(B, K + 1, V)
     logits[1, 2, 0] = float("nan")  # read by block verification whatever the drafts
@@ -349,9 +351,6 @@ def test_invalid_rows_and_top_k_refused():
                                         torch.rand(B, K + 1, dtype=D))
     assert na.tolist()[1:] == [-1, -1, -1] and na[0] >= 0
     assert (tokens[1:] == -1).all()
-    with pytest.raises(ValueError):
-        block_verify_reference(logits, x, None, torch.full((B,), K), temp, torch.ones(B, dtype=torch.int64), None,
-                               torch.rand(B, K + 1, dtype=D))
 
 
 def test_draft_with_zero_p_and_zero_q_never_accepted():
@@ -364,3 +363,130 @@ def test_draft_with_zero_p_and_zero_q_never_accepted():
     tokens, na = block_verify_reference(logits, x, q, torch.full((B,), K), torch.ones(B), None, None,
                                         torch.rand(B, K + 1, dtype=D))
     assert (na == 0).all() and (tokens[:, 0] != 2).all()
+
+
+# ------------------------------------------------------------------------------------------------
+# The op's law: fused_verify(method="block") (its CPU torch path) in adversarial cases
+# ------------------------------------------------------------------------------------------------
+NEG = float("-inf")
+# name -> (target logits [K+1, V], q [K, Vd], warp keywords); K = 2 drafts, the same q at both
+OP_CASES = {
+    "q_equals_p": (torch.tensor([[0.3, -0.2, 1.1, 0.0, -1.0]] * 3), None, {}),
+    "disjoint": (torch.tensor([[0.0, 0.5, NEG, NEG, NEG]] * 3), torch.tensor([[0.0, 0.0, 0.3, 0.7, 0.0]] * 2), {}),
+    "q_zero_where_p_positive": (torch.tensor([[0.4, 0.0, -0.3, 0.2, -1.0]] * 3),
+                                torch.tensor([[0.7, 0.3, 0.0, 0.0, 0.0]] * 2), {}),
+    "top_k": (torch.tensor([[1.0, 0.2, 0.9, -0.4, 0.5], [0.1, 0.6, -0.2, 0.8, 0.0], [0.3, 0.3, 0.1, -1.0, 0.9]]),
+              torch.tensor([[0.1, 0.4, 0.3, 0.1, 0.1], [0.3, 0.1, 0.2, 0.2, 0.2]]), {"top_k": 3}),
+    "top_p_temperature": (torch.tensor([[1.0, 0.2, 0.9, -0.4, 0.5], [0.1, 0.6, -0.2, 0.8, 0.0],
+                                        [0.3, 0.3, 0.1, -1.0, 0.9]]),
+                          torch.tensor([[0.3, 0.1, 0.4, 0.1, 0.1], [0.1, 0.2, 0.1, 0.5, 0.1]]),
+                          {"top_p": 0.7, "temperature": 0.7}),
+    "min_p": (torch.tensor([[1.0, 0.2, 0.9, -0.4, 0.5]] * 3), torch.tensor([[0.2, 0.2, 0.2, 0.2, 0.2]] * 2),
+              {"min_p": 0.5}),
+    "padded_vocabulary": (torch.tensor([[0.2, -0.1, 0.4, 0.0, 0.6, 0.3]] * 3),  # Vd = 4 < V = 6
+                          torch.tensor([[0.1, 0.5, 0.2, 0.2], [0.4, 0.3, 0.2, 0.1]]), {}),
+    "one_hot_drafts": (torch.tensor([[0.5, 1.0, -0.5, 0.0, 0.2]] * 3), "one-hot", {}),
+}
+
+
+def _op_case(name):
+    L, q, warp = OP_CASES[name]
+    if q is None:
+        q = torch.softmax(L[:2], -1)
+    return L, q, warp
+
+
+def _warped(L, warp):
+    """The target's warped law at each position [K+1, V] float64, as the op defines it."""
+    K1 = L.shape[0]
+    t = warp.get("temperature", 1.0)
+    kw = {k: torch.full((K1,), v) for k, v in warp.items() if k in ("top_k", "top_p", "min_p")}
+    s, keep = reference.warp_logits(L, torch.full((K1,), 1.0 / t), kw.get("top_k"), kw.get("top_p"),
+                                    min_p=kw.get("min_p"))
+    return reference._target_probs(s, keep).double()
+
+
+def _op_emissions(name, N=100_000, seed=0):
+    """N rows of one block step: the emitted tokens, continued by target draws at the positions
+    after the emission; returns (first three tokens [N, 3], tau [N], warped P [3, V])."""
+    L, q, warp = _op_case(name)
+    K1, V = L.shape
+    K = K1 - 1
+    g = torch.Generator().manual_seed(seed)
+    one_hot = isinstance(q, str)
+    if one_hot:
+        x = torch.tensor([[1, 3]]).expand(N, K)  # a deterministic drafter's fixed proposals
+        qb = None
+    else:
+        x = torch.stack([torch.multinomial(q[i], N, replacement=True, generator=g) for i in range(K)], 1)
+        qb = q[None].expand(N, K, q.shape[-1])
+    logits = L[None].expand(N, K1, V)
+    kw = {k: v for k, v in warp.items()}
+    out = fused_verify(logits, x, qb, seed=torch.arange(N) + seed * N, backend="torch", method="block", **kw)
+    P = _warped(L, warp)
+    tokens, tau = out.tokens, out.num_accepted
+    assert (tau >= 0).all()
+    cont = torch.stack([torch.multinomial(P[i].float(), N, replacement=True, generator=g) for i in range(K1)], 1)
+    cols = torch.arange(K1)
+    first3 = torch.where(cols[None] <= tau[:, None], tokens, cont)  # [N, 3]
+    return first3, tau, P
+
+
+def _joint_pvalues(first3, P):
+    V = P.shape[1]
+    two = (first3[:, 0] * V + first3[:, 1]).numpy()
+    three = (first3[:, 0] * V * V + first3[:, 1] * V + first3[:, 2]).numpy()
+    p2 = _outer([P[0], P[1]]).reshape(-1)
+    p3 = _outer([P[0], P[1], P[2]]).reshape(-1)
+    p2, p3 = (p2 / p2.sum()).numpy(), (p3 / p3.sum()).numpy()  # fp32 laws, summed to 1 in float64
+    return chi_square_pvalue(two, p2), chi_square_pvalue(three, p3)
+
+
+@pytest.mark.parametrize("name", list(OP_CASES))
+def test_op_joint_law_of_two_and_three_tokens(name):
+    """The joint law of the first two and of the first three tokens equals the warped target's:
+    chi-square over 100,000 rows, each p-value > 1e-4 (a correct rule fails one case with
+    probability about 2e-4 per test)."""
+    first3, _, P = _op_emissions(name)
+    p2, p3 = _joint_pvalues(first3, P)
+    assert min(p2, p3) > 1e-4, (name, p2, p3)
+
+
+# The cases where each mutant changes the law (where p_i = 1 or the residuals agree it does not)
+@pytest.mark.parametrize("name", ["q_zero_where_p_positive", "top_p_temperature", "padded_vocabulary",
+                                  "one_hot_drafts"])
+def test_op_law_rejects_stop_weight_mutant(name, monkeypatch):
+    # h_i = r_i / r_i: the 1 - p_i term left out
+    monkeypatch.setattr(reference, "_block_stop_weights", lambda pp, r: (r > 0).double())
+    first3, _, P = _op_emissions(name)
+    assert min(_joint_pvalues(first3, P)) < 1e-4
+
+
+@pytest.mark.parametrize("name", ["padded_vocabulary"])
+def test_op_law_rejects_token_residual_mutant(name, monkeypatch):
+    # the extra token from the token rule's residual max(0, P - Q)
+    monkeypatch.setattr(reference, "_block_residual", lambda p_tau, P, Q: (P - Q).clamp(min=0.0))
+    first3, _, P = _op_emissions(name)
+    assert min(_joint_pvalues(first3, P)) < 1e-4
+
+
+@pytest.mark.parametrize("chain", range(4))
+def test_sampled_means_agree_with_exact_expectations(chain):
+    """On random (p, q) chains (K = 3), the op's mean number accepted, block and token, lies
+    within 5 standard errors of the exact expectation computed from the probabilities, and the
+    exact block expectation is >= the token one."""
+    g = torch.Generator().manual_seed(40 + chain)
+    K, V, N = 3, 5, 100_000
+    L = torch.randn(K + 1, V, generator=g) * 1.5
+    q = torch.softmax(torch.randn(K, V, generator=g) * 1.5, -1)
+    Ps = [P for P in _warped(L, {})]
+    Qs = [Q.double() for Q in q]
+    exact_block = float((_tau_law(Ps, Qs) * torch.arange(K + 1, dtype=D)).sum())
+    exact_token = _token_expected_tau(Ps, Qs)
+    assert exact_block >= exact_token - 1e-12
+    x = torch.stack([torch.multinomial(q[i], N, replacement=True, generator=g) for i in range(K)], 1)
+    for method, exact in (("block", exact_block), ("token", exact_token)):
+        n = fused_verify(L[None].expand(N, K + 1, V), x, q[None].expand(N, K, V), seed=torch.arange(N), backend="torch",
+                         method=method).num_accepted.double()
+        se = float(n.std()) / N ** 0.5
+        assert abs(float(n.mean()) - exact) < 5 * se, (method, float(n.mean()), exact, se)

@@ -450,10 +450,13 @@ def _draft_q(ld, m_d, S_d):
 
 
 @triton.jit
-def _chunk_weights(pos_ptr, q_ptr, offs, V, q_len, x_j, inv_t, m, S, thr, subtract_q, m_d, S_d,
-                   HAS_DRAFT_PROBS: tl.constexpr, PROBS: tl.constexpr, DRAFT_LOGITS: tl.constexpr):
+def _chunk_weights(pos_ptr, q_ptr, offs, V, q_len, x_j, inv_t, m, S, thr, subtract_q, m_d, S_d, scale,
+                   HAS_DRAFT_PROBS: tl.constexpr, PROBS: tl.constexpr, DRAFT_LOGITS: tl.constexpr,
+                   BLOCK: tl.constexpr):
     """One chunk's final-draw weights (fp32): r = max(0, p - q) when subtract_q (the residual
-    after a rejection), else r = p; with the non-finite/negative q count.  q (fp32, bf16 or fp16,
+    after a rejection), else r = p; with the non-finite/negative q count.  BLOCK (block
+    verification): r = max(0, scale * p - q) in float64, scale the float64 p_i of the position
+    (``reference.block_verify_reference``), else r = p in float64.  q (fp32, bf16 or fp16,
     read as fp32) is read up to q_len (0 = not at all), or is one-hot at x_j for a deterministic
     drafter; DRAFT_LOGITS: q_ptr holds the draft's logits, q = exp(l / T - m_d) / S_d (m_d, S_d:
     the position's draft max and sum, from its stage-1 records)."""
@@ -468,10 +471,70 @@ def _chunk_weights(pos_ptr, q_ptr, offs, V, q_len, x_j, inv_t, m, S, thr, subtra
             q = tl.load(q_ptr + offs, mask=offs < q_len, other=0.0).to(tl.float32)
     else:
         q = tl.where(offs == x_j, 1.0, 0.0)
-    r = tl.where(subtract_q, tl.maximum(p - q, 0.0), p)
+    if BLOCK:
+        p64 = p.to(tl.float64)
+        r = tl.where(subtract_q, tl.maximum(scale * p64 - q.to(tl.float64), 0.0), p64)
+    else:
+        r = tl.where(subtract_q, tl.maximum(p - q, 0.0), p)
     r = tl.where(r == r, r, 0.0)
     n_bad_q = tl.sum(((q != q) | (q < 0.0) | (q == float("inf"))).to(tl.int32), axis=0)
     return r, mask, n_bad_q
+
+
+@triton.jit
+def _final_uniform(b, uniforms_ptr, stride_ub, stride_uk, K, flags, seed_ptr, seed_stride, seed_scalar, seed_row_step,
+                   off_ptr, off_stride, off_scalar, HAS_UNIFORMS: tl.constexpr):
+    """Row b's uniform of the final draw (float64): uniforms[b, K], or 53 random bits (27 of
+    Philox's first word at counter 0, 26 of its second) on the 2^-53 grid: with fp32's 24, a
+    token of probability below ~2^-24 would be drawn with probability 0 or 2^-24, not its own."""
+    if HAS_UNIFORMS:
+        u_final = tl.load(uniforms_ptr + b * stride_ub + K * stride_uk).to(tl.float64)
+    else:
+        seed, counter_base = _philox_key(b, flags, seed_ptr, seed_stride, seed_scalar, seed_row_step, off_ptr,
+                                         off_stride, off_scalar)
+        r0, r1, _, _ = tl.randint4x(seed, counter_base)
+        u_final = ((r0 >> 5).to(tl.float64) * 67108864.0 + (r1 >> 6).to(tl.float64)) * 1.1102230246251565e-16
+    return u_final
+
+
+@triton.jit
+def _p_masses(pos_ptr, q_ptr, V, NC, inv_t, m_j, S_j, thr_j, m_dj, S_dj, cs_ids, offs0, NCB: tl.constexpr,
+              HAS_DRAFT_PROBS: tl.constexpr, PROBS: tl.constexpr, DRAFT_LOGITS: tl.constexpr, BLOCK: tl.constexpr,
+              CHUNK: tl.constexpr):
+    """The float64 chunk masses [NCB] of p itself at one position: the final draw's weights when
+    the residual sums to zero (q >= p everywhere in floating point; rare: one pass of its own)."""
+    W = tl.zeros([NCB], dtype=tl.float64)
+    for cc in range(0, NC):
+        r, _, _ = _chunk_weights(pos_ptr, q_ptr, cc * CHUNK + offs0, V, 0, -1, inv_t, m_j, S_j, thr_j, False,
+                                 m_dj, S_dj, 1.0, HAS_DRAFT_PROBS, PROBS, DRAFT_LOGITS, BLOCK)
+        W = tl.where(cs_ids == cc, tl.sum(r.to(tl.float64), axis=0), W)
+    return W
+
+
+@triton.jit
+def _draw(W, u_final, cmask, cs_ids, offs0, pos_ptr, q_ptr, V, q_len, x_j, inv_t, m_j, S_j, thr_j, subtract_q,
+          m_dj, S_dj, scale, HAS_DRAFT_PROBS: tl.constexpr, PROBS: tl.constexpr, DRAFT_LOGITS: tl.constexpr,
+          BLOCK: tl.constexpr, CHUNK: tl.constexpr):
+    """The inverse-CDF draw from one position's weights, given their float64 chunk masses W [NCB]
+    (chunk order): the chunk holding u_final * sum(W) is the first chunk of positive mass whose
+    cumulative mass passes it (the last one if rounding leaves none); that chunk's weights are
+    recomputed (L2-hot) and summed on in float64 (tiny weights keep their intervals; a token of
+    weight 0 is never the hit, whatever order tl.cumsum adds in).  Returns the token (-1 if the
+    weights are all zero)."""
+    target = u_final * tl.sum(W, axis=0)
+    cdf = tl.cumsum(W, axis=0)
+    c_hit = tl.min(tl.where(cmask & (W > 0.0) & (cdf > target), cs_ids, _INT32_MAX), axis=0)
+    c_last = tl.max(tl.where(cmask & (W > 0.0), cs_ids, -1), axis=0)
+    c_star = tl.where(c_hit < _INT32_MAX, c_hit, c_last)
+    carry = tl.sum(tl.where(cs_ids == c_star, cdf - W, 0.0), axis=0)
+    offs = tl.maximum(c_star, 0) * CHUNK + offs0
+    r, mask, _ = _chunk_weights(pos_ptr, q_ptr, offs, V, q_len, x_j, inv_t, m_j, S_j, thr_j, subtract_q, m_dj, S_dj,
+                                scale, HAS_DRAFT_PROBS, PROBS, DRAFT_LOGITS, BLOCK)
+    cdf_v = carry + tl.cumsum(r.to(tl.float64), axis=0)
+    hit = tl.min(tl.where(mask & (r > 0.0) & (cdf_v > target), offs, _INT32_MAX), axis=0)
+    last_nz = tl.max(tl.where(mask & (r > 0.0), offs, -1), axis=0)
+    final = tl.where(hit < _INT32_MAX, hit, last_nz).to(tl.int64)
+    return tl.where(c_star < 0, -1, final)
 
 
 @triton.jit
@@ -512,7 +575,7 @@ def _verify_split_kernel(
     part_f_ptr,  # fp32 [2 * B * (K+1) * NC + 2 * B * (K+1)] (DRAFT_LOGITS: twice that)
     part_i_ptr,  # int32 [4 * B * (K+1) * NC + 4 * B * (K+1) + 4 * B + B * NC] (DRAFT_LOGITS: + B * (K+1) * (NC + 1))
     cand_ptr,  # int32 [B * (K+1) * NC * CAP] (with a warp)
-    mass_ptr,  # float64 [B * NC]
+    mass_ptr,  # float64 [B * NC] (BLOCK: [2 * B * (K+1) * NC + B * (K+1)])
     order_ptr,  # int32 [T1 + T2]: the item each ticket stands for (tests only, HAS_ORDER)
     B, K, V, Vd, NC, G,
     HAS_DRAFT_PROBS: tl.constexpr,
@@ -525,6 +588,7 @@ def _verify_split_kernel(
     PROBS: tl.constexpr,  # the target given as probabilities (no temperature, no warp)
     LOGPROBS: tl.constexpr,  # also write each emitted token's target log-probability
     DRAFT_LOGITS: tl.constexpr,  # draft_probs_ptr holds the draft's logits: q = softmax(logits / T), per row's T
+    BLOCK: tl.constexpr,  # block verification (Sun et al. 2025) instead of token by token
     CHUNK: tl.constexpr,
     TILES: tl.constexpr,  # chunks per work item
     STAGES: tl.constexpr,  # software-pipelining depth over an item's chunks
@@ -537,6 +601,8 @@ def _verify_split_kernel(
     NI = (NC + TILES - 1) // TILES  # work items per position (TILES chunks each)
     T1 = B * K1 * NI  # stage-1 tickets
     T2 = B * NI  # stage-2 tickets
+    if BLOCK:
+        T2 = B * K1 * NI
     # The workspace's fields (element offsets into its four tensors).
     ticket_ptr = counters_ptr
     exit_ptr = counters_ptr + 1
@@ -568,6 +634,10 @@ def _verify_split_kernel(
     pSd_ptr = pmd_ptr + B * K1  # [B, K+1] position draft sum S_d
     db_ptr = pf_ptr + B * K1  # [B, K+1, NC] chunk count of NaN/+inf draft logits
     pbd_ptr = db_ptr + N1  # [B, K+1] position draft unusable (q_i not a distribution)
+    # BLOCK only, in mass_ptr (float64):
+    bm_ptr = mass_ptr  # [B, K+1, NC] chunk mass of max(0, p_i P_i - Q_i) below K_b, of P at K_b
+    bq_ptr = bm_ptr + N1  # [B, K+1, NC] chunk count of non-finite/negative q_i entries
+    pp_ptr = bq_ptr + N1  # [B, K+1] p_0..p_K of the block rule
 
     offs0 = tl.arange(0, CHUNK)
     cs_ids = tl.arange(0, NCB)
@@ -786,13 +856,33 @@ def _verify_split_kernel(
                             rejected & (tl.sum((at_j & bad_x).to(tl.int32), axis=0) > 0))
                         final = tl.sum(tl.where(at_j, a_i, 0), axis=0)
                         x_j = tl.where(rejected, tl.sum(tl.where(at_j, x, 0), axis=0), -1)
+                        block_row = tl.full([], 0, tl.int1)
+                        if BLOCK:
+                            if greedy == 0:
+                                # block verification reads every position 0..K_b and every draft
+                                block_row = tl.full([], 1, tl.int1)
+                                bad_row = (tl.sum((pmask & bad_i).to(tl.int32), axis=0) > 0) | (
+                                    tl.sum((dmask & bad_x).to(tl.int32), axis=0) > 0)
+                                # p_0 = 1, p_i = min(1, p_{i-1} P_i(x_i) / Q_i(x_i)) in float64 (p_i = 1
+                                # with no division when p_{i-1} P_i(x_i) >= Q_i(x_i) and is > 0)
+                                px64 = tl.where(dmask & (p_x == p_x), p_x.to(tl.float64), 0.0)
+                                qx64 = tl.where(dmask & (q_x == q_x) & (q_x > 0.0) & (q_x < float("inf")),
+                                                q_x.to(tl.float64), 0.0)
+                                pp = tl.where(ks == 0, 1.0, 0.0).to(tl.float64)
+                                prev = tl.full([], 1.0, tl.float64)
+                                for ii in tl.static_range(BLOCK_K - 1):
+                                    num = prev * tl.sum(tl.where(ks == ii, px64, 0.0), axis=0)
+                                    qi = tl.sum(tl.where(ks == ii, qx64, 0.0), axis=0)
+                                    prev = tl.where((num >= qi) & (num > 0.0), 1.0, num / tl.where(qi > 0.0, qi, 1.0))
+                                    pp = tl.where(ks == ii + 1, prev, pp)
+                                tl.store(pp_ptr + b * K1 + ks, pp, mask=ks < K1)
                         if LOGPROBS:
                             # the accepted drafts' log p_i(x_i); a greedy row's argmax at j: s = m_j
                             lp = tl.where(ks < j, _logprob(s_x, m_i, S_i, kept_x, PROBS), float("-inf"))
                             lp = tl.where(at_j & (greedy != 0), _logprob(m_i, m_i, S_i, at_j, PROBS), lp)
                             lp = tl.where(bad_row != 0, float("-inf"), lp)
                             # a sampled row's position j is written with its final token (stage 2)
-                            later = at_j & (greedy == 0) & (bad_row == 0)
+                            later = (at_j | block_row) & (greedy == 0) & (bad_row == 0)
                             tl.store(logprobs_ptr + b * stride_pb + ks * stride_pc, lp, mask=(ks < K1) & (later == 0))
                     if LOGPROBS:
                         if bad_param != 0:
@@ -808,8 +898,12 @@ def _verify_split_kernel(
                     tl.debug_barrier()
                     tl.atomic_xchg(ready_ptr + b, 1, sem="release")
         else:
-            # ---------------------------------------------------------- stage 2 (b, chunks g)
-            b = ((item - T1) // NI).to(tl.int64)
+            # ------------------------------------------- stage 2 (b, chunks g; BLOCK: b, position, chunks g)
+            if BLOCK:
+                b = ((item - T1) // (K1 * NI)).to(tl.int64)
+                pos = ((item - T1) // NI) % K1
+            else:
+                b = ((item - T1) // NI).to(tl.int64)
             g = (item - T1) % NI
             # Wait for the row's acceptance chain (stage-1 items only: all numbered before this one).
             ready = tl.atomic_add(ready_ptr + b, 0, sem="acquire")
@@ -821,14 +915,26 @@ def _verify_split_kernel(
                 HAS_TOP_K, HAS_TOP_P, HAS_MIN_P, PACKED, PROBS)
             l_off, t_off, q_off = _row_offsets(b, cu_ptr, cu_stride, stride_lb, stride_lk, stride_tb, stride_tk,
                                                stride_qb, stride_qk, PACKED)
-            j = tl.load(rj_ptr + b, cache_modifier=".cg").to(tl.int64)
-            rejected = tl.load(rr_ptr + b, cache_modifier=".cg") != 0
             bad_row = tl.load(rbad_ptr + b, cache_modifier=".cg") != 0
-            x_j = tl.load(rx_ptr + b, cache_modifier=".cg").to(tl.int64)
             sampled = (greedy == 0) & (bad_row == 0)
+            if BLOCK:
+                # position pos's weights: max(0, p_pos * P - Q) (float64) below K_b, P at K_b
+                j = pos.to(tl.int64)
+                rejected = j < kb
+                x_j = tl.load(draft_tokens_ptr + t_off + j * stride_tk, mask=rejected, other=-1).to(tl.int64)
+                pp_j = tl.load(pp_ptr + b * K1 + j, cache_modifier=".cg")
+                m_rec = bm_ptr + (b * K1 + j) * NC  # this position's chunk masses
+                active = sampled & (j <= kb)
+            else:
+                j = tl.load(rj_ptr + b, cache_modifier=".cg").to(tl.int64)
+                rejected = tl.load(rr_ptr + b, cache_modifier=".cg") != 0
+                x_j = tl.load(rx_ptr + b, cache_modifier=".cg").to(tl.int64)
+                pp_j = tl.full([], 1.0, tl.float64)
+                m_rec = mass_ptr + b * NC
+                active = sampled
             pos_ptr = logits_ptr + l_off + j * stride_lk
             q_ptr = draft_probs_ptr + q_off + j * stride_qk
-            q_len = tl.where(rejected, Vd, 0)  # q_j is read only after a rejection
+            q_len = tl.where(rejected, Vd, 0)  # q_j is read only after a rejection (BLOCK: below K_b)
             m_j = tl.load(pm_ptr + b * K1 + j, cache_modifier=".cg")
             S_j = tl.load(pS_ptr + b * K1 + j, cache_modifier=".cg")
             thr_j = tl.load(pt_ptr + b * K1 + j, cache_modifier=".cg").to(tl.int64)
@@ -837,77 +943,105 @@ def _verify_split_kernel(
             if DRAFT_LOGITS:
                 m_dj = tl.load(pmd_ptr + b * K1 + j, cache_modifier=".cg")
                 S_dj = tl.load(pSd_ptr + b * K1 + j, cache_modifier=".cg")
-            if sampled:
+            if active:
                 # no `if` around the loads (the pipeliner leaves loads under one alone): a chunk
                 # past the last (c >= NC) is masked off by offs >= V and q_len <= Vd <= V
                 for tt in tl.range(0, TILES, num_stages=STAGES):
                     c = g * TILES + tt
                     r, _, n_bad_q = _chunk_weights(pos_ptr, q_ptr, c * CHUNK + offs0, V, q_len, x_j, inv_t, m_j,
-                                                   S_j, thr_j, rejected, m_dj, S_dj, HAS_DRAFT_PROBS, PROBS,
-                                                   DRAFT_LOGITS)
-                    tl.store(mass_ptr + b * NC + c, tl.sum(r.to(tl.float64), axis=0), mask=c < NC)
-                    tl.store(cq_ptr + b * NC + c, n_bad_q, mask=c < NC)
+                                                   S_j, thr_j, rejected, m_dj, S_dj, pp_j, HAS_DRAFT_PROBS, PROBS,
+                                                   DRAFT_LOGITS, BLOCK)
+                    tl.store(m_rec + c, tl.sum(r.to(tl.float64), axis=0), mask=c < NC)
+                    if BLOCK:
+                        tl.store(bq_ptr + (b * K1 + j) * NC + c, n_bad_q.to(tl.float64), mask=c < NC)
+                    else:
+                        tl.store(cq_ptr + b * NC + c, n_bad_q, mask=c < NC)
             tl.debug_barrier()
             arrived = tl.atomic_add(s2_cnt_ptr + b, 1, sem="acq_rel")
-            if arrived == NI - 1:
+            if arrived == NI * (K1 if BLOCK else 1) - 1:
                 tl.atomic_xchg(s2_cnt_ptr + b, 0)
                 tl.atomic_xchg(ready_ptr + b, 0)
                 if sampled:
                     cmask = cs_ids < NC
-                    W = tl.load(mass_ptr + b * NC + cs_ids, mask=cmask, other=0.0, cache_modifier=".cg")
-                    n_bad_q = tl.sum(tl.load(cq_ptr + b * NC + cs_ids, mask=cmask, other=0, cache_modifier=".cg"),
-                                     axis=0)
-                    bad_row = n_bad_q > 0
-                    if DRAFT_LOGITS:  # an unusable q_j after a rejection (its m_d, S_d are placeholders)
-                        bad_row = bad_row | (rejected & (tl.load(pbd_ptr + b * K1 + j, cache_modifier=".cg") != 0))
-                    total = tl.sum(W, axis=0)
-                    use_p = total <= 0.0
-                    if use_p:
-                        # The residual sums to zero (q >= p everywhere in floating point): draw
-                        # from p itself, its chunk masses summed here (rare: one pass of its own).
-                        W = tl.zeros([NCB], dtype=tl.float64)
-                        for cc in range(0, NC):
-                            r, _, _ = _chunk_weights(pos_ptr, q_ptr, cc * CHUNK + offs0, V, 0, -1, inv_t, m_j, S_j,
-                                                     thr_j, False, m_dj, S_dj, HAS_DRAFT_PROBS, PROBS, DRAFT_LOGITS)
-                            W = tl.where(cs_ids == cc, tl.sum(r.to(tl.float64), axis=0), W)
-                        total = tl.sum(W, axis=0)
-                    if HAS_UNIFORMS:
-                        u_final = tl.load(uniforms_ptr + b * stride_ub + K * stride_uk).to(tl.float64)
+                    if BLOCK:
+                        # h_i = r_i / (r_i + 1 - p_i) below K_b, h_{K_b} = p_{K_b} (Sun et al.,
+                        # Algorithm 2), as a vector over the draft index ks = i - 1, tested with
+                        # draft ks's uniform; tau = the largest i whose test passes, 0 if none
+                        dmask = ks < kb
+                        i1 = ks + 1
+                        rm = (i1[:, None] < kb) & (cs_ids[None, :] < NC)
+                        rec2 = (b * K1 + i1[:, None]) * NC + cs_ids[None, :]
+                        r_i = tl.sum(tl.load(bm_ptr + rec2, mask=rm, other=0.0, cache_modifier=".cg"), axis=1)
+                        qm = (ks[:, None] < kb) & (cs_ids[None, :] < NC)
+                        qrec = (b * K1 + ks[:, None]) * NC + cs_ids[None, :]
+                        n_bad = tl.sum(tl.sum(tl.load(bq_ptr + qrec, mask=qm, other=0.0, cache_modifier=".cg"),
+                                              axis=1), axis=0)
+                        bad_row = n_bad > 0.0
+                        pp_i = tl.load(pp_ptr + b * K1 + i1, mask=i1 <= kb, other=0.0, cache_modifier=".cg")
+                        den = r_i + (1.0 - pp_i)
+                        h = tl.where(den > 0.0, r_i / tl.where(den > 0.0, den, 1.0), 0.0)
+                        h = tl.where(i1 == kb, pp_i, h)
+                        if HAS_UNIFORMS:
+                            u = tl.load(uniforms_ptr + b * stride_ub + ks * stride_uk, mask=dmask,
+                                        other=0.0).to(tl.float64)
+                        else:
+                            seed, counter_base = _philox_key(b, param_flags, seed_ptr, seed_stride, seed_scalar,
+                                                             seed_row_step, off_ptr, off_stride, off_scalar)
+                            u = tl.rand(seed, counter_base | (ks + 1).to(tl.int64)).to(tl.float64)
+                        j = tl.max(tl.where(dmask & (u < h), i1, 0), axis=0).to(tl.int64)
+                        rejected = j < kb
+                        x_j = tl.load(draft_tokens_ptr + t_off + j * stride_tk, mask=rejected, other=-1).to(tl.int64)
+                        pp_j = tl.load(pp_ptr + b * K1 + j, cache_modifier=".cg")
+                        W = tl.load(bm_ptr + (b * K1 + j) * NC + cs_ids, mask=cmask, other=0.0, cache_modifier=".cg")
+                        pos_ptr = logits_ptr + l_off + j * stride_lk
+                        q_ptr = draft_probs_ptr + q_off + j * stride_qk
+                        q_len = tl.where(rejected, Vd, 0)
+                        m_j = tl.load(pm_ptr + b * K1 + j, cache_modifier=".cg")
+                        S_j = tl.load(pS_ptr + b * K1 + j, cache_modifier=".cg")
+                        thr_j = tl.load(pt_ptr + b * K1 + j, cache_modifier=".cg").to(tl.int64)
+                        if DRAFT_LOGITS:
+                            m_dj = tl.load(pmd_ptr + b * K1 + j, cache_modifier=".cg")
+                            S_dj = tl.load(pSd_ptr + b * K1 + j, cache_modifier=".cg")
                     else:
-                        seed, counter_base = _philox_key(b, param_flags, seed_ptr, seed_stride, seed_scalar,
-                                                         seed_row_step, off_ptr, off_stride, off_scalar)
-                        # 53 random bits (27 of Philox's first word, 26 of its second) on the
-                        # 2^-53 grid: with fp32's 24, a token of probability below ~2^-24 would
-                        # be drawn with probability 0 or 2^-24, not its own
-                        r0, r1, _, _ = tl.randint4x(seed, counter_base)
-                        u_final = ((r0 >> 5).to(tl.float64) * 67108864.0
-                                   + (r1 >> 6).to(tl.float64)) * 1.1102230246251565e-16
-                    target = u_final * total
-                    # The chunk holding the draw: the first chunk of positive mass whose
-                    # cumulative mass (float64, chunk order) passes target; the last one if
-                    # rounding leaves none.
-                    cdf = tl.cumsum(W, axis=0)
-                    c_hit = tl.min(tl.where(cmask & (W > 0.0) & (cdf > target), cs_ids, _INT32_MAX), axis=0)
-                    c_last = tl.max(tl.where(cmask & (W > 0.0), cs_ids, -1), axis=0)
-                    c_star = tl.where(c_hit < _INT32_MAX, c_hit, c_last)
-                    carry = tl.sum(tl.where(cs_ids == c_star, cdf - W, 0.0), axis=0)
-                    offs = tl.maximum(c_star, 0) * CHUNK + offs0
-                    r, mask, _ = _chunk_weights(pos_ptr, q_ptr, offs, V, q_len, x_j, inv_t, m_j, S_j, thr_j,
-                                                rejected & ~use_p, m_dj, S_dj, HAS_DRAFT_PROBS, PROBS, DRAFT_LOGITS)
-                    # float64: tiny weights keep their intervals; r > 0: a token of weight 0 is
-                    # never the hit, whatever order tl.cumsum adds in
-                    cdf_v = carry + tl.cumsum(r.to(tl.float64), axis=0)
-                    hit = tl.min(tl.where(mask & (r > 0.0) & (cdf_v > target), offs, _INT32_MAX), axis=0)
-                    last_nz = tl.max(tl.where(mask & (r > 0.0), offs, -1), axis=0)
-                    final = tl.where(hit < _INT32_MAX, hit, last_nz).to(tl.int64)
-                    bad_row = bad_row | (final < 0) | (c_star < 0)
+                        W = tl.load(mass_ptr + b * NC + cs_ids, mask=cmask, other=0.0, cache_modifier=".cg")
+                        n_bad_q = tl.sum(tl.load(cq_ptr + b * NC + cs_ids, mask=cmask, other=0,
+                                                 cache_modifier=".cg"), axis=0)
+                        bad_row = n_bad_q > 0
+                        if DRAFT_LOGITS:  # an unusable q_j after a rejection (its m_d, S_d are placeholders)
+                            bad_row = bad_row | (rejected & (tl.load(pbd_ptr + b * K1 + j, cache_modifier=".cg") != 0))
+                    use_p = tl.sum(W, axis=0) <= 0.0
+                    if use_p:
+                        W = _p_masses(pos_ptr, q_ptr, V, NC, inv_t, m_j, S_j, thr_j, m_dj, S_dj, cs_ids, offs0, NCB,
+                                      HAS_DRAFT_PROBS, PROBS, DRAFT_LOGITS, BLOCK, CHUNK)
+                    u_final = _final_uniform(b, uniforms_ptr, stride_ub, stride_uk, K, param_flags, seed_ptr,
+                                             seed_stride, seed_scalar, seed_row_step, off_ptr, off_stride, off_scalar,
+                                             HAS_UNIFORMS)
+                    final = _draw(W, u_final, cmask, cs_ids, offs0, pos_ptr, q_ptr, V, q_len, x_j, inv_t, m_j, S_j,
+                                  thr_j, rejected & ~use_p, m_dj, S_dj, pp_j, HAS_DRAFT_PROBS, PROBS, DRAFT_LOGITS,
+                                  BLOCK, CHUNK)
+                    bad_row = bad_row | (final < 0)
                     if LOGPROBS:
                         s_f = tl.load(pos_ptr + tl.maximum(final, 0)).to(tl.float32) * inv_t
                         lp_f = _logprob(s_f, m_j, S_j, _order_key(s_f).to(tl.int64) >= thr_j, PROBS)
                         lp = tl.where(ks == j, lp_f, float("-inf"))
-                        # a row found bad here (its q_j) emits nothing: every slot -inf
-                        tl.store(logprobs_ptr + b * stride_pb + ks * stride_pc, lp,
-                                 mask=(ks < K1) & ((ks == j) | ((ks * 0 + bad_row.to(tl.int32)) != 0)))
+                        if BLOCK:  # the accepted drafts' log p_i(x_i), known only now
+                            am = ks < j
+                            x_a = tl.load(draft_tokens_ptr + t_off + ks * stride_tk, mask=am, other=0).to(tl.int64)
+                            s_a = tl.load(logits_ptr + l_off + ks * stride_lk + x_a, mask=am,
+                                          other=0.0).to(tl.float32) * inv_t
+                            m_a = tl.load(pm_ptr + b * K1 + ks, mask=am, other=0.0, cache_modifier=".cg")
+                            S_a = tl.load(pS_ptr + b * K1 + ks, mask=am, other=1.0, cache_modifier=".cg")
+                            thr_a = tl.load(pt_ptr + b * K1 + ks, mask=am, other=_INT32_MIN,
+                                            cache_modifier=".cg").to(tl.int64)
+                            lp = tl.where(am, _logprob(s_a, m_a, S_a, _order_key(s_a).to(tl.int64) >= thr_a, PROBS),
+                                          lp)
+                            lp = tl.where(bad_row, float("-inf"), lp)
+                            tl.store(logprobs_ptr + b * stride_pb + ks * stride_pc, lp, mask=ks < K1)
+                        else:
+                            # a row found bad here (its q_j) emits nothing: every slot -inf
+                            lp = tl.where(bad_row, float("-inf"), lp)
+                            tl.store(logprobs_ptr + b * stride_pb + ks * stride_pc, lp,
+                                     mask=(ks < K1) & ((ks == j) | ((ks * 0 + bad_row.to(tl.int32)) != 0)))
                     _emit(tokens_ptr, stride_ob, stride_oc, num_accepted_ptr, stride_on, draft_tokens_ptr + t_off,
                           stride_tk, b, K, j, final, bad_row, BLOCK_K)
         t = tl.atomic_add(ticket_ptr, 1)

@@ -326,6 +326,42 @@ def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.where(idx >= V, last_nonzero, idx)
 
 
+def _draft_distributions(draft_probs, draft_logits, kb, temperature, top_k, top_p, K: int, min_p):
+    """q [B, K, Vd]: draft_probs, or with ``draft_logits`` its softmax at each row's temperature
+    (``draft_softmax``); None stays None (one-hot q)."""
+    if draft_logits is None:
+        return draft_probs
+    if draft_probs is not None:
+        raise ValueError("draft_probs and draft_logits are exclusive: pass one of them, got both")
+    _, _, inv_t_d = _row_parameters(kb, temperature, top_k, top_p, K, min_p)
+    return draft_softmax(draft_logits, inv_t_d)
+
+
+def _target_distributions(target_logits, kb, temperature, top_k, top_p, min_p, target_is_probs: bool,
+                          sort_descending):
+    """(greedy [B], bad_param [B], p [B, K+1, V] fp32, bad_pos [B, K+1], argmax [B, K+1]): the
+    warped target distributions of every verify position (``verify_reference``'s definitions),
+    whether a position is unusable, and the first index of the maximum of each scaled row."""
+    B, K1, V = target_logits.shape
+    K = K1 - 1
+    if target_is_probs:
+        if top_k is not None or top_p is not None or min_p is not None:
+            raise ValueError("top_k, top_p and min_p must be None with target_is_probs=True")
+        greedy, bad_param, _ = _row_parameters(kb, temperature, None, None, K)
+        bad_param = bad_param | (~greedy & (temperature.float() != 1))
+        s = target_logits.float()  # [B, K+1, V]
+        bad_pos = torch.isnan(s).any(-1) | torch.isinf(s).any(-1) | (s < 0).any(-1) | ~(s > 0).any(-1)
+        p = s / s.sum(-1, keepdim=True)
+    else:
+        greedy, bad_param, inv_t = _row_parameters(kb, temperature, top_k, top_p, K, min_p)
+        s, keep = warp_logits(target_logits, inv_t[:, None].expand(B, K1), _per_position(top_k, K1),
+                              _per_position(top_p, K1), sort_descending, min_p=_per_position(min_p, K1))
+        # A position is unusable if any logit is NaN or +inf, or if nothing has a finite logit.
+        bad_pos = torch.isnan(s).any(-1) | torch.isposinf(s).any(-1) | torch.isneginf(s).all(-1)  # [B, K+1]
+        p = _target_probs(s, keep)  # [B, K+1, V]
+    return greedy, bad_param, p, bad_pos, s.argmax(-1)
+
+
 # ----------------------------------------------------------------------------------------------
 # The verification step
 # ----------------------------------------------------------------------------------------------
@@ -362,27 +398,9 @@ def verify_reference(
     B, K1, V = target_logits.shape
     K = K1 - 1
     kb = num_draft_tokens.to(torch.int64)  # [B]
-    if draft_logits is not None:
-        if draft_probs is not None:
-            raise ValueError("draft_probs and draft_logits are exclusive: pass one of them, got both")
-        _, _, inv_t_d = _row_parameters(kb, temperature, top_k, top_p, K, min_p)
-        draft_probs = draft_softmax(draft_logits, inv_t_d)
-    if target_is_probs:
-        if top_k is not None or top_p is not None or min_p is not None:
-            raise ValueError("top_k, top_p and min_p must be None with target_is_probs=True")
-        greedy, bad_param, _ = _row_parameters(kb, temperature, None, None, K)
-        bad_param = bad_param | (~greedy & (temperature.float() != 1))
-        s = target_logits.float()  # [B, K+1, V]
-        bad_pos = torch.isnan(s).any(-1) | torch.isinf(s).any(-1) | (s < 0).any(-1) | ~(s > 0).any(-1)
-        p = s / s.sum(-1, keepdim=True)
-    else:
-        greedy, bad_param, inv_t = _row_parameters(kb, temperature, top_k, top_p, K, min_p)
-        s, keep = warp_logits(target_logits, inv_t[:, None].expand(B, K1), _per_position(top_k, K1),
-                              _per_position(top_p, K1), sort_descending, min_p=_per_position(min_p, K1))
-        # A position is unusable if any logit is NaN or +inf, or if nothing has a finite logit.
-        bad_pos = torch.isnan(s).any(-1) | torch.isposinf(s).any(-1) | torch.isneginf(s).all(-1)  # [B, K+1]
-        p = _target_probs(s, keep)  # [B, K+1, V]
-    argmax = s.argmax(-1)  # [B, K+1]: first index of the maximum
+    draft_probs = _draft_distributions(draft_probs, draft_logits, kb, temperature, top_k, top_p, K, min_p)
+    greedy, bad_param, p, bad_pos, argmax = _target_distributions(
+        target_logits, kb, temperature, top_k, top_p, min_p, target_is_probs, sort_descending)
 
     x, x_safe, q_x, bad_x = _drafts(draft_tokens, draft_probs, greedy, V)
     p_x = p[:, :K].gather(-1, x_safe[..., None])[..., 0]  # [B, K]
@@ -417,19 +435,25 @@ def block_verify_reference(
     draft_probs: torch.Tensor | None,  # [B, K, Vd] fp32, Vd <= V; None = one-hot q
     num_draft_tokens: torch.Tensor,  # [B] int64 in [0, K]
     temperature: torch.Tensor,  # [B] fp32, 0 = greedy
-    top_k: torch.Tensor | None,  # must be None (not supported yet)
-    top_p: torch.Tensor | None,  # must be None (not supported yet)
+    top_k: torch.Tensor | None,  # [B] int, 0 = off
+    top_p: torch.Tensor | None,  # [B] fp32, 1 = off
     uniforms: torch.Tensor,  # [B, K+1] float64 (or fp32) in [0, 1)
+    *,
+    sort_descending=_torch_sort_descending,  # the warp's sort (see warp_logits)
+    target_is_probs: bool = False,  # target_logits holds the target's probabilities, used as given
+    draft_logits: torch.Tensor | None = None,  # [B, K, Vd], Vd <= V: the draft's logits instead of draft_probs
+    min_p: torch.Tensor | None = None,  # [B] fp32 in [0, 1], 0 = off
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Block verification (Sun et al., "Block Verification Accelerates Speculative Decoding",
     ICLR 2025, arXiv 2403.10444, Algorithm 2): the drafts are accepted or rejected jointly, with
     the target's law kept and at least as many drafts accepted on average as ``verify_reference``.
-    Same inputs (without the top-k/top-p warp: top_k and top_p must be None) and outputs: tokens
-    [B, K+1] int64 (the accepted drafts, the extra token, then -1), num_accepted [B] int64.
+    Same inputs, warps (temperature, top-k, top-p, min-p), ``target_is_probs`` and
+    ``draft_logits`` as ``verify_reference``, and the same outputs: tokens [B, K+1] int64 (the
+    accepted drafts, the extra token, then -1), num_accepted [B] int64.
 
     Indices (1-based as in the paper; position i of the tensors is the paper's i + 1): x_i =
-    draft_tokens[b, i-1], P_i = softmax(target_logits[b, i-1] / T), Q_i = draft_probs[b, i-1]
-    (one-hot at x_i when None), K = K_b.  With p_0 = 1,
+    draft_tokens[b, i-1], P_i = the warped target distribution at position i-1, Q_i =
+    draft_probs[b, i-1] (one-hot at x_i when None), K = K_b.  With p_0 = 1,
 
         p_i = min(1, p_{i-1} P_i(x_i) / Q_i(x_i))                       i = 1..K
         r_i = sum_v max(0, p_i P_{i+1}(v) - Q_{i+1}(v))                  i = 0..K-1
@@ -446,24 +470,20 @@ def block_verify_reference(
     (from P_{tau+1} if that residual sums to zero in floating point).  uniforms[b, i] for i >= K_b
     and i < K are not read.  All of it is computed in float64 from the fp32 p and q.
 
-    Greedy rows (temperature 0) are token verification: the drafts are accepted while they equal
-    the argmax, the extra token is the argmax at the stop (``verify_reference``'s tokens).
+    Greedy rows (temperature 0) are token verification, invalid-row rules included: their
+    outputs are ``verify_reference``'s.
 
-    Invalid rows (num_accepted -1, tokens all -1): as ``verify_reference``'s parameters, plus any
-    unusable value the rule reads, which is every position 0..K_b of the logits, every draft id
-    and, for sampling rows, every q_i(x_i) and draft distribution of positions below K_b (block
-    verification reads all of them, not only those up to the first rejection).
+    Invalid sampling rows (num_accepted -1, tokens all -1): as ``verify_reference``'s parameters,
+    plus any unusable value the rule reads, which is every position 0..K_b of the logits, every
+    draft id, every q_i(x_i) and draft distribution of positions below K_b (block verification
+    reads all of them, not only those up to the first rejection).
     """
-    if top_k is not None or top_p is not None:
-        raise ValueError("block_verify_reference: top_k and top_p are not supported (pass None)")
     B, K1, V = target_logits.shape
     K = K1 - 1
     kb = num_draft_tokens.to(torch.int64)  # [B]
-    greedy, bad_param, inv_t = _row_parameters(kb, temperature, None, None, K)
-    s, keep = warp_logits(target_logits, inv_t[:, None].expand(B, K1), None, None)
-    bad_pos = torch.isnan(s).any(-1) | torch.isposinf(s).any(-1) | torch.isneginf(s).all(-1)  # [B, K+1]
-    p = _target_probs(s, keep)  # [B, K+1, V] fp32
-    argmax = s.argmax(-1)  # [B, K+1]
+    draft_probs = _draft_distributions(draft_probs, draft_logits, kb, temperature, top_k, top_p, K, min_p)
+    greedy, bad_param, p, bad_pos, _ = _target_distributions(
+        target_logits, kb, temperature, top_k, top_p, min_p, target_is_probs, sort_descending)
     x, x_safe, q_x, bad_x = _drafts(draft_tokens, draft_probs, greedy, V)
     cols = torch.arange(K1, device=target_logits.device)
     used_pos = cols[None, :] <= kb[:, None]  # [B, K+1]: positions 0..K_b
@@ -471,15 +491,13 @@ def block_verify_reference(
     bad_row = bad_param | (bad_pos & used_pos).any(-1) | (bad_x & used_x).any(-1)
 
     P = torch.nan_to_num(p.double(), nan=0.0)  # [B, K+1, V]
+    Q = torch.zeros(B, K, V, dtype=torch.float64, device=p.device)
     if draft_probs is None:
-        Q = torch.zeros(B, K, V, dtype=torch.float64, device=p.device)
         Q.scatter_(-1, x_safe[..., None], 1.0)
     else:
-        Vd = draft_probs.shape[-1]
-        Q = torch.zeros(B, K, V, dtype=torch.float64, device=p.device)
-        Q[..., :Vd] = draft_probs.double()
+        Q[..., :draft_probs.shape[-1]] = draft_probs.double()
         bad_q = ~torch.isfinite(Q).all(-1) | (Q < 0).any(-1)  # [B, K]
-        bad_row |= ~greedy & (bad_q & used_x).any(-1)
+        bad_row |= (bad_q & used_x).any(-1)
         Q = torch.nan_to_num(Q, nan=0.0, posinf=0.0).clamp(min=0.0)
     Q_x = torch.nan_to_num(q_x.double(), nan=0.0, posinf=0.0).clamp(min=0.0)  # [B, K]
     P_x = P[:, :K].gather(-1, x_safe[..., None])[..., 0]  # [B, K]
@@ -499,11 +517,7 @@ def block_verify_reference(
     i1 = cols[1:]  # [K]: i = 1..K, its uniform uniforms[:, i-1]
     stop = (u[:, :K] < h[:, 1:]) & (i1[None, :] <= kb[:, None])  # [B, K]
     tau = torch.where(stop, i1[None, :], 0).amax(-1) if K > 0 else torch.zeros(B, dtype=torch.int64)
-
-    # Greedy rows: token verification against the argmax.
-    match = (x == argmax[:, :K]) & used_x
-    j_greedy = torch.minimum(match.int().cumprod(-1).sum(-1), kb) if K > 0 else torch.zeros_like(kb)
-    tau = torch.where(greedy, j_greedy, tau).clamp(0, K)
+    tau = tau.clamp(0, K)
 
     P_t = P.gather(1, tau[:, None, None].expand(B, 1, V))[:, 0]  # [B, V]: P_{tau+1}
     Q_t = Q.gather(1, tau.clamp(max=K - 1)[:, None, None].expand(B, 1, V))[:, 0] if K > 0 else torch.zeros_like(P_t)
@@ -511,9 +525,13 @@ def block_verify_reference(
     residual = torch.where((tau < kb)[:, None], _block_residual(p_t, P_t, Q_t), P_t)
     weights = torch.where(residual.sum(-1, keepdim=True) > 0, residual, P_t)
     weights = torch.where(weights.sum(-1, keepdim=True) > 0, weights, 1.0)  # invalid rows only
-    sampled = _inverse_cdf(weights, u[:, K])
-    final = torch.where(greedy, argmax.gather(1, tau[:, None])[:, 0], sampled)
-    return _outputs(x, tau, final, bad_row)
+    tokens, num = _outputs(x, tau, _inverse_cdf(weights, u[:, K]), bad_row)
+
+    # Greedy rows: token verification against the argmax, as verify_reference has it.
+    t_tok, n_tok = verify_reference(target_logits, draft_tokens, draft_probs, num_draft_tokens, temperature, top_k,
+                                    top_p, uniforms, sort_descending=sort_descending,
+                                    target_is_probs=target_is_probs, min_p=min_p)
+    return torch.where(greedy[:, None], t_tok, tokens), torch.where(greedy, n_tok, num)
 
 
 def emitted_logprobs(

@@ -461,14 +461,15 @@ class _Workspace:
         return t is not None and t.numel() >= n
 
     @staticmethod
-    def sizes(B: int, K1: int, NC: int, cap: int, draft_logits: bool = False) -> dict:
+    def sizes(B: int, K1: int, NC: int, cap: int, draft_logits: bool = False, block: bool = False) -> dict:
         """Elements of each tensor a launch uses; ``draft_logits``: the draft's per-chunk max, sum
-        and NaN/+inf count and its per-position (m_d, S_d, bad_d), after the other fields."""
+        and NaN/+inf count and its per-position (m_d, S_d, bad_d), after the other fields;
+        ``block``: the float64 chunk masses and q counts of every position, and the rule's p_i."""
         N1 = B * K1 * NC
         d = 1 if draft_logits else 0
         return dict(counters=2 + B * K1 + 3 * B, part_f=(2 * N1 + 2 * B * K1) * (1 + d),
                     part_i=4 * N1 + 4 * B * K1 + 4 * B + B * NC + d * (N1 + B * K1), cand=max(1, N1 * cap),
-                    mass=B * NC)
+                    mass=2 * N1 + B * K1 if block else B * NC)
 
     def fits(self, sizes: dict) -> bool:
         return all(self._fits(getattr(self, k), n) for k, n in sizes.items())
@@ -526,19 +527,19 @@ def _workspace(dev: torch.device) -> _Workspace:
 
 def _split_meta(V: int, K1: int, has_draft_probs: bool, has_top_k: bool, has_top_p: bool, has_uniforms: bool,
                 has_order: bool = False, packed: bool = False, probs: bool = False, logprobs: bool = False,
-                draft_logits: bool = False, has_min_p: bool = False) -> dict:
+                draft_logits: bool = False, has_min_p: bool = False, block: bool = False) -> dict:
     """The split kernel's compile-time parameters for V tokens and K + 1 = K1 positions: its
     constexprs, num_warps and enable_fp_fusion (pinned off, as ``_kernel_meta`` says).  The launch
     and the ahead-of-time compile check (``scripts/gpu_compile_check.py``) both take them here.
     ``draft_logits``: the draft tensor holds logits (DRAFT_LOGITS; with has_draft_probs);
-    ``has_min_p``: a min_p argument was given (HAS_MIN_P)."""
+    ``has_min_p``: a min_p argument was given (HAS_MIN_P); ``block``: block verification (BLOCK)."""
     import triton
 
     chunk = max(16, min(triton.next_power_of_2(V), _CHUNK_V))
     nc = triton.cdiv(V, chunk)
     return dict(HAS_DRAFT_PROBS=has_draft_probs, HAS_TOP_K=has_top_k, HAS_TOP_P=has_top_p, HAS_MIN_P=has_min_p,
                 HAS_UNIFORMS=has_uniforms, HAS_ORDER=has_order, PACKED=packed, PROBS=probs, LOGPROBS=logprobs,
-                DRAFT_LOGITS=bool(draft_logits and has_draft_probs), CHUNK=chunk, TILES=_TILES_PER_ITEM,
+                DRAFT_LOGITS=bool(draft_logits and has_draft_probs), BLOCK=bool(block), CHUNK=chunk, TILES=_TILES_PER_ITEM,
                 STAGES=_STAGES, NCB=triton.next_power_of_2(nc),
                 CAP=_TOP_K_CAP, BLOCK_K=triton.next_power_of_2(K1),
                 num_warps=8 if chunk >= 2048 else 4, enable_fp_fusion=False)
@@ -555,7 +556,8 @@ def _param_args(value, bit: int, dummy: torch.Tensor, flags: int):
 class _Layout(NamedTuple):
     """What a call asks beyond ``_Args``: the batch (B rows, K = max_b K_b), the packed layout's
     cu [B + 1] (None: padded), probabilities in, log-probabilities out, preallocated outputs, and
-    whether ``_Args.draft_probs`` holds the draft's logits (``draft_logits=``: q = softmax(l / T))."""
+    whether ``_Args.draft_probs`` holds the draft's logits (``draft_logits=``: q = softmax(l / T)),
+    and the verification method (``block``: ``method="block"``)."""
 
     B: int
     K: int
@@ -564,6 +566,7 @@ class _Layout(NamedTuple):
     logprobs: bool = False
     out: Optional[tuple] = None
     draft_logits: bool = False
+    block: bool = False  # method="block": block verification
 
 
 def _padded_layout(a: _Args) -> _Layout:
@@ -634,19 +637,20 @@ def _launch(a: _Args, lay: _Layout, order: Optional[torch.Tensor] = None,
     warp = a.top_k is not None or a.top_p is not None or a.min_p is not None
     meta = _split_meta(V, K1, q is not None, a.top_k is not None, a.top_p is not None, u is not None, order is not None,
                        packed=packed, probs=lay.probs, logprobs=lay.logprobs, draft_logits=lay.draft_logits,
-                       has_min_p=a.min_p is not None)
+                       has_min_p=a.min_p is not None, block=lay.block)
     nc = -(-V // meta["CHUNK"])
-    sizes = _Workspace.sizes(B, K1, nc, _TOP_K_CAP if warp else 0, meta["DRAFT_LOGITS"])
+    sizes = _Workspace.sizes(B, K1, nc, _TOP_K_CAP if warp else 0, meta["DRAFT_LOGITS"], lay.block)
     ws = _workspace(dev)
     if local_workspace or (not ws.fits(sizes) and dev.type == "cuda" and torch.cuda.is_current_stream_capturing()):
         ws = _Workspace()  # this call's own (under capture: of the graph's pool, zeroed by a captured memset)
     ws.ensure(dev, sizes)
     ni = -(-nc // meta["TILES"])  # work items per position
-    n1, n_items = B * K1 * ni, B * K1 * ni + B * ni
+    n1 = B * K1 * ni
+    n_items = n1 + B * ni * (K1 if lay.block else 1)  # stage 2: per row (block: per row and position)
     grid = 1 if dev.type != "cuda" else min(n_items, _sm_count(dev.index) * _PROGRAMS_PER_SM)
     if n_items + grid >= 2**31:  # the kernel's int32 ticket
-        raise ValueError(f"fused_verify: B * (K + 1) * {ni} + B * {ni} work items (B = {B}, K + 1 = {K1}) must stay "
-                         f"below 2^31 - {grid}, got {n_items}")
+        raise ValueError(f"fused_verify: {n_items} work items (B = {B}, K + 1 = {K1}, {ni} a position) must stay "
+                         f"below 2^31 - {grid}")
     if order is not None:
         # a stage-2 item before its row's stage-1 items would wait for ever: refuse such orders
         o = order.cpu().tolist()
@@ -1089,7 +1093,12 @@ def _run_torch_layout(a: _Args, lay: _Layout):
             # it reaches this path too), then the draft_probs computation
             _, _, inv_t = _row_parameters(a.num_draft_tokens, a.temperature, a.top_k, a.top_p, lay.K, a.min_p)
             a = a._replace(draft_probs=_ref.draft_softmax(a.draft_probs, inv_t))
-        if lay.probs:
+        if lay.block and not _all_greedy(a):  # (greedy rows: block verification is token verification)
+            u = _uniforms(a, lay.K)
+            tokens, num = _ref.block_verify_reference(
+                a.target_logits, a.draft_tokens, a.draft_probs, a.num_draft_tokens, a.temperature, a.top_k,
+                a.top_p, u, sort_descending=sort_descending_cpu, target_is_probs=lay.probs, min_p=a.min_p)
+        elif lay.probs:
             u = _uniforms(a, lay.K)
             tokens, num = verify_reference(a.target_logits, a.draft_tokens, a.draft_probs, a.num_draft_tokens,
                                            a.temperature, None, None, u, target_is_probs=True)
@@ -1112,8 +1121,8 @@ def _verify_layout(a: _Args, lay: _Layout, backend: str):
     """``fused_verify`` / ``fused_verify_packed`` with a layout (packed, probabilities in,
     log-probabilities, ``out=``, draft logits): eager only."""
     if torch.compiler.is_compiling():
-        raise NotImplementedError("fused_verify_packed, and fused_verify with draft_logits, target_is_probs, out= or "
-                                  "return_logprobs, are eager ops: call them outside torch.compile")
+        raise NotImplementedError("fused_verify_packed, and fused_verify with draft_logits, target_is_probs, out=, "
+                                  "return_logprobs or method='block', are eager ops: call them outside torch.compile")
     resolved = _resolve_backend(backend, a.target_logits.device)
     if resolved == "_triton_rows" and a.min_p is not None:
         raise NotImplementedError("backend '_triton_rows' does not take min_p (the one-program-per-row kernel "
@@ -1124,7 +1133,7 @@ def _verify_layout(a: _Args, lay: _Layout, backend: str):
                                   "draft_probs")
     if resolved == "_triton_rows":
         raise ValueError("backend '_triton_rows' takes only fused_verify's padded logits, without "
-                         "target_is_probs, out= or return_logprobs")
+                         "target_is_probs, out=, return_logprobs or method='block'")
     if resolved == "triton":
         tokens, num, lp = _launch(a, lay)
     else:
@@ -1190,6 +1199,14 @@ def check_temperature(temperature: float) -> None:
                          f"got {temperature}")
 
 
+METHODS = ("token", "block")
+
+
+def _check_method(method) -> None:
+    if not isinstance(method, str) or method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+
+
 def fused_verify(
     target_logits: torch.Tensor,  # [B, K+1, V] fp32/bf16/fp16: raw target logits
     draft_tokens: torch.Tensor,  # [B, K] int32/int64
@@ -1208,6 +1225,7 @@ def fused_verify(
     target_is_probs: bool = False,  # target_logits holds probabilities [B, K+1, V], used as given
     out: Optional[tuple] = None,  # (tokens [B, K+1], num_accepted [B]) int32/int64 (+ logprobs [B, K+1] fp32)
     return_logprobs: bool = False,  # also return each emitted token's target log-probability
+    method: str = "token",  # "token" (token by token) | "block" (block verification, Sun et al. 2025)
 ):
     """Verify K drafted tokens against the target in one step (Leviathan et al. 2023; Chen et al. 2023).
 
@@ -1266,7 +1284,16 @@ def fused_verify(
     -inf logits are allowed (q = 0).  The result equals ``draft_probs=reference.draft_softmax(
     draft_logits, 1 / T)`` (fp32; the kernel's sums round in another order, as for p).
     Eager-only too; the private ``"_triton_rows"`` backend refuses it (NotImplementedError).
+
+    ``method="block"``: block verification (Sun et al., "Block Verification Accelerates Speculative
+    Decoding", ICLR 2025; ``reference.block_verify_reference`` defines it): the K_b drafts are
+    accepted or rejected jointly, the emitted tokens still distributed exactly as the target's,
+    at least as many drafts accepted on average as token by token.  Every other argument and
+    output is the same (greedy rows are verified token by token: the same tokens).  It reads the
+    full q at every draft position, not only at a rejection, and every position's p twice
+    (``_verify_split_kernel``'s header).  Eager-only, as ``out=``.
     """
+    _check_method(method)
     if isinstance(temperature, float):
         check_temperature(temperature)
     if isinstance(top_k, int) and not isinstance(top_k, bool) and top_k < 0:
@@ -1284,12 +1311,12 @@ def fused_verify(
     a = _normalize(target_logits, draft_tokens, draft_probs, num_draft_tokens, temperature, top_k,
                    top_p, seed, offset, uniforms, materialize=False, target_is_probs=bool(target_is_probs),
                    draft_logits=draft_logits, min_p=min_p)
-    if target_is_probs or out is not None or return_logprobs or draft_logits is not None:
+    if target_is_probs or out is not None or return_logprobs or draft_logits is not None or method == "block":
         B, K1, _ = target_logits.shape
         if out is not None:
             out = _check_out(out, B, K1, target_logits.device, bool(return_logprobs))
         lay = _Layout(B, K1 - 1, None, bool(target_is_probs), bool(return_logprobs), out,
-                      draft_logits=draft_logits is not None)
+                      draft_logits=draft_logits is not None, block=method == "block")
         return _verify_layout(a, lay, backend)
     return _verify_checked(*a, backend=backend)
 
@@ -1375,6 +1402,7 @@ def fused_verify_packed(
     target_is_probs: bool = False,
     out: Optional[tuple] = None,
     return_logprobs: bool = False,
+    method: str = "token",
 ):
     """``fused_verify`` in the packed (ragged) layout engines hold: the rows back to back, row b's
     K_b = cu[b + 1] - cu[b] verify positions followed by its bonus position, no padding.  The
@@ -1390,6 +1418,7 @@ def fused_verify_packed(
     ``num_accepted = -1`` and reads nothing.  On CPU, cu is checked and must rise from 0 to
     ``len(draft_tokens)``.
     """
+    _check_method(method)
     if isinstance(temperature, float):
         check_temperature(temperature)
     if backend not in _BACKENDS + _PRIVATE_BACKENDS:
@@ -1400,5 +1429,5 @@ def fused_verify_packed(
     if out is not None:
         out = _check_out(out, B, K + 1, logits.device, bool(return_logprobs))
     lay = _Layout(B, K, cu_num_draft_tokens, bool(target_is_probs), bool(return_logprobs), out,
-                  draft_logits=draft_logits is not None)
+                  draft_logits=draft_logits is not None, block=method == "block")
     return _verify_layout(a, lay, backend)
