@@ -106,6 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--draft-confidence", type=float, default=0.0,
                    help="a row stops drafting once the product of its drafts' probabilities under the draft "
                         "falls below this (0 = off, default; the output distribution is unchanged)")
+    g.add_argument("--verification", choices=("token", "block"), default="token",
+                   help="verify the drafts token by token (default) or as a block (Sun et al. 2025: the same "
+                        "output distribution, at least as many drafts accepted on average)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-k", type=int, default=None,
                    help="keep the k most likely tokens, and any tied with the k-th (default: off)")
@@ -223,7 +226,7 @@ def _make_decoder(args, parser):
 
     # how the models run, and what the draft may propose
     paths = dict(cpu_linear=args.cpu_linear, lean_forward=not args.no_lean_forward,
-                 draft_vocab=None if args.draft_vocab == "full" else args.draft_vocab)
+                 draft_vocab=None if args.draft_vocab == "full" else args.draft_vocab, verification=args.verification)
     if args.tiny_random:
         if args.draft or args.target:
             parser.error("--tiny-random builds its own models; do not pass --draft/--target with it")

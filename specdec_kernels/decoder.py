@@ -248,15 +248,24 @@ class SpeculativeDecoder:
     kernel on CUDA, the torch path on the CPU), ``"triton"`` (the kernel; on CPU tensors only
     under ``TRITON_INTERPRET=1``, as the tests run the decoder's loop through it) or ``"torch"``.
     The two give the same tokens from the same random numbers.
+
+    verification: how each step's drafts are verified: ``"token"`` (default: token by token,
+    Leviathan et al. 2023) or ``"block"`` (block verification, Sun et al. 2025: the drafts are
+    judged jointly; the same target distribution, at least as many drafts accepted on average;
+    ``fused_verify(method="block")``).  Greedy rows give the same tokens either way.
     """
 
     def __init__(self, draft=None, target=None, tokenizer=None, device=None, dtype=None, *,
                  drafter: Optional[str] = None, max_ngram: Optional[int] = None, cpu_linear: str = "auto",
-                 lean_forward: bool = True, draft_vocab: Any = "auto", verify_backend: str = "auto"):
+                 lean_forward: bool = True, draft_vocab: Any = "auto", verify_backend: str = "auto",
+                 verification: str = "token"):
         if cpu_linear not in ("auto", "skinny", "torch"):
             raise ValueError(f"cpu_linear must be 'auto', 'skinny' or 'torch', got {cpu_linear!r}")
         if verify_backend not in ("auto", "triton", "torch"):
             raise ValueError(f"verify_backend must be 'auto', 'triton' or 'torch', got {verify_backend!r}")
+        if verification not in ("token", "block"):
+            raise ValueError(f"verification must be 'token' or 'block', got {verification!r}")
+        self.verification = verification
         from .models import resolve_device
 
         device = resolve_device(device)
@@ -750,7 +759,7 @@ class SpeculativeDecoder:
         return got
 
     def _step(self, st: _State) -> None:
-        from .verify import _verify_checked
+        from .verify import _verify_checked, fused_verify
 
         dev = st.device
         B = len(st.rows)
@@ -814,8 +823,12 @@ class SpeculativeDecoder:
         # fused_verify's computation without its per-call argument checks (generate checked
         # the parameters; the tensors below are built here in its dtypes and shapes)
         temp, top_k, top_p, min_p = self._row_params(st, B)
-        out = _verify_checked(logits, X, Q, kb, temp, top_k, top_p, st.seed, st.step, min_p=min_p,
-                              backend=self.verify_backend)
+        if self.verification == "block":  # the op's checks included (block verification is eager)
+            out = fused_verify(logits, X, Q, num_draft_tokens=kb, temperature=temp, top_k=top_k, top_p=top_p,
+                               min_p=min_p, seed=st.seed, offset=st.step, backend=self.verify_backend, method="block")
+        else:
+            out = _verify_checked(logits, X, Q, kb, temp, top_k, top_p, st.seed, st.step, min_p=min_p,
+                                  backend=self.verify_backend)
         n = out.num_accepted  # [B] int64 in [-1, K_b]
         # On CUDA the mark goes before the sync, which then guarantees that the event has
         # completed (elapsed_time raises on one that has not).
