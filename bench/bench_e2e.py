@@ -97,7 +97,8 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
           "float16": torch.float16, "fp16": torch.float16}
 NA_BATCH = "n/a (batch 1 only)"
 REFUSED = "REFUSED"
-SPECDEC = ("specdec", "specdec_feature")  # the speculative methods (a draft model; the feature draft)
+SPECDEC = ("specdec", "specdec_feature", "specdec_block")  # the speculative methods (a draft model; the
+#                                                          feature draft; block verification)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -284,8 +285,11 @@ class Bench:
     def _top_p(self):
         return None if self.top_p >= 1.0 else self.top_p
 
-    def specdec(self, batch: int, temperature: float, k, target_only: bool = False, feature: bool = False) -> RunOut:
+    def specdec(self, batch: int, temperature: float, k, target_only: bool = False, feature: bool = False,
+                block: bool = False) -> RunOut:
+        """SpeculativeDecoder's loop (``block``: with verification="block", the same decoder)."""
         dec = self.fdec if feature else self.dec
+        dec.verification = "block" if block else "token"
         out_ids, stats = [], []
         _sync(self.device)
         t0 = time.perf_counter()
@@ -439,6 +443,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--feature-ks", type=_k_list, default=[],
                     help="also time SpeculativeDecoder with the feature draft (drafter='feature') at these K, "
                          "e.g. 2,auto (method specdec_feature)")
+    ap.add_argument("--block-ks", type=_k_list, default=[],
+                    help="also time SpeculativeDecoder with verification='block' at these K, e.g. 2,4,8 "
+                         "(method specdec_block, beside specdec's token verification at --ks)")
+    ap.add_argument("--methods", default=None,
+                    help="comma-separated subset of the methods to time (default: all), e.g. "
+                         "specdec,specdec_block,specdec_target_only; target_hf always runs (the reference)")
     ap.add_argument("--feature-draft", default=None,
                     help="the feature draft's directory (default with the embedded pair: the embedded one)")
     ap.add_argument("--eos", choices=["ignore", "stop"], default="ignore",
@@ -541,7 +551,8 @@ def main(argv=None) -> int:
         for temperature in args.temperatures:
             for batch in batches:
                 r, n = run_config(bench, batch, temperature, args.ks, args.repeats, args.warmup_tokens,
-                                  feature_ks=args.feature_ks)
+                                  feature_ks=args.feature_ks, block_ks=args.block_ks,
+                                  only=None if args.methods is None else set(args.methods.split(",")))
                 rows += r
                 notes += n
     except KeyboardInterrupt:  # a time limit (gpu_check.sh's SIGINT): keep the configurations done
@@ -577,7 +588,8 @@ def main(argv=None) -> int:
 
 
 def run_config(bench: Bench, batch: int, temperature: float, ks: list, repeats: int,
-               warmup_tokens: Optional[int] = None, feature_ks: Sequence = ()):
+               warmup_tokens: Optional[int] = None, feature_ks: Sequence = (), block_ks: Sequence = (),
+               only: Optional[set] = None):
     """All methods at one (batch, temperature): rows and printed notes."""
     greedy = temperature == 0
     label = f"batch {batch}, temperature {temperature:g}"
@@ -593,7 +605,11 @@ def run_config(bench: Bench, batch: int, temperature: float, ks: list, repeats: 
         methods[("specdec", k)] = (lambda k=k: bench.specdec(batch, temperature, k))
     for k in feature_ks:
         methods[("specdec_feature", k)] = (lambda k=k: bench.specdec(batch, temperature, k, feature=True))
+    for k in block_ks:
+        methods[("specdec_block", k)] = (lambda k=k: bench.specdec(batch, temperature, k, block=True))
     methods[("specdec_target_only", "-")] = lambda: bench.specdec(batch, temperature, None, target_only=True)
+    if only is not None:
+        methods = {key: fn for key, fn in methods.items() if key[0] in only or key[0] == "target_hf"}
 
     t0 = time.perf_counter()
     print(f"\n## {label}: warm-up", flush=True)

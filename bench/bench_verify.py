@@ -10,6 +10,9 @@ Providers, all computing the same step on the same inputs:
                       given: an engine's call), on CUDA the split kernel, on CPU the torch path
   fused_cpu           fused_verify on CPU tensors: the reference's computation, or its greedy
                       fast route (argmax and compare) when every row has temperature 0 (CPU only)
+  fused_block         fused_verify(method="block"): block verification, on CUDA the split kernel
+                      (its BLOCK path), on CPU the torch path (block_verify_reference); the same
+                      step as fused_triton / fused_cpu, so their ratio is block's cost over token's
   torch_batched       the step as a lean batched PyTorch program (bench/torch_batched.py: every row
                       at once, no host sync, no input checks, fp32); no top-k/top-p (n/a on warped rows)
   reference_eager     specdec_kernels.reference.verify_reference, eager (uniforms from torch.rand):
@@ -82,10 +85,10 @@ GRIDS = {
     "smoke": dict(B=[1, 4], K=[2], V=[1000], dtype=["fp32"], temperature=[1.0], warp=[False, True]),
 }
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-PROVIDERS = ["fused_triton", "fused_triton_rows", "fused_packed", "fused_cpu", "torch_batched", "reference_eager",
+PROVIDERS = ["fused_triton", "fused_triton_rows", "fused_packed", "fused_block", "fused_cpu", "torch_batched", "reference_eager",
              "reference_compiled", "hf_style", "vllm_sampler", "vllm_plugin"]
 # The fused kernels, timed also under CUDA graph replay where a call takes microseconds (B <= 16).
-GRAPHED = ("fused_triton", "fused_triton_rows", "fused_packed")
+GRAPHED = ("fused_triton", "fused_triton_rows", "fused_packed", "fused_block")
 _VLLM: dict = {}  # vLLM's sampler, built once (None: vLLM does not import here)
 GRAPH_MAX_B = 16
 
@@ -151,15 +154,16 @@ def build_providers(logits, x, q, temperature, warp, device, compiled_cache):
         "torch_batched": None if warp else (lambda: torch_batched_verify(logits, q, x, temperature)),
     }
 
-    def fused(backend="auto"):
+    def fused(backend="auto", method="token"):
         return lambda: fused_verify(logits, x, q, temperature=temp, top_k=top_k, top_p=top_p, seed=seed, offset=0,
-                                    backend=backend)
+                                    backend=backend, method=method)
 
     cu = torch.arange(B + 1, dtype=torch.int64, device=device) * (K1 - 1)
     packed = (logits.view(B * K1, V), x.reshape(-1), cu, q.reshape(B * (K1 - 1), V))  # views: no copy
     out = (torch.empty((B, K1), dtype=torch.int32, device=device), torch.empty((B,), dtype=torch.int32, device=device))
     providers["fused_packed"] = lambda: fused_verify_packed(
         *packed, max_num_draft_tokens=K1 - 1, temperature=temp, top_k=top_k, top_p=top_p, seed=seed, offset=0, out=out)
+    providers["fused_block"] = fused(method="block")
     providers.update(vllm_providers(logits, x, q, temp, top_k, top_p, device))
     if device.type == "cuda":
         providers["fused_triton"] = fused("triton")

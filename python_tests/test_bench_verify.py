@@ -59,7 +59,7 @@ def test_smoke_grid_writes_every_case_and_provider(bench_verify, tmp_path, capsy
 
 def test_the_fused_kernels_are_providers_on_cuda_only(bench_verify):
     assert bench_verify.PROVIDERS[:2] == ["fused_triton", "fused_triton_rows"]
-    assert set(bench_verify.GRAPHED) == {"fused_triton", "fused_triton_rows", "fused_packed"}
+    assert set(bench_verify.GRAPHED) == {"fused_triton", "fused_triton_rows", "fused_packed", "fused_block"}
     import torch
 
     logits, x, q = bench_verify.make_inputs(2, 2, 100, torch.float32, torch.device("cpu"))

@@ -235,6 +235,10 @@ SPLIT_SETTINGS = [
     ("bf16 top-k + top-p + min-p", "bf16", "i64", 128256, 4, True, True, True, False, {"HAS_MIN_P": True}),
     ("bf16 packed top-k + top-p + min-p, fp32 draft logits, logprobs", "bf16", "i32", 128256, 4, True, True, True,
      False, {"PACKED": True, "LOGPROBS": True, "DRAFT_LOGITS": True, "HAS_MIN_P": True}),
+    ("bf16 block verification", "bf16", "i64", 128256, 4, True, False, False, False, {"BLOCK": True}),
+    ("bf16 block, one-hot drafts, top-k + top-p", "bf16", "i64", 128256, 4, False, True, True, False, {"BLOCK": True}),
+    ("bf16 packed block, fp32 draft logits, min-p, logprobs", "bf16", "i32", 128256, 4, True, False, False, False,
+     {"PACKED": True, "LOGPROBS": True, "DRAFT_LOGITS": True, "HAS_MIN_P": True, "BLOCK": True}),
 ]
 
 
