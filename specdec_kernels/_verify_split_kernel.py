@@ -107,6 +107,18 @@ So a step reads about (K_b + 2) * V * E bytes of logits (+ Vd * 4 of q after a r
 draft logits + K_b * Vd * Ed, and Vd * Ed after a rejection), all but (K_b + 1) * V * E (+ K_b *
 Vd * Ed) of it from L2.  Greedy rows skip stage 2 and compute no exponential.
 
+Block verification (BLOCK: ``method="block"``, Sun et al. 2025; ``reference.block_verify_reference``
+defines it): the row's chain also computes p_0..p_K (float64, 8 * (K + 1) bytes written); stage
+2 has an item per row, position i <= K_b and chunk (B * (K+1) * NI items), each writing the float64
+mass of chunk c of max(0, p_i P_i - Q_i) (P at i = K_b) and its unusable-q count (16 bytes a
+chunk); the row's last item reads those (16 * (K_b + 1) * NC bytes, L2), forms h_i and tau, and
+draws the extra token from position tau's masses (one chunk rescanned).  Added traffic per sampled
+row: every position's V * E bytes read a second time in stage 2 (K_b * V * E more than token
+verification's one position, L2-hot) and q at every draft position, K_b * Vd * 4 bytes (2 for
+bf16/fp16; with draft logits K_b * Vd * Ed more), where token verification reads q_j only after a
+rejection.  So a block step reads about 2 (K_b + 1) V E + K_b Vd 4 bytes, half of the logits from
+L2.  Greedy rows are verified token by token and read nothing more.
+
 Randomness is counter-based, as in ``reference.philox_uniforms``: row b's numbers come from
 Philox at counter ``(offset_b << 32) | c``: ``tl.rand`` (24 bits) with c = i + 1 for draft i's
 test, and 53 bits of ``tl.randint4x`` at c = 0 for the final draw, whose inverse CDF sums in
