@@ -494,6 +494,20 @@ def _chunk_weights(pos_ptr, q_ptr, offs, V, q_len, x_j, inv_t, m, S, thr, subtra
 
 
 @triton.jit
+def _draft_uniforms(b, ks, dmask, uniforms_ptr, stride_ub, stride_uk, flags, seed_ptr, seed_stride, seed_scalar,
+                    seed_row_step, off_ptr, off_stride, off_scalar, HAS_UNIFORMS: tl.constexpr):
+    """Row b's acceptance-test uniforms [BLOCK_K] (float64) of drafts ks: uniforms[b, ks], or
+    24-bit ``tl.rand`` at Philox counter ks + 1 (``reference.philox_uniforms``)."""
+    if HAS_UNIFORMS:
+        u = tl.load(uniforms_ptr + b * stride_ub + ks * stride_uk, mask=dmask, other=0.0).to(tl.float64)
+    else:
+        seed, counter_base = _philox_key(b, flags, seed_ptr, seed_stride, seed_scalar, seed_row_step, off_ptr,
+                                         off_stride, off_scalar)
+        u = tl.rand(seed, counter_base | (ks + 1).to(tl.int64)).to(tl.float64)
+    return u
+
+
+@triton.jit
 def _final_uniform(b, uniforms_ptr, stride_ub, stride_uk, K, flags, seed_ptr, seed_stride, seed_scalar, seed_row_step,
                    off_ptr, off_stride, off_scalar, HAS_UNIFORMS: tl.constexpr):
     """Row b's uniform of the final draw (float64): uniforms[b, K], or 53 random bits (27 of
@@ -849,13 +863,9 @@ def _verify_split_kernel(
                                 bd_i = tl.load(pbd_ptr + b * K1 + ks, mask=dmask, other=0, cache_modifier=".cg") != 0
                                 q_x = tl.where(bd_i, float("nan"), _draft_q(q_x * inv_t, md_i, Sd_i))
                                 q_x = tl.where(dmask & (x_safe < Vd), q_x, 0.0)
-                        if HAS_UNIFORMS:
-                            u = tl.load(uniforms_ptr + b * stride_ub + ks * stride_uk, mask=dmask,
-                                        other=0.0).to(tl.float64)
-                        else:
-                            seed, counter_base = _philox_key(b, param_flags, seed_ptr, seed_stride, seed_scalar,
-                                                             seed_row_step, off_ptr, off_stride, off_scalar)
-                            u = tl.rand(seed, counter_base | (ks + 1).to(tl.int64)).to(tl.float64)
+                        u = _draft_uniforms(b, ks, dmask, uniforms_ptr, stride_ub, stride_uk, param_flags, seed_ptr,
+                                            seed_stride, seed_scalar, seed_row_step, off_ptr, off_stride, off_scalar,
+                                            HAS_UNIFORMS)
                         bad_q = ((q_x != q_x) | (q_x < 0.0) | (q_x == float("inf"))) & (greedy == 0)
                         bad_x = ~x_ok | bad_q
                         # in float64: u * q(x) of a 24-bit u and an fp32 q is exact
@@ -993,13 +1003,9 @@ def _verify_split_kernel(
                         den = r_i + (1.0 - pp_i)
                         h = tl.where(den > 0.0, r_i / tl.where(den > 0.0, den, 1.0), 0.0)
                         h = tl.where(i1 == kb, pp_i, h)
-                        if HAS_UNIFORMS:
-                            u = tl.load(uniforms_ptr + b * stride_ub + ks * stride_uk, mask=dmask,
-                                        other=0.0).to(tl.float64)
-                        else:
-                            seed, counter_base = _philox_key(b, param_flags, seed_ptr, seed_stride, seed_scalar,
-                                                             seed_row_step, off_ptr, off_stride, off_scalar)
-                            u = tl.rand(seed, counter_base | (ks + 1).to(tl.int64)).to(tl.float64)
+                        u = _draft_uniforms(b, ks, dmask, uniforms_ptr, stride_ub, stride_uk, param_flags, seed_ptr,
+                                            seed_stride, seed_scalar, seed_row_step, off_ptr, off_stride, off_scalar,
+                                            HAS_UNIFORMS)
                         j = tl.max(tl.where(dmask & (u < h), i1, 0), axis=0).to(tl.int64)
                         rejected = j < kb
                         x_j = tl.load(draft_tokens_ptr + t_off + j * stride_tk, mask=rejected, other=-1).to(tl.int64)
