@@ -11,12 +11,13 @@ from typing import Optional, Sequence, TextIO
 
 import torch
 
-from .verify import check_temperature
+from .verify import check_sampling_scalars
 
-__all__ = ["MODEL_DTYPES", "as_float", "as_int", "check_context", "check_generate_args", "encode_prompts", "eos_ids", "resolve_dtype",
+__all__ = ["MODEL_DTYPES", "as_float", "as_int", "check_context", "check_generate_args", "encode_prompts", "eos_ids", "load_tokenizer", "resolve_dtype",
            "row_seeds", "verbose_stream", "vocab_mismatch"]
 
 MODEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_INT64_MAX = 2**63 - 1
 
 
 def as_int(x):
@@ -43,6 +44,25 @@ def resolve_dtype(dtype):
     raise ValueError(f"dtype must be float32, float16 or bfloat16 (a torch.dtype or its name), got {dtype!r}")
 
 
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
+
+
+def load_tokenizer(path, argument: str):
+    """``AutoTokenizer.from_pretrained(path)``, refusing in one line a local directory that holds no
+    tokenizer files (transformers' own error names neither the argument nor the directory).
+    ``argument``: the argument the path came from ("tokenizer", "target" or "draft")."""
+    import os
+
+    from transformers import AutoTokenizer
+
+    local = os.path.isdir(os.path.expanduser(str(path)))
+    if local and not any(os.path.exists(os.path.join(os.path.expanduser(str(path)), f)) for f in _TOKENIZER_FILES):
+        hint = "" if argument == "tokenizer" else " (pass tokenizer= / --tokenizer DIR with them)"
+        raise ValueError(f"{argument} directory {path!r} holds no tokenizer files ({', '.join(_TOKENIZER_FILES[:2])}, "
+                         f"...){hint}")
+    return AutoTokenizer.from_pretrained(path)
+
+
 def vocab_mismatch(a: dict, b: dict) -> Optional[str]:
     """None when two tokenizer vocabularies (token -> id) are equal, else what differs."""
     if a == b:
@@ -65,10 +85,13 @@ def check_generate_args(max_new_tokens, num_draft_tokens, temperature, top_k, to
         raise TypeError(f"max_new_tokens must be an int, got {type(max_new_tokens).__name__}")
     if max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens must be > 0, got {max_new_tokens}")
+    if max_new_tokens > _INT64_MAX:
+        raise ValueError(f"max_new_tokens must fit in int64 (<= {_INT64_MAX}), got {max_new_tokens}")
     if isinstance(max_draft_tokens, bool) or not isinstance(max_draft_tokens, int):
         raise TypeError(f"max_draft_tokens must be an int, got {type(max_draft_tokens).__name__}")
     if max_draft_tokens <= 0:
         raise ValueError(f"max_draft_tokens must be > 0, got {max_draft_tokens}")
+
     if isinstance(draft_confidence, bool) or not isinstance(draft_confidence, (int, float)):
         raise TypeError(f"draft_confidence must be a float, got {type(draft_confidence).__name__}")
     if not 0.0 <= draft_confidence < 1.0:
@@ -86,24 +109,7 @@ def check_generate_args(max_new_tokens, num_draft_tokens, temperature, top_k, to
         raise ValueError(f"num_draft_tokens must be a positive int or 'auto', got {num_draft_tokens}")
     else:
         k_max = num_draft_tokens
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
-        raise TypeError(f"temperature must be a float, got {type(temperature).__name__}")
-    check_temperature(temperature)
-    if top_k is not None:
-        if isinstance(top_k, bool) or not isinstance(top_k, int):
-            raise TypeError(f"top_k must be an int or None, got {type(top_k).__name__}")
-        if top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = off), got {top_k}")
-    if top_p is not None:
-        if isinstance(top_p, bool) or not isinstance(top_p, (int, float)):
-            raise TypeError(f"top_p must be a float or None, got {type(top_p).__name__}")
-        if not 0.0 < top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1] (1 = off), got {top_p}")
-    if min_p is not None:
-        if isinstance(min_p, bool) or not isinstance(min_p, (int, float)):
-            raise TypeError(f"min_p must be a float in [0, 1] or None, got {type(min_p).__name__}")
-        if not 0.0 <= min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1] (0 = off), got {min_p}")
+    check_sampling_scalars(temperature, top_k, top_p, min_p)
     if stop is None:
         stop = []
     elif isinstance(stop, str):

@@ -153,7 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
 _FLAGS = {"max_new_tokens": "--max-new-tokens", "num_draft_tokens": "-k", "max_draft_tokens": "--max-draft-tokens",
           "draft_confidence": "--draft-confidence", "temperature": "--temperature", "top_k": "--top-k",
           "top_p": "--top-p", "min_p": "--min-p", "seed": "--seed", "stop strings": "--stop", "dtype": "--dtype", "device": "--device",
-          "draft_vocab": "--draft-vocab"}
+          "draft_vocab": "--draft-vocab", "tokenizer directory": "--tokenizer directory", "target directory": "--target directory",
+          "draft directory": "--draft directory"}
 
 
 def _flag_message(msg: str) -> str:

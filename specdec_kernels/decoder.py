@@ -65,7 +65,7 @@ from ._host import to_device
 from .draft_sampling import _draft_key, warp_probs
 from .draft_steps import (draft_with_features, draft_with_model, feature_after_verify_, feature_wait_,
                           model_after_verify_, model_wait_)
-from .arguments import (as_float, as_int, check_context, check_generate_args, encode_prompts, eos_ids, resolve_dtype, row_seeds,
+from .arguments import (as_float, as_int, check_context, check_generate_args, encode_prompts, eos_ids, load_tokenizer, resolve_dtype, row_seeds,
                         verbose_stream, vocab_mismatch)
 from .drafters import PromptLookupDrafter
 from .hf_args import check_streamer, decoder_arguments
@@ -314,13 +314,11 @@ class SpeculativeDecoder:
                        if drafter == "prompt_lookup" else None)
 
         # Tokenizers first: a mismatch is refused before loading any weights.
-        from transformers import AutoTokenizer
-
         if isinstance(tokenizer, str):
-            tokenizer = AutoTokenizer.from_pretrained(tokenizer)
+            tokenizer = load_tokenizer(tokenizer, "tokenizer")
         if tokenizer is None and isinstance(target, str):
-            tokenizer = AutoTokenizer.from_pretrained(target)
-        draft_tokenizer = AutoTokenizer.from_pretrained(draft) if isinstance(draft, str) else None
+            tokenizer = load_tokenizer(target, "target")
+        draft_tokenizer = load_tokenizer(draft, "draft") if isinstance(draft, str) else None
         if draft_tokenizer is not None and tokenizer is not None:
             why = vocab_mismatch(draft_tokenizer.get_vocab(), tokenizer.get_vocab())
             if why is not None:

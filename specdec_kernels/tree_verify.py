@@ -21,7 +21,7 @@ import torch
 from ._host import host_readable
 from .reference import philox_uniforms
 from .tree_reference import tree_depths, tree_verify_reference
-from .verify import (_INDEX_DTYPES, _LOGIT_DTYPES, _as_tensor, _check_draft_probs, _check_draft_sums,
+from .verify import (FloatArg, IntArg, _INDEX_DTYPES, _LOGIT_DTYPES, _as_tensor, _check_draft_probs, _check_draft_sums,
                      _check_tensor, _listed, _normalize_rows, _per_row_spec, _range_fails, _shape)
 
 __all__ = ["TreeVerifyOutput", "fused_verify_tree"]
@@ -41,13 +41,13 @@ def fused_verify_tree(
     parents: torch.Tensor,  # [B, N] int32/int64: -1 = the root, else an earlier node
     draft_probs: Optional[torch.Tensor] = None,  # [B, N+1, Vd]: q at each position (children sampled w/o replacement)
     *,
-    num_nodes=None,  # None (all N), int or [B] int: row b uses its first num_nodes[b] nodes
-    temperature=1.0,  # float or [B]: 0 = greedy (follow the argmax child, then emit the argmax)
-    top_k=None,  # None, int or [B] int (0 = off)
-    top_p=None,  # None, float or [B] (1.0 = off)
-    min_p=None,  # None, float or [B] in [0, 1] (0 = off)
-    seed=None,  # None (torch's default generator), int, or [B] int64
-    offset=0,  # int or [B] int64: a step counter
+    num_nodes: Optional[IntArg] = None,  # None (all N), int or [B] int: row b uses its first num_nodes[b] nodes
+    temperature: FloatArg = 1.0,  # float or [B]: 0 = greedy (follow the argmax child, then emit the argmax)
+    top_k: Optional[IntArg] = None,  # None, int or [B] int (0 = off)
+    top_p: Optional[FloatArg] = None,  # None, float or [B] (1.0 = off)
+    min_p: Optional[FloatArg] = None,  # None, float or [B] in [0, 1] (0 = off)
+    seed: Optional[IntArg] = None,  # None (torch's default generator), int, or [B] int64
+    offset: IntArg = 0,  # int or [B] int64: a step counter
     uniforms: Optional[torch.Tensor] = None,  # [B, N+1] float64 (or fp32) in [0, 1)
     max_depth: Optional[int] = None,  # D: the outputs' width (None: the deepest used node, a host read)
     backend: str = "auto",  # "auto" | "torch"

@@ -19,7 +19,7 @@ import functools
 import math
 import os
 import struct
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Union
 
 import torch
 
@@ -32,7 +32,7 @@ from ._host import host_readable, sort_descending_cpu
 from .reference import (FLT_MIN, _drafts, _final_token, _outputs, _per_position, _philox_uniforms_host,
                         _row_parameters, _stop_position, philox_uniforms, verify_reference, warp_logits)
 
-__all__ = ["VerifyOutput", "VerifyOutputWithLogprobs", "fused_verify", "fused_verify_packed"]
+__all__ = ["VerifyOutput", "VerifyOutputWithLogprobs", "check_sampling_scalars", "fused_verify", "fused_verify_packed"]
 
 _LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -40,6 +40,11 @@ _BACKENDS = ("auto", "triton", "torch")
 # The vocabulary tile. 4096 fp32 logits per tile keep 8 warps streaming; the tests lower it to
 # cross tile boundaries on small vocabularies.
 _MAX_BLOCK_V = 4096
+
+
+# The per-row parameters' types: a Python scalar for every row, or a [B] tensor.
+IntArg = Union[int, torch.Tensor]
+FloatArg = Union[float, torch.Tensor]
 
 
 class VerifyOutput(NamedTuple):
@@ -1199,6 +1204,24 @@ def check_temperature(temperature: float) -> None:
                          f"got {temperature}")
 
 
+def check_sampling_scalars(temperature, top_k=None, top_p=None, min_p=None) -> None:
+    """The sampling parameters as Python scalars, checked by the very code ``fused_verify`` checks
+    them with (so ``generate``, the CLI and the op refuse the same values with the same words):
+    the type, then a value that float32 (temperature, top-p, min-p) or int64 (top-k) cannot hold
+    (1e39, 1e-50, 10**19), then the range.  Raises TypeError/ValueError naming the argument."""
+    for name, value, kind in (("temperature", temperature, float), ("top_k", top_k, int), ("top_p", top_p, float),
+                              ("min_p", min_p, float)):
+        if value is None and name != "temperature":
+            continue
+        ok = (int, float) if kind is float else int
+        if isinstance(value, bool) or not isinstance(value, ok):
+            what = {"temperature": "a float", "top_k": "an int or None", "top_p": "a float or None",
+                    "min_p": "a float in [0, 1] or None"}[name]
+            raise TypeError(f"{name} must be {what}, got {type(value).__name__}")
+    check_temperature(temperature)
+    _normalize_rows(1, 0, torch.device("cpu"), temperature, top_k, top_p, 0, 0, None, False, min_p)
+
+
 METHODS = ("token", "block")
 
 
@@ -1213,20 +1236,20 @@ def fused_verify(
     draft_probs: Optional[torch.Tensor] = None,  # [B, K, Vd] fp32, Vd <= V; None = one-hot q
     *,
     draft_logits: Optional[torch.Tensor] = None,  # [B, K, Vd] instead of draft_probs: q = softmax(l / T)
-    num_draft_tokens=None,  # None, int or [B] int: row b uses its first K_b <= K drafts
-    temperature=1.0,  # float or [B]: 0 = greedy verification for that row, else >= 2^-126
-    top_k=None,  # None, int or [B] int (0 = off)
-    top_p=None,  # None, float or [B] (1.0 = off)
-    min_p=None,  # None, float or [B] in [0, 1] (0 = off): keep p(v) >= min_p * max p, after top-k/top-p
-    seed=None,  # None (torch's default generator), int, or [B] int64
-    offset=0,  # int or [B] int64: a step counter (its low 32 bits enter Philox's counter)
+    num_draft_tokens: Optional[IntArg] = None,  # None, int or [B] int: row b uses its first K_b <= K drafts
+    temperature: FloatArg = 1.0,  # float or [B]: 0 = greedy verification for that row, else >= 2^-126
+    top_k: Optional[IntArg] = None,  # None, int or [B] int (0 = off)
+    top_p: Optional[FloatArg] = None,  # None, float or [B] (1.0 = off)
+    min_p: Optional[FloatArg] = None,  # None, float or [B] in [0, 1] (0 = off): keep p(v) >= min_p * max p, after top-k/top-p
+    seed: Optional[IntArg] = None,  # None (torch's default generator), int, or [B] int64
+    offset: IntArg = 0,  # int or [B] int64: a step counter (its low 32 bits enter Philox's counter)
     uniforms: Optional[torch.Tensor] = None,  # [B, K+1] float64 (or fp32) in [0, 1): explicit random numbers
     backend: str = "auto",  # "auto" | "triton" | "torch"
     target_is_probs: bool = False,  # target_logits holds probabilities [B, K+1, V], used as given
     out: Optional[tuple] = None,  # (tokens [B, K+1], num_accepted [B]) int32/int64 (+ logprobs [B, K+1] fp32)
     return_logprobs: bool = False,  # also return each emitted token's target log-probability
     method: str = "token",  # "token" (token by token) | "block" (block verification, Sun et al. 2025)
-):
+) -> Union[VerifyOutput, VerifyOutputWithLogprobs]:
     """Verify K drafted tokens against the target in one step (Leviathan et al. 2023; Chen et al. 2023).
 
     For each row b and verify position i, p_i = softmax(warp(target_logits[b, i] / T)), where the
@@ -1391,19 +1414,19 @@ def fused_verify_packed(
     *,
     draft_logits: Optional[torch.Tensor] = None,  # [sum_b K_b, Vd] fp32/bf16/fp16, instead of draft_probs
     max_num_draft_tokens: Optional[int] = None,  # max_b K_b (None: read from cu, a host sync on CUDA)
-    temperature=1.0,
-    top_k=None,
-    top_p=None,
-    min_p=None,
-    seed=None,
-    offset=0,
+    temperature: FloatArg = 1.0,
+    top_k: Optional[IntArg] = None,
+    top_p: Optional[FloatArg] = None,
+    min_p: Optional[FloatArg] = None,
+    seed: Optional[IntArg] = None,
+    offset: IntArg = 0,
     uniforms: Optional[torch.Tensor] = None,  # [B, K+1], K = max_num_draft_tokens
     backend: str = "auto",
     target_is_probs: bool = False,
     out: Optional[tuple] = None,
     return_logprobs: bool = False,
     method: str = "token",
-):
+) -> Union[VerifyOutput, VerifyOutputWithLogprobs]:
     """``fused_verify`` in the packed (ragged) layout engines hold: the rows back to back, row b's
     K_b = cu[b + 1] - cu[b] verify positions followed by its bonus position, no padding.  The
     same kernel, indexed through cu: no copy of the logits, one launch (the CPU torch path gathers
