@@ -19,13 +19,25 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 import sys
 
-import torch
+try:
+    import torch
+except ImportError:  # an isolated build (pip's default) has no torch: say what to run, in one line
+    sys.exit("specdec-kernels compiles its C++ extension against the torch already installed: install torch first "
+             "(pip install torch), then this package with pip install --no-build-isolation .")
 from setuptools import find_packages, setup
 from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _version() -> str:
+    """The one version of the package: ``__version__`` in specdec_kernels/__init__.py."""
+    with open(os.path.join(HERE, "specdec_kernels", "__init__.py"), encoding="utf-8") as f:
+        return re.search(r'^__version__ = "([^"]+)"', f.read(), re.M).group(1)
+
 CSRC = "csrc"  # relative to HERE: setuptools wants relative source paths
 
 
@@ -132,24 +144,32 @@ def _extensions() -> list:
 
 setup(
     name="specdec-kernels",
-    version="0.1.0",
+    version=_version(),
     description="Fused kernels for exact speculative decoding",
+    long_description=open(os.path.join(HERE, "README.md"), encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    license_files=["LICENSE", "NOTICE"],
     packages=find_packages(exclude=("python_tests", "python_tests.*", "bench", "bench.*")),
     # The embedded default draft (weights, config, tokenizer) ships inside the package.
-    package_data={"specdec_kernels": ["assets/draft/*", "assets/feature_draft/*"]},
+    package_data={"specdec_kernels": ["assets/draft/*", "assets/feature_draft/*", "py.typed"]},
     python_requires=">=3.10",
+    # By need: the op (fused_verify, fused_verify_tree, the KV ops) needs torch, and triton for its
+    # GPU kernel; the decoding loop, the CLI and the integrations need transformers ([hf]).
     install_requires=[
         "torch>=2.11",
         "triton>=3.6",
-        "transformers>=5.17,<6",
         "tqdm",
         "safetensors",
         "numpy",
         "packaging",
     ],
     extras_require={
-        "test": ["pytest", "scipy"],
-        "bench": ["matplotlib"],
+        "hf": ["transformers>=5.17,<6"],
+        "bench": ["matplotlib>=3.8", "scipy>=1.11"],
+        "test": ["transformers>=5.17,<6", "pytest>=8", "pytest-xdist>=3.5", "scipy>=1.11", "build>=1.2"],
+        "all": ["transformers>=5.17,<6", "matplotlib>=3.8", "scipy>=1.11", "pytest>=8", "pytest-xdist>=3.5",
+                "build>=1.2"],
     },
     entry_points={
         "console_scripts": ["specdec = specdec_kernels.cli:main"],

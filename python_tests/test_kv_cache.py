@@ -125,7 +125,7 @@ def test_ext_missing_warns_once_and_falls_back(monkeypatch):
     assert len(caught) == 1
     assert issubclass(caught[0].category, RuntimeWarning)
     message = str(caught[0].message)
-    assert "C++ extension specdec_kernels._C is missing" in message
+    assert "C++ extension specdec_kernels._C is not loaded" in message
     assert "pure-PyTorch fallbacks" in message
     assert "pip install --no-build-isolation -e ." in message
 
