@@ -36,6 +36,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <utility>
 
 #ifdef __CUDACC__
 #define SPECDEC_HOST_DEVICE __host__ __device__
@@ -160,12 +161,14 @@ inline int64_t group_alignment(const CacheGroup& g, int n) {
   return align;
 }
 
-// The launches compact_kv_ makes for these caches: calls
+// The launches an op over these caches makes (compact_kv_, and gather_kv_ in
+// gather_kv_kernel.cuh, which plans its launches the same way): calls
 // launch(VecTag<bytes>{}, group, used) once per group of up to kMaxCachesPerLaunch caches
 // that have elements, with the widest access their addresses allow.  The grid of each launch
-// is (B, used) blocks.  check_compact_kv_meta has passed; no tensor data is read.
+// is (B, used) blocks.  The op's meta check has passed; no tensor data is read.  `op` names
+// the op in the error messages.
 template <typename Launch>
-void for_each_compact_kv_launch(at::TensorList caches, Launch&& launch) {
+void for_each_kv_launch(const char* op, at::TensorList caches, Launch&& launch) {
   const int64_t L = static_cast<int64_t>(caches.size());
   for (int64_t first = 0; first < L; first += kMaxCachesPerLaunch) {
     const int n = static_cast<int>(std::min<int64_t>(kMaxCachesPerLaunch, L - first));
@@ -180,7 +183,7 @@ void for_each_compact_kv_launch(at::TensorList caches, Launch&& launch) {
       }
       TORCH_CHECK(
           c.size(1) <= 0x7fffffff && row_bytes <= 0x7fffffff,
-          "compact_kv_: caches[", first + i, "] must have H and D * element_size < 2^31 on CUDA, "
+          op, ": caches[", first + i, "] must have H and D * element_size < 2^31 on CUDA, "
           "got shape ", c.sizes());
       CacheView& v = group.views[used++];
       v.base = static_cast<char*>(c.mutable_data_ptr());
@@ -212,6 +215,12 @@ void for_each_compact_kv_launch(at::TensorList caches, Launch&& launch) {
         break;
     }
   }
+}
+
+// compact_kv_'s launches (check_compact_kv_meta has passed).
+template <typename Launch>
+void for_each_compact_kv_launch(at::TensorList caches, Launch&& launch) {
+  for_each_kv_launch("compact_kv_", caches, std::forward<Launch>(launch));
 }
 
 }  // namespace compact_kv_detail

@@ -3,11 +3,17 @@
 // Python reaches the ops as torch.ops.specdec.<name> once specdec_kernels._C is imported;
 // the module itself is empty and only exists so that the import loads this shared object,
 // which runs the static registrations below.  The CUDA kernels register themselves from
-// compact_kv_cuda.cu when the extension is built with CUDA.
+// compact_kv_cuda.cu and gather_kv_cuda.cu when the extension is built with CUDA.
 //
 // compact_kv_ memory traffic: each moved row reads and writes H * D * elem bytes per cache,
 // i.e. 2 * count[b] * H * D * elem bytes per (cache, row); nothing else is touched, which is
 // the floor for an in-place move.
+//
+// gather_kv_ memory traffic: per (cache, row b), 2 * moved[b] * H * D * elem bytes, where
+// moved[b] counts the j < count[b] with src_index[b, j] != dst_start[b] + j (a column already
+// in place is neither read nor written), plus count[b] * 8 bytes of src_index, read once per
+// row (the value checks and the plan of runs, before any move).  Again the floor for an
+// in-place move.
 #include <Python.h>
 
 #include <ATen/MemoryOverlap.h>
@@ -24,10 +30,12 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 #include <utility>
 #include <vector>
 
 #include "compact_kv.h"
+#include "gather_kv.h"
 
 extern "C" {
 // An empty module `specdec_kernels._C`: importing it dlopens this library, and with it the
@@ -81,66 +89,81 @@ std::pair<uintptr_t, uintptr_t> byte_range(const at::Tensor& t) {
 
 }  // namespace
 
-void check_compact_kv_meta(
-    at::TensorList caches,
-    int64_t src_start,
-    const at::Tensor& dst_start,
-    const at::Tensor& count) {
+namespace {
+
+// An index tensor of an op, by the name its messages use.
+struct NamedIndex {
+  const char* name;
+  const at::Tensor* tensor;
+};
+
+void check_caches_nonempty(const char* op, at::TensorList caches) {
   TORCH_CHECK(
       !caches.empty(),
-      "compact_kv_: caches must be a non-empty list of [B, H, T, D] tensors, got an empty list");
-  TORCH_CHECK(
-      dst_start.dim() == 1,
-      "compact_kv_: dst_start must have 1 dim [B], got ", dst_start.dim(), " (shape ",
-      dst_start.sizes(), ")");
-  TORCH_CHECK(
-      count.dim() == 1,
-      "compact_kv_: count must have 1 dim [B], got ", count.dim(), " (shape ", count.sizes(), ")");
-  TORCH_CHECK(
-      dst_start.scalar_type() == at::kLong,
-      "compact_kv_: dst_start must be int64 (Long), got ", dst_start.scalar_type());
-  TORCH_CHECK(
-      count.scalar_type() == at::kLong,
-      "compact_kv_: count must be int64 (Long), got ", count.scalar_type());
-  const int64_t B = dst_start.size(0);
-  TORCH_CHECK(
-      count.size(0) == B,
-      "compact_kv_: count must have B = dst_start.size(0) = ", B, " entries, got ", count.size(0));
+      op, ": caches must be a non-empty list of [B, H, T, D] tensors, got an empty list");
+}
 
+// The rank (`dims`, named `shape`: "[B]" or "[B, M]") and dtype (int64) of an index tensor.
+void check_index_meta(
+    const char* op, const char* name, const at::Tensor& t, int64_t dims, const char* shape) {
+  TORCH_CHECK(
+      t.dim() == dims,
+      op, ": ", name, " must have ", dims, dims == 1 ? " dim " : " dims ", shape, ", got ", t.dim(),
+      " (shape ", t.sizes(), ")");
+  TORCH_CHECK(
+      t.scalar_type() == at::kLong, op, ": ", name, " must be int64 (Long), got ", t.scalar_type());
+}
+
+void check_index_batch(
+    const char* op, const char* name, const at::Tensor& t, int64_t B, const char* b_source) {
+  TORCH_CHECK(
+      t.size(0) == B,
+      op, ": ", name, " must have B = ", b_source, " = ", B, " entries, got ", t.size(0));
+}
+
+// Every check of one cache list that needs no tensor data and is common to compact_kv_ and
+// gather_kv_: the index tensors on the caches' device, and per cache: defined, 4 dims, one
+// device, a floating dtype, B rows, a contiguous last dim, then `per_cache(i, c)` (the op's own
+// checks), no grad, inference mode, no internal overlap.
+template <typename PerCache>
+void check_caches_meta(
+    const char* op,
+    at::TensorList caches,
+    std::initializer_list<NamedIndex> indices,
+    int64_t B,
+    const char* b_source,  // how the messages name B ("dst_start.size(0)")
+    const PerCache& per_cache) {
   const c10::Device device = caches[0].device();
-  TORCH_CHECK(
-      dst_start.device() == device,
-      "compact_kv_: dst_start must be on the caches' device ", device, ", got ", dst_start.device());
-  TORCH_CHECK(
-      count.device() == device,
-      "compact_kv_: count must be on the caches' device ", device, ", got ", count.device());
+  for (const NamedIndex& idx : indices) {
+    TORCH_CHECK(
+        idx.tensor->device() == device,
+        op, ": ", idx.name, " must be on the caches' device ", device, ", got ",
+        idx.tensor->device());
+  }
 
   for (size_t i = 0; i < caches.size(); ++i) {
     const at::Tensor& c = caches[i];
-    TORCH_CHECK(c.defined(), "compact_kv_: caches[", i, "] must be a tensor, got an undefined one");
+    TORCH_CHECK(c.defined(), op, ": caches[", i, "] must be a tensor, got an undefined one");
     TORCH_CHECK(
         c.dim() == 4,
-        "compact_kv_: caches[", i, "] must have 4 dims [B, H, T, D], got ", c.dim(), " (shape ",
+        op, ": caches[", i, "] must have 4 dims [B, H, T, D], got ", c.dim(), " (shape ",
         c.sizes(), ")");
     TORCH_CHECK(
         c.device() == device,
-        "compact_kv_: caches[", i, "] must be on caches[0]'s device ", device, ", got ", c.device());
+        op, ": caches[", i, "] must be on caches[0]'s device ", device, ", got ", c.device());
     TORCH_CHECK(
         at::isFloatingType(c.scalar_type()),
-        "compact_kv_: caches[", i, "] must have a floating-point dtype, got ", c.scalar_type());
+        op, ": caches[", i, "] must have a floating-point dtype, got ", c.scalar_type());
     TORCH_CHECK(
         c.size(0) == B,
-        "compact_kv_: caches[", i, "] must have B = dst_start.size(0) = ", B,
-        " rows (dim 0), got ", c.size(0), " (shape ", c.sizes(), ")");
+        op, ": caches[", i, "] must have B = ", b_source, " = ", B, " rows (dim 0), got ",
+        c.size(0), " (shape ", c.sizes(), ")");
     // Rows are moved with memmove of D contiguous elements.
     TORCH_CHECK(
         c.stride(3) == 1 || c.size(3) <= 1,
-        "compact_kv_: caches[", i, "] must have a contiguous last dim (stride(3) == 1), got "
+        op, ": caches[", i, "] must have a contiguous last dim (stride(3) == 1), got "
         "stride(3) = ", c.stride(3), " (strides ", c.strides(), ")");
-    TORCH_CHECK(
-        src_start >= 0 && src_start <= c.size(2),
-        "compact_kv_: src_start must be in [0, T] = [0, ", c.size(2), "] (T = caches[", i,
-        "].size(2)), got ", src_start);
+    per_cache(i, c);
     // An expanded tensor (stride 0 over a dim of size > 1), or any layout whose elements may
     // share memory, would be written by several rows/heads at once.  torch answers only for
     // dense tensors (TooHard otherwise); strides that each step past everything the smaller
@@ -149,18 +172,18 @@ void check_compact_kv_meta(
     // keep its grad_fn and a backward would run through the values before the move.
     TORCH_CHECK(
         !(c.requires_grad() && at::GradMode::is_enabled()),
-        "compact_kv_: caches[", i, "] must not require grad (the op has no derivative; run it under "
+        op, ": caches[", i, "] must not require grad (the op has no derivative; run it under "
         "torch.no_grad() or torch.inference_mode()), got a tensor with requires_grad=True");
     // As torch's own in-place ops: an inference tensor is written inside inference mode only.
     TORCH_CHECK(
         !c.is_inference() || c10::InferenceMode::is_enabled(),
-        "compact_kv_: caches[", i, "] is an inference tensor: it may be updated inside "
+        op, ": caches[", i, "] is an inference tensor: it may be updated inside "
         "torch.inference_mode() only, got a call outside it");
     const at::MemOverlap internal = at::has_internal_overlap(c);
     TORCH_CHECK(
         internal == at::MemOverlap::No ||
             (internal == at::MemOverlap::TooHard && strides_separate_elements(c)),
-        "compact_kv_: caches[", i, "] must not have internally overlapping memory (e.g. an "
+        op, ": caches[", i, "] must not have internally overlapping memory (e.g. an "
         "expand()ed tensor), got strides ", c.strides(), " for shape ", c.sizes());
   }
 
@@ -184,16 +207,15 @@ void check_compact_kv_meta(
   }
   // The index tensors are read while the caches are written (on the CPU, and by the CUDA
   // kernel's blocks): one that shares memory with a cache could change under the move.
-  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor*>{"dst_start", &dst_start},
-                                {"count", &count}}) {
-    if (t->numel() == 0) {
+  for (const NamedIndex& idx : indices) {
+    if (idx.tensor->numel() == 0) {
       continue;
     }
-    const auto [begin, end] = byte_range(*t);
+    const auto [begin, end] = byte_range(*idx.tensor);
     for (const Span& sp : spans) {
       TORCH_CHECK(
           end <= sp.begin || sp.end <= begin,
-          "compact_kv_: ", name, " must not share memory with caches[", sp.index,
+          op, ": ", idx.name, " must not share memory with caches[", sp.index,
           "] (it is read while the caches are written), got overlapping memory");
     }
   }
@@ -209,13 +231,71 @@ void check_compact_kv_meta(
                                          : at::MemOverlapStatus::Partial;
       TORCH_CHECK(
           s == at::MemOverlapStatus::No,
-          "compact_kv_: caches[", i, "] and caches[", j, "] must not share memory, got ",
+          op, ": caches[", i, "] and caches[", j, "] must not share memory, got ",
           s == at::MemOverlapStatus::Full      ? "the same memory"
           : s == at::MemOverlapStatus::Partial ? "overlapping memory"
                                                : "views whose memory ranges meet (not both dense)",
           " (every cache in the list must be moved exactly once)");
     }
   }
+}
+
+}  // namespace
+
+void check_compact_kv_meta(
+    at::TensorList caches,
+    int64_t src_start,
+    const at::Tensor& dst_start,
+    const at::Tensor& count) {
+  constexpr const char* op = "compact_kv_";
+  check_caches_nonempty(op, caches);
+  TORCH_CHECK(
+      dst_start.dim() == 1,
+      "compact_kv_: dst_start must have 1 dim [B], got ", dst_start.dim(), " (shape ",
+      dst_start.sizes(), ")");
+  TORCH_CHECK(
+      count.dim() == 1,
+      "compact_kv_: count must have 1 dim [B], got ", count.dim(), " (shape ", count.sizes(), ")");
+  TORCH_CHECK(
+      dst_start.scalar_type() == at::kLong,
+      "compact_kv_: dst_start must be int64 (Long), got ", dst_start.scalar_type());
+  TORCH_CHECK(
+      count.scalar_type() == at::kLong,
+      "compact_kv_: count must be int64 (Long), got ", count.scalar_type());
+  const int64_t B = dst_start.size(0);
+  check_index_batch(op, "count", count, B, "dst_start.size(0)");
+  check_caches_meta(
+      op, caches, {{"dst_start", &dst_start}, {"count", &count}}, B, "dst_start.size(0)",
+      [&](size_t i, const at::Tensor& c) {
+        TORCH_CHECK(
+            src_start >= 0 && src_start <= c.size(2),
+            "compact_kv_: src_start must be in [0, T] = [0, ", c.size(2), "] (T = caches[", i,
+            "].size(2)), got ", src_start);
+      });
+}
+
+void check_gather_kv_meta(
+    at::TensorList caches,
+    const at::Tensor& src_index,
+    const at::Tensor& count,
+    const at::Tensor& dst_start) {
+  constexpr const char* op = "gather_kv_";
+  check_caches_nonempty(op, caches);
+  check_index_meta(op, "src_index", src_index, 2, "[B, M]");
+  check_index_meta(op, "count", count, 1, "[B]");
+  check_index_meta(op, "dst_start", dst_start, 1, "[B]");
+  const int64_t B = src_index.size(0);
+  check_index_batch(op, "count", count, B, "src_index.size(0)");
+  check_index_batch(op, "dst_start", dst_start, B, "src_index.size(0)");
+  check_caches_meta(
+      op, caches, {{"src_index", &src_index}, {"count", &count}, {"dst_start", &dst_start}}, B,
+      "src_index.size(0)", [&](size_t i, const at::Tensor& c) {
+        // One T for every cache: the index values are checked against it once.
+        TORCH_CHECK(
+            c.size(2) == caches[0].size(2),  // (caches[0] passed every check above at i = 0)
+            "gather_kv_: caches[", i, "] must have T = caches[0].size(2) = ", caches[0].size(2),
+            " positions (dim 2), got ", c.size(2), " (shape ", c.sizes(), ")");
+      });
 }
 
 void bump_versions(at::TensorList caches) {
@@ -317,6 +397,128 @@ void compact_kv_cpu(
   });
 }
 
+// One run of gather_kv_'s moves for one row: `len` columns from src.. to dst.. (src > dst).
+struct GatherRun {
+  int64_t dst, src, len;
+};
+
+void gather_kv_cpu(
+    at::TensorList caches,        // L x [B, H, T, D] floating, stride(3) == 1, one T
+    const at::Tensor& src_index,  // [B, M] int64, per row strictly increasing, >= dst_start[b]
+    const at::Tensor& count,      // [B] int64, count[b] in [0, M]
+    const at::Tensor& dst_start) {  // [B] int64, dst_start[b] >= 0, dst_start[b] + count[b] <= T
+  check_gather_kv_meta(caches, src_index, count, dst_start);
+  bump_versions(caches);  // (a refusal below leaves the data unchanged)
+
+  // On CPU the index values are free to read, so they are checked here (the CUDA kernel
+  // cannot check them without a device sync, and leaves a row with bad values unchanged).
+  const at::Tensor src_c = src_index.contiguous();  // [B, M] int64
+  const at::Tensor cnt_c = count.contiguous();      // [B] int64
+  const at::Tensor dst_c = dst_start.contiguous();  // [B] int64
+  const int64_t* src = src_c.const_data_ptr<int64_t>();
+  const int64_t* cnt = cnt_c.const_data_ptr<int64_t>();
+  const int64_t* dst = dst_c.const_data_ptr<int64_t>();
+  const int64_t B = src_c.size(0);
+  const int64_t M = src_c.size(1);
+  const int64_t L = static_cast<int64_t>(caches.size());
+  const int64_t T = caches[0].size(2);  // every cache's (checked above)
+
+  // The moves of every row as runs of consecutive source columns (one memmove each on a
+  // dense [T, D] slice); columns already in place (src == dst) are left out.
+  std::vector<GatherRun> runs;       // every row's runs, row after row
+  std::vector<int64_t> first_run(B + 1, 0);  // row b's runs: [first_run[b], first_run[b + 1])
+  int64_t moved_rows = 0;            // sum over b of the columns that actually move
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t n = cnt[b];
+    const int64_t d0 = dst[b];
+    const int64_t* s = src + b * M;  // [M]
+    TORCH_CHECK(d0 >= 0, "gather_kv_: dst_start[", b, "] must be >= 0, got ", d0);
+    TORCH_CHECK(
+        n >= 0 && n <= M,
+        "gather_kv_: count[", b, "] must be in [0, M] = [0, ", M, "] (M = src_index.size(1)), got ", n);
+    TORCH_CHECK(
+        n <= T - d0,
+        "gather_kv_: dst_start[", b, "] + count[", b, "] must be <= T = ", T,
+        " (T = caches[0].size(2)), got ", d0, " + ", n);
+    for (int64_t j = 0; j < n; ++j) {
+      TORCH_CHECK(
+          s[j] >= 0 && s[j] < T,
+          "gather_kv_: src_index[", b, ", ", j, "] must be in [0, T) = [0, ", T,
+          ") (T = caches[0].size(2)), got ", s[j]);
+      if (j == 0) {
+        TORCH_CHECK(
+            s[0] >= d0,
+            "gather_kv_: src_index[", b, ", 0] must be >= dst_start[", b, "] = ", d0,
+            " (columns move towards the prefix only), got ", s[0]);
+      } else {
+        TORCH_CHECK(
+            s[j] > s[j - 1],
+            "gather_kv_: src_index[", b, ", ", j, "] must be > src_index[", b, ", ", j - 1,
+            "] = ", s[j - 1], " (the used indices must be strictly increasing), got ", s[j]);
+      }
+    }
+    for (int64_t j = 0; j < n;) {
+      if (s[j] == d0 + j) {  // already in place
+        ++j;
+        continue;
+      }
+      int64_t len = 1;  // s[j + k] == s[j] + k: none of these is in place either
+      while (j + len < n && s[j + len] == s[j] + len) {
+        ++len;
+      }
+      runs.push_back({d0 + j, s[j], len});
+      moved_rows += len;
+      j += len;
+    }
+    first_run[b + 1] = static_cast<int64_t>(runs.size());
+  }
+  if (moved_rows == 0) {
+    return;
+  }
+
+  int64_t total_bytes = 0;
+  for (const at::Tensor& c : caches) {
+    total_bytes += moved_rows * c.size(1) * c.size(3) * c.element_size();
+  }
+  const int64_t tasks = L * B;
+  const int64_t bytes_per_task = std::max<int64_t>(1, total_bytes / tasks);
+  const int64_t grain = std::max<int64_t>(1, kMinBytesPerTask / bytes_per_task);
+
+  // One task per (cache, row): they touch disjoint memory (checked above), so no locking.
+  specdec::parallel_for(0, tasks, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task % B;
+      if (first_run[b] == first_run[b + 1]) {
+        continue;
+      }
+      const at::Tensor& c = caches[task / B];
+      const int64_t elem = c.element_size();
+      const int64_t H = c.size(1);
+      const int64_t row_bytes = c.size(3) * elem;
+      const int64_t stride_h = c.stride(1) * elem;  // bytes
+      const int64_t stride_t = c.stride(2) * elem;  // bytes
+      char* row = static_cast<char*>(c.mutable_data_ptr()) + b * c.stride(0) * elem;
+      for (int64_t h = 0; h < H; ++h) {
+        char* head = row + h * stride_h;
+        // Runs in increasing j: a run reads columns >= its own destination's, above every
+        // column an earlier run wrote (src_index[b, j] >= dst_start[b] + j).
+        for (int64_t r = first_run[b]; r < first_run[b + 1]; ++r) {
+          const GatherRun& run = runs[r];
+          if (stride_t == row_bytes) {
+            // [T, D] slice is dense: one memmove moves the whole run, overlap included.
+            std::memmove(head + run.dst * stride_t, head + run.src * stride_t, run.len * row_bytes);
+          } else {
+            for (int64_t k = 0; k < run.len; ++k) {  // increasing k: src > dst, as for compact_kv_
+              std::memmove(
+                  head + (run.dst + k) * stride_t, head + (run.src + k) * stride_t, row_bytes);
+            }
+          }
+        }
+      }
+    }
+  });
+}
+
 // Whether this build's at::parallel_for runs on torch's intra-op threads.  It is a header
 // template: where torch's threads are OpenMP's, a file compiled without -fopenmp gets the serial
 // fallback and runs every range on the calling thread (setup.py passes the flag; a test asks).
@@ -333,6 +535,9 @@ bool intra_op_parallel() {
 TORCH_LIBRARY(specdec, m) {
   m.def("intra_op_parallel() -> bool", &intra_op_parallel);
   m.def("compact_kv_(Tensor(a!)[] caches, int src_start, Tensor dst_start, Tensor count) -> ()");
+  // For every cache and row b: the columns src_index[b, :count[b]] (strictly increasing, at or
+  // past dst_start[b]) move to dst_start[b] onwards; see gather_kv.h.
+  m.def("gather_kv_(Tensor(a!)[] caches, Tensor src_index, Tensor count, Tensor dst_start) -> ()");
   // y = x @ weight^T (+ bias), fp32 CPU, batch-invariant; see skinny_linear.cpp.  The
   // _portable variant runs the same arithmetic without SIMD (tests compare the paths).
   m.def("skinny_linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
@@ -344,14 +549,17 @@ TORCH_LIBRARY(specdec, m) {
 
 TORCH_LIBRARY_IMPL(specdec, CPU, m) {
   m.impl("compact_kv_", &compact_kv_cpu);
+  m.impl("gather_kv_", &gather_kv_cpu);
 }
 
-// compact_kv_ writes its caches in place and has no derivative: torch's fallback refuses a leaf
-// that requires grad (as any in-place op does), and a backward through the op says it has none.
+// compact_kv_ and gather_kv_ write their caches in place and have no derivative: torch's
+// fallback refuses a leaf that requires grad (as any in-place op does), and a backward through
+// the op says it has none.
 // The kernels bump the caches' version counters themselves (bump_versions).
 
 TORCH_LIBRARY_IMPL(specdec, Autograd, m) {
   m.impl("compact_kv_", torch::autograd::autogradNotImplementedFallback());
+  m.impl("gather_kv_", torch::autograd::autogradNotImplementedFallback());
   // skinny_linear has no backward either: an output that requires grad would otherwise give
   // x and weight no gradient at all (use_skinny_linear routes grad-enabled calls to F.linear).
   m.impl("skinny_linear", torch::autograd::autogradNotImplementedFallback());
