@@ -109,6 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--verification", choices=("token", "block"), default="token",
                    help="verify the drafts token by token (default) or as a block (Sun et al. 2025: the same "
                         "output distribution, at least as many drafts accepted on average)")
+    g.add_argument("--tree", default=None, metavar="SHAPE",
+                   help="draft a tree instead of a chain: branching factors per depth (4,2,2,1) or "
+                        "dynamic:NODES,DEPTH,BRANCH (the most probable paths under the draft), verified exactly "
+                        "in one target forward (fused_verify_tree); needs a draft model")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-k", type=int, default=None,
                    help="keep the k most likely tokens, and any tied with the k-th (default: off)")
@@ -154,7 +158,7 @@ _FLAGS = {"max_new_tokens": "--max-new-tokens", "num_draft_tokens": "-k", "max_d
           "draft_confidence": "--draft-confidence", "temperature": "--temperature", "top_k": "--top-k",
           "top_p": "--top-p", "min_p": "--min-p", "seed": "--seed", "stop strings": "--stop", "dtype": "--dtype", "device": "--device",
           "draft_vocab": "--draft-vocab", "tokenizer directory": "--tokenizer directory", "target directory": "--target directory",
-          "draft directory": "--draft directory"}
+          "draft directory": "--draft directory", "tree must": "--tree must"}
 
 
 def _flag_message(msg: str) -> str:
@@ -188,6 +192,12 @@ def _check_early(args, parser) -> None:
         row_seeds(args.seed, len(args.prompts))
         resolve_dtype(args.dtype)
         resolve_device(args.device)
+        if args.tree is not None:
+            from .tree_decoding import parse_tree
+
+            parse_tree(args.tree)
+            if drafter != "model":
+                raise ValueError(f"tree drafting needs a draft model (drafter='model'), got --drafter {drafter}")
     except (ValueError, TypeError) as e:
         g.error(_flag_message(str(e)))
     for flag, value, kind in (("--target", args.target, "model"), ("--draft", args.draft, drafter),
@@ -227,7 +237,8 @@ def _make_decoder(args, parser):
 
     # how the models run, and what the draft may propose
     paths = dict(cpu_linear=args.cpu_linear, lean_forward=not args.no_lean_forward,
-                 draft_vocab=None if args.draft_vocab == "full" else args.draft_vocab, verification=args.verification)
+                 draft_vocab=None if args.draft_vocab == "full" else args.draft_vocab, verification=args.verification,
+                 tree=args.tree)
     if args.tiny_random:
         if args.draft or args.target:
             parser.error("--tiny-random builds its own models; do not pass --draft/--target with it")

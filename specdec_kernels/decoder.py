@@ -258,7 +258,7 @@ class SpeculativeDecoder:
     def __init__(self, draft=None, target=None, tokenizer=None, device=None, dtype=None, *,
                  drafter: Optional[str] = None, max_ngram: Optional[int] = None, cpu_linear: str = "auto",
                  lean_forward: bool = True, draft_vocab: Any = "auto", verify_backend: str = "auto",
-                 verification: str = "token"):
+                 verification: str = "token", tree: Any = None):
         if cpu_linear not in ("auto", "skinny", "torch"):
             raise ValueError(f"cpu_linear must be 'auto', 'skinny' or 'torch', got {cpu_linear!r}")
         if verify_backend not in ("auto", "triton", "torch"):
@@ -266,6 +266,9 @@ class SpeculativeDecoder:
         if verification not in ("token", "block"):
             raise ValueError(f"verification must be 'token' or 'block', got {verification!r}")
         self.verification = verification
+        from .tree_decoding import parse_tree
+
+        self.tree = parse_tree(tree)  # None: chains of K drafts
         from .models import resolve_device
 
         device = resolve_device(device)
@@ -291,6 +294,8 @@ class SpeculativeDecoder:
             raise ValueError(f"drafter must be one of {_DRAFTERS}, got {drafter!r}")
         if drafter == "model" and draft is None:
             raise ValueError("drafter='model' needs a draft model, got draft=None")
+        if self.tree is not None and drafter != "model":
+            raise ValueError(f"tree drafting needs a draft model (drafter='model'), got drafter={drafter!r}")
         if drafter == "prompt_lookup" and draft is not None:
             raise ValueError(f"drafter='prompt_lookup' takes no draft model, got draft={type(draft).__name__}")
         dtype = resolve_dtype(dtype)
@@ -387,6 +392,11 @@ class SpeculativeDecoder:
         self.device = _device_of(target)
         self.target = target.eval()
         self.draft = draft.eval() if draft is not None else None
+        if self.tree is not None:
+            from .tree_decoding import check_tree_model
+
+            check_tree_model(self.target, "the target")
+            check_tree_model(self.draft, "the draft")
         self.cpu_linear = self._resolve_cpu_linear(cpu_linear)
         # The fp16/int8 weight copies a previous decoder left on these models' layers: made again
         # (once), in case the weights were written through .data since (no version bump).
@@ -584,12 +594,37 @@ class SpeculativeDecoder:
                          verbose, attention_mask, max_draft_tokens, eos_token_id, progress, target_only=False,
                          draft_confidence=draft_confidence, min_p=min_p)
         check_streamer(streamer, len(st.seqs))
+        if self.tree is not None:
+            return self._generate_tree(st, streamer, criteria, procs, draft_confidence, verbose)
         st.streamer, st.criteria, st.procs = streamer, criteria, procs
         if streamer is not None:
             streamer.put(torch.tensor([st.seqs[0]]))  # the prompt, [1, T], as transformers' generate does
         if target_step_s is not None:
             st.recorder.set_target_step(target_step_s)
         return self._decode(st, baseline_tokens_per_s)
+
+    def _generate_tree(self, st: _State, streamer, criteria, procs, draft_confidence, verbose) -> GenerationResult:
+        """``generate`` with tree steps (``tree_decoding.run_tree``); what it does not take is
+        refused by name."""
+        from .tree_decoding import run_tree
+
+        for name, value in (("streamer", streamer), ("stopping_criteria", criteria), ("logits processors", procs)):
+            if value is not None:
+                raise ValueError(f"tree drafting does not take {name} yet; got one (use tree=None)")
+        if draft_confidence:
+            raise ValueError(f"tree drafting does not take draft_confidence, got {draft_confidence}")
+        if verbose:
+            raise ValueError("tree drafting does not print a trace yet: got verbose=True")
+        self._refresh_lean()
+        with self._linear_layers(), torch.inference_mode():
+            stats = run_tree(self, st, self.tree, self._stop_cut)
+        if st.pbar is not None:
+            st.pbar.close()
+        texts = None
+        if self.tokenizer is not None:
+            texts = [self.tokenizer.decode(g, skip_special_tokens=True) for g in st.generated]
+        return GenerationResult(texts=texts, token_ids=st.generated, stats=stats, finish_reasons=list(st.finish),
+                                seeds=list(st.seeds))
 
     def _decode(self, st: _State, baseline_tokens_per_s=None) -> GenerationResult:
         """Run a started state (``_start``) to the end with this decoder's forward paths."""
