@@ -97,8 +97,8 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
           "float16": torch.float16, "fp16": torch.float16}
 NA_BATCH = "n/a (batch 1 only)"
 REFUSED = "REFUSED"
-SPECDEC = ("specdec", "specdec_feature", "specdec_block")  # the speculative methods (a draft model; the
-#                                                          feature draft; block verification)
+SPECDEC = ("specdec", "specdec_feature", "specdec_block", "specdec_tree")  # the speculative methods (a draft
+#                                          model; the feature draft; block verification; tree drafting)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -286,10 +286,14 @@ class Bench:
         return None if self.top_p >= 1.0 else self.top_p
 
     def specdec(self, batch: int, temperature: float, k, target_only: bool = False, feature: bool = False,
-                block: bool = False) -> RunOut:
-        """SpeculativeDecoder's loop (``block``: with verification="block", the same decoder)."""
+                block: bool = False, tree: Optional[str] = None) -> RunOut:
+        """SpeculativeDecoder's loop (``block``: with verification="block"; ``tree``: with that tree
+        shape, ``tree_decoding.parse_tree``'s spelling; the same decoder)."""
+        from specdec_kernels.tree_decoding import parse_tree
+
         dec = self.fdec if feature else self.dec
         dec.verification = "block" if block else "token"
+        dec.tree = parse_tree(tree)
         out_ids, stats = [], []
         _sync(self.device)
         t0 = time.perf_counter()
@@ -446,6 +450,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--block-ks", type=_k_list, default=[],
                     help="also time SpeculativeDecoder with verification='block' at these K, e.g. 2,4,8 "
                          "(method specdec_block, beside specdec's token verification at --ks)")
+    ap.add_argument("--tree-shapes", type=lambda v: [x for x in v.split(";") if x], default=[],
+                    help="also time SpeculativeDecoder(tree=SHAPE) for these shapes, ';'-separated, e.g. "
+                         "'2,2;4,2,1;dynamic:16,4,4' (method specdec_tree; its K column is the shape)")
     ap.add_argument("--methods", default=None,
                     help="comma-separated subset of the methods to time (default: all), e.g. "
                          "specdec,specdec_block,specdec_target_only; target_hf always runs (the reference)")
@@ -551,7 +558,7 @@ def main(argv=None) -> int:
         for temperature in args.temperatures:
             for batch in batches:
                 r, n = run_config(bench, batch, temperature, args.ks, args.repeats, args.warmup_tokens,
-                                  feature_ks=args.feature_ks, block_ks=args.block_ks,
+                                  feature_ks=args.feature_ks, block_ks=args.block_ks, tree_shapes=args.tree_shapes,
                                   only=None if args.methods is None else set(args.methods.split(",")))
                 rows += r
                 notes += n
@@ -589,7 +596,7 @@ def main(argv=None) -> int:
 
 def run_config(bench: Bench, batch: int, temperature: float, ks: list, repeats: int,
                warmup_tokens: Optional[int] = None, feature_ks: Sequence = (), block_ks: Sequence = (),
-               only: Optional[set] = None):
+               only: Optional[set] = None, tree_shapes: Sequence = ()):
     """All methods at one (batch, temperature): rows and printed notes."""
     greedy = temperature == 0
     label = f"batch {batch}, temperature {temperature:g}"
@@ -607,6 +614,8 @@ def run_config(bench: Bench, batch: int, temperature: float, ks: list, repeats: 
         methods[("specdec_feature", k)] = (lambda k=k: bench.specdec(batch, temperature, k, feature=True))
     for k in block_ks:
         methods[("specdec_block", k)] = (lambda k=k: bench.specdec(batch, temperature, k, block=True))
+    for shape in tree_shapes:
+        methods[("specdec_tree", shape)] = (lambda shape=shape: bench.specdec(batch, temperature, 1, tree=shape))
     methods[("specdec_target_only", "-")] = lambda: bench.specdec(batch, temperature, None, target_only=True)
     if only is not None:
         methods = {key: fn for key, fn in methods.items() if key[0] in only or key[0] == "target_hf"}

@@ -435,3 +435,22 @@ def test_time_interleaved_calls_providers_in_rounds():
 
     with pytest.raises(ZeroDivisionError):  # time_fn raises the function's own error
         harness.time_fn(lambda: 1 / 0, torch.device("cpu"), min_time_s=0.0)
+
+
+def test_bench_e2e_quick_tree_shapes(tmp_path):
+    """--tree-shapes times SpeculativeDecoder(tree=...) as method specdec_tree (K = the shape),
+    greedy-checked against the target alone like every method."""
+    cmd = [sys.executable, str(SCRIPT), "--quick", "--out", str(tmp_path), "--threads", "1", "--ks", "1",
+           "--batch", "1", "--tree-shapes", "2,2;dynamic:4,2,2", "--methods", "specdec,specdec_tree"]
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "GREEDY CHECK FAILED" not in r.stdout, r.stdout
+    with open(tmp_path / "bench_e2e.csv", newline="") as f:
+        rows = [row for row in csv.DictReader(f) if row["method"] == "specdec_tree"]
+    assert sorted((row["K"], row["temperature"]) for row in rows) == sorted(
+        [(k, t) for k in ("2,2", "dynamic:4,2,2") for t in ("0.0", "1.0")])
+    for row in rows:
+        assert float(row["tokens_per_target_call"]) >= 1.0
+        if row["temperature"] == "0.0":
+            assert row["greedy_check"] == "pass", row
