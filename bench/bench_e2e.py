@@ -534,7 +534,10 @@ def main(argv=None) -> int:
         "draft_confidence=c); "
         "specdec_target_only: its generate_target_only"
         + (f"; specdec_feature: the same with drafter='feature', the feature draft {args.feature_draft or 'embedded'}"
-           if args.feature_ks else ""),
+           if args.feature_ks else "")
+        + ("; specdec_tree: SpeculativeDecoder(tree=K) (K = the shape), the models' own forwards with 4D tree masks "
+           "(no lean step), one row at a time, children sampled without replacement (T > 0) or the draft's top-k"
+           if args.tree_shapes else ""),
         f"# linear layers: {bench.linear} for every method (--linear {args.linear})"
         + ("; target_hf_torch_linear: the target alone with torch's linear; speed-ups over the target "
            "are over the faster of target_hf and target_hf_torch_linear" if bench.linear == "skinny" else ""),

@@ -275,6 +275,8 @@ def run_tree(dec, st, shape: TreeShape, stop_cut) -> tuple:
             path = out.path[0, :na].tolist()
             new = out.tokens[0, :na + 1].tolist()
             hist[na] += 1
+            # k: the tree's nodes; num_draft: its depth (the longest path that can be accepted)
+            stats.history.append(dict(k=N, rows=[p], num_draft=[max(tree.depths, default=0)], accepted=[na]))
             stats.accepted_tokens += na
             # 4. both caches keep the prefix and the path
             src = torch.tensor([[L - 1] + [L + n for n in path]], device=dev)
@@ -309,6 +311,8 @@ def run_tree(dec, st, shape: TreeShape, stop_cut) -> tuple:
             st.finish[p] = reason
     total = time.perf_counter() - t_run
     stats.row_steps = stats.iterations
+    reached = sum(min(h["accepted"][0] + 1, h["num_draft"][0]) for h in stats.history)
+    stats.alpha = stats.accepted_tokens / reached if reached else None  # acceptance per depth reached
     stats.drafted_tokens = n_nodes
     stats.acceptance_rate = stats.accepted_tokens / n_nodes if n_nodes else None
     stats.accepted_length_histogram = hist
