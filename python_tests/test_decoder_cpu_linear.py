@@ -149,3 +149,31 @@ def test_weights_written_through_data_are_seen():
     with pytest.raises(TypeError, match=r"^forget_weight_copies: model must be a torch.nn.Module, got list$"):
         cpu_linear_mod.forget_weight_copies([target])
     assert dec.generate(PROMPTS[:3], max_new_tokens=8).token_ids == refs(target)
+
+
+def test_weight_copies_are_made_once_per_model():
+    """A second decoder over the same models keeps the fp16 copies the first one made (they still
+    equal their weights: checked, not made again); a copy whose weight was written through
+    ``.data`` is dropped and made again; a weight fp16 does not hold gets no copy."""
+    _, t = _pair()
+    with torch.no_grad():
+        for i, p in enumerate(t.parameters()):
+            if i % 2 == 0:
+                p.copy_(p.half().float())  # every other weight fp16-exact
+    draft = copy.deepcopy(t)
+    dec = SpeculativeDecoder(draft, t)
+    dec.generate(PROMPTS[:2], max_new_tokens=4)
+    linears = [m for m in t.modules() if type(m) is torch.nn.Linear]
+    cached = {id(m): m.__dict__.get("_specdec_fp16") for m in linears}
+    exact = [m for m in linears if cached[id(m)] is not None and cached[id(m)][3] is not None]
+    inexact = [m for m in linears if cached[id(m)] is not None and cached[id(m)][3] is None]
+    assert exact and inexact
+    m0 = exact[0]
+    m0.weight.data.mul_(0.5)  # in place through .data: no version bump
+    SpeculativeDecoder(draft, t).generate(PROMPTS[:2], max_new_tokens=4)
+    for m in linears:
+        now = m.__dict__.get("_specdec_fp16")
+        if m is m0:
+            assert now is not cached[id(m)] and torch.equal(now[3].float(), m.weight)  # made again
+        else:
+            assert now is cached[id(m)]  # kept

@@ -33,7 +33,12 @@ from ._ext import HAS_EXT
 from .reference import skinny_linear_reference
 
 __all__ = ["AVX512_MAX_ROWS", "DEFAULT_MAX_ROWS", "SkinnyLinearHandle", "default_max_rows", "forget_weight_copies",
-           "skinny_linear", "supported_isas", "use_skinny_linear"]
+           "revalidate_weight_copies", "skinny_linear", "supported_isas", "use_skinny_linear"]
+
+# Weights are checked and copied to fp16 in chunks of this many elements: no fp32 temporary of
+# a whole weight, and a weight fp16 does not hold exactly is given up at its first inexact chunk
+# (a trained fp32 or bf16 weight almost always has one in its first chunk).
+_FP16_CHUNK = 1 << 20
 
 # Up to this many rows (the product of x's leading dims) the kernel beat torch's linear in
 # bench/bench_skinny_linear.py on the 2-core AVX2 machine (30-50% less time at 2-9 rows, on par
@@ -174,12 +179,64 @@ def _exact_fp16_copy(m: nn.Linear) -> Optional[Tensor]:
     cached = _cached_copy(m, "_specdec_fp16", w, version)
     if cached is not _MISSING:
         return cached
-    w16 = w.detach().to(torch.float16)
-    if not torch.equal(w16.float(), w.detach()):
-        w16 = None
+    w16 = _fp16_if_exact(w.detach())
     if version is not None:  # an inference tensor has no version counter: checked on every call
         m.__dict__["_specdec_fp16"] = (weakref.ref(w), version, w.data_ptr(), w16)
     return w16
+
+
+def _fp16_if_exact(w: Tensor) -> Optional[Tensor]:
+    """w as fp16 if fp16 holds every value exactly, else None; chunk by chunk (``_FP16_CHUNK``),
+    stopping at the first chunk that is not exact."""
+    flat = w.reshape(-1)
+    out = torch.empty(flat.shape, dtype=torch.float16, device=w.device)
+    for start in range(0, flat.numel(), _FP16_CHUNK):
+        c = flat[start:start + _FP16_CHUNK]
+        h = out[start:start + _FP16_CHUNK]
+        h.copy_(c)
+        if not torch.equal(h.float(), c):
+            return None
+    return out.view(w.shape)
+
+
+def _copy_is_current(w: Tensor, w16: Tensor) -> bool:
+    """Whether an fp16 copy still equals its fp32 weight, chunk by chunk (early exit)."""
+    if w16.shape != w.shape:
+        return False
+    a, b = w.detach().reshape(-1), w16.reshape(-1)
+    return all(torch.equal(b[s:s + _FP16_CHUNK].float(), a[s:s + _FP16_CHUNK])
+               for s in range(0, a.numel(), _FP16_CHUNK))
+
+
+def revalidate_weight_copies(model: nn.Module) -> int:
+    """Keep the fp16 copies of ``model``'s linear weights that still equal their weights, drop the
+    others, and drop the int8 and output-layer copies (small: made again on use); returns how many
+    were dropped.  A new ``SpeculativeDecoder`` calls it instead of ``forget_weight_copies``: the
+    copies are made once per model, not once per decoder, and a write through ``.data`` in place
+    (which torch's version counter does not see) is still noticed, for the price of reading
+    each copied weight once (a weight fp16 does not hold has no copy and costs nothing)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"revalidate_weight_copies: model must be a torch.nn.Module, got {type(model).__name__}")
+    n = 0
+    mods = [m for m in model.modules() if m.__dict__.get("_specdec_fp16") is not None
+            or "_specdec_int8" in m.__dict__ or "_specdec_head" in m.__dict__]
+    for mod in _progress(mods, "checking the fp16 weight copies"):
+        for key in ("_specdec_int8", "_specdec_head"):
+            n += mod.__dict__.pop(key, None) is not None
+        c = mod.__dict__.get("_specdec_fp16")
+        if c is not None and c[3] is not None:
+            w = c[0]()
+            if w is None or w is not getattr(mod, "weight", None) or not _copy_is_current(w, c[3]):
+                del mod.__dict__["_specdec_fp16"]
+                n += 1
+    return n
+
+
+def _progress(items: list, what: str):
+    """tqdm over ``items`` that shows itself only once it has run for a second."""
+    from tqdm.auto import tqdm
+
+    return tqdm(items, desc=f"specdec_kernels: {what}", unit="layer", delay=1.0, leave=False)
 
 
 def _int8_copy(m: nn.Linear) -> Optional[tuple]:
@@ -250,7 +307,7 @@ class SkinnyLinearHandle:
         # (None, (int8 copy, row scales)); taken once here (a weight made under inference mode
         # has no version counter, so its copies are not cached on the module)
         self._copies = {}
-        for m in modules:
+        for m in _progress(modules, "preparing the linear layers' weights"):
             q8 = _int8_copy(m) if int8_weights else None
             w16 = _exact_fp16_copy(m) if fp16_weights and q8 is None else None
             if q8 is not None or w16 is not None:

@@ -398,13 +398,14 @@ class SpeculativeDecoder:
             check_tree_model(self.target, "the target")
             check_tree_model(self.draft, "the draft")
         self.cpu_linear = self._resolve_cpu_linear(cpu_linear)
-        # The fp16/int8 weight copies a previous decoder left on these models' layers: made again
-        # (once), in case the weights were written through .data since (no version bump).
-        from .cpu_linear import forget_weight_copies
+        # The fp16 weight copies a previous decoder left on these models' layers are kept while
+        # they equal their weights (made once per model; a write through .data since, which no
+        # version counter sees, drops them); int8 and output-layer copies are made again.
+        from .cpu_linear import revalidate_weight_copies
 
         for model in (target, draft):
             if model is not None:
-                forget_weight_copies(model)
+                revalidate_weight_copies(model)
         self.lean_forward = lean_forward
         self._refresh_lean()
         # The draft/target cost ratio before anything is measured: their parameter counts.
