@@ -53,7 +53,7 @@ def run_sweep(rows: list[int], min_time_s: float, isas: list[str] = ()) -> list[
         provs = {
             "torch F.linear": lambda: [F.linear(xs[w.shape[1]], w) for w in weights],
             # the same product as w @ x^T ([N, M], transposed): another BLAS call, much faster
-            # than F.linear's at 2-5 rows on the Zen 5 VM (a review)
+            # than F.linear's at 2-5 rows on the Zen 5 VM
             "torch w @ x.T": lambda: [torch.matmul(w, xs[w.shape[1]].T) for w in weights],
             "skinny_linear": lambda: [skinny_linear(xs[w.shape[1]], w) for w in weights],
         }

@@ -139,7 +139,7 @@ def build_providers(logits, x, q, temperature, warp, device, compiled_cache):
 
     if "fn" not in compiled_cache:
         # dynamic shapes from the start: one graph per code path (with/without warp), not a static
-        # first case and a dynamic recompile (4 compiles in the GPU grid's first cases; a review)
+        # first case and a dynamic recompile (4 compiles in the GPU grid's first cases before)
         compiled_cache["fn"] = torch.compile(verify_reference, dynamic=True)
     compiled = compiled_cache["fn"]
 

@@ -1,4 +1,4 @@
-"""alpha on the demo prompts as ``SpeculativeDecoder.generate`` counts it (the issue's alpha).
+"""alpha on the demo prompts as ``SpeculativeDecoder.generate`` counts it.
 
 ``stats.alpha`` is the drafts accepted over the drafts reached (a draft after a rejection in
 its row is not reached): the per-position acceptance rate of E(K) = (1 - alpha^(K+1)) /

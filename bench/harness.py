@@ -28,7 +28,7 @@ def device_name(device: torch.device) -> str:
 
 def cpu_model() -> str:
     """The CPU's model name (platform.processor() is '' on Linux: every CPU row read "x86_64",
-    so two machines' rows could not be told apart; a review)."""
+    so two machines' rows could not be told apart)."""
     name, flags = None, set()
     try:
         with open("/proc/cpuinfo") as f:

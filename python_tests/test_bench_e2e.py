@@ -27,7 +27,7 @@ SCRIPT = ROOT / "bench" / "bench_e2e.py"
 def _restore_threads_and_rng():
     """The benchmark mains called in process set torch's thread count (demo_*: 1) and seed the
     global RNG: restored after each test, so that the worker's later tests run as they would
-    alone (a flaky-test review)."""
+    alone (the tests were flaky before)."""
     import torch
 
     threads = torch.get_num_threads()
@@ -258,7 +258,7 @@ def test_demo_alpha_counts_as_generate_does(tmp_path):
     out = mod.main(["--tiny-random", "--drafters", "model", "--kinds", "plain", "--ks", "1,3",
                     "--max-new-tokens", "12", "--json", str(tmp_path / "a.json")])
     assert json.loads((tmp_path / "a.json").read_text()) == json.loads(json.dumps(out))
-    assert {"device", "date", "torch", "commit"} <= set(out["conditions"])  # (a review: none were recorded)
+    assert {"device", "date", "torch", "commit"} <= set(out["conditions"])  # (none were recorded before)
     assert [(r["k"], r["kind"], r["drafter"]) for r in out["sets"]] == [(1, "plain", "model"), (3, "plain", "model")]
     for r in out["sets"]:
         assert 0 < r["accepted"] < r["reached"] and r["alpha"] == r["accepted"] / r["reached"], r
@@ -306,7 +306,7 @@ def test_demo_speed_smoke(tmp_path):
 @pytest.mark.parametrize("k", ["auto", 2])
 def test_assisted_generation_uses_the_draft(k):
     """The assisted_hf rows run the draft as Hugging Face's assistant, at K = auto too (its "auto"
-    ran target.generate alone before, found by a review: every "HF auto" figure until 2026-12-01
+    ran target.generate alone before: every "HF auto" figure until 2026-12-01
     was the target's)."""
     import torch
 
@@ -388,7 +388,7 @@ def test_top_p_out_of_range_is_refused_by_name(top_p):
 def test_harness_records_the_commit_and_the_cpu_model(monkeypatch):
     """Every result row carries the commit (with -dirty for uncommitted tracked changes; the
     SPECDEC_COMMIT variable first, for a copy of the tree without .git) and the CPU's model name
-    (platform.processor() is '' on Linux: two machines' rows read alike; a review)."""
+    (platform.processor() is '' on Linux: two machines' rows read alike)."""
     import shutil
     import subprocess
 

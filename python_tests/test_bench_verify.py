@@ -243,7 +243,7 @@ def test_a_failing_provider_is_reported_and_the_others_kept(bench_verify, tmp_pa
 
 
 def test_a_failing_acceptance_count_does_not_stop_the_run(bench_verify, tmp_path, capsys, monkeypatch):
-    # (a review: the count behind the bytes ran the op outside the per-provider handling)
+    # (before: the count behind the bytes ran the op outside the per-provider handling)
     def broken(*a, **k):
         raise RuntimeError("triton compile error (simulated)")
 

@@ -37,7 +37,7 @@ def test_cli_requires_models(capsys):
 
 
 @pytest.mark.parametrize("argv,says", [
-    # (found by a review: tracebacks with exit status 1, or an option silently ignored)
+    # (before: tracebacks with exit status 1, or an option silently ignored)
     (["--target", "/nonexistent/model", "--draft", "/nonexistent/draft"], "/nonexistent"),
     (["--tiny-random", "--tokenizer", "/nonexistent"],
      "--tokenizer applies to --target/--draft models; the embedded pair and --tiny-random bring their own"),
@@ -45,7 +45,7 @@ def test_cli_requires_models(capsys):
                                                "got 'complex64'"),
     (["--tiny-random", "--device", "meta"], "device 'meta' holds no data: models cannot run there"),
     (["--tiny-random", "--draft-vocab", "BAD"], "header"),  # a file that is not safetensors
-    # (found by a review: hub-id and tokenizer messages for paths, API names for flags, and
+    # (before: hub-id and tokenizer messages for paths, API names for flags, and
     # these checks only after the models had loaded)
     (["--target", "/nonexistent/model", "--draft", "/nonexistent/d"],
      "specdec generate: error: --target: no such file or directory: /nonexistent/model"),
@@ -82,7 +82,7 @@ def test_cli_user_errors_are_one_line(argv, says, capsys, tmp_path, monkeypatch)
 def test_cli_baseline_when_the_target_emits_nothing(capsys, tmp_path):
     """--baseline where the target alone emits no token (a NaN in its output layer: every row ends
     "nonfinite"): the measured speed-up is n/a (the run stopped with an error about
-    baseline_tokens_per_s before, found by a review)."""
+    baseline_tokens_per_s before)."""
     draft, target, tok = build_tiny_random_pair(seed=0)
     with torch.no_grad():
         target.lm_head.weight[5] = float("nan")
@@ -112,7 +112,7 @@ def test_cli_baseline_repeats(capsys):
     assert s["baseline_tokens_per_s"] == statistics.median_low(base)
     assert s["measured_speedup"] == s["tokens_per_s"] / s["baseline_tokens_per_s"]
     assert cap.err.count("[step 1 | row 0] Drafted:") == 1
-    # an even N: the lower middle run on both sides (a review: a mean of two beside one run)
+    # an even N: the lower middle run on both sides (before: a mean of two beside one run)
     assert cli_main(["generate", "hello world", "--tiny-random", "--json", "--baseline", "--repeats", "4",
                      "--max-new-tokens", "8", "-k", "2"]) == 0
     out = json.loads(capsys.readouterr().out)
@@ -128,7 +128,7 @@ def test_cli_baseline_repeats(capsys):
 
 
 def test_cli_baseline_warms_up_and_alternates_sides(capsys, monkeypatch):
-    # (a review: the target alone always ran first, cold, up to 1.3x slower: the speed-up read high)
+    # (before: the target alone always ran first, cold, up to 1.3x slower: the speed-up read high)
     from specdec_kernels import SpeculativeDecoder
 
     calls = []

@@ -1,4 +1,4 @@
-"""The C++ ops where the suite had not looked (a mutation review of csrc/, 2026-12-02: 12 of 52
+"""The C++ ops where the suite had not looked (mutation testing of csrc/, 2026-12-02: 12 of 52
 mutants survived, 5 of them harmful): the CUDA kernel body's access width for every address
 (rows of 24 bytes: the 8-byte path; a base one element past an aligned address; a cache cropped
 on its last dim), no silent backward through any skinny_linear variant, and opcheck for the
@@ -81,7 +81,7 @@ def test_opcheck_every_skinny_linear_variant(op, grad):
 def test_import_specdec_kernels_registers_every_fake():
     """A plain ``import specdec_kernels`` registers the fakes of every op (the skinny_linear
     ones lived in cpu_linear, which nothing imported: FakeTensorMode and torch.compile failed on
-    them in a fresh process; found by the review)."""
+    them in a fresh process before)."""
     import subprocess
     import sys
 

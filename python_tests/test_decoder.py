@@ -238,7 +238,7 @@ def test_sampling_matches_target_distribution(temperature, top_k, top_p, k, voca
 def test_prompt_lookup_sampling_first_token_distribution():
     """Deterministic drafts (draft_probs=None) with sampling: the first token is still p.
     (max_new_tokens=2, so K=2 is capped to 1 and a draft is verified: with max_new_tokens=1 the
-    budget left K=0 and only the bonus was sampled, so a wrong residual passed; a review.)"""
+    budget left K=0 and only the bonus was sampled, so a wrong residual passed.)"""
     V, N = 8, 3000
     target = _llama(V, 16, 2, 0.3, seed=0, max_pos=64)
     prompt = [3, 3, 3, 3]  # lookup proposes 3, 3, ...: a frequent token here, so some are accepted

@@ -1,4 +1,4 @@
-"""SpeculativeDecoder over architectures other than Llama (the issue: "any pair of
+"""SpeculativeDecoder over architectures other than Llama (the stated scope: "any pair of
 AutoModelForCausalLM that share a vocabulary").
 
 The decoder's own tests use Llama models (whose decode steps it may run through its lean path);

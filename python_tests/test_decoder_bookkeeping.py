@@ -2,8 +2,8 @@
 accepted prefixes, drafts shown), the default EOS (generation config, config, tokenizer), the
 CLI's --json texts, auto's draft-time flag after K = 0 steps, prompt lookup's verify width,
 a feature draft's chain positions, the draft's warp (a draft equal to the target accepts
-everything), and the retirement of a draft past its shorter context.  Written by a mutation
-review (2026-12-02): 14 of 71 mutants of the decoder-side modules survived the suite; each
+everything), and the retirement of a draft past its shorter context.  Mutation testing
+(2026-12-02): 14 of 71 mutants of the decoder-side modules survived the suite; each
 test here fails on one or more of the 10 that mattered."""
 
 from __future__ import annotations

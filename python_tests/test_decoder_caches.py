@@ -289,7 +289,7 @@ def test_a_ragged_catch_up_block_over_a_dense_draft_cache(pair):
     length while only the rows that accepted their draft catch up, so the next draft block is
     ragged (filler columns) over a dense cache and needs its mask.  The draft cache must equal a
     fresh forward after each step, and seeded sampling stays batch invariant (a mutant that
-    dropped the mask there survived the suite before; found by a review's mutation run)."""
+    dropped the mask there survived the suite before, in a mutation run)."""
     draft, target = pair
     dec = SpeculativeDecoder(draft=draft, target=target)
     prompts = [[1, 2, 3], [4, 5, 6], [7, 8, 9]]

@@ -117,7 +117,7 @@ def test_weights_written_through_data_are_seen():
     """The fp16 copies of fp16-exact weights (kept on the layers between calls) follow the
     weights: new storage (``p.data = ...``) is noticed by the same decoder; writes through
     ``.data`` in place, which torch's version counter does not see, by a new decoder or after
-    ``cpu_linear.forget_weight_copies`` (seen stale before, found by a review)."""
+    ``cpu_linear.forget_weight_copies`` (seen stale before)."""
     def fp16_exact(seed):
         _, t = _pair()
         with torch.no_grad():

@@ -150,7 +150,7 @@ def test_draft_vocab_choices_and_errors(pair, tmp_path):
     assert mk(draft_vocab=list(range(32))).draft_vocab is None  # the whole vocabulary: nothing to restrict
     assert mk(draft_vocab=[30, 2, 5]).draft_vocab.tolist() == [2, 5, 30]  # sorted
     assert mk(draft_vocab=torch.tensor([7, 1], dtype=torch.int32)).draft_vocab.tolist() == [1, 7]
-    # (a review: NumPy ids and ranges were refused as "got list"; a file saved for another
+    # (before: NumPy ids and ranges were refused as "got list"; a file saved for another
     # vocabulary was taken whenever its ids fitted; a meta tensor gave torch's error)
     import numpy as np
 

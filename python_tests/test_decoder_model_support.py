@@ -1,5 +1,5 @@
 """Models the decoder cannot drive exactly are refused by name; one it can drive only up to a
-length is capped there (found by a review, 2026-12-01, with tiny random models of each family):
+length is capped there (found on 2026-12-01 with tiny random models of each family):
 
 - MPT's forward takes no position_ids: its ALiBi counts cache columns, which a ragged batch
   leaves gaps in (wrong tokens on ragged batches); BLOOM's counts the attention mask (exact);
@@ -57,7 +57,7 @@ def test_models_it_cannot_drive_are_refused(build, match):
 
 
 def test_a_wrapper_forwarding_kwargs_is_judged_by_its_config():
-    # (a review: a module whose forward takes **kwargs, as PEFT's, was refused once the signature
+    # (before: a module whose forward takes **kwargs, as PEFT's, was refused once the signature
     # checks came in; MPT behind such a wrapper is still refused, by its model type)
     class Wrap(torch.nn.Module):
         def __init__(self, inner):

@@ -220,7 +220,7 @@ def test_verbose_tells_a_step_without_drafts(tiny, monkeypatch):
     (dict(prompts=[[1], [2]], seed=[1]), ValueError, r"seed as a list must have one entry per prompt \(2\), got 1"),
     (dict(prompts=[list(range(30)) * 5]), ValueError,
      r"prompts\[0\] must fit the target's context \(max_position_embeddings = 128\), got 150 tokens"),
-    # (seen accepted before, found by a review: a float tensor truncated to ids, a 2-D one
+    # (seen accepted before: a float tensor truncated to ids, a 2-D one
     # flattened, eos "19" read as {1, 9}, verbose=1 failing after the first step)
     (dict(prompts=[torch.tensor([1.7, 2.2])]), TypeError,
      r"prompts\[0\] as a tensor must be 1-D integer token ids, got dtype float32 shape \[2\]"),
@@ -231,7 +231,7 @@ def test_verbose_tells_a_step_without_drafts(tiny, monkeypatch):
     (dict(prompts=[[1]], eos_token_id=True), TypeError, r"eos_token_id must be .*, got bool"),
     (dict(prompts=[[1]], eos_token_id=[5, 2.0]), TypeError, r"eos_token_id must be .*, got list"),
     (dict(prompts=[[1]], verbose=1), TypeError, r"verbose must be a bool or a text stream \(with .write\), got int"),
-    # (accepted before, found by a review: EOS ids that can never match, a mask that is not 0/1
+    # (accepted before: EOS ids that can never match, a mask that is not 0/1
     # or has a gap; a seed overflow that did not say which)
     (dict(prompts=[[1]], eos_token_id=1000), ValueError, r"eos_token_id must be in \[0, 32\) \(the target's vocabulary\), got 1000"),
     (dict(prompts=[[1]], eos_token_id=[3, -1]), ValueError, r"eos_token_id must be in \[0, 32\) .*, got -1"),
@@ -267,7 +267,7 @@ def test_bad_generate_arguments(pair, kwargs, exc, match):
 def test_numpy_scalars_and_a_huge_k(pair, greedy_refs):
     # NumPy integers and floats are taken as Python ones (refused before: "got int64"); a K far
     # beyond max_new_tokens costs nothing (the recorder was sized by K: 10**7 took 0.9 s and
-    # 230 MB).  Both found by a review.
+    # 230 MB).
     import numpy as np
 
     draft, target = pair
@@ -307,7 +307,7 @@ def test_bad_constructor_arguments(pair, tmp_path):
         SpeculativeDecoder(draft=copy.deepcopy(draft).to("meta"), target=target)
     with pytest.raises(ValueError, match="the draft vocabulary must not exceed the target's: draft vocab_size = 40"):
         SpeculativeDecoder(draft=_llama(40, 32, 1, 0.2, seed=0), target=target)
-    # (accepted before, found by a review: max_ngram ignored beside a draft model; models on meta
+    # (accepted before: max_ngram ignored beside a draft model; models on meta
     # failing inside transformers at the first generate)
     with pytest.raises(ValueError, match=r"^max_ngram applies to drafter='prompt_lookup', got max_ngram=2 with "
                                          r"drafter='model'$"):
@@ -329,7 +329,7 @@ def test_bad_constructor_arguments(pair, tmp_path):
 
 
 def test_a_refused_pair_leaves_the_models_as_they_were(pair):
-    # (found by a review: the models were converted to the requested dtype before the checks)
+    # (before: the models were converted to the requested dtype before the checks)
     draft, target = pair
     big_draft = _llama(40, 32, 1, 0.2, seed=0)
     with pytest.raises(ValueError, match="the draft vocabulary must not exceed the target's"):
@@ -352,7 +352,7 @@ def _gpt2(n_positions: int, seed: int):
 def test_a_draft_with_a_shorter_context_stops_drafting_at_it(pair, draft_kind):
     # The target's context (128) bounds the sequences, not the draft's (16): a row drafts while
     # its draft inputs lie below 16, then the target goes on alone; a prompt past 16 is taken.
-    # (Found by a review: the smaller context cut generate and even generate_target_only short.)
+    # (Before: the smaller context cut generate and even generate_target_only short.)
     # GPT-2 has absolute position embeddings: a position past 15 would not even index them.
     _, target = pair
     if draft_kind == "llama":
@@ -383,7 +383,7 @@ def test_a_draft_with_a_shorter_context_stops_drafting_at_it(pair, draft_kind):
     assert dc.calls == [] and long.stats.drafted_tokens == 0
     assert long.token_ids[0] == res.token_ids[1][:6]
     # A step drafts only if some row may verify a draft: here the short row's budget and the long
-    # row's position leave none in the second step (a review: K = 3 with every K_b = 0 there).
+    # row's position leave none in the second step (before: K = 3 with every K_b = 0 there).
     two = dec.generate([[1, 2, 3], list(range(1, 21))], max_new_tokens=5, num_draft_tokens=3)
     assert all(h["k"] == 0 or max(h["num_draft"]) > 0 for h in two.stats.history), two.stats.history
     # Sampling: each row decoded alone gives its tokens in the batch.
@@ -412,7 +412,7 @@ def test_unusable_devices_are_refused_by_name(pair, capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(ValueError, match=r"^device 'cuda:1' is not available: torch finds 1 CUDA GPU\(s\)$"):
         SpeculativeDecoder(draft=draft, target=target, device="cuda:1")
-    # other device types: only CUDA was checked before (found by a review)
+    # other device types: only CUDA was checked before
     with pytest.raises(ValueError, match=r"^device 'meta' holds no data: models cannot run there$"):
         SpeculativeDecoder(draft=draft, target=target, device="meta")
     if not (hasattr(torch, "xpu") and torch.xpu.is_available()):

@@ -569,7 +569,7 @@ def test_feature_head_is_kept_until_the_target_changes(fpair):
     dec.generate([[1, 2, 3]], max_new_tokens=3)
     assert dec._d.head is not head
     assert torch.equal(dec._d.head.weight, target.lm_head.weight[[1, 5, 9]].half().float())
-    # a replaced output layer is taken (the runner kept the old module before, found by a review);
+    # a replaced output layer is taken (the runner kept the old module before);
     # a write through .data (no version bump) after forget_weight_copies, or by a new decoder
     want = lambda: target.lm_head.weight[[1, 5, 9]].half().float()  # noqa: E731
     target.lm_head = torch.nn.Linear(target.lm_head.in_features, target.lm_head.out_features, bias=False)
@@ -615,7 +615,7 @@ def test_targets_that_scale_their_logits():
     """A target whose forward rescales its output layer's result (Granite: / logits_scaling) is
     verified on its own logits: off the lean path step_hidden takes them from the model's forward
     (it applied the output layer itself before: logits 4x too large, the samples far from the
-    target's distribution; found by a review), and sampling matches the target (chi-square on the
+    target's distribution), and sampling matches the target (chi-square on the
     first two tokens)."""
     from transformers import GraniteConfig, GraniteForCausalLM
 
@@ -652,8 +652,7 @@ def test_targets_that_scale_their_logits():
 
 def test_feature_draft_takes_the_targets_dtype(fpair):
     """A feature draft in another dtype than its target runs in the target's (a bf16 target beside
-    a draft in fp32 failed in the first draft step: "expected m1 and m2 to have the same dtype";
-    found by a review)."""
+    a draft in fp32 failed in the first draft step: "expected m1 and m2 to have the same dtype")."""
     fd, target = fpair
     t16 = copy.deepcopy(target).to(torch.bfloat16)
     dec = SpeculativeDecoder(draft=copy.deepcopy(fd).float(), target=t16, drafter="feature")
@@ -663,7 +662,7 @@ def test_feature_draft_takes_the_targets_dtype(fpair):
 
 
 def test_a_feature_draft_passed_as_an_object_is_converted_as_a_copy(fpair):
-    """(a review: the caller's draft was converted in place: its weights rounded for good, and a
+    """(before: the caller's draft was converted in place: its weights rounded for good, and a
     second decoder over an fp32 target converted the first one's bf16 draft under it)"""
     fd, target = fpair
     mine = copy.deepcopy(fd).float()
@@ -680,7 +679,7 @@ def test_a_feature_draft_passed_as_an_object_is_converted_as_a_copy(fpair):
 
 
 def test_a_refused_vocabulary_writes_nothing(fpair, tmp_path):
-    """(a review: the weights and config were written before the vocabulary was refused, beside
+    """(before: the weights and config were written before the vocabulary was refused, beside
     the old draft's vocabulary file)"""
     fd, _ = fpair
     save_feature_draft(fd, tmp_path / "a", vocab=[0, 3, 5])
@@ -695,7 +694,7 @@ def test_a_refused_vocabulary_writes_nothing(fpair, tmp_path):
 
 def test_save_feature_draft_checks_its_dtype(fpair, tmp_path):
     """dtype must be a floating torch.dtype (int8 saved all-zero weights before; a string gave
-    "Invalid device string"; found by a review)."""
+    "Invalid device string")."""
     fd, _ = fpair
     for bad in (torch.int8, "float16"):
         with pytest.raises(TypeError, match=r"save_feature_draft: dtype must be a floating torch.dtype, got"):

@@ -308,7 +308,7 @@ ALIAS_ERRORS = [
     ("expanded", lambda: ([_c(2, 1, 12, 4).expand(2, 3, 12, 4)], 0, _idx([0, 0]), _idx([0, 0])),
      r"caches\[0\] must not have internally overlapping memory"),
     # non-dense views torch cannot judge, and two storages over one memory (accepted and moved
-    # twice before, found by a review; the decoder's caches are cropped views of one buffer each)
+    # twice before; the decoder's caches are cropped views of one buffer each)
     ("cropped_views_of_one_buffer", lambda b=_c(2, 1, 14, 4): ([b[:, :, :12], b[:, :, :12]], 6, _idx([3, 4]), _idx([4, 4])),
      r"caches\[0\] and caches\[1\] must not share memory, got views whose memory ranges meet \(not both dense\)"),
     ("shifted_cropped_views", lambda b=_c(2, 1, 14, 4): ([b[:, :, :12], b[:, :, 1:13]], 6, _idx([3, 4]), _idx([4, 4])),
@@ -366,8 +366,8 @@ def test_op_accepts_separate_views():
 def test_op_tells_autograd_it_wrote():
     """The op bumps its caches' version counters (a backward through a saved cache then fails as
     after any in-place op; it silently used the moved values before), refuses a cache that
-    requires grad while grad mode is on (a leaf, by torch's fallback; a non-leaf kept its grad_fn
-    and a backward ran through the values before the move, a review found), and writes
+    requires grad while grad mode is on (a leaf, by torch's fallback; before, a non-leaf kept its grad_fn
+    and a backward ran through the values before the move), and writes
     inference tensors (no version counter) inside inference mode only, as torch's own ops."""
     w = torch.arange(1.0, 7.0).view(1, 1, 6, 1).requires_grad_()
     y = w * 1.0
@@ -395,7 +395,7 @@ def test_op_tells_autograd_it_wrote():
 
 @needs_ext
 def test_op_refuses_indices_that_share_memory_with_a_cache():
-    # (a review: count as an int64 view of a cache's memory was rewritten by the move of the
+    # (before: count as an int64 view of a cache's memory was rewritten by the move of the
     # first cache, and the second was moved with an unchecked count: a segfault)
     buf = torch.zeros(8, dtype=torch.int64)
     count = buf[0:1]

@@ -173,7 +173,7 @@ def test_unsupported_models_are_named():
     assert "GPT2LMHeadModel" in LeanLlamaStep.unsupported(gpt2)
     with pytest.raises(ValueError, match="LeanLlamaStep: model not supported: .*GPT2LMHeadModel"):
         LeanLlamaStep(gpt2)
-    # whose own forward differs from the replay (taken before, found by a review): one module in
+    # whose own forward differs from the replay (taken before): one module in
     # training mode (dropout), a compiled model, global forward hooks
     one_training = _llama(4, 2)
     one_training.model.layers[0].self_attn.train()
@@ -192,7 +192,7 @@ def test_unsupported_models_are_named():
 def test_lean_step_with_an_all_valid_mask_over_one_token():
     """One new token with an all-valid mask gives the model's bits (Hugging Face drops such a mask
     and calls sdpa as without one; the lean step built a 4-D mask and differed in the last bits
-    before, found by a review)."""
+    before)."""
     from specdec_kernels.kv_cache import _new_cache
     from specdec_kernels.runners import _cache_kw
 
@@ -215,7 +215,7 @@ def test_lean_step_with_an_all_valid_mask_over_one_token():
                                   r"got torch.float32 \(1, 2\)"),
     (dict(mask=torch.ones(2, 2, dtype=torch.bool)), r"mask must be None or a bool \[B=1, T \+ q = 2\] tensor"),
     # a width other than the cache's + q (accepted before: raised inside layer 0, after it had
-    # cached; found by a review), a bool keep
+    # cached), a bool keep
     (dict(mask=torch.ones(1, 7, dtype=torch.bool)), r"mask must be None or a bool \[B=1, T \+ q = 2\] tensor "
                                                     r"\(T = 0 cached columns\), got torch.bool \(1, 7\)"),
     (dict(keep=3), r"keep must be an int in \[1, 2\], got 3"),

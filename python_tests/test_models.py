@@ -105,7 +105,7 @@ def test_unusable_cache_and_damaged_records(monkeypatch, tmp_path):
     """A cache that cannot be written is said before the minute of conversion (after it before,
     with a traceback); a record whose converter field is not an int counts as no conversion;
     temporary directories of conversions whose process is gone are removed (a killed conversion
-    left ~540 MB behind). Found by a review."""
+    left ~540 MB behind)."""
     if not CAN_CONVERT:
         pytest.skip(f"converting needs gguf and accelerate (run: {models.INSTALL_COMMAND})")
     blocker = tmp_path / "a_file"
@@ -149,7 +149,7 @@ def test_conversion_of_an_older_converter_is_redone(monkeypatch, tmp_path):
 def test_two_processes_convert_the_target_once(monkeypatch, tmp_path):
     """Two pytest workers that both find no conversion: the second waits for the first's lock and
     uses its result (before, both converted and the second replaced the directory the first was
-    loading from; a review). Threads stand in for the processes: flock excludes separate opens."""
+    loading from). Threads stand in for the processes: flock excludes separate opens."""
     import threading
     import time
 

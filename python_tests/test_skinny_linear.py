@@ -182,7 +182,7 @@ def test_nan_results_have_the_same_bits_on_every_path():
     """A NaN result is the one quiet NaN (0x7fc00000) whatever the path, the row count and the
     NaN's sign and payload in x, the weight or the bias (x86 FMAs pass on one operand's NaN, which
     one depending on the tile's instruction forms: the bits differed across row counts and paths
-    before, found by a review)."""
+    before)."""
     from specdec_kernels.cpu_linear import supported_isas
 
     op = torch.ops.specdec.skinny_linear_isa
@@ -416,7 +416,7 @@ def test_use_skinny_linear_keeps_autograd_path():
 
 
 def test_skinny_linear_has_no_silent_backward():
-    # (a review: an output that required grad gave x and weight no gradient, silently)
+    # (before: an output that required grad gave x and weight no gradient, silently)
     x = torch.randn(3, 20, requires_grad=True)
     y = torch.ops.specdec.skinny_linear(x, torch.randn(5, 20), None)
     with pytest.raises(RuntimeError, match="derivative for specdec::skinny_linear is not implemented"):
@@ -426,7 +426,7 @@ def test_skinny_linear_has_no_silent_backward():
 
 
 def test_skinny_linear_empty_sum_gives_the_canonical_nan():
-    # K = 0: y = bias, whose NaN is written as 0x7fc00000 like every other NaN result (a review)
+    # K = 0: y = bias, whose NaN is written as 0x7fc00000 like every other NaN result
     nan = torch.tensor([0xFFC00001 - 2**32], dtype=torch.int32).view(torch.float32)
     for isa in ["portable", "auto"]:
         y = torch.ops.specdec.skinny_linear_isa(torch.zeros(2, 0), torch.zeros(1, 0), nan, isa)

@@ -218,7 +218,7 @@ def test_finalize_reports_with_the_per_k_cost():
 def test_finalize_predicts_from_each_rows_own_number_of_drafts():
     # Two rows per step, K = 3: one row verifies 3 drafts, the other none (prompt lookup found
     # no match; or draft_confidence, or its budget).  The rows' tokens are E(alpha, 3) and
-    # E(alpha, 0) = 1, not E(alpha, 3) for both (found by a review: with prompt lookup the
+    # E(alpha, 0) = 1, not E(alpha, 3) for both (before: with prompt lookup the
     # prediction was above the tokens per row-step measured, 1.56 against 1.28).
     rec = StatsRecorder(3, 0.0)
     for i, n in enumerate([2, 1, 3, 0]):
@@ -301,7 +301,7 @@ def test_cpu_slope_prior_refuses_a_bad_batch(batch):
 
 
 @pytest.mark.parametrize("call,match", [
-    # (found by a review: a ZeroDivisionError, or NaN/K = 1 returned silently)
+    # (before: a ZeroDivisionError, or NaN/K = 1 returned silently)
     (lambda: choose_num_draft_tokens(0.5, 0.0, 0.0, 8), r"t_target must be finite and > 0, got 0.0 for K = 1"),
     (lambda: choose_num_draft_tokens(0.5, 0.1, float("nan"), 8), r"t_target must be finite and > 0, got nan"),
     (lambda: choose_num_draft_tokens(0.5, 0.1, lambda k: 1.0 if k < 3 else float("inf"), 8),
@@ -319,7 +319,7 @@ def test_cost_model_refuses_unusable_numbers(call, match):
 
 
 def test_stats_by_hand():
-    """finalize's figures on a hand-made history (a review's mutation run found these unchecked):
+    """finalize's figures on a hand-made history (a mutation run found these unchecked before):
     K_b / accepted per step (3, 2), (3, 3), (1, 1), (3, 0) and an unusable step (3, -1)."""
     rec = StatsRecorder(4, 0.05)
     for k, n in [(3, 2), (3, 3), (1, 1), (3, 0)]:

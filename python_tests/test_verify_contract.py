@@ -1,4 +1,4 @@
-"""Where the exactness core's tests had not looked (a mutation review of verify.py, reference.py,
+"""Where the exactness core's tests had not looked (mutation testing of verify.py, reference.py,
 _host.py, draft_sampling.py and the kernel, 2026-12-02: 10 of 49 mutants survived, 7 harmful):
 argument checks the docstring promises on CPU (a negative top_k tensor, NaN uniforms,
 draft_probs on another device, the 1% sum tolerance itself), the kernel's first argmax across

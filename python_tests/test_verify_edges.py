@@ -1,6 +1,6 @@
 """Edge cases of fused_verify's decisions, each on both backends (the Triton kernel: compiled on a
 GPU, interpreted on CPU tensors here; the torch path on the CPU) and against the reference where
-it applies.  From a mutation audit (2026-12-01) of the torch routes and the reference: each test
+it applies.  Mutation testing (2026-12-01) of the torch routes and the reference: each test
 kills a mutant that the other verify tests let through (top-p's strict boundary and its mass over
 the top-k set, the fallback to p when the residual is zero, q unread past a row's K_b, a negative
 or subnormal temperature beside greedy rows, top_p = 1 as off, q = 0 past the draft vocabulary,
@@ -179,7 +179,7 @@ def test_inverse_cdf_fallback_is_the_last_positive_weight():
     kernel's blockwise total and scan can round apart, which is what the branch is for.  So the
     branch is driven here with u = 1 (target = total).  (Until 2026-12-02 this test used a
     subnormal fp32 case that the float64 sum resolves through its main branch: it could not
-    fail; a mutation review.)"""
+    fail.)"""
     from specdec_kernels.reference import _inverse_cdf
 
     w = torch.tensor([[2.0 ** -140, 2.0 ** -140, 0.0, 0.0], [0.0, 0.25, 0.0, 0.75]])
@@ -239,7 +239,7 @@ def test_bonus_draw_resolves_the_tail_of_a_large_vocabulary():
     reference): tokens of p in (2^-29, 2^-25) past the middle of the CDF, whose intervals are
     empty in fp32, are each drawn by a uniform in the middle of their interval.  (Before: an fp32
     uniform and an fp32 CDF, which drew such a token with probability 0 or 2^-24: over such a
-    softmax a total variation of ~4.5e-4, the floor a helper measured for the draft's sampler.)
+    softmax a total variation of ~4.5e-4, the floor measured for the draft's sampler.)
     The kernel computes its own fp32 p, a last bit away from the reference's here and there, so
     which tiny token a given uniform hits is defined by its p, which a test cannot see; the
     kernel's float64 draw is checked on exact weights above."""

@@ -83,8 +83,8 @@ def test_the_inputs_are_left_as_they_were(backend, dev, route):
 @pytest.mark.parametrize("grad_on", ["draft_probs", "logits"])
 def test_inputs_that_require_grad(grad_on, warp):
     """Logits or q straight from a model, outside no_grad: the torch path gives the tokens it
-    gives without grad (its in-place temporaries never meet autograd; a review found an out=
-    argument raising there)."""
+    gives without grad (its in-place temporaries never meet autograd; an out=
+    argument raised there before)."""
     B, K, V = 3, 3, 50
     logits, x, q = make_step(B, K, V, seed=5, draft_noise=2.0)  # noisy drafts: rejections
     kw = dict(temperature=torch.tensor([1.0, 0.8, 1.3]), seed=torch.arange(B), offset=4, backend="torch",
@@ -297,7 +297,7 @@ def _bad_argument_cases():
         ("temperature_overflow", dict(temperature=1e39), ValueError, r"^temperature must fit in float32 \(\[-3.40282e\+38, 3.40282e\+38\]\), got 1e\+39$"),
         ("uniforms_shape", dict(uniforms=torch.rand(2, 3)), ValueError, r"uniforms must have shape \[2, 4\], got \[2, 3\]"),
         ("uniforms_range", dict(uniforms=torch.full((2, 4), 1.0)), ValueError, r"uniforms must lie in \[0, 1\), got 1.0 at \[0, 0\]"),
-        # (found by a review: the value and where it is were not said; a float64 parameter was
+        # (before: the value and where it is were not said; a float64 parameter was
         # rounded to fp32 first, so a 1e-50 temperature ran greedy and errors named the rounded value)
         ("uniforms_range_where", dict(uniforms=torch.tensor([[0.5] * 4, [0.5, 0.5, 1.5, 0.5]], dtype=torch.float64)),
          ValueError, r"^uniforms must lie in \[0, 1\), got 1.5 at \[1, 2\]$"),
@@ -328,7 +328,7 @@ def test_bad_arguments_raise_clear_errors(name, override, exc, match):
 
 
 def test_draft_probs_sums_are_checked_only_where_read():
-    # (found by a review: q = 1.5 * softmax was taken, and the output was not the target's)
+    # (before: q = 1.5 * softmax was taken, and the output was not the target's)
     # A greedy row, a position past K_b, a negative entry (its row invalid) are not refused.
     lg, x, q = make_step(2, 3, 10)
     bad = q.clone()

@@ -49,7 +49,7 @@ def sort_descending_cpu(s: torch.Tensor) -> torch.Tensor:
 def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Host values (a list) as a tensor on ``device`` without a host sync: on CUDA through pinned
     memory and a non-blocking copy (a copy from pageable memory waits for the stream's queued
-    work first: a second sync in a decoding step; a review)."""
+    work first: a second sync in a decoding step)."""
     t = torch.tensor(values, dtype=dtype)
     if device.type != "cuda":
         return t.to(device)

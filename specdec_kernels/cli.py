@@ -294,7 +294,7 @@ def _decode(dec, inputs, args, common, progress) -> tuple:
     """The speculative run to report, with --baseline the target alone's runs beside it
     (``--repeats`` of each, alternating, which side goes first alternating too, after an untimed
     warm-up of both: a cold first run was up to 1.3x slower, which favoured the side timed
-    second; a review): (result, the baseline runs' tokens/s, the speculative runs' tokens/s,
+    second): (result, the baseline runs' tokens/s, the speculative runs' tokens/s,
     whether every greedy baseline run gave the reported run's token ids, None when sampling).
     The result is the median speculative run (the lower middle one for an even N), its measured
     speed-up taken against the median baseline run (the same rule), and its trace (--verbose) is

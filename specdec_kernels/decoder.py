@@ -44,8 +44,8 @@ models give that row the same logits, bit for bit, in the batch and alone.  The 
 on their models.  A model's forward need not be batch-invariant: in the prefill, torch's matmul
 over more rows than ``skinny_linear`` takes, and attention over a left-padded or gapped cache,
 may round a row's logits differently in the last bit, and a token then differs where a uniform
-falls within that rounding of a decision boundary (a review, 2026-12-01, found about 1e-6 of
-the draws at one step of a tiny random model).  The randomness and the verification never
+falls within that rounding of a decision boundary (about 1e-6 of the draws, measured on
+2026-12-01, at one step of a tiny random model).  The randomness and the verification never
 depend on the other rows.
 """
 

@@ -211,7 +211,7 @@ def default_target_path(convert: bool = True) -> str:
 def _conversion_lock(out_dir: Path):
     """An exclusive lock on ``.<name>.lock`` beside ``out_dir`` while converting: two processes
     that found no conversion (pytest's workers on a fresh machine) convert once, not twice with
-    the second replacing the directory the first was loading (a review)."""
+    the second replacing the directory the first was loading."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     try:
         import fcntl

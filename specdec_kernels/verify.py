@@ -727,7 +727,7 @@ def _launch_rows(a: _Args) -> tuple[torch.Tensor, torch.Tensor]:
     x = a.draft_tokens if a.draft_tokens.stride(-1) == 1 else a.draft_tokens.contiguous()  # read at + j
     dummy = num_accepted  # stands in for absent optional pointers; never dereferenced
     # Triton launches on the current device's current stream: make it the tensors' (cuda:1 while
-    # cuda:0 is current ran in the wrong context; a review). Nothing to do for the interpreter.
+    # cuda:0 is current ran in the wrong context before). Nothing to do for the interpreter.
     with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
         _verify_kernel[(B,)](
             logits, logits.stride(0), logits.stride(1),
