@@ -99,7 +99,8 @@ CUDA_TESTS="python_tests/test_kv_cache.py python_tests/test_verify_exact.py pyth
  python_tests/test_verify_sampling_fast_path.py python_tests/test_verify_split.py python_tests/test_decoder_devices.py
  python_tests/test_decoder_triton_verify.py python_tests/test_bench_verify.py python_tests/test_verify_contract.py python_tests/test_verify_packed.py
  python_tests/test_cpp_ops_layouts.py python_tests/test_integration_flashinfer.py
- python_tests/test_verify_draft_logits.py python_tests/test_verify_min_p.py python_tests/test_block_verify_kernel.py"
+ python_tests/test_verify_draft_logits.py python_tests/test_verify_min_p.py python_tests/test_block_verify_kernel.py
+ python_tests/test_tree_verify_kernel.py python_tests/test_gather_kv.py"
 stamp "tests on CUDA"
 OMP_NUM_THREADS=2 timeout -s INT -k 10 150 $PY -m pytest $CUDA_TESTS -q -n 8 -rfEs --durations=15 -p no:cacheprovider \
     >"$OUT_DIR/tests.log" 2>&1

@@ -247,7 +247,7 @@ def _args(B=2, N=3, V=5):
     (lambda a, k: k.update(uniforms=torch.zeros(2, 3, dtype=D64)) or a, ValueError, "uniforms must have shape [2, 4]"),
     (lambda a, k: k.update(temperature=-1.0) or a, ValueError, "temperature must be finite and >= 0"),
     (lambda a, k: k.update(top_p=0.0) or a, ValueError, "top_p must be in (0, 1]"),
-    (lambda a, k: k.update(backend="triton") or a, ValueError, "backend must be one of ('auto', 'torch')"),
+    (lambda a, k: k.update(backend="cuda") or a, ValueError, "backend must be one of ('auto', 'triton', 'torch')"),
     (lambda a, k: k.update(draft_probs=torch.ones(2, 4, 5)) or a, ValueError, "draft_probs[0, 0] must sum to 1"),
     (lambda a, k: k.update(draft_probs=torch.ones(2, 3, 5) / 5) or a, ValueError,
      "draft_probs must have shape [2, 4, 5]"),

@@ -3,17 +3,23 @@
 The rules, the layout of every input and output, and the proof that each rule keeps the target's
 distribution are in ``tree_reference``'s docstring.  This module checks the arguments (each error
 names the argument, the expected and the actual value), draws the random numbers (the chain's
-Philox stream: ``reference.philox_uniforms(seed, offset, N)``) and runs the step.  The CPU path is
-the reference itself, vectorised over the batch (one pass over the N nodes of [B, V] operations);
-on CUDA the same code runs on the GPU's tensors (``backend="torch"``).
+Philox stream: ``reference.philox_uniforms(seed, offset, N)``) and runs the step.  Backends:
+``"triton"``, the kernel of ``_tree_verify_kernel.py`` (one launch, one program per row, its Philox
+numbers drawn in-kernel, no host read but the output width D when ``max_depth`` is None), the
+default on CUDA tensors and, under ``TRITON_INTERPRET=1``, on CPU tensors when asked for;
+``"torch"``, the reference itself, vectorised over the batch (one pass over the N nodes of [B, V]
+operations), the default on CPU.  Both compute the same tokens on the same uniforms.
 
 Dtypes: logits fp32/bf16/fp16 (read as fp32), draft probabilities fp32/bf16/fp16 (read as fp32),
 node tokens and parents int32/int64, per-row parameters as ``fused_verify`` takes them, uniforms
-float64 (fp32 widened); outputs int64.
+float64 (fp32 widened); outputs int64.  The kernel reads fp32 draft probabilities (others are
+converted first) and keeps its residual state in float32 workspaces [B, 2, V] and [B, Vd] that the
+launcher allocates.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import NamedTuple, Optional
 
 import torch
@@ -22,11 +28,14 @@ from ._host import host_readable
 from .reference import philox_uniforms
 from .tree_reference import tree_depths, tree_verify_reference
 from .verify import (FloatArg, IntArg, _INDEX_DTYPES, _LOGIT_DTYPES, _as_tensor, _check_draft_probs, _check_draft_sums,
-                     _check_tensor, _listed, _normalize_rows, _per_row_spec, _range_fails, _shape)
+                     _check_tensor, _listed, _normalize_rows, _per_row_spec, _range_fails, _resolve_backend, _shape)
 
 __all__ = ["TreeVerifyOutput", "fused_verify_tree"]
 
-_TREE_BACKENDS = ("auto", "torch")
+_TREE_BACKENDS = ("auto", "triton", "torch")
+# The kernel's vocabulary tile (``verify._MAX_BLOCK_V``'s value); the tests lower it to cross tile
+# boundaries on small vocabularies.
+_MAX_BLOCK_V = 4096
 
 
 class TreeVerifyOutput(NamedTuple):
@@ -50,7 +59,7 @@ def fused_verify_tree(
     offset: IntArg = 0,  # int or [B] int64: a step counter
     uniforms: Optional[torch.Tensor] = None,  # [B, N+1] float64 (or fp32) in [0, 1)
     max_depth: Optional[int] = None,  # D: the outputs' width (None: the deepest used node, a host read)
-    backend: str = "auto",  # "auto" | "torch"
+    backend: str = "auto",  # "auto" | "triton" | "torch"
 ) -> TreeVerifyOutput:
     """Verify a tree of drafted tokens against the target (``tree_reference`` gives the rules).
 
@@ -70,6 +79,10 @@ def fused_verify_tree(
     invalid).  A row that reaches a NaN or +inf logit, a position with no finite logit, a child id
     outside [0, V), a malformed parent or (sampling) a NaN/inf/negative q gets num_accepted = -1
     and tokens = path = -1.
+
+    ``backend``: ``"auto"`` runs the Triton kernel on CUDA tensors and the reference on CPU ones;
+    ``"triton"`` the kernel (CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``);
+    ``"torch"`` the reference, on the tensors' device.
     """
     if backend not in _TREE_BACKENDS:
         raise ValueError(f"backend must be one of {_TREE_BACKENDS}, got {backend!r}")
@@ -89,6 +102,7 @@ def fused_verify_tree(
     if V < 1:
         raise ValueError(f"target_logits must have a vocabulary V >= 1, got shape {_shape(target_logits)}")
     dev = target_logits.device
+    resolved = _resolve_backend(backend, dev)  # "triton" on CPU tensors needs TRITON_INTERPRET=1
     for name, t in (("node_tokens", node_tokens), ("parents", parents)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -131,13 +145,103 @@ def fused_verify_tree(
         used = hits > 0  # [B, N+1]: the positions whose q a sampling row reads
         _check_draft_sums(draft_probs.reshape(B * N1, -1), used.reshape(-1), lambda i: f"[{i // N1}, {i % N1}]",
                           lambda i: f"the children of position {i % N1}")
+    opt = lambda v, dtype: None if v is None else _as_tensor(v, B, dtype, dev)  # noqa: E731
+    if resolved == "triton":
+        # seed None: row b's seed is base + b, base drawn from torch's default generator
+        tokens, path, na = _launch_tree(
+            target_logits, node_tokens, parents, draft_probs, nb, temp_t, opt(top_k, torch.int64),
+            opt(top_p, torch.float32), opt(min_p, torch.float32), _as_tensor(seed, B, torch.int64, dev),
+            _as_tensor(offset, B, torch.int64, dev), None if uniforms is None else uniforms.to(torch.float64),
+            max_depth)
+        return TreeVerifyOutput(tokens, path, na)
     if uniforms is None:
         # seed None: row b's seed is base + b, base drawn from torch's default generator
         u = philox_uniforms(_as_tensor(seed, B, torch.int64, dev), _as_tensor(offset, B, torch.int64, dev), N)
     else:
         u = uniforms.to(torch.float64)
-    opt = lambda v, dtype: None if v is None else _as_tensor(v, B, dtype, dev)  # noqa: E731
     tokens, path, na = tree_verify_reference(
         target_logits, node_tokens, parents, draft_probs, nb, temp_t, opt(top_k, torch.int64),
         opt(top_p, torch.float32), u, min_p=opt(min_p, torch.float32), max_depth=max_depth)
     return TreeVerifyOutput(tokens, path, na)
+
+
+def _tree_kernel_meta(V: int, N: int, D: int, has_draft_probs: bool, has_top_k: bool, has_top_p: bool,
+                      has_min_p: bool, has_uniforms: bool) -> dict:
+    """The tree kernel's compile-time parameters: its code-path constexprs, the block sizes (the
+    vocabulary tile, N and D + 1 rounded up to powers of two), num_warps and enable_fp_fusion
+    (pinned off, as ``verify._kernel_meta`` says: the bits do not change with Triton's default)."""
+    import triton  # imported lazily: the torch path needs no Triton
+
+    block_v = max(16, min(triton.next_power_of_2(V), _MAX_BLOCK_V))
+    return dict(HAS_DRAFT_PROBS=has_draft_probs, HAS_TOP_K=has_top_k, HAS_TOP_P=has_top_p, HAS_MIN_P=has_min_p,
+                HAS_UNIFORMS=has_uniforms, BLOCK_V=block_v, BLOCK_N=triton.next_power_of_2(max(N, 1)),
+                BLOCK_D=triton.next_power_of_2(D + 1), num_warps=8 if block_v >= 2048 else 4,
+                enable_fp_fusion=False)
+
+
+def _launch_tree(
+    target_logits: torch.Tensor,  # [B, N+1, V] fp32/bf16/fp16
+    node_tokens: torch.Tensor,  # [B, N] int32/int64
+    parents: torch.Tensor,  # [B, N] int32/int64
+    draft_probs: Optional[torch.Tensor],  # [B, N+1, Vd] or None
+    num_nodes: torch.Tensor,  # [B] int64
+    temperature: torch.Tensor,  # [B] fp32
+    top_k: Optional[torch.Tensor],  # [B] int64
+    top_p: Optional[torch.Tensor],  # [B] fp32
+    min_p: Optional[torch.Tensor],  # [B] fp32
+    seed: torch.Tensor,  # [B] int64
+    offset: torch.Tensor,  # [B] int64
+    uniforms: Optional[torch.Tensor],  # [B, N+1] float64, or None: Philox in-kernel
+    max_depth: Optional[int],  # D; None: the deepest used node (a host read)
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The tree kernel (``_tree_verify_kernel.py``) on checked arguments: allocates the outputs and
+    the workspaces, picks the grid (one program per row) and launches.  A value out of range marks
+    its row invalid in the kernel, as in the reference.  Returns (tokens [B, D+1], path [B, D],
+    num_accepted [B]), int64."""
+    from ._tree_verify_kernel import _tree_verify_kernel  # imported lazily: the torch path needs no Triton
+
+    B, N1, V = target_logits.shape
+    N = N1 - 1
+    dev = target_logits.device
+    if max_depth is None:
+        depth, _ = tree_depths(parents, num_nodes.to(torch.int64).clamp(0, N))
+        D = int(depth.max()) if depth.numel() else 0  # the reference's width
+    else:
+        D = int(max_depth)
+    tokens = torch.empty((B, D + 1), dtype=torch.int64, device=dev)
+    path = torch.empty((B, D), dtype=torch.int64, device=dev)
+    num_accepted = torch.empty((B,), dtype=torch.int64, device=dev)
+    if B == 0:
+        return tokens, path, num_accepted
+    contig = lambda t: t if t.stride(-1) == 1 else t.contiguous()  # noqa: E731  (rows read at ptr + v)
+    logits = contig(target_logits)
+    x, par = contig(node_tokens), contig(parents)
+    q = None if draft_probs is None else contig(draft_probs.float())  # the kernel reads fp32 q
+    Vd = q.shape[-1] if q is not None else V
+    # The residual's two slots and q_w: written by a row before it reads them, so not initialised.
+    p_ws = torch.empty((B, 2, V), dtype=torch.float32, device=dev)
+    q_ws = torch.empty((B, Vd), dtype=torch.float32, device=dev) if q is not None else num_accepted
+    u = None if uniforms is None else uniforms.to(torch.float64).contiguous()
+    dummy = num_accepted  # stands in for absent optional pointers; never dereferenced
+    row = lambda t, dtype: t.to(dtype).contiguous()  # noqa: E731  (row b read at ptr + b)
+    meta = _tree_kernel_meta(V, N, D, q is not None, top_k is not None, top_p is not None, min_p is not None,
+                             u is not None)
+    # Triton launches on the current device's current stream: make it the tensors'.
+    with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
+        _tree_verify_kernel[(B,)](
+            logits, logits.stride(0), logits.stride(1),
+            x, x.stride(0),
+            par, par.stride(0),
+            q if q is not None else dummy, q.stride(0) if q is not None else 0, q.stride(1) if q is not None else 0,
+            row(num_nodes, torch.int64), row(temperature, torch.float32),
+            row(top_k, torch.int64) if top_k is not None else dummy,
+            row(top_p, torch.float32) if top_p is not None else dummy,
+            row(min_p, torch.float32) if min_p is not None else dummy,
+            row(seed, torch.int64), row(offset, torch.int64),
+            u if u is not None else dummy,
+            p_ws, q_ws,
+            tokens, path, num_accepted,
+            N, V, Vd, D,
+            **meta,
+        )
+    return tokens, path, num_accepted
