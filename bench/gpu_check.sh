@@ -6,8 +6,8 @@
 # one-program-per-row kernel, fused_triton_rows, side by side, each also under CUDA graph replay
 # at B <= 16; the device copy behind pct_of_copy), bench_e2e on random-weight models of the
 # embedded pair's and feature draft's shapes (the target's GGUF does not travel; acceptance
-# figures come from CPU runs). Works offline from a fresh copy of the repository. The limits of the tests and the three
-# benchmarks add up to 430 s (470 s with the grace periods); the build, random_pair.py and the
+# figures come from CPU runs). Works offline from a fresh copy of the repository. The limits of the tests and the four
+# benchmarks add up to 460 s (510 s with the grace periods); the build, random_pair.py and the
 # set-up take about a minute (on the VM: 24 s to build on 2 cores, 9 s for the random pair), and
 # the embedded target's conversion up to 90 s more where its wheel is installed (not in the GPU
 # image): inside one 10-minute device call. bench_verify and bench_e2e write what they measured
@@ -18,7 +18,7 @@
 #                                          # tool's): the commit every result row records
 #
 # Leaves in OUT_DIR: env.txt, build.log, tests.log, bench_verify_knobs.{csv,txt}, bench_verify.{csv,txt,png},
-# bench_e2e.{csv,txt,png}, and gpu_check.log (everything printed). Under the device tool ($OUT
+# bench_e2e.{csv,txt,png}, trees/bench_e2e.{csv,txt,png} and gpu_check.log (everything printed). Under the device tool ($OUT
 # set, no OUT_DIR given), which returns at most 8 files, they are written elsewhere and packed
 # into $OUT/gpu_check.tgz after every stage (and on exit), gpu_check.log copied beside it.
 set -uo pipefail
@@ -122,11 +122,21 @@ $PY bench/random_pair.py "$PAIR" && \
 # Sized to finish inside its limit (its defaults, every K at batch 1 and 8 and both temperatures,
 # would not; stopped at the limit it writes the configurations it finished): greedy, K = 2 and
 # auto, 4 prompts at batch 1 and 8 at batch 8, 64 tokens, the median of 3 runs after a warm-up.
-timeout -s INT -k 10 120 $PY bench/bench_e2e.py --draft "$PAIR/draft" --target "$PAIR/target" --tokenizer "$PAIR/target" \
+timeout -s INT -k 10 100 $PY bench/bench_e2e.py --draft "$PAIR/draft" --target "$PAIR/target" --tokenizer "$PAIR/target" \
     --feature-draft "$PAIR/feature_draft" --feature-ks 2 --ks 2,auto --batch 1,8 --temperatures 0 \
     --num-prompts 8 --batch1-prompts 4 --warmup-tokens 8 \
     --device cuda --dtype fp32 --out "$OUT_DIR" --repeats 3 --max-new-tokens 64
 e2e_rc=$?
 
-stamp "done: build=$build_rc tests=$tests_rc knobs=$knobs_rc bench_verify=$verify_rc bench_e2e=$e2e_rc"
+# Trees against chains on the GPU, where a forward over 16-32 positions should cost about what
+# one over 5 does (on the CPU it costs 1.2-10x): the target's step per tree shape is the figure
+# (random weights: acceptance comes from the CPU runs). Batch 1, greedy, 2 prompts x 32 tokens.
+stamp "bench_e2e trees (random weights, fp32)"
+timeout -s INT -k 10 50 $PY bench/bench_e2e.py --draft "$PAIR/draft" --target "$PAIR/target" --tokenizer "$PAIR/target" \
+    --ks 2,4 --tree-shapes "2,1,1,1;4,1,1,1;8,1,1,1;dynamic:32,4,4" --methods specdec,specdec_tree --batch 1 \
+    --temperatures 0 --num-prompts 2 --warmup-tokens 4 --device cuda --dtype fp32 --out "$OUT_DIR/trees" \
+    --repeats 1 --max-new-tokens 32
+trees_rc=$?
+
+stamp "done: build=$build_rc tests=$tests_rc knobs=$knobs_rc bench_verify=$verify_rc bench_e2e=$e2e_rc trees=$trees_rc"
 [ $build_rc -eq 0 ] && [ $tests_rc -eq 0 ] && [ $knobs_rc -eq 0 ] && [ $verify_rc -eq 0 ] && [ $e2e_rc -eq 0 ]
