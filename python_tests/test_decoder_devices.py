@@ -72,3 +72,23 @@ def test_seeded_row_equals_prompt_decoded_alone_on_device(models, drafter, devic
     for i, p in enumerate(PROMPTS):
         assert dec.generate([p], seed=70 + i, **kw).token_ids[0] == batch.token_ids[i], (drafter, device, i)
     assert dec.generate(PROMPTS, seed=71, **kw).token_ids != batch.token_ids  # the seed matters
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape", [(2, 2, 1), "dynamic:8,3,3"])
+def test_tree_drafting_on_device(models, shape, device):
+    """SpeculativeDecoder(tree=...) on each device (on CUDA: the tree kernel of fused_verify_tree,
+    the CUDA gather_kv_, 4D masks in the models' own attention): greedy output equals
+    ``target.generate``; a seeded sampling run repeats itself and depends on its seed."""
+    target = copy.deepcopy(models["target"]).to(device)
+    draft = copy.deepcopy(models["model"]).to(device)
+    dec = SpeculativeDecoder(draft=draft, target=target, tree=shape)
+    with torch.inference_mode():
+        refs = [target.generate(torch.tensor([p], device=device), do_sample=False, max_new_tokens=NEW_TOKENS,
+                                pad_token_id=0)[0, len(p):].tolist() for p in PROMPTS]
+    res = dec.generate(PROMPTS, max_new_tokens=NEW_TOKENS)
+    assert res.token_ids == refs, (shape, device)
+    assert res.stats.mean_tokens_per_target_call > 1.5
+    kw = dict(max_new_tokens=12, temperature=1.0, top_k=20)
+    a, b = dec.generate(PROMPTS, seed=70, **kw), dec.generate(PROMPTS, seed=70, **kw)
+    assert a.token_ids == b.token_ids and dec.generate(PROMPTS, seed=71, **kw).token_ids != a.token_ids

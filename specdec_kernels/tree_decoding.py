@@ -158,8 +158,8 @@ def _children(logq: torch.Tensor, m: int, sample: bool, g: torch.Generator) -> l
         return []
     score = logq
     if sample:
-        u = torch.rand(logq.shape, generator=g, dtype=torch.float64).clamp_(min=1e-300)
-        score = logq.double() - torch.log(-torch.log(u))
+        u = torch.rand(logq.shape, generator=g, dtype=torch.float64).clamp_(min=1e-300)  # the row's CPU generator
+        score = logq.double() - torch.log(-torch.log(u)).to(logq.device)
     return torch.topk(score, m).indices.tolist()
 
 
