@@ -2,13 +2,14 @@
 
 The interpreter (TRITON_INTERPRET=1) runs the verify kernels' Python on numpy: it checks what
 the kernels compute, not that Triton's compiler accepts them for a GPU.  Here
-``scripts/gpu_compile_check.py`` compiles both verify kernels ahead of time with Triton's own
+``scripts/gpu_compile_check.py`` compiles the verify kernels ahead of time with Triton's own
 ptxas, the split kernel (the "triton" backend) and the one-program-per-row kernel (the private
 "_triton_rows" backend), each for every specialisation of ``VARIANTS`` as its launcher makes it,
-and compiles ``csrc/*.cu`` with nvcc and torch's extension flags (when nvcc is on the machine),
-in a subprocess without the interpreter; each cubin must use no local memory, its register
-spills (from ptxas's log) must stay within a bound, and the kernels' PTX must hold no fused
-multiply-add (fusion is pinned off).  Nothing is run: correctness on a GPU is the CUDA tests'
+and the tree kernel (``fused_verify_tree``'s "triton" backend) for every one of
+``TREE_VARIANTS``, and compiles ``csrc/*.cu`` with nvcc and torch's extension flags (when nvcc is
+on the machine), in a subprocess without the interpreter; each cubin must use no local memory,
+its register spills (from ptxas's log) must stay within a bound, and the kernels' PTX must hold
+no fused multiply-add (fusion is pinned off).  Nothing is run: correctness on a GPU is the CUDA tests'
 (bench/gpu_check.sh).
 """
 
@@ -38,7 +39,13 @@ def _check(tmp_path, *args):
     return proc, results
 
 
-_KERNELS = ("_verify_split_kernel", "_verify_kernel")
+_KERNELS = ("_verify_split_kernel", "_verify_kernel", "_tree_verify_kernel")
+# the meta fields each kernel's result rows show (and the ones they must not)
+_FIELDS = {
+    "_verify_split_kernel": ({"CHUNK", "NCB", "CAP", "BLOCK_K"}, {"BLOCK_V", "BLOCK_N", "BLOCK_D"}),
+    "_verify_kernel": ({"BLOCK_V", "BLOCK_K"}, {"CHUNK", "BLOCK_N", "BLOCK_D"}),
+    "_tree_verify_kernel": ({"BLOCK_V", "BLOCK_N", "BLOCK_D"}, {"CHUNK", "BLOCK_K"}),
+}
 
 
 def _spill_bound(kernel: str, variant: str) -> int:
@@ -55,7 +62,12 @@ def _spill_bound(kernel: str, variant: str) -> int:
       here.
     - the one-program-per-row kernel: ptxas keeps 128 registers (two blocks a multiprocessor)
       and spills a few bytes in some variants (8 on the plain path, 8-64 with top-k/top-p under
-      Triton 3.9; up to 144 under 3.6): 16 bytes on the plain paths, 256 otherwise."""
+      Triton 3.9; up to 144 under 3.6): 16 bytes on the plain paths, 256 otherwise.
+    - the tree kernel: 110-229 registers and no spills in every variant (229 sampled, 172
+      deterministic, 205 with top-k + top-p + min-p or at V = 152,064, N = 64, D = 8; 110 at 4 warps
+      for V = 100): bounded at 64 bytes, as the split kernel, for the same reason."""
+    if kernel == "_tree_verify_kernel":
+        return 64
     if kernel == "_verify_split_kernel":
         return 64
     heavy = "top-k" in variant or "top-p" in variant or "K = 15" in variant or "V = 100" in variant
@@ -64,34 +76,37 @@ def _spill_bound(kernel: str, variant: str) -> int:
 
 def test_verify_kernels_compile_for_sm90(tmp_path):
     sys.path.insert(0, os.path.dirname(SCRIPT))
-    from gpu_compile_check import SPLIT_SETTINGS, VARIANTS  # the lists only: the check runs in a subprocess
+    # the lists only: the check runs in a subprocess
+    from gpu_compile_check import SPLIT_SETTINGS, TREE_VARIANTS, VARIANTS
 
     proc, results = _check(tmp_path, "--only", "triton", "--arch", "90")
     assert results is not None, proc.stderr[-3000:]
     failed = [(r.get("kernel"), r["variant"], r.get("error")) for r in results if not r["ok"]]
     assert not failed, failed
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    expected = {
+        "_verify_split_kernel": [v[0] for v in VARIANTS] + [v[0] for v in SPLIT_SETTINGS],
+        "_verify_kernel": [v[0] for v in VARIANTS],
+        "_tree_verify_kernel": [v[0] for v in TREE_VARIANTS],
+    }
     for kernel in _KERNELS:
-        extra = [v[0] for v in SPLIT_SETTINGS] if kernel == "_verify_split_kernel" else []
-        assert [r["variant"] for r in results if r["kernel"] == kernel] == [v[0] for v in VARIANTS] + extra, kernel
+        assert [r["variant"] for r in results if r["kernel"] == kernel] == expected[kernel], kernel
         assert f"{kernel} " in proc.stdout, f"the summary does not show {kernel}"
     assert sorted({r["kernel"] for r in results}) == sorted(_KERNELS)
     for r in results:
         what = f"{r['kernel']} {r['variant']}"
         assert r["arch"] == 90
-        if r["kernel"] == "_verify_split_kernel":
-            assert {"CHUNK", "NCB", "CAP", "BLOCK_K"} <= set(r) and "BLOCK_V" not in r, what
-        else:
-            assert {"BLOCK_V", "BLOCK_K"} <= set(r), what
+        shown, absent = _FIELDS[r["kernel"]]
+        assert shown <= set(r) and not absent & set(r), what
         assert "regs" in r, f"no resource usage read back for {what} (cuobjdump)"
         assert 0 < r["regs"] <= 255
         assert r["local"] == 0, f"{what}: {r['local']} bytes of local memory"
         assert "spill_stores" in r, f"no ptxas log read back for {what}"
         bound = _spill_bound(r["kernel"], r["variant"])
         assert r["spill_stores"] <= bound, f"{what}: {r['spill_stores']} bytes of spill stores > {bound}"
-        # multiply-adds are not contracted into FMAs (verify._split_meta and verify._kernel_meta
-        # pin enable_fp_fusion off: the interpreter's and the reference's roundings, whatever
-        # Triton's default)
+        # multiply-adds are not contracted into FMAs (verify._split_meta, verify._kernel_meta and
+        # tree_verify._tree_kernel_meta pin enable_fp_fusion off: the interpreter's and the
+        # reference's roundings, whatever Triton's default)
         assert r["enable_fp_fusion"] is False, what
         assert r["fma_f32"] == 0 and r["fma_f64"] == 0, (what, r["fma_f32"], r["fma_f64"])
 

@@ -3,10 +3,11 @@
 Two parts, each compiled for the given compute capabilities (default 9.0: H100/H200) and each
 cubin's resource usage read back with ``cuobjdump --dump-resource-usage``:
 
-- ``triton``: both verify kernels through ``triton.compile`` with a ``GPUTarget`` (no driver or
-  GPU needed: Triton's own ptxas makes the cubin), once per specialisation listed in ``VARIANTS``
-  each: the split kernel (``specdec_kernels/_verify_split_kernel.py``, the ``"triton"`` backend;
-  constexprs and num_warps from ``verify._split_meta``) and the one-program-per-row kernel
+- ``triton``: the three verify kernels through ``triton.compile`` with a ``GPUTarget`` (no driver
+  or GPU needed: Triton's own ptxas makes the cubin).  The two chain kernels once per
+  specialisation listed in ``VARIANTS`` each: the split kernel
+  (``specdec_kernels/_verify_split_kernel.py``, the ``"triton"`` backend; constexprs and
+  num_warps from ``verify._split_meta``) and the one-program-per-row kernel
   (``specdec_kernels/_verify_kernel.py``, the private ``"_triton_rows"`` backend; from
   ``verify._kernel_meta``), as for a launch.  The argument types are the ones the launchers pass:
   an absent optional pointer is the int64 placeholder they pass instead; the split kernel's
@@ -16,7 +17,10 @@ cubin's resource usage read back with ``cuobjdump --dump-resource-usage``:
   as the launcher allocates it (int32 counters, fp32/int32 partial records, int32 candidates,
   float64 chunk masses) and its work-item order pointer as the placeholder (HAS_ORDER is a tests'
   specialisation).  Other integer arguments are typed i32 (the JIT's type for values that fit)
-  without the JIT's divisibility hints, which change scheduling, not validity.
+  without the JIT's divisibility hints, which change scheduling, not validity.  The tree kernel
+  (``specdec_kernels/_tree_verify_kernel.py``, ``fused_verify_tree``'s ``"triton"`` backend;
+  constexprs and num_warps from ``tree_verify._tree_kernel_meta``) once per specialisation listed
+  in ``TREE_VARIANTS``, typed as ``tree_verify._launch_tree`` passes its arguments.
 - ``cuda``: the CUDA source of the C++ ops (``csrc/*.cu``) through ``nvcc -c`` with the flags
   torch's ``BuildExtension`` gives a ``CUDAExtension`` (torch's include paths, its common nvcc
   flags, the ``-std`` torch's CUDAExtension uses, the extension's defines), when nvcc is found.  A CPU build of torch
@@ -128,6 +132,38 @@ def verify_signature(logits: str, tokens: str, meta: dict) -> dict:
     return sig
 
 
+def tree_signature(logits: str, tokens: str, parents: str, meta: dict) -> dict:
+    """The tree verify kernel's argument types for a launch with these dtypes and flags (as
+    ``tree_verify._launch_tree`` passes them: fp32 draft probabilities, [B] tensors of every
+    per-row parameter, fp32 workspaces, int64 outputs)."""
+    from specdec_kernels._tree_verify_kernel import _tree_verify_kernel
+
+    placeholder = "*i64"  # the launcher passes num_accepted for an absent optional pointer
+    sig = dict(
+        logits_ptr=f"*{logits}", stride_lb="i32", stride_ln="i32",
+        node_tokens_ptr=f"*{tokens}", stride_xb="i32",
+        parents_ptr=f"*{parents}", stride_pb="i32",
+        draft_probs_ptr="*fp32" if meta["HAS_DRAFT_PROBS"] else placeholder, stride_qb="i32", stride_qn="i32",
+        num_nodes_ptr="*i64", temperature_ptr="*fp32",
+        top_k_ptr="*i64" if meta["HAS_TOP_K"] else placeholder,
+        top_p_ptr="*fp32" if meta["HAS_TOP_P"] else placeholder,
+        min_p_ptr="*fp32" if meta["HAS_MIN_P"] else placeholder,
+        seed_ptr="*i64", offset_ptr="*i64",
+        uniforms_ptr="*fp64" if meta["HAS_UNIFORMS"] else placeholder,
+        p_ws_ptr="*fp32",
+        q_ws_ptr="*fp32" if meta["HAS_DRAFT_PROBS"] else placeholder,
+        tokens_ptr="*i64", path_ptr="*i64", num_accepted_ptr="*i64",
+        N="i32", V="i32", Vd="i32", D="i32",
+    )
+    params = list(inspect.signature(_tree_verify_kernel.fn).parameters)
+    for name in params:
+        if name not in sig:
+            sig[name] = "constexpr"
+    if list(sig) != params:
+        raise RuntimeError(f"the tree verify kernel's parameters changed: {params}; update tree_signature")
+    return sig
+
+
 def verify_split_signature(logits: str, tokens: str, meta: dict) -> dict:
     """The split verify kernel's argument types for a launch with these dtypes and flags (as
     ``verify._launch_triton`` passes them)."""
@@ -200,15 +236,33 @@ def _spills(ptxas_log: str) -> dict:
 def _kernels() -> list:
     """(kernel, meta function, signature function, the meta fields a result row shows) of each
     Triton kernel checked: the split kernel (the "triton" backend) first, then the
-    one-program-per-row kernel (the private "_triton_rows" backend)."""
+    one-program-per-row kernel (the private "_triton_rows" backend), then the tree kernel
+    (``fused_verify_tree``'s "triton" backend; its cases come from ``TREE_VARIANTS``)."""
+    from specdec_kernels._tree_verify_kernel import _tree_verify_kernel
     from specdec_kernels._verify_kernel import _verify_kernel
     from specdec_kernels._verify_split_kernel import _verify_split_kernel
+    from specdec_kernels.tree_verify import _tree_kernel_meta
     from specdec_kernels.verify import _kernel_meta, _split_meta
 
     return [
         (_verify_split_kernel, _split_meta, verify_split_signature, ("CHUNK", "NCB", "CAP", "BLOCK_K")),
         (_verify_kernel, _kernel_meta, verify_signature, ("BLOCK_V", "BLOCK_K")),
+        (_tree_verify_kernel, _tree_kernel_meta, tree_signature, ("BLOCK_V", "BLOCK_N", "BLOCK_D")),
     ]
+
+
+# The tree kernel's specialisations: (variant, logits dtype, node token dtype, parent dtype, V,
+# N (nodes), D (the outputs' width, the deepest node), draft_probs, top_k, top_p, min_p,
+# uniforms).  draft_probs False is the deterministic rule (children a function of the prefix).
+TREE_VARIANTS = [
+    ("fp32 plain sampled", "fp32", "i64", "i64", 49152, 16, 4, True, False, False, False, False),
+    ("bf16 deterministic", "bf16", "i64", "i64", 49152, 16, 4, False, False, False, False, False),
+    ("fp32 top-k + top-p + min-p", "fp32", "i64", "i64", 49152, 16, 4, True, True, True, True, False),
+    ("fp32 given uniforms", "fp32", "i64", "i64", 49152, 16, 4, True, False, False, False, True),
+    ("fp16 int32 node tokens and parents", "fp16", "i32", "i32", 49152, 16, 4, True, False, False, False, False),
+    ("bf16 V = 152064, N = 64, D = 8", "bf16", "i64", "i64", 152064, 64, 8, True, True, True, False, False),
+    ("fp32 V = 100, N = 5, D = 2", "fp32", "i64", "i64", 100, 5, 2, True, True, True, False, False),
+]
 
 
 # The split kernel's launch settings beside its defaults (bench_verify_knobs.py times them on a
@@ -249,6 +303,13 @@ def compile_triton(archs: list) -> list:
     tmp = tempfile.mkdtemp(prefix="specdec-aot-")
     for arch in archs:
         for kernel, meta_of, signature_of, shown in _kernels():
+            if kernel.fn.__name__ == "_tree_verify_kernel":
+                for name, logits, tokens, parents, V, N, D, has_q, has_k, has_p, has_mp, has_u in TREE_VARIANTS:
+                    meta = meta_of(V, N, D, has_q, has_k, has_p, has_mp, has_u)
+                    signature = signature_of(logits, tokens, parents, meta)
+                    results.append(_compile_one(kernel, meta, signature, name, arch, shown, tmp, len(results),
+                                                triton.__version__))
+                continue
             cases = [(v, None) for v in VARIANTS]
             if kernel.fn.__name__ == "_verify_split_kernel":
                 cases += [(v[:-1], v[-1]) for v in SPLIT_SETTINGS]
@@ -378,7 +439,8 @@ def main(argv=None) -> int:
     # The interpreter replaces @triton.jit functions with interpreted ones, which cannot be
     # compiled: the kernel module must be imported without it (in a fresh process).
     if os.environ.pop("TRITON_INTERPRET", None) and any(
-            m in sys.modules for m in ("specdec_kernels._verify_kernel", "specdec_kernels._verify_split_kernel")):
+            m in sys.modules for m in ("specdec_kernels._verify_kernel", "specdec_kernels._verify_split_kernel",
+                                       "specdec_kernels._tree_verify_kernel")):
         raise SystemExit("run this in a process that has not imported the kernels under TRITON_INTERPRET")
     results = []
     if args.only in (None, "triton"):
@@ -391,13 +453,15 @@ def main(argv=None) -> int:
         kernel = f" {r['kernel']:20s}" if r["part"] == "triton" else ""
         line = f"{r['part']:6s} sm_{r.get('arch', '?')}{kernel} {what:38s} {status}"
         if r["part"] == "triton" and r["ok"]:
-            if "BLOCK_V" in r:
-                blocks = f"BLOCK_V {r['BLOCK_V']}"
+            if "BLOCK_N" in r:
+                blocks = f"BLOCK_V {r['BLOCK_V']}, BLOCK_N {r['BLOCK_N']}, BLOCK_D {r['BLOCK_D']}"
+            elif "BLOCK_V" in r:
+                blocks = f"BLOCK_V {r['BLOCK_V']}, BLOCK_K {r['BLOCK_K']}"
             else:
-                blocks = f"CHUNK {r['CHUNK']}, NCB {r['NCB']}, CAP {r['CAP']}"
+                blocks = f"CHUNK {r['CHUNK']}, NCB {r['NCB']}, CAP {r['CAP']}, BLOCK_K {r['BLOCK_K']}"
             line += (f"  {r.get('regs', '?')} regs, stack {r.get('stack', '?')}, local {r.get('local', '?')}, "
                      f"spills {r.get('spill_stores', '?')}/{r.get('spill_loads', '?')} B, "
-                     f"shared {r.get('shared', '?')} B, {r['num_warps']} warps, {blocks}, BLOCK_K {r['BLOCK_K']}, "
+                     f"shared {r.get('shared', '?')} B, {r['num_warps']} warps, {blocks}, "
                      f"{r['fma_f32']} FMA")
         elif r["part"] == "cuda" and r["ok"] and r["kernels"]:
             use = r["kernels"].values()
