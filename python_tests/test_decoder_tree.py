@@ -30,25 +30,67 @@ def test_tree_greedy_matches_generate(pair, greedy_refs, shape):
     assert res.stats.mean_tokens_per_target_call > 1.5  # the tree's drafts are accepted
 
 
-@pytest.mark.parametrize("shape,temperature,top_p", [((2, 2), 1.0, None), ((3, 1), 0.7, 0.9),
-                                                     ("dynamic:4,2,3", 1.0, None)])
-def test_tree_sampling_matches_target_distribution(shape, temperature, top_p):
-    V, N = 8, 4000
+def _tree_law(shape, temperature, top_p, N=6000, noise=0.3):
+    """(observed [V, V], joint [V, V], the draft's joint) of the first two tokens of N rows, each a
+    3-token budget (so trees reach depth 2 in the first step)."""
+    V = 8
     target = _llama(V, 16, 2, 0.3, seed=0, max_pos=64)
-    draft = _perturbed(target, 0.05, seed=1)
+    draft = _perturbed(target, noise, seed=1)
     prompt = [1, 2, 3]
     dec = SpeculativeDecoder(draft=draft, target=target, tree=shape)
-    res = dec.generate([prompt] * N, max_new_tokens=2, temperature=temperature, top_p=top_p, seed=1000)
+    res = dec.generate([prompt] * N, max_new_tokens=3, temperature=temperature, top_p=top_p, seed=1000)
+    assert max(h["num_draft"][0] for h in res.stats.history) >= 2  # depth-2 trees were verified
     toks = torch.tensor([t[:2] for t in res.token_ids])  # [N, 2]
     observed = torch.zeros((V, V), dtype=torch.int64)
     observed.index_put_((toks[:, 0], toks[:, 1]), torch.ones(N, dtype=torch.int64), accumulate=True)
-    joint = _first_two_joint(target, prompt, temperature, None, top_p)
+    return observed, _first_two_joint(target, prompt, temperature, None, top_p), \
+        _first_two_joint(draft, prompt, temperature, None, top_p)
+
+
+@pytest.mark.parametrize("shape,temperature,top_p", [((2, 2), 1.0, None), ((3, 2), 1.3, 0.9),
+                                                     ("dynamic:4,2,3", 1.0, None)])
+def test_tree_sampling_matches_target_distribution(shape, temperature, top_p):
+    observed, joint, q_joint = _tree_law(shape, temperature, top_p)
+    N = int(observed.sum())
     assert observed[joint == 0].sum() == 0
     assert _chisquare_pvalue(observed, joint) > SIGNIFICANCE
-    q_joint = _first_two_joint(draft, prompt, temperature, None, top_p)  # power: the draft's law fails
-    pseudo = (q_joint * N).round().to(torch.int64)
+    pseudo = (q_joint * N).round().to(torch.int64)  # power: the draft's law fails
     pseudo[joint == 0] = 0
     assert _chisquare_pvalue(pseudo, joint) < SIGNIFICANCE
+
+
+def test_pruning_drawn_children_is_caught(monkeypatch):
+    """The mutant the tree loop must not be: draw one child more than the shape asks for and keep
+    the most probable ones (pruning by the children's own probability). The law test rejects it."""
+    real = tree_decoding._children
+
+    def pruned(logq, m, sample, g):
+        drawn = real(logq, m + 1, sample, g)
+        return sorted(drawn, key=lambda c: -float(logq[c]))[:m]
+
+    monkeypatch.setattr(tree_decoding, "_children", pruned)
+    observed, joint, _ = _tree_law((2, 2), 1.0, None)
+    assert _chisquare_pvalue(observed, joint) < SIGNIFICANCE
+
+
+def test_padded_target_vocabulary_and_a_short_draft_context():
+    """A target vocabulary beyond the draft's (its ids fed to the draft clamped, as the chain loop
+    does) and a draft whose context ends inside the generation (the rows go on with the target
+    alone): greedy output is still target.generate's."""
+    target = _llama(40, 32, 2, 0.2, seed=0, max_pos=64)
+    draft = _perturbed(_llama(32, 32, 2, 0.2, seed=0, max_pos=12), 0.01, seed=1)
+    with torch.no_grad():  # the draft's rows are the target's first 32
+        for name, p in draft.named_parameters():
+            t = dict(target.named_parameters())[name]
+            p.copy_(t[:p.shape[0]] if p.shape != t.shape else t)
+    prompts = [[1, 2, 3], [35, 36, 37, 38, 39, 5]]  # ids past the draft's vocabulary
+    with torch.inference_mode():
+        refs = [target.generate(torch.tensor([p]), do_sample=False, max_new_tokens=12, min_new_tokens=12,
+                                pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    dec = SpeculativeDecoder(draft=draft, target=target, tree=(2, 2))
+    res = dec.generate(prompts, max_new_tokens=12)
+    assert res.token_ids == refs
+    assert res.stats.draft_forwards < 2 * res.stats.iterations  # the draft stopped at its context
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
@@ -96,6 +138,22 @@ def test_tree_spec_errors(spec, message):
     with pytest.raises(ValueError) as e:
         parse_tree(spec)
     assert message in str(e.value)
+
+
+def test_tree_shape_objects_are_checked():
+    with pytest.raises(ValueError, match="a dynamic tree's depth must be an int >= 1, got 0"):
+        TreeShape(nodes=4, depth=0, branch=2)
+    with pytest.raises(ValueError, match="a static tree's branching factors must be ints >= 1"):
+        TreeShape(branching=(2, 0))
+
+
+def test_architectures_without_rotary_4d_masks_are_refused():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=32, n_positions=32))
+    with pytest.raises(ValueError, match=r"tree drafting takes the target of model type llama / mistral / qwen2 / "
+                                         r"qwen3 .*GPT2LMHeadModel is 'gpt2'"):
+        SpeculativeDecoder(draft=gpt2, target=gpt2, tree=(2, 2))
 
 
 def test_tree_shapes():

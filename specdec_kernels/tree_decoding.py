@@ -23,8 +23,9 @@ children are drawn (``_allocate``): pruning drawn children by their own probabil
 does for its greedy trees, would bias a sampled tree (the siblings would no longer be draws
 without replacement from q), so it is not done.  Rows run one after the other
 (batch 1 per row).  The masks go through Hugging Face's attention interface as 4D masks, which
-models of the Llama family take (eager and sdpa attention); other architectures are refused by
-name.
+models of the Llama family take (llama, mistral, qwen2, qwen3; eager and sdpa attention); other
+architectures are refused by name.  The draft's vocabulary restriction (``draft_vocab``) and the
+lean decode step are not used here: both models run their own forward over the whole vocabulary.
 """
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ from .tree_verify import fused_verify_tree
 __all__ = ["TreeShape", "parse_tree"]
 
 _ATTENTION = ("eager", "sdpa")
+# The model types whose attention takes a 4D additive mask with explicit position ids as given
+# (rotary positions, no ALiBi or mask rewriting): others are refused by name.
+_TREE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 # Called after every step with (target cache, draft cache, the row's ids, the draft cache's length)
 # when set: the tests check both caches against fresh forwards through it.
 _after_step = None
@@ -57,13 +61,20 @@ class TreeShape:
     depth: int = 0
     branch: int = 0
 
+    def __post_init__(self):
+        if self.branching:
+            if any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in self.branching):
+                raise ValueError(f"a static tree's branching factors must be ints >= 1, got {self.branching!r}")
+        else:
+            for name in ("nodes", "depth", "branch"):
+                v = getattr(self, name)
+                if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                    raise ValueError(f"a dynamic tree's {name} must be an int >= 1, got {v!r}")
+            if self.nodes < self.depth:
+                raise ValueError(f"a dynamic tree's nodes must be >= its depth ({self.depth}), got {self.nodes}")
+
     @staticmethod
     def dynamic(nodes: int, depth: int, branch: int) -> "TreeShape":
-        for name, v in (("nodes", nodes), ("depth", depth), ("branch", branch)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"a dynamic tree's {name} must be an int >= 1, got {v!r}")
-        if nodes < depth:
-            raise ValueError(f"a dynamic tree's nodes must be >= its depth ({depth}), got {nodes}")
         return TreeShape(nodes=nodes, depth=depth, branch=branch)
 
     @property
@@ -117,22 +128,33 @@ def parse_tree(spec) -> Optional[TreeShape]:
 
 def check_tree_model(model, name: str) -> None:
     """Refuse, by name, a model whose attention cannot take a 4D tree mask."""
+    model_type = getattr(model.config, "model_type", None)
+    if model_type not in _TREE_MODEL_TYPES:
+        raise ValueError(f"tree drafting takes {name} of model type {' / '.join(_TREE_MODEL_TYPES)} (rotary positions and "
+                         f"a 4D mask taken as given); {type(model).__name__} is {model_type!r}")
     impl = getattr(model.config, "_attn_implementation", None) or "eager"
     if impl not in _ATTENTION:
         raise ValueError(f"tree drafting needs {name}'s attention to take a 4D mask ({' or '.join(_ATTENTION)}); "
                          f"{type(model).__name__} uses {impl!r}")
 
 
-def _forward(runner, cache, ids, positions, mask, start):
+def _forward(runner, cache, ids, positions, mask, start, keep: Optional[int] = None):
     """One forward appending ids [1, q] at cache column ``start`` with positions [1, q] and a
-    boolean 4D mask [1, 1, q, start + q] (True = attend); returns logits [1, q, V] fp32."""
+    boolean 4D mask [1, 1, q, start + q] (True = attend); returns the logits of the last ``keep``
+    columns (all: None) [1, keep, V] fp32.  Ids past the model's vocabulary (a target's padded
+    one, fed to its draft) are clamped to its last id, as the chain loop feeds them: the draft's
+    proposals, not the output's law, depend on it."""
     model = runner.model
+    ids = ids.clamp(max=runner.vocab_size - 1)
     dtype = next(model.parameters()).dtype
     add = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
     kwargs = {runner.cache_kw: cache, "use_cache": True, "position_ids": positions, "attention_mask": add}
     if runner.has_cache_position:
         kwargs["cache_position"] = torch.arange(start, start + ids.shape[1], device=ids.device)
-    return model(input_ids=ids, **kwargs).logits.float()
+    if keep is not None and runner.has_logits_to_keep:
+        kwargs["logits_to_keep"] = keep
+    logits = model(input_ids=ids, **kwargs).logits
+    return (logits if keep is None else logits[:, -keep:]).float()
 
 
 def _tree_mask(parents: list, prefix: int, new: list, seen: list) -> torch.Tensor:
@@ -179,8 +201,8 @@ class _Tree:
 
 
 def run_tree(dec, st, shape: TreeShape, stop_cut) -> tuple:
-    """Decode every row of a started state (``SpeculativeDecoder._start``) with tree steps.
-    Returns (generated ids per row, finish reasons, DecodingStats)."""
+    """Decode every row of a started state (``SpeculativeDecoder._start``) with tree steps: the
+    generated ids and finish reasons go into ``st``; returns the DecodingStats."""
     dev = dec.device
     t_run = time.perf_counter()
     T = st.temperature
@@ -203,24 +225,33 @@ def run_tree(dec, st, shape: TreeShape, stop_cut) -> tuple:
             pre = torch.tensor([seq[:-1]], device=dev)
             pos = torch.arange(L - 1, device=dev)[None]
             causal = torch.ones(L - 1, L - 1, dtype=torch.bool, device=dev).tril()[None, None]
-            _forward(dec._t, tc, pre, pos, causal, 0)
-            _forward(dec._d, dc, pre, pos, causal, 0)
+            _forward(dec._t, tc, pre, pos, causal, 0, keep=1)
+        dctx = st.draft_context  # the draft's context when shorter than the target's (None: no limit)
+        drafting = dctx is None or L - 1 < dctx  # the root's position must lie inside it
+        if L > 1 and drafting:
+            _forward(dec._d, dc, pre, pos, causal, 0, keep=1)
         ld = L - 1  # the draft cache's length
         t_prefill += time.perf_counter() - t0
         step = 0
         while st.finish[p] is None:
             ta = time.perf_counter()
-            # 1. the draft catches up (seq[ld:], the root last) and gives q at the root
-            todo = torch.tensor([seq[ld:]], device=dev)
-            q_len = todo.shape[1]
-            causal = torch.ones(q_len, ld + q_len, dtype=torch.bool, device=dev).tril(ld)[None, None]
-            logits = _forward(dec._d, dc, todo, torch.arange(ld, L, device=dev)[None], causal, ld)[0, -1]
-            n_draft_fwd += 1
-            ld = L
             room = budget - len(gen)  # tokens this row may still emit (>= 1)
-            depth_cap = min(shape.max_depth, room - 1)
+            drafting = drafting and (dctx is None or L - 1 < dctx)
+            # no node deeper than the budget leaves room for, nor past the draft's context
+            depth_cap = min(shape.max_depth, room - 1) if drafting else 0
+            if dctx is not None and drafting:
+                depth_cap = min(depth_cap, dctx - L + 1)
+            logits = None
+            if depth_cap > 0:
+                # 1. the draft catches up (seq[ld:], the root last) and gives q at the root
+                todo = torch.tensor([seq[ld:]], device=dev)
+                q_len = todo.shape[1]
+                causal = torch.ones(q_len, ld + q_len, dtype=torch.bool, device=dev).tril(ld)[None, None]
+                logits = _forward(dec._d, dc, todo, torch.arange(ld, L, device=dev)[None], causal, ld, keep=1)[0, -1]
+                n_draft_fwd += 1
+                ld = L
             tree = _Tree()
-            q_rows = {-1: _draft_q(logits, T)}  # node -> the draft's q over its children
+            q_rows = {} if logits is None else {-1: _draft_q(logits, T)}  # node -> the draft's q over its children
             frontier = [-1]
             seen = []  # nodes already in the draft's cache, in column order
             for d in range(depth_cap):
@@ -282,13 +313,14 @@ def run_tree(dec, st, shape: TreeShape, stop_cut) -> tuple:
             src = torch.tensor([[L - 1] + [L + n for n in path]], device=dev)
             gather_dynamic_cache_(tc, src, torch.tensor([1 + na], device=dev), torch.tensor([L - 1], device=dev))
             _crop_(tc, L + na)
-            col = {n: L + i for i, n in enumerate(seen)}
-            kept = [col[n] for n in path if n in col]  # path nodes the draft has seen (not the last level)
-            if kept:
-                gather_dynamic_cache_(dc, torch.tensor([kept], device=dev), torch.tensor([len(kept)], device=dev),
-                                      torch.tensor([L], device=dev))
-            ld = L + len(kept)
-            _crop_(dc, ld)
+            if logits is not None:  # the draft ran this step: its cache holds seq[:L] and the levels it saw
+                col = {n: L + i for i, n in enumerate(seen)}
+                kept = [col[n] for n in path if n in col]  # path nodes the draft has seen (not the last level)
+                if kept:
+                    gather_dynamic_cache_(dc, torch.tensor([kept], device=dev), torch.tensor([len(kept)], device=dev),
+                                          torch.tensor([L], device=dev))
+                ld = L + len(kept)
+                _crop_(dc, ld)
             # emit, stop
             reason = None
             new = new[:room]

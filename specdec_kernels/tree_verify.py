@@ -70,7 +70,10 @@ def fused_verify_tree(
     target's residual with each rejected child removed.  Both are exact: the emitted tokens are
     distributed as sampling from the target alone.  The target's warp (temperature, then top-k,
     top-p, min-p) is ``fused_verify``'s; it applies to p only.  A chain (node n's parent n - 1)
-    gives ``fused_verify``'s result for the same uniforms.
+    gives ``fused_verify``'s result for the same uniforms, except for a draft x with q(x) = 0 and
+    p(x) > 0 (which no draw from q gives): ``fused_verify`` accepts it, the tree op passes it over.
+    On CPU a node deeper than ``max_depth`` or a q row that does not sum to 1 raises; on CUDA the
+    first makes its row invalid and the second is not checked (no host read).
 
     Randomness: row b's numbers depend on (seed[b], offset[b]) only (the chain's Philox stream
     with N draft slots); ``uniforms[b, n]`` tests node n and ``uniforms[b, N]`` drives the final
