@@ -14,12 +14,12 @@
 # when stopped at their limit (timeout then exits 124).
 #
 #   bash bench/gpu_check.sh [OUT_DIR]      # default: $OUT, else bench/results/gpu-<date>
-#   SPECDEC_COMMIT=$(git rev-parse --short=12 HEAD) ...   # where the copy has no .git (the device
-#                                          # tool's): the commit every result row records
+#   SPECDEC_COMMIT=$(git rev-parse --short=12 HEAD) ...   # where the copy has no .git (a copied
+#                                          # working tree): the commit every result row records
 #
 # Leaves in OUT_DIR: env.txt, build.log, tests.log, bench_verify_knobs.{csv,txt}, bench_verify.{csv,txt,png},
-# bench_e2e.{csv,txt,png}, trees/bench_e2e.{csv,txt,png} and gpu_check.log (everything printed). Under the device tool ($OUT
-# set, no OUT_DIR given), which returns at most 8 files, they are written elsewhere and packed
+# bench_e2e.{csv,txt,png}, trees/bench_e2e.{csv,txt,png} and gpu_check.log (everything printed). With $OUT set and
+# no OUT_DIR given (a remote runner that returns a few files from $OUT), they are written elsewhere and packed
 # into $OUT/gpu_check.tgz after every stage (and on exit), gpu_check.log copied beside it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
