@@ -1,4 +1,4 @@
-"""Build of specdec-kernels and its C++/CUDA extension ``specdec_kernels._C``.
+"""Build of specdec-kernels and its C++/CUDA extension ``specdec_kernels.ops._C``.
 
     pip install --no-build-isolation -e .     # development (extension built in place)
     pip install --no-build-isolation .        # regular install
@@ -111,7 +111,7 @@ def _extensions() -> list:
             "unset: torch picks the visible GPUs' archs, or its default list"
         )
         print(
-            f"specdec-kernels: building CUDAExtension specdec_kernels._C with CUDA {torch.version.cuda} "
+            f"specdec-kernels: building CUDAExtension specdec_kernels.ops._C with CUDA {torch.version.cuda} "
             f"(CUDA_HOME={CUDA_HOME}), TORCH_CUDA_ARCH_LIST={arch_list}, "
             f"{'DEBUG (-O0 -g)' if debug else 'release (-O3)'}"
         )
@@ -123,14 +123,14 @@ def _extensions() -> list:
             else f"torch.version.cuda={torch.version.cuda}, CUDA_HOME={CUDA_HOME}"
         )
         print(
-            f"specdec-kernels: building CppExtension specdec_kernels._C (CPU only; {why}), "
+            f"specdec-kernels: building CppExtension specdec_kernels.ops._C (CPU only; {why}), "
             f"{'DEBUG (-O0 -g)' if debug else 'release (-O3)'}"
         )
         extension = CppExtension
 
     return [
         extension(
-            "specdec_kernels._C",
+            "specdec_kernels.ops._C",
             sources,
             include_dirs=[os.path.join(HERE, CSRC)],
             extra_compile_args=extra_compile_args,

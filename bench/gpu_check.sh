@@ -78,7 +78,7 @@ fi
 tail -n 5 "$OUT_DIR/build.log"
 $PY - <<'PYEOF'
 import torch
-import specdec_kernels._ext as e
+import specdec_kernels.ops.extension as e
 print("extension loaded:", e.HAS_EXT)
 if e.HAS_EXT:  # the OpenMP build: its loops on torch's threads, one libgomp in the process
     torch.ops.specdec.skinny_linear(torch.ones(2, 8), torch.ones(4, 8), None)
@@ -88,19 +88,19 @@ PYEOF
 
 # The embedded target, if its wheel is installed, converted once here rather than by 8 test
 # workers at a time (its tests skip when the wheel is absent, as on a machine without network).
-timeout 90 $PY -c "from specdec_kernels.models import default_target_path as d; print('embedded target:', d())" 2>&1 | tail -n 1
+timeout 90 $PY -c "from specdec_kernels.models.embedded import default_target_path as d; print('embedded target:', d())" 2>&1 | tail -n 1
 
 # The test files with CUDA cases (the kernels, the CUDA op, the decoder on the GPU); the rest CI
 # runs on CPU anyway. SIGINT at the limit makes pytest print its summary of
 # failures and skips so far (SIGTERM would lose it); KILL 10 s later if it does not stop. Two
 # threads per worker: 8 workers with torch's 16 threads each oversubscribed the 16 cores 8x.
-CUDA_TESTS="python_tests/test_kv_cache.py python_tests/test_verify_exact.py python_tests/test_verify_properties.py
- python_tests/test_verify_edges.py python_tests/test_verify_distribution.py python_tests/test_verify_greedy_fast_path.py
- python_tests/test_verify_sampling_fast_path.py python_tests/test_verify_split.py python_tests/test_decoder_devices.py
- python_tests/test_decoder_triton_verify.py python_tests/test_bench_verify.py python_tests/test_verify_contract.py python_tests/test_verify_packed.py
- python_tests/test_cpp_ops_layouts.py python_tests/test_integration_flashinfer.py
- python_tests/test_verify_draft_logits.py python_tests/test_verify_min_p.py python_tests/test_block_verify_kernel.py
- python_tests/test_tree_verify_kernel.py python_tests/test_gather_kv.py"
+CUDA_TESTS="python_tests/ops/test_kv_cache.py python_tests/ops/test_verify_exact.py python_tests/ops/test_verify_properties.py
+ python_tests/ops/test_verify_edges.py python_tests/ops/test_verify_distribution.py python_tests/ops/test_verify_greedy_fast_path.py
+ python_tests/ops/test_verify_sampling_fast_path.py python_tests/ops/test_verify_split.py python_tests/decoding/test_decoder_devices.py
+ python_tests/decoding/test_decoder_triton_verify.py python_tests/bench/test_bench_verify.py python_tests/ops/test_verify_contract.py python_tests/ops/test_verify_packed.py
+ python_tests/ops/test_cpp_ops_layouts.py python_tests/integrations/test_integration_flashinfer.py
+ python_tests/ops/test_verify_draft_logits.py python_tests/ops/test_verify_min_p.py python_tests/ops/test_block_verify_kernel.py
+ python_tests/ops/test_tree_verify_kernel.py python_tests/ops/test_gather_kv.py"
 stamp "tests on CUDA"
 OMP_NUM_THREADS=2 timeout -s INT -k 10 150 $PY -m pytest $CUDA_TESTS -q -n 8 -rfEs --durations=15 -p no:cacheprovider \
     >"$OUT_DIR/tests.log" 2>&1
@@ -109,20 +109,20 @@ tail -n 40 "$OUT_DIR/tests.log"
 # (the files without CUDA cases run on CPU in CI: their minute here goes to the split kernel's
 # settings; bench_verify_knobs writes each row as it is measured)
 stamp "bench_verify_knobs (the split kernel's launch settings side by side)"
-timeout -s INT -k 10 60 $PY bench/bench_verify_knobs.py --out "$OUT_DIR"
+timeout -s INT -k 10 60 $PY bench/ops/bench_verify_knobs.py --out "$OUT_DIR"
 knobs_rc=$?
 
 stamp "bench_verify (gpu grid)"
-timeout -s INT -k 10 100 $PY bench/bench_verify.py --grid gpu --out "$OUT_DIR"
+timeout -s INT -k 10 100 $PY bench/ops/bench_verify.py --grid gpu --out "$OUT_DIR"
 verify_rc=$?
 
 stamp "bench_e2e (random weights of the default pair's and feature draft's shapes, fp32)"
 PAIR=$(mktemp -d)
-$PY bench/random_pair.py "$PAIR" && \
+$PY bench/decoding/random_pair.py "$PAIR" && \
 # Sized to finish inside its limit (its defaults, every K at batch 1 and 8 and both temperatures,
 # would not; stopped at the limit it writes the configurations it finished): greedy, K = 2 and
 # auto, 4 prompts at batch 1 and 8 at batch 8, 64 tokens, the median of 3 runs after a warm-up.
-timeout -s INT -k 10 100 $PY bench/bench_e2e.py --draft "$PAIR/draft" --target "$PAIR/target" --tokenizer "$PAIR/target" \
+timeout -s INT -k 10 100 $PY bench/decoding/bench_e2e.py --draft "$PAIR/draft" --target "$PAIR/target" --tokenizer "$PAIR/target" \
     --feature-draft "$PAIR/feature_draft" --feature-ks 2 --ks 2,auto --batch 1,8 --temperatures 0 \
     --num-prompts 8 --batch1-prompts 4 --warmup-tokens 8 \
     --device cuda --dtype fp32 --out "$OUT_DIR" --repeats 3 --max-new-tokens 64
@@ -132,7 +132,7 @@ e2e_rc=$?
 # one over 5 does (on the CPU it costs 1.2-10x): the target's step per tree shape is the figure
 # (random weights: acceptance comes from the CPU runs). Batch 1, greedy, 2 prompts x 32 tokens.
 stamp "bench_e2e trees (random weights, fp32)"
-timeout -s INT -k 10 50 $PY bench/bench_e2e.py --draft "$PAIR/draft" --target "$PAIR/target" --tokenizer "$PAIR/target" \
+timeout -s INT -k 10 50 $PY bench/decoding/bench_e2e.py --draft "$PAIR/draft" --target "$PAIR/target" --tokenizer "$PAIR/target" \
     --ks 2,4 --tree-shapes "2,1,1,1;4,1,1,1;8,1,1,1;dynamic:32,4,4" --methods specdec,specdec_tree --batch 1 \
     --temperatures 0 --num-prompts 2 --warmup-tokens 4 --device cuda --dtype fp32 --out "$OUT_DIR/trees" \
     --repeats 1 --max-new-tokens 32

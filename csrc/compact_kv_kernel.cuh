@@ -1,7 +1,7 @@
 // The CUDA kernel of specdec::compact_kv_, written once for two compilers.
 //
 // compact_kv_cuda.cu compiles it with nvcc and launches it; the test suite compiles the same
-// text with the host compiler (python_tests/cuda_emulation/compact_kv_emulated.cpp) and runs
+// text with the host compiler (python_tests/ops/cuda_emulation/compact_kv_emulated.cpp) and runs
 // every thread of every block serially on the CPU, so that the kernel's indexing, clamping,
 // grouping and alignment choice are executed and compared with the CPU op on a machine
 // without a GPU.  Everything here is either a function of one thread (compact_kv_thread) or

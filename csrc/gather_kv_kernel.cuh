@@ -1,7 +1,7 @@
 // The CUDA kernel of specdec::gather_kv_, written once for two compilers.
 //
 // gather_kv_cuda.cu compiles it with nvcc and launches it; the test suite compiles the same
-// text with the host compiler (python_tests/cuda_emulation/gather_kv_emulated.cpp) and runs
+// text with the host compiler (python_tests/ops/cuda_emulation/gather_kv_emulated.cpp) and runs
 // every thread of every block serially on the CPU, as it does for compact_kv_'s kernel.  The
 // launch plan (groups of up to 64 caches travelling by value in the parameter block, the
 // widest access every address allows) and the access types are compact_kv_'s

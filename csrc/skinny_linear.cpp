@@ -13,7 +13,7 @@
 // or int8 (widened exactly to fp32 as well: y = x @ w^T over the integer values, the same
 // arithmetic from a quarter of the bytes; a caller applies its per-row scales afterwards, as the
 // feature draft's int8 output layer does: use_skinny_linear(int8_weights=True) in
-// specdec_kernels/cpu_linear.py).
+// specdec_kernels/cpu/skinny_linear.py).
 //
 // Memory traffic: reads N*K*4 bytes of weight (N*K*2 in fp16, N*K in int8; once, the floor: every weight is needed), M*K*4
 // of x (from cache, M rows are reused for every weight block) and N*4 of bias; writes M*N*4.
@@ -418,7 +418,7 @@ std::string skinny_linear_isas() {
 
 // From this many x rows on, the AVX-512 path is faster than the AVX2 one (FMA-bound); below it
 // the AVX2 path wins (memory-bound, one weight stream per tile).  Measured with
-// bench/bench_skinny_linear.py --isa on a 2-core AMD EPYC Zen 5 VM, 1 thread, the target's
+// bench/cpu/bench_skinny_linear.py --isa on a 2-core AMD EPYC Zen 5 VM, 1 thread, the target's
 // layers (2026-12-01): AVX-512 / AVX2 time 1.21 at M = 1, 1.27 at 3, 1.20 at 5, 1.06 at 6, 0.90
 // at 7, 0.68 at 9, 0.58-0.59 at 12-16.  Both give the same bits, so switching on M keeps a row's
 // result independent of M.

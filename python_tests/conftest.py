@@ -7,15 +7,11 @@ before the package's kernel module is imported (the launcher imports it lazily).
 import os
 
 import pytest
-import torch
 
-HAS_CUDA = torch.cuda.is_available()
+from helpers import DEVICE, HAS_CUDA  # noqa: E402  (helpers imports torch only, not the package)
+
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
-
-DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
-
-needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (this case times or graphs the real kernel)")
 
 
 @pytest.fixture

@@ -6,7 +6,6 @@ closed-form distribution of the first two tokens with its chi-square, and the ca
 
 from __future__ import annotations
 
-import copy
 import functools
 import inspect
 import math
@@ -14,7 +13,9 @@ import math
 import pytest
 import torch
 from scipy import stats as sps
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from transformers import DynamicCache
+
+from specdec_kernels.models.tiny import perturbed, tiny_llama
 
 
 # Cache comparisons are fp32 values computed by two different call patterns (batched, masked,
@@ -36,23 +37,8 @@ def _one_thread():
     torch.set_num_threads(n)
 
 
-def _llama(V: int, hidden: int, layers: int, init: float, seed: int, max_pos: int = 128) -> LlamaForCausalLM:
-    cfg = LlamaConfig(vocab_size=V, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_pos,
-                      initializer_range=init, bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        return LlamaForCausalLM(cfg).eval()
-
-
-def _perturbed(model, noise: float, seed: int):
-    """A draft: the target with Gaussian noise on every weight."""
-    d = copy.deepcopy(model)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in d.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * noise)
-    return d
+# the package's tiny random Llama and its perturbed draft, under the names the tests use
+_llama, _perturbed = tiny_llama, perturbed
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +77,7 @@ class _Recorder:
 
 class _CountingForward(_Recorder):
     """Every forward the decoder runs on one of its models (``which``: "target" or "draft"),
-    recorded at the boundary where it hands them to the model: ``_Runner.forward`` (the model's
+    recorded at the boundary where it hands them to the model: ``ModelRunner.forward`` (the model's
     own forward: the prefill, and the steps when the lean path is off) and ``LeanLlamaStep.step``
     (the decode steps of a Llama on the CPU, which test_lean_forward.py proves equal to the
     model's forward, bit for bit); ``lean`` counts the calls that took the lean path."""
@@ -150,7 +136,7 @@ class _CountingModelForward(_Recorder):
 def _synthetic_times(monkeypatch, slope: float, seen: list):
     """Replace the decoder's measured times by T_draft = 0.02 per forward and a target step of
     1 + slope * K for K drafts (no timing in tests); ``seen`` collects (K, first_step)."""
-    import specdec_kernels.stats as stats_mod
+    import specdec_kernels.decoding.stats as stats_mod
 
     orig = stats_mod.StatsRecorder.record_times
 

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import numpy as np
+import pytest
 import torch
+from scipy import stats
+
+HAS_CUDA = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (this case times or graphs the real kernel)")
 
 # Tolerance policy (STYLE item 15): per-dtype (atol, rtol) for comparing floating-point values
 # computed by two implementations. Token ids and counts are always compared exactly.
@@ -55,3 +62,50 @@ def random_randomness(rng, g: torch.Generator, B: int, K: int) -> dict:
     if rng.random() < 0.5:
         return {"uniforms": torch.rand(B, K + 1, generator=g)}
     return {"seed": rng.choice([7, torch.randint(0, 2**40, (B,), generator=g)]), "offset": rng.randint(0, 5)}
+
+
+def expected_probs(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None) -> np.ndarray:
+    """The warped target distribution from its definition, in float64."""
+    s = logits.double().numpy() / temperature
+    keep = np.isfinite(s)
+    if top_k:
+        kth = np.sort(s)[::-1][min(top_k, len(s)) - 1]
+        keep &= s >= kth
+    e = np.where(keep, np.exp(np.where(keep, s, 0) - s[keep].max()), 0.0)
+    p = e / e.sum()
+    if top_p is not None and top_p < 1:
+        # keep v iff the mass of tokens strictly more likely than v is < top_p
+        greater = np.array([p[p > p[v]].sum() for v in range(len(p))])
+        keep &= greater < top_p
+        p = np.where(keep, p, 0.0)
+        p = p / p.sum()
+    return p
+
+
+def chi_square_pvalue(tokens: np.ndarray, p: np.ndarray) -> float:
+    counts = np.bincount(tokens, minlength=len(p)).astype(np.float64)
+    if counts[p == 0].sum() > 0 or (tokens < 0).any():
+        return 0.0  # a token the target forbids was emitted
+    n = counts.sum()
+    exp = p * n
+    order = np.argsort(exp)
+    obs_bins, exp_bins, acc_o, acc_e = [], [], 0.0, 0.0
+    for v in order:
+        if p[v] == 0:
+            continue
+        acc_o += counts[v]
+        acc_e += exp[v]
+        if acc_e >= 5:
+            obs_bins.append(acc_o)
+            exp_bins.append(acc_e)
+            acc_o = acc_e = 0.0
+    if acc_e > 0:
+        if exp_bins:
+            obs_bins[-1] += acc_o
+            exp_bins[-1] += acc_e
+        else:
+            obs_bins.append(acc_o)
+            exp_bins.append(acc_e)
+    if len(exp_bins) < 2:
+        return 1.0 if obs_bins[0] == n else 0.0  # a single allowed token: all draws must be it
+    return float(stats.chisquare(obs_bins, exp_bins).pvalue)

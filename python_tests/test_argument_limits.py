@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from specdec_kernels import fused_verify
-from specdec_kernels.arguments import check_generate_args, load_tokenizer
+from specdec_kernels.decoding.arguments import check_generate_args, load_tokenizer
 
 EDGES = [  # (keyword, value, the message's start)
     ("temperature", 1e39, "temperature must fit in float32"),

@@ -21,8 +21,8 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 import specdec_kernels
 from specdec_kernels import hf
 from specdec_kernels.cli import build_tiny_random_pair
-from specdec_kernels.decoder import SpeculativeDecoder
-from specdec_kernels.hf_args import draft_settings
+from specdec_kernels.decoding.decoder import SpeculativeDecoder
+from specdec_kernels.decoding.transformers_args import draft_settings
 
 from decoder_setup import PROMPTS, SIGNIFICANCE, _chisquare_pvalue, _llama
 from decoder_setup import _one_thread, pair  # noqa: F401  (fixtures; _one_thread: autouse)
@@ -409,7 +409,7 @@ def embedded():
     import importlib.util
     from pathlib import Path
 
-    from specdec_kernels import models
+    from specdec_kernels.models import embedded as models
 
     converted = (Path(models.default_target_path(convert=False)) / "specdec_source.json").is_file()
     can_convert = all(importlib.util.find_spec(m) is not None for m in (models.GGUF_PACKAGE, "gguf", "accelerate"))
@@ -470,7 +470,7 @@ def test_refused_fields_are_named(pair, chars, field, value):
 def test_a_field_without_a_mapping_is_refused_when_set(chars, monkeypatch):
     """A transformers field this package does not map (as a new transformers version may add)
     is refused by name unless it holds transformers' default."""
-    from specdec_kernels import hf_args
+    from specdec_kernels.decoding import transformers_args as hf_args
 
     monkeypatch.setattr(hf_args, "_MAPPED", hf_args._MAPPED - {"low_memory"})
     dec = chars[0]

@@ -1,4 +1,4 @@
-"""Sequence-dependent logits processors in the speculative loop (``specdec_kernels/logits_procs.py``):
+"""Sequence-dependent logits processors in the speculative loop (``specdec_kernels/decoding/logits_processors.py``):
 repetition_penalty, no_repeat_ngram_size, bad_words_ids, a ``prefix_allowed_tokens_fn`` grammar
 mask and processors marked ``specdec_stateless = True``, through transformers'
 ``generate(custom_generate=specdec_kernels.hf.generate)`` and ``SpeculativeDecoder.generate``:
@@ -19,8 +19,9 @@ from transformers import (GenerationConfig, LogitsProcessor, LogitsProcessorList
                           PrefixConstrainedLogitsProcessor, RepetitionPenaltyLogitsProcessor,
                           TemperatureLogitsWarper, TopKLogitsWarper)
 
-from specdec_kernels import hf, logits_procs
-from specdec_kernels.decoder import SpeculativeDecoder
+from specdec_kernels import hf
+from specdec_kernels.decoding import logits_processors as logits_procs
+from specdec_kernels.decoding.decoder import SpeculativeDecoder
 
 from decoder_setup import CACHE_ATOL, CACHE_RTOL, PROMPTS, SIGNIFICANCE, _chisquare_pvalue
 from decoder_setup import _one_thread, pair  # noqa: F401  (fixtures; _one_thread: autouse)

@@ -46,7 +46,7 @@ def test_wheel_built_from_the_sdist_imports_with_its_ops(tmp_path):
     assert 'Provides-Extra: hf' in metadata and 'Provides-Extra: bench' in metadata
     target = tmp_path / "site"
     _run([sys.executable, "-m", "pip", "install", "--no-deps", "--target", str(target), str(wheel)], cwd=tmp_path)
-    probe = ("import specdec_kernels, specdec_kernels._ext as e, torch; "
+    probe = ("import specdec_kernels, specdec_kernels.ops.extension as e, torch; "
              "assert specdec_kernels.__file__.startswith(%r), specdec_kernels.__file__; "
              "assert e.HAS_EXT and hasattr(torch.ops.specdec, 'compact_kv_'); print(specdec_kernels.__version__)"
              % str(target))

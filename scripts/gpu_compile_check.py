@@ -6,10 +6,10 @@ cubin's resource usage read back with ``cuobjdump --dump-resource-usage``:
 - ``triton``: the three verify kernels through ``triton.compile`` with a ``GPUTarget`` (no driver
   or GPU needed: Triton's own ptxas makes the cubin).  The two chain kernels once per
   specialisation listed in ``VARIANTS`` each: the split kernel
-  (``specdec_kernels/_verify_split_kernel.py``, the ``"triton"`` backend; constexprs and
-  num_warps from ``verify._split_meta``) and the one-program-per-row kernel
-  (``specdec_kernels/_verify_kernel.py``, the private ``"_triton_rows"`` backend; from
-  ``verify._kernel_meta``), as for a launch.  The argument types are the ones the launchers pass:
+  (``specdec_kernels/ops/_verify_split_kernel.py``, the ``"triton"`` backend; constexprs and
+  num_warps from ``verify.split_kernel_meta``) and the one-program-per-row kernel
+  (``specdec_kernels/ops/_verify_kernel.py``, the private ``"_triton_rows"`` backend; from
+  ``verify.rows_kernel_meta``), as for a launch.  The argument types are the ones the launchers pass:
   an absent optional pointer is the int64 placeholder they pass instead; the split kernel's
   per-row parameters are typed as [B] tensors of the op's dtypes (whether a row reads the tensor
   or the scalar argument is decided at run time, so both paths are compiled), its scalar
@@ -18,8 +18,8 @@ cubin's resource usage read back with ``cuobjdump --dump-resource-usage``:
   float64 chunk masses) and its work-item order pointer as the placeholder (HAS_ORDER is a tests'
   specialisation).  Other integer arguments are typed i32 (the JIT's type for values that fit)
   without the JIT's divisibility hints, which change scheduling, not validity.  The tree kernel
-  (``specdec_kernels/_tree_verify_kernel.py``, ``fused_verify_tree``'s ``"triton"`` backend;
-  constexprs and num_warps from ``tree_verify._tree_kernel_meta``) once per specialisation listed
+  (``specdec_kernels/ops/_tree_verify_kernel.py``, ``fused_verify_tree``'s ``"triton"`` backend;
+  constexprs and num_warps from ``tree_verify.tree_kernel_meta``) once per specialisation listed
   in ``TREE_VARIANTS``, typed as ``tree_verify._launch_tree`` passes its arguments.
 - ``cuda``: the CUDA source of the C++ ops (``csrc/*.cu``) through ``nvcc -c`` with the flags
   torch's ``BuildExtension`` gives a ``CUDAExtension`` (torch's include paths, its common nvcc
@@ -107,9 +107,16 @@ def resource_usage(path: str) -> dict:
             for m in _USAGE.finditer(out)}
 
 
+def _kernel(name: str):
+    """One of the package's Triton kernels (imported here, after the environment is set up)."""
+    from specdec_kernels.ops.kernels import triton_kernels
+
+    return triton_kernels()[name]
+
+
 def verify_signature(logits: str, tokens: str, meta: dict) -> dict:
     """The one-program-per-row verify kernel's argument types for a launch with these dtypes and flags."""
-    from specdec_kernels._verify_kernel import _verify_kernel
+    _verify_kernel = _kernel("verify_rows")
 
     placeholder = "*i64"  # the launcher passes num_accepted for an absent optional pointer
     sig = dict(
@@ -136,7 +143,7 @@ def tree_signature(logits: str, tokens: str, parents: str, meta: dict) -> dict:
     """The tree verify kernel's argument types for a launch with these dtypes and flags (as
     ``tree_verify._launch_tree`` passes them: fp32 draft probabilities, [B] tensors of every
     per-row parameter, fp32 workspaces, int64 outputs)."""
-    from specdec_kernels._tree_verify_kernel import _tree_verify_kernel
+    _tree_verify_kernel = _kernel("tree_verify")
 
     placeholder = "*i64"  # the launcher passes num_accepted for an absent optional pointer
     sig = dict(
@@ -166,8 +173,8 @@ def tree_signature(logits: str, tokens: str, parents: str, meta: dict) -> dict:
 
 def verify_split_signature(logits: str, tokens: str, meta: dict) -> dict:
     """The split verify kernel's argument types for a launch with these dtypes and flags (as
-    ``verify._launch_triton`` passes them)."""
-    from specdec_kernels._verify_split_kernel import _verify_split_kernel
+    ``_verify_launch._launch_triton`` passes them)."""
+    _verify_split_kernel = _kernel("verify_split")
 
     placeholder = "*i64"  # the launcher passes num_accepted for an absent tensor
     sig = dict(
@@ -238,16 +245,16 @@ def _kernels() -> list:
     Triton kernel checked: the split kernel (the "triton" backend) first, then the
     one-program-per-row kernel (the private "_triton_rows" backend), then the tree kernel
     (``fused_verify_tree``'s "triton" backend; its cases come from ``TREE_VARIANTS``)."""
-    from specdec_kernels._tree_verify_kernel import _tree_verify_kernel
-    from specdec_kernels._verify_kernel import _verify_kernel
-    from specdec_kernels._verify_split_kernel import _verify_split_kernel
-    from specdec_kernels.tree_verify import _tree_kernel_meta
-    from specdec_kernels.verify import _kernel_meta, _split_meta
+    _tree_verify_kernel = _kernel("tree_verify")
+    _verify_kernel = _kernel("verify_rows")
+    _verify_split_kernel = _kernel("verify_split")
+    from specdec_kernels.ops.tree_verify import tree_kernel_meta
+    from specdec_kernels.ops.verify import rows_kernel_meta, split_kernel_meta
 
     return [
-        (_verify_split_kernel, _split_meta, verify_split_signature, ("CHUNK", "NCB", "CAP", "BLOCK_K")),
-        (_verify_kernel, _kernel_meta, verify_signature, ("BLOCK_V", "BLOCK_K")),
-        (_tree_verify_kernel, _tree_kernel_meta, tree_signature, ("BLOCK_V", "BLOCK_N", "BLOCK_D")),
+        (_verify_split_kernel, split_kernel_meta, verify_split_signature, ("CHUNK", "NCB", "CAP", "BLOCK_K")),
+        (_verify_kernel, rows_kernel_meta, verify_signature, ("BLOCK_V", "BLOCK_K")),
+        (_tree_verify_kernel, tree_kernel_meta, tree_signature, ("BLOCK_V", "BLOCK_N", "BLOCK_D")),
     ]
 
 
@@ -439,8 +446,10 @@ def main(argv=None) -> int:
     # The interpreter replaces @triton.jit functions with interpreted ones, which cannot be
     # compiled: the kernel module must be imported without it (in a fresh process).
     if os.environ.pop("TRITON_INTERPRET", None) and any(
-            m in sys.modules for m in ("specdec_kernels._verify_kernel", "specdec_kernels._verify_split_kernel",
-                                       "specdec_kernels._tree_verify_kernel")):
+            m in sys.modules for m in ("specdec_kernels.ops._verify_kernel", "specdec_kernels.ops._verify_split_kernel",
+                                       "specdec_kernels.ops._verify_split_stats",
+                                       "specdec_kernels.ops._verify_split_draw",
+                                       "specdec_kernels.ops._tree_verify_kernel")):
         raise SystemExit("run this in a process that has not imported the kernels under TRITON_INTERPRET")
     results = []
     if args.only in (None, "triton"):

@@ -19,54 +19,12 @@ from typing import Optional, Sequence
 
 __all__ = ["main", "build_parser", "build_tiny_random_pair", "tiny_char_tokenizer"]
 
+from .models.tiny import tiny_char_tokenizer, tiny_random_pair as build_tiny_random_pair
+
 # With neither --target nor --tiny-random, the embedded default pair (specdec_kernels.models).
 
-_TINY_CHARS = "abcdefghijklmnopqrstuvwxyz0123456789 .,:;!?'\"-()\n"
 
-
-def tiny_char_tokenizer():
-    """A character-level ``PreTrainedTokenizerFast``: <unk> = 0, <eos> = 1, then one id per
-    character of a small alphabet (lower-case letters, digits, space, punctuation, newline)."""
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<unk>": 0, "<eos>": 1}
-    for ch in _TINY_CHARS:
-        vocab[ch] = len(vocab)
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.normalizer = normalizers.Lowercase()
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>",
-                                   pad_token="<unk>")
-
-
-def build_tiny_random_pair(seed: int = 0, noise: float = 0.02):
-    """(draft, target, tokenizer): a 2-layer random Llama target over ``tiny_char_tokenizer``
-    and a draft that is the target with Gaussian noise (std ``noise``) added to its weights,
-    so that drafts are often, not always, accepted."""
-    import copy
-
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    tokenizer = tiny_char_tokenizer()
-    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                      initializer_range=0.1, bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
-                      pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False)
-    g = torch.Generator().manual_seed(seed)
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        target = LlamaForCausalLM(cfg).eval()
-    draft = copy.deepcopy(target)
-    with torch.no_grad():
-        for p in draft.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * noise)
-    return draft, target, tokenizer
-
-
-def _k_arg(s: str):
+def parse_k(s: str):
     if s == "auto":
         return s
     try:
@@ -101,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "target: the embedded one)")
     g.add_argument("--tiny-random", action="store_true",
                    help="use a small random-weight Llama pair built in memory (offline smoke test)")
-    g.add_argument("-k", "--num-draft-tokens", type=_k_arg, default=4, help="K, or 'auto' (default 4)")
+    g.add_argument("-k", "--num-draft-tokens", type=parse_k, default=4, help="K, or 'auto' (default 4)")
     g.add_argument("--max-draft-tokens", type=int, default=8, help="the largest K 'auto' may pick (default 8)")
     g.add_argument("--draft-confidence", type=float, default=0.0,
                    help="a row stops drafting once the product of its drafts' probabilities under the draft "
@@ -169,8 +127,8 @@ def _flag_message(msg: str) -> str:
 def _check_early(args, parser) -> None:
     """What can be checked before any model loads (a bad --top-p should not wait for them):
     generate()'s scalar arguments, the dtype, the device, and the model paths."""
-    from .arguments import check_generate_args, resolve_dtype, row_seeds
-    from .models import resolve_device
+    from .decoding.arguments import check_generate_args, resolve_dtype, row_seeds
+    from .models.embedded import resolve_device
 
     g = parser.generate_parser
     if args.tokenizer is not None and (args.tiny_random or args.target is None):
@@ -193,7 +151,7 @@ def _check_early(args, parser) -> None:
         resolve_dtype(args.dtype)
         resolve_device(args.device)
         if args.tree is not None:
-            from .tree_decoding import parse_tree
+            from .decoding.tree import parse_tree
 
             parse_tree(args.tree)
             if drafter != "model":
@@ -212,7 +170,7 @@ def _check_early(args, parser) -> None:
         if kind == "model" and os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
             g.error(f"{flag}: {value} holds no config.json (not a Hugging Face model directory)")
     if args.draft_vocab not in ("auto", "full"):
-        from .draft_vocab import load_draft_vocab
+        from .decoding.drafters.vocab import load_draft_vocab
 
         try:  # the file's form now; its ids against the draft's vocabulary once that is loaded
             load_draft_vocab(args.draft_vocab, None)
@@ -232,8 +190,8 @@ def chat_ids(tokenizer, text: str) -> list:
 
 
 def _make_decoder(args, parser):
-    from .arguments import resolve_dtype
-    from .decoder import SpeculativeDecoder
+    from .decoding.decoder import SpeculativeDecoder
+    from .decoding.pair import embedded_pair
 
     # how the models run, and what the draft may propose
     paths = dict(cpu_linear=args.cpu_linear, lean_forward=not args.no_lean_forward,
@@ -252,24 +210,12 @@ def _make_decoder(args, parser):
     if args.target is None:
         if args.draft is not None:
             parser.error("--draft needs --target (without both, the embedded default pair is used)")
-        from .models import default_pair
-
-        if args.drafter == "feature":
-            from .feature_draft import embedded_feature_draft_dir
-
-            try:
-                feature_dir = embedded_feature_draft_dir()
-            except FileNotFoundError as e:
-                parser.error(f"--drafter feature: {e} (here: pass --draft DIR and --target)")
         try:
-            draft, target, tokenizer = default_pair(device=args.device, dtype=resolve_dtype(args.dtype),
-                                                    with_draft=args.drafter in (None, "model"))
+            draft, target, tokenizer = embedded_pair(args.drafter, args.device, args.dtype)
         except (FileNotFoundError, ImportError) as e:
+            if args.drafter == "feature" and str(e).startswith("the embedded feature draft"):
+                parser.error(f"--drafter feature: {e} (here: pass --draft DIR and --target)")
             parser.error(f"the embedded default pair is not available: {e}")
-        if args.drafter == "prompt_lookup":
-            draft = None
-        elif args.drafter == "feature":
-            draft = feature_dir
         return SpeculativeDecoder(draft=draft, target=target, tokenizer=tokenizer, drafter=args.drafter, **paths)
     draft = args.draft  # (--draft with --target, or prompt lookup without: _check_early)
     return SpeculativeDecoder(draft=draft, target=args.target, tokenizer=args.tokenizer, device=args.device,

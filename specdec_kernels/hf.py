@@ -75,9 +75,9 @@ dola_layers, constraints,
 force_words_ids
 num_return_sequences > 1               refused: repeat the prompt instead
 repetition_penalty,                    transformers' processors, applied at each verify
-no_repeat_ngram_size, bad_words_ids    position with its own prefix (``logits_procs.py``)
+no_repeat_ngram_size, bad_words_ids    position with its own prefix (``decoding/logits_processors.py``)
 encoder_repetition_penalty,            refused: processors that are not applied per verify
-encoder_no_repeat_ngram_size,          position (``logits_procs.py`` lists the ones that are)
+encoder_no_repeat_ngram_size,          position (``decoding/logits_processors.py`` lists the ones that are)
 sequence_bias,
 min_length, min_new_tokens,
 forced_bos/eos_token_id,
@@ -104,7 +104,7 @@ Logits processors: first the sequence-dependent ones, ``RepetitionPenaltyLogitsP
 (``prefix_allowed_tokens_fn``) and a ``logits_processor=`` of yours whose class or instance sets
 ``specdec_stateless = True``: each verify position's target scores are processed with the ids the
 target alone would have seen there (the input row as given, its new tokens, the drafts before that
-position; ``logits_procs.py``); then the temperature, top-k and top-p warpers (at most one each, in
+position; ``decoding/logits_processors.py``); then the temperature, top-k and top-p warpers (at most one each, in
 that order, ``filter_value=-inf``, top-p with ``min_tokens_to_keep=1``) and a final
 ``LogitNormalization``.  Any other processor is refused by its class name.  An assistant model of
 the target's vocabulary size applies the same processors to its drafts (prompt lookup proposes
@@ -122,9 +122,9 @@ from typing import Any, Optional
 
 import torch
 
-from .hf_args import (RowCriteria, check_generation_config, check_streamer, draft_settings, resolve_generation_config,
+from .decoding.transformers_args import (RowCriteria, check_generation_config, check_streamer, draft_settings, resolve_generation_config,
                       sampling_from_config, split_criteria)
-from .logits_procs import VerifyProcessors, processors_from_arguments, split_processors
+from .decoding.logits_processors import VerifyProcessors, processors_from_arguments, split_processors
 
 __all__ = ["generate"]
 
@@ -146,9 +146,9 @@ def _calling_generate_locals() -> dict:
 
 
 def _decoder_default(name: str):
-    from .decoder import _GENERATE_DEFAULTS
+    from .decoding.decoder import GENERATE_DEFAULTS
 
-    return _GENERATE_DEFAULTS[name]
+    return GENERATE_DEFAULTS[name]
 
 
 def _check_model_kwargs(model_kwargs: dict, input_ids: torch.Tensor) -> Optional[torch.Tensor]:
@@ -186,7 +186,7 @@ def generate(model, input_ids: torch.Tensor, logits_processor=None, stopping_cri
     from transformers import GenerationConfig, MaxTimeCriteria
     from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-    from .decoder import SpeculativeDecoder
+    from .decoding.decoder import SpeculativeDecoder
 
     outer = _calling_generate_locals()
     if assistant_model is None:

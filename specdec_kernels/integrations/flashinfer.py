@@ -106,8 +106,8 @@ from typing import Optional, Union
 
 import torch
 
-from ..reference import philox_uniforms
-from ..verify import fused_verify
+from ..ops.reference import philox_uniforms
+from ..ops.verify import fused_verify
 
 __all__ = ["chain_speculative_sampling", "row_keys"]
 

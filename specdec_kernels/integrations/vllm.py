@@ -59,7 +59,7 @@ builds (``output = x.new_empty(num_tokens)``) this is a new int64 copy, written 
 ``apply_sampling_constraints`` divides the target logits by uninitialised memory (and the
 temperatures it would have written are truncated to integers: 0.7 becomes 0).  A greedy request
 batched with sampled ones then takes the argmax of those garbage-scaled logits, and sampled
-requests are drawn at a garbage temperature.  ``python_tests/vllm_side/test_sampler.py`` shows it;
+requests are drawn at a garbage temperature.  ``python_tests/integrations/vllm_side/test_sampler.py`` shows it;
 this module never calls that path.
 """
 
@@ -71,7 +71,7 @@ from typing import Optional
 
 import torch
 
-from ..verify import fused_verify_packed
+from ..ops.verify import fused_verify_packed
 
 __all__ = ["ENV_VAR", "fallback_reason", "fused_forward", "fused_rejection_sample", "is_patched", "patch",
            "original_forward", "register", "row_seeds", "sampling_metadata", "spec_decode_metadata", "unpatch"]

@@ -1,0 +1,198 @@
+"""The drafters' one interface, and what the network drafters share.
+
+A drafter proposes each step's drafts and keeps its own bookkeeping across steps.  The loop
+(``decoder.py``) calls, per step: ``draft(st, K)`` (K >= 1) for the step's ``Drafts``, or, on
+a K = 0 step, nothing before the verify; then, after the verify and the target's roll-back,
+``after_verify`` (a step with drafts) or ``wait`` (a K = 0 step, or no draft); and
+``select_rows`` when rows finish.  ``DecodeState`` (``state.py``) carries what the drafters
+keep between steps, each in its own fields (a draft model: ``ld``, ``catch``, ``wait``; a
+feature draft: ``ld``, ``pend_*``); every method takes the call's state, whose parameters
+``generate`` has checked, so none of them checks its arguments again.
+
+``DraftPicker`` picks each position's draft for the network drafters (greedy argmax, or the
+warped distribution sampled by inverse CDF with the row's counter-based uniforms), applies
+``draft_confidence`` and cuts a row's K_b before a position whose distribution is not finite
+(a NaN/inf draft logit); ``draft_cap`` cuts it where the draft's context ends.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, NamedTuple, Optional
+
+import torch
+
+from .sampling import _draft_uniforms_k, _sample_inverse_cdf, warp_probs
+
+__all__ = ["DraftPicker", "DraftState", "Drafter", "Drafts", "append_right", "draft_cap", "position_limit"]
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..state import DecodeState
+    from ...ops.verify import VerifyOutput
+
+
+@dataclass
+class DraftState:
+    """What a network drafter keeps of a ``generate`` call between steps (``DecodeState.draft``):
+    its left-aligned cache and, per active row, how much of it is valid, plus a draft model's
+    catch-up and waiting tokens or a feature draft's pending pairs."""
+
+    dc: Any = None  # the draft's cache (a DynamicCache)
+    Td: int = 0  # its columns
+    ld: torch.Tensor = None  # [B] int64: valid draft-cache columns
+    ld_host: list = field(default_factory=list)
+    catch: torch.Tensor = None  # [B] int64: the token the draft must catch up on, or -1
+    catch_host: list = field(default_factory=list)
+    # a draft model's tokens waiting through K = 0 steps (right-aligned: row b's wait_host[b]
+    # tokens end at the last column), fed before its next step's [catch-up, last]; None: none
+    wait: torch.Tensor = None  # [B, W] int64
+    wait_cnt: torch.Tensor = None  # [B] int64
+    wait_host: list = None
+    # a feature draft's pending pairs: (the target's feature at column c - 1, the token at column c)
+    # for the columns c the target has made true and the draft has not taken yet
+    pend_tok: torch.Tensor = None  # [B, C] int64
+    pend_feat: torch.Tensor = None  # [B, C, H]
+    pend_cnt: torch.Tensor = None  # [B] int64 in [1, C]
+    pend_cnt_host: list = field(default_factory=list)
+    block_start: int = 0  # the draft cache column where this step's pending pairs went
+    waited: bool = False  # the pending pairs include some that waited through K = 0 steps
+
+
+class Drafts(NamedTuple):
+    """A step's drafts: tokens [B, K] int64 (full-vocabulary ids; a row's drafts past its K_b
+    are filler), probs [B, K, Vd] fp32 (the distributions they were drawn from) or None (greedy,
+    or a drafter without one: one-hot), num [B] int64 (each row's K_b where the drafter set it)
+    or None (every row K, within its budget), forwards: the draft forwards it took (for the
+    cost model)."""
+
+    tokens: torch.Tensor
+    probs: Optional[torch.Tensor]
+    num: Optional[torch.Tensor]
+    forwards: int
+
+
+class Drafter:
+    """The interface the loop drafts through (see the module docstring)."""
+
+    name = "drafter"
+    reads_features = False  # the verify must also return the target's features ([B, K + 1, H])
+    network = True  # a draft network: its K_b is clamped to each row's budget by the loop
+
+    def draft(self, st: "DecodeState", K: int) -> Optional[Drafts]:
+        """The step's drafts (K >= 1), or None when it proposes none."""
+        raise NotImplementedError
+
+    def after_verify(self, st: "DecodeState", out: "VerifyOutput", feats: Optional[torch.Tensor],
+                     n: torch.Tensor, n_host: list, K: int) -> None:
+        """Roll the drafter's own state back to what each row accepted: n [B] of K drafts."""
+
+    def wait(self, st: "DecodeState", out: "VerifyOutput", feats: Optional[torch.Tensor]) -> None:
+        """A step without a draft forward (K = 0): keep what the drafter has not taken."""
+
+    def select_rows(self, st: "DecodeState", idx: torch.Tensor, keep: list) -> None:
+        """Keep the drafter's per-row state of rows ``keep`` (host indices; ``idx`` on the device):
+        ``st.draft``'s per-row tensors and lists, and after the prefill its cache's rows."""
+        d = st.draft
+        for name in ("ld", "catch", "wait", "wait_cnt", "pend_tok", "pend_feat", "pend_cnt"):
+            t = getattr(d, name)
+            if t is not None:
+                setattr(d, name, t.index_select(0, idx))
+        for name in ("ld_host", "catch_host", "wait_host", "pend_cnt_host"):
+            h = getattr(d, name)
+            if h:
+                setattr(d, name, [h[i] for i in keep])
+        if st.lt_host and d.dc is not None:
+            d.dc.batch_select_indices(idx)
+
+
+def position_limit(st: "DecodeState") -> Optional[int]:
+    """The largest position a draft forward is given (inputs past it are clamped to it: their
+    drafts are cut by ``draft_cap`` or past the row's budget); None: no limit."""
+    c = st.draft_context if st.draft_context is not None else st.context
+    return None if c is None else c - 1
+
+
+def draft_cap(st: "DecodeState", kb: Optional[torch.Tensor], pos_last: torch.Tensor) -> Optional[torch.Tensor]:
+    """K_b [B] (or None: no cut) cut where the draft's context is shorter than the target's: draft
+    j comes from the draft's input at position ``pos_last + j`` ([B]: its first draft's input), so
+    a row keeps the drafts whose input lies below ``st.draft_context``.  It depends on the row's
+    own length only (batch-invariant) and on the draft side alone (exact)."""
+    if st.draft_context is None:
+        return kb
+    cap = (st.draft_context - pos_last).clamp(min=0)
+    return cap if kb is None else torch.minimum(kb, cap)
+
+
+def append_right(block: torch.Tensor, cnt: torch.Tensor, x: torch.Tensor, valid: torch.Tensor) -> tuple:
+    """Append x [B] to the rows of a right-aligned block [B, W] (row b's cnt[b] tokens end at
+    its last column) where ``valid``; other rows shift right by a filler column instead.
+    Returns ([B, W + 1], cnt + valid)."""
+    col = x[:, None]
+    grown = torch.where(valid[:, None], torch.cat([block, col], 1), torch.cat([torch.zeros_like(col), block], 1))
+    return grown, cnt + valid.to(cnt.dtype)
+
+
+class DraftPicker:
+    """A step's drafts as they are picked: each position's token ids [B] (full-vocabulary ids),
+    when sampling the distribution each was drawn from (zero outside a draft vocabulary), and
+    each row's K_b where the draft cut it short: under ``draft_confidence`` where the running
+    product of its probabilities fell below the threshold, and when sampling at the first
+    position whose distribution is not finite.
+
+    A draft whose distribution at position j is not finite (``warp_probs`` gives NaN where a
+    NaN or +inf logit survives the warp, or where logit / T overflows; top-k or top-p may drop
+    such a logit, and the q then reported is the one sampled from) has none there, so the row
+    verifies only its drafts before j: the target samples position j itself, from its own
+    distribution, and the row goes on (decoded by the target alone while its draft stays
+    broken).  Whether a position is usable depends on the draft alone, never on the target or on
+    the verifier's random numbers, so the output stays exactly the target's distribution.  (A
+    draft that writes NaN into its cache can make a row's later drafts NaN in a batch and not
+    alone: a rejected column stays in the batch's cache, masked, until the longest row moves
+    past it, and masked attention still multiplies its NaN by 0; the tokens then differ from the
+    row decoded alone, in distribution they do not.  With temperature 0 the draft's argmax is
+    verified against the target's whatever it is: a broken greedy draft is only rejected.)"""
+
+    def __init__(self, st: "DecodeState", K: int, rows: Optional[torch.Tensor], Vd: int):
+        self.st, self.K, self.rows, self.Vd = st, K, rows, Vd
+        B, dev = len(st.rows), st.device
+        self.xs: list = []
+        sampling = st.temperature != 0
+        # when sampling, the distributions of all K positions, written in place (zero outside a
+        # draft vocabulary): one allocation a step, no stacking; and their uniforms, drawn at once
+        self.Q = torch.zeros((B, K, Vd), dtype=torch.float32, device=dev) if sampling else None
+        self.u = _draft_uniforms_k(st.key_lo, st.key_hi, st.step, K) if sampling else None  # [B, K]
+        on = st.draft_confidence > 0
+        self.cum = torch.ones(B, dtype=torch.float32, device=dev) if on else None  # P(all accepted)
+        self.kb = torch.full((B,), K, dtype=torch.int64, device=dev) if (on or sampling) else None
+
+    def add(self, logits: torch.Tensor, j: int) -> bool:
+        """Pick draft j from ``logits`` [B, Vd] (or [B, N] over the draft vocabulary).  True when
+        every row's K_b is cut to j + 1 or less (checked on the CPU only: no host sync elsewhere)."""
+        st, rows = self.st, self.rows
+        if st.temperature == 0:
+            x = logits.argmax(-1)
+            if self.cum is not None:  # the draft's own probability of its argmax
+                self.cum = self.cum * torch.softmax(logits.float(), -1).gather(1, x[:, None])[:, 0]
+        else:
+            q = warp_probs(logits, st.temperature, st.top_k, st.top_p, min_p=st.min_p)  # [B, Vd] (or [B, N]) fp32
+            x = _sample_inverse_cdf(q, self.u[:, j])
+            if self.cum is not None:
+                self.cum = self.cum * q.gather(1, x[:, None])[:, 0]
+            unusable = ~torch.isfinite(q.sum(-1))  # [B]: no distribution at this position
+            self.kb = torch.where(unusable, self.kb.clamp(max=j), self.kb)
+            if rows is not None:
+                self.Q[:, j].index_copy_(1, rows, q)
+            else:
+                self.Q[:, j] = q
+        self.xs.append(x if rows is None else rows[x])
+        if self.kb is None:
+            return False
+        if self.cum is not None:  # a NaN product (an unusable position, already cut) compares False
+            self.kb = torch.where((self.cum < st.draft_confidence) & (self.kb == self.K), j + 1, self.kb)
+        return j + 1 < self.K and st.device.type == "cpu" and bool((self.kb <= j + 1).all())
+
+    def result(self) -> tuple:
+        """(X [B, K'] int64, Q [B, K', Vd] or None, K_b [B] or None)."""
+        X = torch.stack(self.xs, 1)
+        Q = None if self.Q is None else self.Q[:, :X.shape[1]]
+        return X, Q, None if self.kb is None else self.kb.clamp(max=X.shape[1])

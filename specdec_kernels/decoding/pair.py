@@ -1,0 +1,141 @@
+"""Loading and checking a (draft, target) pair, before anything is converted or moved.
+
+``load_pair`` resolves what ``SpeculativeDecoder`` (and the CLI, through it) is given: model
+names or paths are loaded, the embedded default pair stands in for neither, a feature draft's
+directory is read, the tokenizers are loaded and compared (a vocabulary mismatch is refused
+before any weights are loaded), and every check that can refuse the pair runs while a caller's
+modules are still as they were (a dtype round trip is lossy, so nothing is converted here).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, NamedTuple, Optional
+
+import torch
+
+from .arguments import load_tokenizer, resolve_dtype, vocab_mismatch
+
+__all__ = ["DRAFTERS", "Pair", "device_of", "embedded_pair", "load_model", "load_pair"]
+
+DRAFTERS = ("model", "prompt_lookup", "feature")
+
+
+class Pair(NamedTuple):
+    """What ``load_pair`` resolved: the models (not yet converted or moved), the drafter's name,
+    the tokenizer (or None), the device the models will run on, the dtype asked for (or None),
+    and for a feature draft its saved draft vocabulary and whether the caller passed the module."""
+
+    target: torch.nn.Module
+    draft: Optional[torch.nn.Module]
+    feature: Optional[torch.nn.Module]
+    drafter: str
+    tokenizer: Any
+    device: torch.device
+    dtype: Optional[torch.dtype]
+    feature_vocab: Optional[torch.Tensor]
+    feature_given: bool
+
+
+def device_of(model) -> torch.device:
+    try:
+        return next(model.parameters()).device
+    except StopIteration:  # pragma: no cover - a model without parameters
+        return torch.device("cpu")
+
+
+def load_model(model, dtype):
+    """A model name/path loaded with ``AutoModelForCausalLM`` (in ``dtype``), or the module as given."""
+    if isinstance(model, str):
+        from transformers import AutoModelForCausalLM
+
+        kwargs = {"dtype": dtype} if dtype is not None else {}
+        return AutoModelForCausalLM.from_pretrained(model, **kwargs)
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"models must be a name/path or a torch.nn.Module, got {type(model).__name__}")
+    return model  # converted by the decoder once every check has passed
+
+
+def embedded_pair(drafter: Optional[str], device, dtype) -> tuple:
+    """(draft, target, tokenizer) of the embedded default pair, offline, for ``drafter``: None or
+    "model" its draft model, "feature" the directory of the embedded target's feature draft
+    (checked first: a missing one is said before any model is loaded), "prompt_lookup" None."""
+    feature_dir = None
+    if drafter == "feature":
+        from .drafters.feature_model import embedded_feature_draft_dir
+
+        feature_dir = embedded_feature_draft_dir()
+    from ..models.embedded import default_pair
+
+    draft, target, tokenizer = default_pair(device=device, dtype=resolve_dtype(dtype),
+                                            with_draft=drafter in (None, "model"))
+    draft = feature_dir if drafter == "feature" else None if drafter == "prompt_lookup" else draft
+    return draft, target, tokenizer
+
+
+def load_pair(draft, target, tokenizer, device: Optional[torch.device], dtype, drafter: Optional[str],
+              max_ngram: Optional[int] = None, tree: bool = False) -> Pair:
+    """Resolve and check a pair as ``SpeculativeDecoder`` takes it (its docstring says what each
+    argument may be); ``device``: as ``models.resolve_device`` resolved it (None: where they are)."""
+    feature_given = False
+    if target is None and draft is None and drafter in (None, "feature"):
+        draft, target, default_tokenizer = embedded_pair(drafter, device, dtype)
+        tokenizer = default_tokenizer if tokenizer is None else tokenizer
+    if target is None:
+        raise TypeError("target must be a model name/path or a PreTrainedModel, got None "
+                        "(pass neither draft nor target for the embedded default pair)")
+    if drafter is None:
+        drafter = "model" if draft is not None else "prompt_lookup"
+    if drafter not in DRAFTERS:
+        raise ValueError(f"drafter must be one of {DRAFTERS}, got {drafter!r}")
+    if drafter == "model" and draft is None:
+        raise ValueError("drafter='model' needs a draft model, got draft=None")
+    if tree and drafter != "model":
+        raise ValueError(f"tree drafting needs a draft model (drafter='model'), got drafter={drafter!r}")
+    if drafter == "prompt_lookup" and draft is not None:
+        raise ValueError(f"drafter='prompt_lookup' takes no draft model, got draft={type(draft).__name__}")
+    dtype = resolve_dtype(dtype)
+    feature = None  # a FeatureDraft (drafter="feature")
+    feature_vocab = None
+    if drafter == "feature":
+        from .drafters.feature_model import FeatureDraft, load_feature_draft
+
+        feature_given = not isinstance(draft, (str, os.PathLike))
+        if not feature_given:
+            draft, feature_vocab = load_feature_draft(draft, dtype=dtype or torch.float32)
+        elif not isinstance(draft, FeatureDraft):
+            raise TypeError(f"drafter='feature' needs a FeatureDraft or the directory of one "
+                            f"(specdec_kernels.decoding.drafters.feature_model), got draft={type(draft).__name__}")
+        feature, draft = draft.eval(), None
+    if max_ngram is not None and drafter != "prompt_lookup":
+        raise ValueError(f"max_ngram applies to drafter='prompt_lookup', got max_ngram={max_ngram!r} with "
+                         f"drafter={drafter!r}")
+
+    # Tokenizers first: a mismatch is refused before loading any weights.
+    if isinstance(tokenizer, str):
+        tokenizer = load_tokenizer(tokenizer, "tokenizer")
+    if tokenizer is None and isinstance(target, str):
+        tokenizer = load_tokenizer(target, "target")
+    draft_tokenizer = load_tokenizer(draft, "draft") if isinstance(draft, str) else None
+    if draft_tokenizer is not None and tokenizer is not None:
+        why = vocab_mismatch(draft_tokenizer.get_vocab(), tokenizer.get_vocab())
+        if why is not None:
+            raise ValueError(f"draft and target tokenizers must have the same vocabulary, got {why}")
+
+    target = load_model(target, dtype)  # a path is loaded in dtype; a module is converted below
+    draft = load_model(draft, dtype) if draft is not None else None
+    # Everything that can refuse the pair is checked before a caller's module is converted or
+    # moved: a refused pair leaves the models as they were (a dtype round trip is lossy).
+    final_device = torch.device(device) if device is not None else device_of(target)
+    if device is None and draft is not None and device_of(draft) != device_of(target):
+        raise ValueError(f"draft and target must be on the same device, got draft on {device_of(draft)} "
+                         f"and target on {device_of(target)} (pass device=...)")
+    on_meta = [name for name, m in (("target", target), ("draft", draft), ("feature draft", feature))
+               if m is not None and any(p.is_meta for p in m.parameters())]
+    if on_meta:
+        raise ValueError(f"the models must hold their weights, got the {' and '.join(on_meta)} on the meta "
+                         f"device (no data): load them with their weights")
+    if max_ngram is not None and drafter != "prompt_lookup":
+        raise ValueError(f"max_ngram applies to drafter='prompt_lookup', got max_ngram={max_ngram!r} with "
+                         f"drafter={drafter!r}")
+    return Pair(target, draft, feature, drafter, tokenizer, final_device, dtype, feature_vocab, feature_given)

@@ -1,0 +1,315 @@
+"""The launchers of ``fused_verify``'s Triton kernels, and the choice of backend.
+
+``_launch``: one launch of the split kernel (``_verify_split_kernel.py``, the ``"triton"``
+backend), its compile-time parameters from ``split_kernel_meta``, its scratch from
+``_verify_workspace``; ``_launch_rows``: the one-program-per-row kernel (``_verify_kernel.py``, the
+private ``"_triton_rows"`` backend), with ``rows_kernel_meta``.  The arguments come checked
+(``_verify_args``); a launch allocates the outputs (none with ``out=``), picks the grid, passes
+scalars by value and [B] tensors as they are (on the device no op but the outputs' allocation),
+and refuses only what depends on the grid.  The kernels are imported on the first launch, so the
+torch path runs without Triton.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from typing import NamedTuple, Optional
+
+import torch
+
+from ._verify_args import _Args, _RowSeeds
+from ._verify_workspace import _WORKSPACES, _Workspace, _workspace
+
+_BACKENDS = ("auto", "triton", "torch")
+# The vocabulary tile. 4096 fp32 logits per tile keep 8 warps streaming; the tests lower it to
+# cross tile boundaries on small vocabularies.
+_MAX_BLOCK_V = 4096
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.lru_cache(maxsize=None)
+def interpreter_problem(triton_version: Optional[str] = None, numpy_version: Optional[str] = None) -> Optional[str]:
+    """Why Triton's interpreter cannot run the kernel here, or None.
+
+    Triton 3.6's interpreter turns one-element arrays into Python ints with ``int()``, which
+    NumPy 2.4 refuses ("only 0-dimensional arrays can be converted to Python scalars", at the
+    kernel's first loop over the vocabulary); Triton 3.7 squeezes them first. Seen 2026-12-01
+    with triton 3.6.0 and numpy 2.4.6 (the GPU image's Triton; the compiled kernel is unaffected)."""
+    if triton_version is None or numpy_version is None:
+        import numpy
+        import triton
+
+        triton_version, numpy_version = triton_version or triton.__version__, numpy_version or numpy.__version__
+    from packaging.version import Version
+
+    if Version(triton_version).release[:2] < (3, 7) and Version(numpy_version).release[:2] >= (2, 4):
+        return (f"Triton {triton_version}'s interpreter (TRITON_INTERPRET=1) cannot run with NumPy {numpy_version}: "
+                f"install 'triton>=3.7' or 'numpy<2.4'")
+    return None
+
+
+# Private: the one-program-per-row kernel, reachable for side-by-side measurements on a GPU.
+_PRIVATE_BACKENDS = ("_triton_rows",)
+
+
+def _resolve_backend(backend: str, device: torch.device) -> str:
+    if backend not in _BACKENDS + _PRIVATE_BACKENDS:
+        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    if backend in ("triton", "_triton_rows") and device.type != "cuda":
+        if not interpreting():
+            raise ValueError(
+                f"backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 for CPU tensors), got tensors on {device}")
+        problem = interpreter_problem()
+        if problem is not None:
+            raise RuntimeError(f"backend='triton' on CPU tensors: {problem}")
+    return backend
+
+
+# The split kernel's chunk: a fixed number of tokens per work item (never a function of B: a
+# row's arithmetic is the same in any batch); 4096 fp32 logits a chunk keep 8 warps' loads in
+# flight at once. The tests lower it to cross chunk boundaries on small vocabularies.
+_CHUNK_V = 4096
+# Candidate keys kept per chunk for top-k/top-p (see _verify_split_kernel's header): top-k up to
+# _TOP_K_CAP - 1 (and most top-p sets) is decided from them in one read of the logits.
+_TOP_K_CAP = 64
+# Programs per multiprocessor of the split kernel's persistent grid (a tuning value: any grid is
+# correct, the items are claimed in order). ptxas gives the kernel 214-255 registers at 8 warps
+# for sm_90 (scripts/gpu_compile_check.py), so one program fits a multiprocessor at a time.
+_PROGRAMS_PER_SM = 1
+# A register cap for the split kernel on CUDA (None: ptxas's choice). 128 fits two programs a
+# multiprocessor at 8 warps, at 92-528 bytes of spills (sm_90, Triton 3.9): one of the settings
+# a GPU run compares, with _PROGRAMS_PER_SM = 2, for the loads in flight at large B.
+_MAXNREG: Optional[int] = None
+# Chunks per work item of the split kernel, streamed with software pipelining (STAGES deep): more
+# bytes in flight per program at large B, fewer items at small B. 1 until a GPU run has compared.
+_TILES_PER_ITEM = 1
+_STAGES = 2
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def split_kernel_meta(V: int, K1: int, has_draft_probs: bool, has_top_k: bool, has_top_p: bool, has_uniforms: bool,
+                has_order: bool = False, packed: bool = False, probs: bool = False, logprobs: bool = False,
+                draft_logits: bool = False, has_min_p: bool = False, block: bool = False) -> dict:
+    """The split kernel's compile-time parameters for V tokens and K + 1 = K1 positions: its
+    constexprs, num_warps and enable_fp_fusion (pinned off, as ``rows_kernel_meta`` says).  The launch
+    and the ahead-of-time compile check (``scripts/gpu_compile_check.py``) both take them here.
+    ``draft_logits``: the draft tensor holds logits (DRAFT_LOGITS; with has_draft_probs);
+    ``has_min_p``: a min_p argument was given (HAS_MIN_P); ``block``: block verification (BLOCK)."""
+    import triton
+
+    chunk = max(16, min(triton.next_power_of_2(V), _CHUNK_V))
+    nc = triton.cdiv(V, chunk)
+    return dict(HAS_DRAFT_PROBS=has_draft_probs, HAS_TOP_K=has_top_k, HAS_TOP_P=has_top_p, HAS_MIN_P=has_min_p,
+                HAS_UNIFORMS=has_uniforms, HAS_ORDER=has_order, PACKED=packed, PROBS=probs, LOGPROBS=logprobs,
+                DRAFT_LOGITS=bool(draft_logits and has_draft_probs), BLOCK=bool(block), CHUNK=chunk, TILES=_TILES_PER_ITEM,
+                STAGES=_STAGES, NCB=triton.next_power_of_2(nc),
+                CAP=_TOP_K_CAP, BLOCK_K=triton.next_power_of_2(K1),
+                num_warps=8 if chunk >= 2048 else 4, enable_fp_fusion=False)
+
+
+def _param_args(value, bit: int, dummy: torch.Tensor, flags: int):
+    """(flags, ptr, stride, scalar) of one per-row parameter for the split kernel: a [B] tensor is
+    read in place (any dtype the checks accept, any stride), a scalar is passed by value."""
+    if isinstance(value, torch.Tensor):
+        return flags | bit, value, value.stride(0), 0
+    return flags, dummy, 0, (0 if value is None else value)
+
+
+class _Layout(NamedTuple):
+    """What a call asks beyond ``_Args``: the batch (B rows, K = max_b K_b), the packed layout's
+    cu [B + 1] (None: padded), probabilities in, log-probabilities out, preallocated outputs, and
+    whether ``_Args.draft_probs`` holds the draft's logits (``draft_logits=``: q = softmax(l / T)),
+    and the verification method (``block``: ``method="block"``)."""
+
+    B: int
+    K: int
+    cu: Optional[torch.Tensor] = None
+    probs: bool = False
+    logprobs: bool = False
+    out: Optional[tuple] = None
+    draft_logits: bool = False
+    block: bool = False  # method="block": block verification
+
+
+def _padded_layout(a: _Args) -> _Layout:
+    B, K1, _ = a.target_logits.shape
+    return _Layout(B, K1 - 1)
+
+
+def _kernel_inputs(a: _Args, lay: _Layout):
+    """(logits, draft_probs, tokens, num_accepted, logprobs) for either Triton kernel: the two
+    inputs with a contiguous last dim (the kernels read a row at ptr + v; a copy only when it is
+    not) and the outputs: ``lay.out``'s, or allocated ([B, K+1] and [B] int64, [B, K+1] fp32)."""
+    logits = a.target_logits if a.target_logits.stride(-1) == 1 else a.target_logits.contiguous()
+    B, K1 = lay.B, lay.K + 1
+    q = a.draft_probs
+    if q is not None and q.stride(-1) != 1:
+        q = q.contiguous()
+    if lay.out is not None:
+        tokens, num_accepted = lay.out[0], lay.out[1]
+        logprobs = lay.out[2] if lay.logprobs else None
+    else:
+        tokens = torch.empty((B, K1), dtype=torch.int64, device=logits.device)
+        num_accepted = torch.empty((B,), dtype=torch.int64, device=logits.device)
+        logprobs = torch.empty((B, K1), dtype=torch.float32, device=logits.device) if lay.logprobs else None
+    return logits, q, tokens, num_accepted, logprobs
+
+
+def _launch_triton(a: _Args, order: Optional[torch.Tensor] = None,
+                   local_workspace: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_launch`` of the padded layout: (tokens, num_accepted)."""
+    return _launch(a, _padded_layout(a), order, local_workspace)[:2]
+
+
+def _launch(a: _Args, lay: _Layout, order: Optional[torch.Tensor] = None,
+            local_workspace: bool = False) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """The split kernel (``_verify_split_kernel.py``): one launch, and on the device no op but the
+    outputs' allocation (scalars go by value, tensors are read as they are; none with ``out=``).
+    Returns (tokens, num_accepted, logprobs or None).
+    ``order`` (tests only): int32 [N] permutation of the work items, stage-1 items among themselves
+    and stage-2 items among themselves, to prove that arrival order does not change the result.
+    ``local_workspace``: a workspace of this call only (the registered op's path: torch.compile's
+    CUDA graphs allocate from pools whose memory they recycle, where a cached one could end up)."""
+    from ._verify_split_kernel import _verify_split_kernel  # lazily: the torch path needs no Triton
+
+    logits, q, tokens, num_accepted, logprobs = _kernel_inputs(a, lay)
+    B, K = lay.B, lay.K
+    K1, V = K + 1, logits.shape[-1]
+    packed = lay.cu is not None
+    dev = logits.device
+    if B == 0:
+        return tokens, num_accepted, logprobs
+    x, u = a.draft_tokens, a.uniforms
+    warp = a.top_k is not None or a.top_p is not None or a.min_p is not None
+    meta = split_kernel_meta(V, K1, q is not None, a.top_k is not None, a.top_p is not None, u is not None, order is not None,
+                       packed=packed, probs=lay.probs, logprobs=lay.logprobs, draft_logits=lay.draft_logits,
+                       has_min_p=a.min_p is not None, block=lay.block)
+    nc = -(-V // meta["CHUNK"])
+    sizes = _Workspace.sizes(B, K1, nc, _TOP_K_CAP if warp else 0, meta["DRAFT_LOGITS"], lay.block)
+    ws = _workspace(dev)
+    if local_workspace or (not ws.fits(sizes) and dev.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        ws = _Workspace()  # this call's own (under capture: of the graph's pool, zeroed by a captured memset)
+    ws.ensure(dev, sizes)
+    ni = -(-nc // meta["TILES"])  # work items per position
+    n1 = B * K1 * ni
+    n_items = n1 + B * ni * (K1 if lay.block else 1)  # stage 2: per row (block: per row and position)
+    grid = 1 if dev.type != "cuda" else min(n_items, _sm_count(dev.index) * _PROGRAMS_PER_SM)
+    if n_items + grid >= 2**31:  # the kernel's int32 ticket
+        raise ValueError(f"fused_verify: {n_items} work items (B = {B}, K + 1 = {K1}, {ni} a position) must stay "
+                         f"below 2^31 - {grid}")
+    if order is not None:
+        # a stage-2 item before its row's stage-1 items would wait for ever: refuse such orders
+        o = order.cpu().tolist()
+        if sorted(o[:n1]) != list(range(n1)) or sorted(o[n1:]) != list(range(n1, n_items)):
+            raise ValueError(f"order must hold a permutation of the {n1} stage-1 items, then one of the "
+                             f"{n_items - n1} stage-2 items, got {o}")
+    dummy = num_accepted  # stands in for absent tensors; never dereferenced
+    flags = 0
+    # packed: the kernel takes K_b from cu, and the number of drafts (a row's bound) in nd's scalar
+    nd = x.shape[0] if packed else (K if a.num_draft_tokens is None else a.num_draft_tokens)
+    flags, nd_p, nd_s, nd_v = _param_args(nd, 1, dummy, flags)
+    flags, t_p, t_s, t_v = _param_args(a.temperature, 2, dummy, flags)
+    flags, k_p, k_s, k_v = _param_args(a.top_k, 4, dummy, flags)
+    flags, p_p, p_s, p_v = _param_args(1.0 if a.top_p is None else a.top_p, 8, dummy, flags)
+    flags, mp_p, mp_s, mp_v = _param_args(0.0 if a.min_p is None else a.min_p, 64, dummy, flags)
+    seed, seed_step = (a.seed.base, 1) if isinstance(a.seed, _RowSeeds) else (a.seed, 0)
+    flags, s_p, s_s, s_v = _param_args(seed, 16, dummy, flags)
+    flags, o_p, o_s, o_v = _param_args(a.offset, 32, dummy, flags)
+    if packed:  # row b at logits row cu[b] + b, its drafts at cu[b]: the kernel takes the row strides
+        l_strides = (0, logits.stride(0))
+        x_strides = (0, x.stride(0) if x.numel() else 1)
+        q_strides = (0, q.stride(0)) if q is not None else (0, 0)
+        cu, cu_stride = lay.cu, lay.cu.stride(0)
+    else:
+        l_strides = (logits.stride(0), logits.stride(1))
+        x_strides = (x.stride(0), x.stride(1) if K > 0 else 1)
+        q_strides = (q.stride(0), q.stride(1)) if q is not None else (0, 0)
+        cu, cu_stride = dummy, 0
+    lp = logprobs if logprobs is not None else dummy
+    lp_strides = (logprobs.stride(0), logprobs.stride(1)) if logprobs is not None else (0, 0)
+    # Triton launches on the current device's current stream: make it the tensors'. Nothing to
+    # do for the interpreter.
+    with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
+        try:
+            _verify_split_kernel[(grid,)](
+                logits, *l_strides, x, *x_strides, q if q is not None else dummy, *q_strides, cu, cu_stride,
+                u if u is not None else dummy, u.stride(0) if u is not None else 0, u.stride(1) if u is not None else 0,
+                flags, nd_p, nd_s, nd_v, t_p, t_s, float(t_v), k_p, k_s, k_v, p_p, p_s, float(p_v),
+                mp_p, mp_s, float(mp_v), s_p, s_s, s_v, o_p, o_s, o_v, seed_step,
+                tokens, tokens.stride(0), tokens.stride(1), num_accepted, num_accepted.stride(0), lp, *lp_strides,
+                ws.counters, ws.part_f, ws.part_i, ws.cand, ws.mass, order if order is not None else dummy,
+                B, K, V, q.shape[-1] if q is not None else V, nc, grid,
+                **meta, **({"maxnreg": _MAXNREG} if _MAXNREG is not None and dev.type == "cuda" else {}),
+            )
+        except BaseException:
+            # An interpreted launch that did not finish (an error, an interrupt) may leave counters
+            # set: drop the workspaces so that the next call starts from zeros. On CUDA an error
+            # comes before the kernel is enqueued, and a captured graph may hold the workspace.
+            if dev.type != "cuda":
+                _WORKSPACES.clear()
+            raise
+    return tokens, num_accepted, logprobs
+
+
+def _launch_rows(a: _Args) -> tuple[torch.Tensor, torch.Tensor]:
+    """The one-program-per-row kernel (``_verify_kernel.py``, private backend ``"_triton_rows"``),
+    kept until a GPU run has measured it beside the split kernel. Takes materialized arguments."""
+    from ._verify_kernel import _verify_kernel  # imported lazily: the torch path needs no Triton
+
+    logits, q, tokens, num_accepted, _ = _kernel_inputs(a, _padded_layout(a))
+    if q is not None:
+        q = q.float()  # this kernel reads fp32 q
+    B, K1, V = logits.shape
+    K = K1 - 1
+    dev = logits.device
+    if B == 0:
+        return tokens, num_accepted
+    uniforms = a.uniforms.contiguous() if a.uniforms is not None else None  # float64 (normalize_arguments)
+    x = a.draft_tokens if a.draft_tokens.stride(-1) == 1 else a.draft_tokens.contiguous()  # read at + j
+    dummy = num_accepted  # stands in for absent optional pointers; never dereferenced
+    # Triton launches on the current device's current stream: make it the tensors' (cuda:1 while
+    # cuda:0 is current ran in the wrong context before). Nothing to do for the interpreter.
+    with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
+        _verify_kernel[(B,)](
+            logits, logits.stride(0), logits.stride(1),
+            x, x.stride(0),
+            q if q is not None else dummy, q.stride(0) if q is not None else 0, q.stride(1) if q is not None else 0,
+            a.num_draft_tokens, a.temperature,
+            a.top_k if a.top_k is not None else dummy,
+            a.top_p if a.top_p is not None else dummy,
+            a.seed, a.offset,
+            uniforms if uniforms is not None else dummy,
+            tokens, num_accepted,
+            K, V, q.shape[-1] if q is not None else V,
+            **rows_kernel_meta(V, K1, q is not None, a.top_k is not None, a.top_p is not None, uniforms is not None),
+        )
+    return tokens, num_accepted
+
+
+def rows_kernel_meta(V: int, K1: int, has_draft_probs: bool, has_top_k: bool, has_top_p: bool,
+                 has_uniforms: bool) -> dict:
+    """The verify kernel's compile-time parameters for a launch over V tokens and K + 1 = K1
+    positions: its constexprs, num_warps and enable_fp_fusion.  The launch and the
+    ahead-of-time compile check (``scripts/gpu_compile_check.py``) both take them from here.
+
+    enable_fp_fusion is pinned off: a multiply and an add stay two roundings, as in the
+    interpreter and the torch reference (the online softmax's ``acc * exp(m - m') + exp(s - m')``
+    would otherwise become one FMA), and the bits do not change with Triton's default (on in
+    3.6-3.9, off from 3.10)."""
+    import triton  # imported lazily, as above
+
+    block_v = max(16, min(triton.next_power_of_2(V), _MAX_BLOCK_V))
+    return dict(HAS_DRAFT_PROBS=has_draft_probs, HAS_TOP_K=has_top_k, HAS_TOP_P=has_top_p,
+                HAS_UNIFORMS=has_uniforms, BLOCK_V=block_v, BLOCK_K=triton.next_power_of_2(K1),
+                num_warps=8 if block_v >= 2048 else 4, enable_fp_fusion=False)

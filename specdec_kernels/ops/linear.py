@@ -1,0 +1,109 @@
+"""``skinny_linear``: the batch-invariant fp32 CPU linear op (``torch.ops.specdec.skinny_linear``,
+csrc/skinny_linear.cpp), its argument checks and its fakes (so ``torch.compile`` and
+``FakeTensorMode`` trace through it), and which SIMD paths of it this CPU runs.
+
+The op streams the weights once for all rows of a few-row input (a decode step's K + 1
+positions) and sums each output element in one fixed order, so row i of the result does not
+depend on the other rows or the thread count.  ``specdec_kernels.cpu.skinny_linear`` patches it
+into a model's ``nn.Linear`` layers.
+
+Memory traffic: reads x [M, K] and the weight [N, K] once (4, 2 or 1 bytes per weight element:
+fp32, fp16 or int8), writes [M, N] fp32; the weight's bytes dominate for M <= 24, so the floor
+is one pass over it, which is what a one-row decode step already pays.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .extension import HAS_EXT
+from .reference import skinny_linear_reference
+
+__all__ = ["skinny_linear", "supported_isas"]
+
+
+@functools.lru_cache(maxsize=None)
+def supported_isas() -> tuple:
+    """The SIMD paths of the kernel this CPU runs, of ("avx2", "avx512") (the portable path
+    always runs; all give the same bits); () without the C++ extension.  Asked of the extension
+    itself (``skinny_linear_isa`` refuses a path the CPU lacks), once."""
+    if not HAS_EXT:
+        return ()
+    out = []
+    for isa in ("avx2", "avx512"):
+        try:
+            torch.ops.specdec.skinny_linear_isa(torch.ones(1, 8), torch.ones(1, 8), None, isa)
+        except RuntimeError:
+            continue
+        out.append(isa)
+    return tuple(out)
+
+
+def _check(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> None:
+    if not isinstance(x, Tensor) or not isinstance(weight, Tensor):
+        raise TypeError(
+            f"skinny_linear: x and weight must be tensors, got {type(x).__name__} and "
+            f"{type(weight).__name__}"
+        )
+    if weight.dim() != 2:
+        raise ValueError(
+            f"skinny_linear: weight must have 2 dims [N, K], got {weight.dim()} "
+            f"(shape {list(weight.shape)})"
+        )
+    if x.dim() < 1 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"skinny_linear: x must be [..., K] with K = weight.shape[1] = {weight.shape[1]}, "
+            f"got shape {list(x.shape)}"
+        )
+    for name, t in (("x", x), ("weight", weight), ("bias", bias)):
+        if t is None:
+            continue
+        if t.dtype != torch.float32 and not (name == "weight" and t.dtype in (torch.float16, torch.int8)):
+            want = "float32, float16 or int8" if name == "weight" else "float32"
+            raise ValueError(f"skinny_linear: {name} must be {want}, got {t.dtype}")
+        if t.device.type != "cpu":
+            raise ValueError(f"skinny_linear: {name} must be a CPU tensor, got device {t.device}")
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != weight.shape[0]):
+        raise ValueError(
+            f"skinny_linear: bias must be [N] = [{weight.shape[0]}], got {list(bias.shape)}"
+        )
+
+
+def skinny_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+    """``x @ weight.T + bias`` for fp32 CPU tensors, batch-invariant (see the module doc).
+
+    x: ``[..., K]`` fp32 CPU; weight: ``[N, K]`` fp32, fp16 or int8 CPU (fp16 and int8 are
+    widened exactly to fp32 as they are loaded: half or a quarter of the bytes, the same
+    arithmetic over their values; int8 carries no scale, the caller applies one); bias: ``[N]``
+    fp32 CPU or None.
+    Returns ``[..., N]`` fp32.  Without the C++ extension it falls back to
+    ``reference.skinny_linear_reference`` (float64 accumulation, not batch-invariant-fast).
+    """
+    _check(x, weight, bias)
+    if HAS_EXT:
+        return torch.ops.specdec.skinny_linear(x, weight, bias)
+    return skinny_linear_reference(x, weight, bias)
+
+
+if HAS_EXT:
+
+    @torch.library.register_fake("specdec::skinny_linear")
+    def _skinny_linear_fake(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+        _check(x, weight, bias)
+        return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+    @torch.library.register_fake("specdec::skinny_linear_portable")
+    def _skinny_linear_portable_fake(
+        x: Tensor, weight: Tensor, bias: Optional[Tensor] = None
+    ) -> Tensor:
+        _check(x, weight, bias)
+        return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+    @torch.library.register_fake("specdec::skinny_linear_isa")
+    def _skinny_linear_isa_fake(x: Tensor, weight: Tensor, bias: Optional[Tensor], isa: str) -> Tensor:
+        _check(x, weight, bias)
+        return x.new_empty((*x.shape[:-1], weight.shape[0]))
