@@ -20,7 +20,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 import specdec_kernels
 from specdec_kernels import hf
-from specdec_kernels.cli import build_tiny_random_pair
+from specdec_kernels.models.tiny import tiny_random_pair as build_tiny_random_pair
 from specdec_kernels.decoding.decoder import SpeculativeDecoder
 from specdec_kernels.decoding.transformers_args import draft_settings
 

@@ -107,7 +107,7 @@ SPECDEC = ("specdec", "specdec_feature", "specdec_block", "specdec_tree")  # the
 def load_pair(args, device: torch.device, dtype: torch.dtype):
     """(draft, target, tokenizer, pair name), both models on ``device`` in ``dtype``, eval mode."""
     if args.tiny_random:
-        from specdec_kernels.cli import build_tiny_random_pair
+        from specdec_kernels.models.tiny import tiny_random_pair as build_tiny_random_pair
 
         draft, target, tok = build_tiny_random_pair(seed=0)
         name = "tiny-random (2-layer Llama, char tokenizer; draft = target + noise 0.02)"

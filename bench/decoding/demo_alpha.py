@@ -73,7 +73,7 @@ def main(argv=None) -> dict:
     if args.tiny_random:
         if "feature" in drafters and args.feature_draft is None:
             raise SystemExit("--tiny-random with the feature drafter needs --feature-draft DIR")
-        from specdec_kernels.cli import build_tiny_random_pair
+        from specdec_kernels.models.tiny import tiny_random_pair as build_tiny_random_pair
 
         draft, target, tok = build_tiny_random_pair(seed=0)
     else:

@@ -53,7 +53,7 @@ def main(argv=None) -> dict:
 
     torch.set_num_threads(args.threads)
     if args.tiny_random:
-        from specdec_kernels.cli import build_tiny_random_pair
+        from specdec_kernels.models.tiny import tiny_random_pair as build_tiny_random_pair
 
         draft, target, tok = build_tiny_random_pair(seed=0)
         prompts = [tok(p)["input_ids"] for p in DEMO_PROMPTS] * 2

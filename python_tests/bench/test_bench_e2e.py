@@ -185,7 +185,7 @@ def test_bench_e2e_quick_feature_draft(tmp_path):
     for the tiny pair's target: rarely accepted, still exact, so the greedy check passes)."""
     import torch
 
-    from specdec_kernels.cli import build_tiny_random_pair
+    from specdec_kernels.models.tiny import tiny_random_pair as build_tiny_random_pair
     from specdec_kernels.decoding.drafters.feature_model import FeatureDraft, save_feature_draft, target_identity
     from transformers import LlamaConfig
 
@@ -263,7 +263,7 @@ def test_demo_alpha_counts_as_generate_does(tmp_path):
     for r in out["sets"]:
         assert 0 < r["accepted"] < r["reached"] and r["alpha"] == r["accepted"] / r["reached"], r
     from specdec_kernels import SpeculativeDecoder
-    from specdec_kernels.cli import build_tiny_random_pair
+    from specdec_kernels.models.tiny import tiny_random_pair as build_tiny_random_pair
 
     draft, target, tok = build_tiny_random_pair(seed=0)
     dec = SpeculativeDecoder(draft=draft, target=target, tokenizer=tok)
@@ -310,7 +310,7 @@ def test_assisted_generation_uses_the_draft(k):
     was the target's)."""
     import torch
 
-    from specdec_kernels.cli import build_tiny_random_pair
+    from specdec_kernels.models.tiny import tiny_random_pair as build_tiny_random_pair
 
     mod = _load_bench_module()
     draft, target, tok = build_tiny_random_pair(seed=0)

@@ -310,7 +310,7 @@ def test_bench_lean_forward_rows():
         ("model forward", 1), ("lean step", 1), ("model forward", 3), ("lean step", 3)]
     assert all(r["same_logits"] is True and r["ms"] > 0 and r["q20_ms"] <= r["ms"] <= r["q80_ms"] for r in rows)
     assert rows[0]["speedup_vs_model_forward"] == 1.0
-    from specdec_kernels.cli import build_tiny_random_pair
+    from specdec_kernels.models.tiny import tiny_random_pair as build_tiny_random_pair
 
     draft, target, tok = build_tiny_random_pair(seed=0)
     rows = mod.run_decoder(draft, target, tok, ["hello there", "abc"], [2], max_new=5, rounds=1)

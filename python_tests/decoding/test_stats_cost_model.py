@@ -269,7 +269,7 @@ def test_cpu_slope_prior_through_the_measured_slopes():
 
 
 def test_decoder_recorder_gets_the_cpu_prior():
-    from specdec_kernels.cli import build_tiny_random_pair
+    from specdec_kernels.models.tiny import tiny_random_pair as build_tiny_random_pair
     from specdec_kernels.decoding.decoder import SpeculativeDecoder
     from specdec_kernels.decoding.stats import cpu_slope_prior
 
