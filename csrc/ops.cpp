@@ -1,6 +1,6 @@
 // The specdec op namespace: schemas (TORCH_LIBRARY) and the CPU kernels.
 //
-// Python reaches the ops as torch.ops.specdec.<name> once specdec_kernels._C is imported;
+// Python reaches the ops as torch.ops.specdec.<name> once specdec_kernels.ops._C is imported;
 // the module itself is empty and only exists so that the import loads this shared object,
 // which runs the static registrations below.  The CUDA kernels register themselves from
 // compact_kv_cuda.cu and gather_kv_cuda.cu when the extension is built with CUDA.
@@ -38,7 +38,7 @@
 #include "gather_kv.h"
 
 extern "C" {
-// An empty module `specdec_kernels._C`: importing it dlopens this library, and with it the
+// An empty module `specdec_kernels.ops._C`: importing it dlopens this library, and with it the
 // TORCH_LIBRARY / TORCH_LIBRARY_IMPL initialisers.  Only the limited Python C API is used.
 PyObject* PyInit__C(void) {
   static struct PyModuleDef module_def = {

@@ -210,11 +210,16 @@ def _make_decoder(args, parser):
     if args.target is None:
         if args.draft is not None:
             parser.error("--draft needs --target (without both, the embedded default pair is used)")
+        if args.drafter == "feature":  # said before any model is loaded
+            from .decoding.drafters.feature_model import embedded_feature_draft_dir
+
+            try:
+                embedded_feature_draft_dir()
+            except FileNotFoundError as e:
+                parser.error(f"--drafter feature: {e} (here: pass --draft DIR and --target)")
         try:
             draft, target, tokenizer = embedded_pair(args.drafter, args.device, args.dtype)
         except (FileNotFoundError, ImportError) as e:
-            if args.drafter == "feature" and str(e).startswith("the embedded feature draft"):
-                parser.error(f"--drafter feature: {e} (here: pass --draft DIR and --target)")
             parser.error(f"the embedded default pair is not available: {e}")
         return SpeculativeDecoder(draft=draft, target=target, tokenizer=tokenizer, drafter=args.drafter, **paths)
     draft = args.draft  # (--draft with --target, or prompt lookup without: _check_early)

@@ -122,8 +122,9 @@ from typing import Any, Optional
 
 import torch
 
-from .decoding.transformers_args import (RowCriteria, check_generation_config, check_streamer, draft_settings, resolve_generation_config,
-                      sampling_from_config, split_criteria)
+from .decoding.transformers_args import (check_generation_config, draft_settings, resolve_generation_config,
+                                         sampling_from_config)
+from .decoding.transformers_rows import RowCriteria, check_streamer, split_criteria
 from .decoding.logits_processors import VerifyProcessors, processors_from_arguments, split_processors
 
 __all__ = ["generate"]

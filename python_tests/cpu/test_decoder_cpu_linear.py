@@ -108,7 +108,7 @@ def test_weights_written_through_data_are_seen():
     """The fp16 copies of fp16-exact weights (kept on the layers between calls) follow the
     weights: new storage (``p.data = ...``) is noticed by the same decoder; writes through
     ``.data`` in place, which torch's version counter does not see, by a new decoder or after
-    ``cpu_linear.forget_weight_copies`` (seen stale before)."""
+    ``cpu.skinny_linear.forget_weight_copies`` (seen stale before)."""
     def fp16_exact(seed):
         _, t = _pair()
         with torch.no_grad():
@@ -188,11 +188,11 @@ class _Spy(CpuAccelerator):
 
 @pytest.mark.parametrize("linear,lean", [("torch", False), ("skinny", True)])
 def test_a_handed_accelerator_is_the_one_used(pair, refs, linear, lean):
-    """``accelerator=`` replaces ``cpu_linear``/``lean_forward``: the decoder takes its mode and
+    """``accelerator=`` instead of ``cpu_linear``/``lean_forward``: the decoder takes its mode and
     lean steps from it and runs every call inside its ``linear_layers``; the tokens are the same."""
     draft, target = pair
     spy = _Spy(linear, lean)
-    dec = SpeculativeDecoder(draft=draft, target=target, accelerator=spy, cpu_linear="skinny", lean_forward=True)
+    dec = SpeculativeDecoder(draft=draft, target=target, accelerator=spy)
     assert dec.accelerator is spy and dec.cpu_linear == linear and dec.lean_forward is lean
     if not lean:
         assert dec.lean_status() == {"target": "lean_forward=False", "draft": "lean_forward=False"}
@@ -202,7 +202,11 @@ def test_a_handed_accelerator_is_the_one_used(pair, refs, linear, lean):
     assert ("linear_layers", linear) in spy.calls and "lean_step" in spy.calls
 
 
-def test_accelerator_arguments_are_checked():
+def test_accelerator_arguments_are_checked(pair):
+    draft, target = pair
+    with pytest.raises(ValueError, match="pass either accelerator= or cpu_linear/lean_forward, got accelerator="
+                                         "CpuAccelerator with cpu_linear='torch', lean_forward=True"):
+        SpeculativeDecoder(draft=draft, target=target, accelerator=CpuAccelerator(), cpu_linear="torch")
     with pytest.raises(ValueError, match="cpu_linear must be 'auto', 'skinny' or 'torch', got 'fast'"):
         CpuAccelerator("fast")
     with pytest.raises(TypeError, match="lean_forward must be a bool, got int"):

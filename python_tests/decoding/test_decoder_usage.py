@@ -50,6 +50,9 @@ def test_prompt_lookup_function():
     assert _sample_inverse_cdf(edge, torch.tensor([1.0], dtype=torch.float64)).tolist() == [2]
     with pytest.raises(ValueError, match=r"need 1 <= min_ngram <= max_ngram, got min_ngram=3, max_ngram=2"):
         prompt_lookup([1, 2], 1, max_ngram=2, min_ngram=3)
+    # the decoder refuses a bad max_ngram before it loads anything (here: a target path that does not exist)
+    with pytest.raises(ValueError, match=r"need 1 <= min_ngram <= max_ngram, got min_ngram=1, max_ngram=0"):
+        SpeculativeDecoder(target="/nonexistent/target", max_ngram=0)
 
 
 @pytest.mark.parametrize("k", [4, "auto"])
@@ -534,7 +537,7 @@ def test_draft_hash_on_the_host_equals_the_tensor_ops(monkeypatch):
         host = torch.cat([ds._draft_uniforms(lo[i:i + 50], hi[i:i + 50], step[i:i + 50], j) for i in range(0, B, 50)])
         assert B > ds._HOST_HASH_MAX >= 50
         assert tensor_ops.dtype == host.dtype == torch.float64 and torch.equal(tensor_ops, host), j
-    # A step's K positions at once (what _Drafts draws): the same numbers, column by column, on
+    # A step's K positions at once (what DraftPicker draws): the same numbers, column by column, on
     # either path.
     all_k = ds._draft_uniforms_k(lo, hi, step, 8)  # [200, 8], tensor ops
     assert all_k.shape == (B, 8)

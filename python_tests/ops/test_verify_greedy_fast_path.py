@@ -1,4 +1,4 @@
-"""The greedy fast path of fused_verify's CPU torch path (``verify._verify_greedy``).
+"""The greedy fast path of fused_verify's CPU torch path (``_verify_torch._verify_greedy``).
 
 When every row has temperature 0 the torch path skips the softmax, top-k/top-p, residual and
 final draw of the reference.  These tests run many randomised all-greedy batches (argmax ties,

@@ -1,4 +1,4 @@
-"""The untruncated-sampling route of fused_verify's torch path (``verify._verify_untruncated``).
+"""The untruncated-sampling route of fused_verify's torch path (``_verify_torch._verify_untruncated``).
 
 When no row has top-k or top-p (and not every row is greedy) the torch path skips the keep mask,
 finds unusable positions from the maximum, and divides p = e / sum(e) out only where it is read.
@@ -335,7 +335,7 @@ def test_sort_descending_cpu_equals_torchs_sort():
 
 
 def test_warped_rows_equal_the_reference_on_random_cases(counted, counted_warped, monkeypatch):
-    """fused_verify's torch path with top-k / top-p (``verify._verify_warped``: the reference's
+    """fused_verify's torch path with top-k / top-p (``_verify_torch._verify_warped``: the reference's
     warp through NumPy's sort, the unmasked maximum, in place, the row-by-row or batched draw)
     against verify_reference with torch's sort: the same tokens and counts on 600 random batches
     (ties, signed zeros, NaN/inf positions, bad ids and q, ragged K, greedy rows, fp32/bf16/fp16,

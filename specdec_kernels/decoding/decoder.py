@@ -72,7 +72,6 @@ from ..ops.kv_cache import compact_dynamic_cache_, crop_cache_
 from .arguments import as_float
 from .drafters.feature import FeatureDrafter
 from .drafters.model import ModelDrafter
-from .drafters.prompt_lookup import PromptLookupDrafter
 from .drafters.vocab import resolve_draft_vocab
 from .drafters.sampling import warp_probs  # noqa: F401  (public here: the draft's warp)
 from .emit import emit_rows, stop_cut
@@ -80,10 +79,10 @@ from .pair import device_of, load_pair
 from .prefill import prefill_
 from .runners import FeatureRunner, ModelRunner
 from .state import DecodeState, GenerationResult, start_state
-from .transformers_args import check_streamer, decoder_arguments
+from .transformers_args import decoder_arguments
+from .transformers_rows import check_streamer
 
 __all__ = ["SpeculativeDecoder", "GenerationResult", "warp_probs"]
-
 
 
 def _num_params(model) -> int:
@@ -125,6 +124,10 @@ class SpeculativeDecoder:
     other models, devices or attention implementations keep their forward
     (``lean_status()`` says which path each model takes and why).
 
+    accelerator: the CPU accelerators as one object (``specdec_kernels.cpu.CpuAccelerator``, or
+    one with its methods and ``lean_forward`` attribute) instead of ``cpu_linear`` and
+    ``lean_forward`` (None, default: built from those two; passing both is refused).
+
     draft_vocab: the tokens the draft may propose (``specdec_kernels.decoding.drafters.vocab``): its logits
     are computed for those rows of its output layer only and its distribution is zero elsewhere
     (exactness does not depend on the set; the residual covers the rest).  ``"auto"`` (default):
@@ -148,11 +151,11 @@ class SpeculativeDecoder:
                  drafter: Optional[str] = None, max_ngram: Optional[int] = None, cpu_linear: str = "auto",
                  lean_forward: bool = True, draft_vocab: Any = "auto", verify_backend: str = "auto",
                  verification: str = "token", tree: Any = None, accelerator: Any = None):
-        if accelerator is None:  # the composition point: the one place the decoder names the CPU layer
-            from ..cpu.accelerator import CpuAccelerator
-
-            accelerator = CpuAccelerator(cpu_linear, lean_forward)
-        self.accelerator = accelerator
+        if cpu_linear not in ("auto", "skinny", "torch"):
+            raise ValueError(f"cpu_linear must be 'auto', 'skinny' or 'torch', got {cpu_linear!r}")
+        if accelerator is not None and (cpu_linear != "auto" or lean_forward is not True):
+            raise ValueError(f"pass either accelerator= or cpu_linear/lean_forward, got accelerator="
+                             f"{type(accelerator).__name__} with cpu_linear={cpu_linear!r}, lean_forward={lean_forward!r}")
         if verify_backend not in ("auto", "triton", "torch"):
             raise ValueError(f"verify_backend must be 'auto', 'triton' or 'torch', got {verify_backend!r}")
         if verification not in ("token", "block"):
@@ -169,8 +172,7 @@ class SpeculativeDecoder:
         target, draft, self.feature, drafter = pair.target, pair.draft, pair.feature, pair.drafter
         self.drafter, self.tokenizer, final_device, dtype = drafter, pair.tokenizer, pair.device, pair.dtype
         feature_vocab, feature_given = pair.feature_vocab, pair.feature_given
-        self.lookup = (PromptLookupDrafter(max_ngram=3 if max_ngram is None else max_ngram)
-                       if drafter == "prompt_lookup" else None)
+        self.lookup = pair.lookup
         if verify_backend == "triton" and final_device.type != "cuda":
             from ..ops.verify import interpreter_problem, interpreting
 
@@ -201,6 +203,11 @@ class SpeculativeDecoder:
         if self._d is not None and self._d.vocab_size > self._t.vocab_size:
             raise ValueError(f"the draft vocabulary must not exceed the target's: draft vocab_size = "
                              f"{self._d.vocab_size}, target vocab_size = {self._t.vocab_size}")
+        if accelerator is None:  # the one place the decoder names the CPU layer: its default accelerator
+            from ..cpu.accelerator import CpuAccelerator
+
+            accelerator = CpuAccelerator(cpu_linear, lean_forward)
+        self.accelerator = accelerator
         self.draft = draft
         self.draft_vocab = resolve_draft_vocab(draft_vocab, self._d, self.drafter, self.draft, self.feature,
                                                self._feature_vocab)
@@ -253,10 +260,10 @@ class SpeculativeDecoder:
         scales: a quarter of the fp32 bytes (it only proposes; the verify reads the target's own
         logits)."""
         head = self._d.head if self._d is not None else None  # the draft vocabulary's rows
-        feature_head = head if self.feature is not None else None
-        return self.accelerator.linear_layers(
-            self.cpu_linear, (self.target, self.draft, self.feature, None if feature_head is not None else head),
-            (feature_head,))
+        feature = self.feature is not None
+        return self.accelerator.linear_layers(self.cpu_linear, (self.target, self.draft, self.feature,
+                                                                None if feature else head),
+                                              (head if feature else None,))
 
     # -- public -------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -514,7 +521,7 @@ class SpeculativeDecoder:
         st.lt_host = [a + max(m + 1, 0) for a, m in zip(st.lt_host, n_host)]
         if drafter is not None and d is not None:
             drafter.after_verify(st, out, feats, n, n_host, K)
-        elif drafter is not None and drafter.network:
+        elif drafter is not None:  # a K = 0 step
             drafter.wait(st, out, feats)
         st.last = out.tokens.gather(1, n.clamp(min=0)[:, None])[:, 0]
         st.gen, st.step, st.steps_done = st.gen + keep_t, st.step + 1, st.steps_done + 1

@@ -15,6 +15,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 
 from .arguments import load_tokenizer, resolve_dtype, vocab_mismatch
+from .drafters.prompt_lookup import PromptLookupDrafter
 
 __all__ = ["DRAFTERS", "Pair", "device_of", "embedded_pair", "load_model", "load_pair"]
 
@@ -24,7 +25,7 @@ DRAFTERS = ("model", "prompt_lookup", "feature")
 class Pair(NamedTuple):
     """What ``load_pair`` resolved: the models (not yet converted or moved), the drafter's name,
     the tokenizer (or None), the device the models will run on, the dtype asked for (or None),
-    and for a feature draft its saved draft vocabulary and whether the caller passed the module."""
+    and for a feature draft its saved draft vocabulary whether the caller passed the module, and the prompt-lookup drafter."""
 
     target: torch.nn.Module
     draft: Optional[torch.nn.Module]
@@ -35,6 +36,7 @@ class Pair(NamedTuple):
     dtype: Optional[torch.dtype]
     feature_vocab: Optional[torch.Tensor]
     feature_given: bool
+    lookup: Any  # the PromptLookupDrafter (drafter="prompt_lookup"), else None
 
 
 def device_of(model) -> torch.device:
@@ -110,6 +112,8 @@ def load_pair(draft, target, tokenizer, device: Optional[torch.device], dtype, d
     if max_ngram is not None and drafter != "prompt_lookup":
         raise ValueError(f"max_ngram applies to drafter='prompt_lookup', got max_ngram={max_ngram!r} with "
                          f"drafter={drafter!r}")
+    lookup = (PromptLookupDrafter(max_ngram=3 if max_ngram is None else max_ngram)  # checked before any loading
+              if drafter == "prompt_lookup" else None)
 
     # Tokenizers first: a mismatch is refused before loading any weights.
     if isinstance(tokenizer, str):
@@ -135,7 +139,4 @@ def load_pair(draft, target, tokenizer, device: Optional[torch.device], dtype, d
     if on_meta:
         raise ValueError(f"the models must hold their weights, got the {' and '.join(on_meta)} on the meta "
                          f"device (no data): load them with their weights")
-    if max_ngram is not None and drafter != "prompt_lookup":
-        raise ValueError(f"max_ngram applies to drafter='prompt_lookup', got max_ngram={max_ngram!r} with "
-                         f"drafter={drafter!r}")
-    return Pair(target, draft, feature, drafter, tokenizer, final_device, dtype, feature_vocab, feature_given)
+    return Pair(target, draft, feature, drafter, tokenizer, final_device, dtype, feature_vocab, feature_given, lookup)

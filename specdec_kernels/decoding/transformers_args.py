@@ -22,11 +22,10 @@ from typing import Optional
 
 import torch
 
-from .transformers_rows import RowCriteria, chat_prompts, check_streamer, split_criteria  # noqa: F401  (public here too)
+from .transformers_rows import RowCriteria, chat_prompts
 
-__all__ = ["RowCriteria", "check_generation_config", "check_streamer", "chat_prompts", "decoder_arguments",
-           "draft_settings", "resolve_generation_config", "sampling_from_config", "sampling_from_processors",
-           "split_criteria"]
+__all__ = ["check_generation_config", "decoder_arguments", "draft_settings", "resolve_generation_config",
+           "sampling_from_config", "sampling_from_processors"]
 
 # GenerationConfig fields refused when set to anything but "off": field -> (is it on?, what it is).
 # Each is a logits processor, a decoding mode or an output that the loop does not have.

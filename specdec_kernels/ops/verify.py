@@ -24,7 +24,7 @@ from typing import NamedTuple, Optional, Union
 import torch
 
 try:  # loads the C++ op namespace first, when built
-    from ..ops import extension  # noqa: F401
+    from . import extension  # noqa: F401
 except ImportError:  # pragma: no cover - extension is part of the package
     pass
 from ._verify_args import (FloatArg, IntArg, _Args, _INDEX_DTYPES, _check_tensor, _materialize, _normalize_packed,

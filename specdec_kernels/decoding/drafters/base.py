@@ -3,10 +3,10 @@
 A drafter proposes each step's drafts and keeps its own bookkeeping across steps.  The loop
 (``decoder.py``) calls, per step: ``draft(st, K)`` (K >= 1) for the step's ``Drafts``, or, on
 a K = 0 step, nothing before the verify; then, after the verify and the target's roll-back,
-``after_verify`` (a step with drafts) or ``wait`` (a K = 0 step, or no draft); and
-``select_rows`` when rows finish.  ``DecodeState`` (``state.py``) carries what the drafters
-keep between steps, each in its own fields (a draft model: ``ld``, ``catch``, ``wait``; a
-feature draft: ``ld``, ``pend_*``); every method takes the call's state, whose parameters
+``after_verify`` (a step with drafts) or ``wait`` (a K = 0 step); and
+``select_rows`` when rows finish.  What a drafter keeps between steps is its ``DraftState``,
+``st.draft`` (a draft model: its cache, ``ld``, ``catch``, ``wait``; a feature draft: its cache,
+``ld``, ``pend_*``); the drafter object itself holds only its network.  Every method takes the call's state, whose parameters
 ``generate`` has checked, so none of them checks its arguments again.
 
 ``DraftPicker`` picks each position's draft for the network drafters (greedy argmax, or the
@@ -55,6 +55,7 @@ class DraftState:
     pend_cnt: torch.Tensor = None  # [B] int64 in [1, C]
     pend_cnt_host: list = field(default_factory=list)
     block_start: int = 0  # the draft cache column where this step's pending pairs went
+    fed: Any = None  # a draft model's (block, drafts) fed this step, until after_verify
     waited: bool = False  # the pending pairs include some that waited through K = 0 steps
 
 
@@ -74,12 +75,11 @@ class Drafts(NamedTuple):
 class Drafter:
     """The interface the loop drafts through (see the module docstring)."""
 
-    name = "drafter"
     reads_features = False  # the verify must also return the target's features ([B, K + 1, H])
     network = True  # a draft network: its K_b is clamped to each row's budget by the loop
 
-    def draft(self, st: "DecodeState", K: int) -> Optional[Drafts]:
-        """The step's drafts (K >= 1), or None when it proposes none."""
+    def draft(self, st: "DecodeState", K: int) -> Drafts:
+        """The step's drafts (K >= 1; a row may propose fewer, a lookup none)."""
         raise NotImplementedError
 
     def after_verify(self, st: "DecodeState", out: "VerifyOutput", feats: Optional[torch.Tensor],

@@ -10,7 +10,7 @@ the step's one new pair joins the pending ones.  Its network and files are in
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -27,15 +27,14 @@ if TYPE_CHECKING:  # pragma: no cover
 class FeatureDrafter(Drafter):
     """A feature draft (``runner``: its ``FeatureRunner``) as a ``Drafter``."""
 
-    name = "feature"
     reads_features = True
 
     def __init__(self, runner):
         self.runner = runner
 
-    def draft(self, st: "DecodeState", K: int) -> Optional[Drafts]:
-        X, Q, kb = draft_with_features(self.runner, st, K)
-        return None if X is None else Drafts(X, Q, kb, X.shape[1])
+    def draft(self, st: "DecodeState", K: int) -> Drafts:
+        X, Q, kb = draft_with_features(self.runner, st, K)  # K >= 1: at least one draft
+        return Drafts(X, Q, kb, X.shape[1])
 
     def after_verify(self, st, out, feats, n, n_host, K) -> None:
         feature_after_verify_(st, out, feats, n, n_host, K)

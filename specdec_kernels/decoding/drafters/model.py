@@ -10,7 +10,7 @@ module docstring) and no token is fed twice.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -26,20 +26,16 @@ if TYPE_CHECKING:  # pragma: no cover
 class ModelDrafter(Drafter):
     """A draft model (``runner``: its ``ModelRunner``) as a ``Drafter``."""
 
-    name = "model"
-
     def __init__(self, runner):
         self.runner = runner
-        self._fed = None  # this step's (block, drafts fed) for after_verify
 
-    def draft(self, st: "DecodeState", K: int) -> Optional[Drafts]:
+    def draft(self, st: "DecodeState", K: int) -> Drafts:
         X, Q, block, kb = draft_with_model(self.runner, st, K)
-        self._fed = (block, X)
+        st.draft.fed = (block, X)  # what this step fed the draft's cache, for after_verify
         return Drafts(X, Q, kb, X.shape[1])
 
     def after_verify(self, st, out, feats, n, n_host, K) -> None:
-        block, X = self._fed
-        self._fed = None
+        (block, X), st.draft.fed = st.draft.fed, None
         model_after_verify_(st, block, X, n, n_host)
 
     def wait(self, st, out, feats) -> None:

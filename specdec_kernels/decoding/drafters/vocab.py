@@ -39,7 +39,7 @@ __all__ = ["FILE_NAME", "LEGACY_FILE_NAME", "check_draft_vocab", "directory_voca
 
 FILE_NAME = "draft_vocab.json"
 LEGACY_FILE_NAME = "draft_vocab.safetensors"  # the earlier form, still read
-_FORMAT = "specdec_kernels.decoding.drafters.vocab"
+_FORMAT = "specdec_kernels.draft_vocab"  # the files' format name (not a module path)
 
 
 def check_draft_vocab(token_ids: Union[Tensor, Sequence[int]], vocab_size: int, name: str = "draft_vocab") -> Tensor:
