@@ -402,3 +402,19 @@ def test_split_kernel_equals_the_row_kernel_on_a_large_batch():
     a = fused_verify(lg, x, q, backend="triton", **kw)
     b = fused_verify(lg, x, q, backend="_triton_rows", **kw)
     assert torch.equal(a.num_accepted, b.num_accepted) and torch.equal(a.tokens, b.tokens)
+
+
+def test_launch_settings_are_checked_and_restored():
+    from specdec_kernels.ops import _verify_launch
+    from specdec_kernels.ops.kernels import launch_settings
+
+    before = (_verify_launch._TILES_PER_ITEM, _verify_launch._PROGRAMS_PER_SM, _verify_launch._MAXNREG)
+    with launch_settings(4, 2, 128):
+        assert (_verify_launch._TILES_PER_ITEM, _verify_launch._PROGRAMS_PER_SM, _verify_launch._MAXNREG) == (4, 2, 128)
+    assert (_verify_launch._TILES_PER_ITEM, _verify_launch._PROGRAMS_PER_SM, _verify_launch._MAXNREG) == before
+    for bad, msg in (((0, 1, None), "tiles_per_item must be an int >= 1, got 0"),
+                     ((1, 1.5, None), "programs_per_sm must be an int >= 1, got 1.5"),
+                     ((1, 1, 0), "maxnreg must be None or an int >= 1, got 0")):
+        with pytest.raises(ValueError, match=msg.replace("(", r"\(")):
+            with launch_settings(*bad):
+                pass

@@ -33,6 +33,11 @@ def launch_settings(tiles_per_item: int, programs_per_sm: int, maxnreg: Optional
     """Within the block, the split kernel launches with these settings: vocabulary tiles per
     work item, persistent programs per SM, and a register cap (None: Triton's choice).  The
     defaults are restored on exit.  The tokens do not depend on them (batch invariance)."""
+    for name, v in (("tiles_per_item", tiles_per_item), ("programs_per_sm", programs_per_sm)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"launch_settings: {name} must be an int >= 1, got {v!r}")
+    if maxnreg is not None and (isinstance(maxnreg, bool) or not isinstance(maxnreg, int) or maxnreg < 1):
+        raise ValueError(f"launch_settings: maxnreg must be None or an int >= 1, got {maxnreg!r}")
     from . import _verify_launch as launch
 
     old = launch._TILES_PER_ITEM, launch._PROGRAMS_PER_SM, launch._MAXNREG
