@@ -76,10 +76,10 @@ def _step(cfg):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("cfg", CONFIGS, ids=_ids)
-def test_block_equals_reference(cfg, backend, monkeypatch):
+def test_block_equals_reference(cfg, backend, split_settings):
     """Padded and packed, seeded (the kernel's own Philox numbers) and with uniforms passed in,
     with log-probabilities: equal to the reference token for token."""
-    monkeypatch.setattr(_verify_launch, "_CHUNK_V", cfg[6])
+    split_settings(chunk=cfg[6])
     B, K = cfg[0], cfg[1]
     logits, x, q, dl, (kb, temperature, top_k, top_p, min_p) = _step(cfg)
     seed = torch.arange(B) * 31 + 5
@@ -128,11 +128,11 @@ def test_block_invariants_and_greedy_rows(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_block_reads_every_position(backend, monkeypatch):
+def test_block_reads_every_position(backend, split_settings):
     """A NaN at the bonus position (or an unusable q at a draft after an early rejection) makes a
     sampled row invalid under block verification, which reads every position; a greedy row keeps
     token verification's rule (it stops before the NaN)."""
-    monkeypatch.setattr(_verify_launch, "_CHUNK_V", 16)
+    split_settings(chunk=16)
     B, K, V = 4, 2, 20
     logits, x, q = make_step(B, K, V, seed=2)
     x[:, 0] = (logits[:, 0].argmax(-1) + 1) % V  # greedy rows reject the first draft
@@ -150,9 +150,9 @@ def test_block_reads_every_position(backend, monkeypatch):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_block_probabilities_in_and_out(backend, monkeypatch):
+def test_block_probabilities_in_and_out(backend, split_settings):
     """target_is_probs and out= (int32) with method="block": equal to the reference."""
-    monkeypatch.setattr(_verify_launch, "_CHUNK_V", 16)
+    split_settings(chunk=16)
     B, K, V = 5, 3, 40
     logits, x, q = make_step(B, K, V, seed=4, draft_noise=0.3)
     probs = torch.softmax(logits, -1)

@@ -273,11 +273,11 @@ def test_residual_that_sums_to_zero_is_not_taken():
 
 
 @pytest.mark.parametrize("sampled", [True, False], ids=["sampled", "deterministic"])
-def test_chain_as_tree_equals_fused_verify_triton(sampled, monkeypatch):
+def test_chain_as_tree_equals_fused_verify_triton(sampled, monkeypatch, split_settings):
     """Node n's parent n - 1: the tree kernel gives the chain kernel's tokens and counts on the same
     uniforms and on the same seeds."""
     monkeypatch.setattr(tree_mod, "_MAX_BLOCK_V", 16)
-    monkeypatch.setattr(_verify_launch, "_CHUNK_V", 16)
+    split_settings(chunk=16)
     g = torch.Generator().manual_seed(31 + sampled)
     B, K, V = 6, 4, 29
     Vd = V - 4

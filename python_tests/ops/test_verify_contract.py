@@ -55,11 +55,11 @@ def test_draft_probs_on_another_device_is_refused():
 
 
 @pytest.mark.parametrize("backend,dev", BACKENDS)
-def test_greedy_argmax_tie_across_tiles_takes_the_first(backend, dev, monkeypatch):
+def test_greedy_argmax_tie_across_tiles_takes_the_first(backend, dev, split_settings):
     """The maximum tied in several vocabulary tiles (16 tokens each here): the first index wins,
     as in the reference (bf16 logits tie often). A later tile with an equal maximum must not
     replace the argmax."""
-    monkeypatch.setattr(_verify_launch, "_CHUNK_V", 16)
+    split_settings(chunk=16)
     B, K, V = 3, 2, 70
     logits = torch.zeros(B, K + 1, V)
     for b, hits in enumerate([(5, 20, 37), (17, 33, 69), (0, 16, 64)]):

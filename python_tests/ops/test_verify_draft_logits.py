@@ -23,7 +23,8 @@ from helpers import HAS_CUDA
 from helpers import make_step
 from specdec_kernels import fused_verify, fused_verify_packed
 from specdec_kernels.ops import chain_reference
-from specdec_kernels.ops import _verify_args, _verify_launch, _verify_workspace
+from specdec_kernels.ops import _verify_args, _verify_launch
+from specdec_kernels.ops.kernels import split_workspace
 from specdec_kernels.ops.reference import draft_softmax, emitted_logprobs, philox_uniforms, verify_reference
 from helpers import chi_square_pvalue, expected_probs
 from test_verify_distribution import Z_BOUND
@@ -131,10 +132,10 @@ def _cfg_id(c):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("cfg", CONFIGS, ids=_cfg_id)
-def test_backends_equal_the_reference_padded_and_packed(cfg, backend, monkeypatch):
+def test_backends_equal_the_reference_padded_and_packed(cfg, backend, split_settings):
     B, K, V, Vd, dtype, qdtype, warp, chunk = cfg
     if chunk:
-        monkeypatch.setattr(_verify_launch, "_CHUNK_V", chunk)
+        split_settings(chunk=chunk)
     logits, L, g = _step(B, K, V, Vd, seed=B * 100 + K * 10 + V % 7 + Vd, dtype=dtype)
     L = L.to(qdtype)
     temperature = torch.tensor([0.8, 0.0, 1.3, 1.0][:B])
@@ -271,12 +272,12 @@ def test_probabilities_in_logprobs_and_out_take_draft_logits(backend):
         torch.testing.assert_close(buf[2].cpu()[fin], want[fin], atol=1e-5, rtol=1.3e-6)
 
 
-def test_arrival_order_does_not_change_the_draft_records(monkeypatch):
+def test_arrival_order_does_not_change_the_draft_records(split_settings):
     """Work items claimed in three random orders: the draft's position records (m_d, S_d, bad_d)
     and the tokens are bit-identical to the in-order launch's (the combine sums in chunk order)."""
     from test_verify_split import _permuted_order
 
-    monkeypatch.setattr(_verify_launch, "_CHUNK_V", 32)
+    split_settings(chunk=32)
     B, K, V, Vd = 3, 3, 150, 140  # 5 chunks a position
     logits, L, g = _step(B, K, V, Vd, seed=9)
     temperature = torch.tensor([1.0, 0.0, 0.8])
@@ -291,7 +292,7 @@ def test_arrival_order_does_not_change_the_draft_records(monkeypatch):
 
     def run(order=None):
         tokens, num, _ = _verify_launch._launch(args, lay, None if order is None else _dev(order))
-        rec = _verify_workspace._workspace(torch.device(DEV)).records(B, K + 1, NC, draft_logits=True)
+        rec = split_workspace(DEV).records(B, K + 1, NC, draft_logits=True)
         return tokens.cpu(), num.cpu(), {k: rec[k].cpu().clone() for k in ("m_d", "S_d", "bad_d")}
 
     want_t, want_n, want_rec = run()

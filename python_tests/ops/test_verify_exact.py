@@ -51,9 +51,9 @@ def _run_both(logits, x, q, kb, temperature, top_k, top_p, seed, offset, device)
 @pytest.mark.parametrize("V", [1, 2, 111, 1271, 32001])
 @pytest.mark.parametrize("K", [1, 4, 8])
 @pytest.mark.parametrize("B", [1, 3])
-def test_kernel_matches_reference(B, K, V, dtype, warp, device, monkeypatch):
+def test_kernel_matches_reference(B, K, V, dtype, warp, device, split_settings):
     if V == 1271:
-        monkeypatch.setattr(_verify_launch, "_CHUNK_V", 128)  # 10 vocabulary chunks
+        split_settings(chunk=128)  # 10 vocabulary chunks
     logits, x, q = make_step(B, K, V, dtype, seed=1000 * B + 10 * K + V % 97)
     x = _greedy_friendly(logits, x)
     kb, temperature, top_k, top_p = _row_params(B, K, V, warp)

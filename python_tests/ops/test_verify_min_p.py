@@ -33,7 +33,8 @@ from helpers import assert_close, make_step
 from specdec_kernels import fused_verify, fused_verify_packed
 from specdec_kernels.ops import chain_reference, warp_reference
 from specdec_kernels.ops import reference as ref
-from specdec_kernels.ops import _verify_args, _verify_launch, _verify_workspace, verify as verify_mod
+from specdec_kernels.ops import _verify_args, _verify_launch, verify as verify_mod
+from specdec_kernels.ops.kernels import split_workspace
 from specdec_kernels.ops.reference import (emitted_logprobs, min_p_log, min_p_threshold, order_key, philox_uniforms,
                                        verify_reference, warp_logits)
 from helpers import chi_square_pvalue
@@ -258,11 +259,11 @@ def _row_params(B, V, form, warp):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("cfg", CONFIGS, ids=_cfg_id)
-def test_backends_equal_the_reference_padded_and_packed(cfg, backend, monkeypatch):
+def test_backends_equal_the_reference_padded_and_packed(cfg, backend, split_settings):
     B, K, V, dtype, form, warp, chunk = cfg
     if chunk:
-        monkeypatch.setattr(_verify_launch, "_CHUNK_V", chunk)
-        monkeypatch.setattr(_verify_launch, "_TOP_K_CAP", 8)
+        split_settings(chunk=chunk)
+        split_settings(top_k_cap=8)
     logits, x, q = make_step(B, K, V, dtype, seed=B * 100 + K * 10 + V % 7, scale=2.0)
     kb = torch.tensor([K, K, K - 1, 1][:B])
     temperature, mp, top_k, top_p = _row_params(B, V, form, warp)
@@ -310,7 +311,7 @@ def test_cases_exercise_min_p():
 
 def _records(B, K1, V):
     chunk = verify_mod.split_kernel_meta(V, K1, True, False, False, False)["CHUNK"]
-    ws = _verify_workspace._workspace(torch.device(DEV))
+    ws = split_workspace(DEV)
     return {k: v.cpu().clone() for k, v in ws.records(B, K1, -(-V // chunk)).items()}
 
 
@@ -333,14 +334,14 @@ def test_kernel_threshold_key_is_the_reference_bit_for_bit():
 
 
 @pytest.mark.parametrize("kept,scans", [("few", 0), ("most", 1)])
-def test_kernel_threshold_from_the_lists_or_one_pass(kept, scans, monkeypatch):
+def test_kernel_threshold_from_the_lists_or_one_pass(kept, scans, split_settings):
     """Eight chunks of 16 tokens, 4 candidates a chunk: a min-p set of a few tokens (far above the
     rest) lies in the candidate lists (no scan); one of most of the vocabulary (flat logits, min_p
     0.01) does not (one pass of the position). Either way the position's threshold key is the
     reference's order_key(min_p_threshold(m, min_p)) bit for bit, its kept mass matches the
     reference's, and the tokens equal the reference's."""
-    monkeypatch.setattr(_verify_launch, "_CHUNK_V", 16)
-    monkeypatch.setattr(_verify_launch, "_TOP_K_CAP", 4)
+    split_settings(chunk=16)
+    split_settings(top_k_cap=4)
     B, K, V = 2, 2, 120
     g = torch.Generator().manual_seed(6)
     logits = torch.randn(B, K + 1, V, generator=g) * (0.3 if kept == "most" else 0.1)

@@ -58,10 +58,10 @@ CONFIGS = [  # (B, K, V, logits dtype, warp, draft_probs kind)
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"B{c[0]}K{c[1]}V{c[2]}-{str(c[3])[6:]}-{'warp' if c[4] else 'plain'}-q{c[5]}")
-def test_packed_equals_padded_and_reference(cfg, backend, monkeypatch):
+def test_packed_equals_padded_and_reference(cfg, backend, split_settings):
     B, K, V, dtype, warp, qkind = cfg
     if V == 1271:
-        monkeypatch.setattr(_verify_launch, "_CHUNK_V", 128)  # 10 chunks
+        split_settings(chunk=128)  # 10 chunks
     logits, x, q = make_step(B, K, V, dtype, seed=B * 100 + K * 10 + V % 7)
     q = {"none": None, "fp32": q, "bf16": q.bfloat16(), "fp16": q.half()}[qkind]
     kb, temperature, top_k, top_p = _params(B, K, V, warp)
@@ -253,8 +253,8 @@ def test_out_errors_name_the_tensor():
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("probs", [False, True], ids=["logits", "probs"])
-def test_logprobs_equal_the_reference(probs, backend, monkeypatch):
-    monkeypatch.setattr(_verify_launch, "_CHUNK_V", 64)  # several chunks
+def test_logprobs_equal_the_reference(probs, backend, split_settings):
+    split_settings(chunk=64)  # several chunks
     B, K, V = 4, 3, 200
     logits, x, q = make_step(B, K, V, seed=15)
     kb = torch.tensor([3, 1, 2, 0])

@@ -13,6 +13,7 @@ torch path runs without Triton.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
 from typing import NamedTuple, Optional
@@ -20,7 +21,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from ._verify_args import _Args, _RowSeeds
-from ._verify_workspace import _WORKSPACES, _Workspace, _workspace
+from ._verify_workspace import SplitWorkspace, captured_workspace, workspace
 
 _BACKENDS = ("auto", "triton", "torch")
 # The vocabulary tile. 4096 fp32 logits per tile keep 8 warps streaming; the tests lower it to
@@ -72,25 +73,74 @@ def _resolve_backend(backend: str, device: torch.device) -> str:
     return backend
 
 
-# The split kernel's chunk: a fixed number of tokens per work item (never a function of B: a
-# row's arithmetic is the same in any batch); 4096 fp32 logits a chunk keep 8 warps' loads in
-# flight at once. The tests lower it to cross chunk boundaries on small vocabularies.
-_CHUNK_V = 4096
-# Candidate keys kept per chunk for top-k/top-p (see _verify_split_kernel's header): top-k up to
-# _TOP_K_CAP - 1 (and most top-p sets) is decided from them in one read of the logits.
-_TOP_K_CAP = 64
-# Programs per multiprocessor of the split kernel's persistent grid (a tuning value: any grid is
-# correct, the items are claimed in order). ptxas gives the kernel 214-255 registers at 8 warps
-# for sm_90 (scripts/gpu_compile_check.py), so one program fits a multiprocessor at a time.
-_PROGRAMS_PER_SM = 1
-# A register cap for the split kernel on CUDA (None: ptxas's choice). 128 fits two programs a
-# multiprocessor at 8 warps, at 92-528 bytes of spills (sm_90, Triton 3.9): one of the settings
-# a GPU run compares, with _PROGRAMS_PER_SM = 2, for the loads in flight at large B.
-_MAXNREG: Optional[int] = None
-# Chunks per work item of the split kernel, streamed with software pipelining (STAGES deep): more
-# bytes in flight per program at large B, fewer items at small B. 1 until a GPU run has compared.
-_TILES_PER_ITEM = 1
-_STAGES = 2
+@dataclasses.dataclass(frozen=True)
+class SplitSettings:
+    """The split kernel's launch settings.  None of them changes a token (batch invariance: the
+    tests run the kernel under several and compare); they trade bytes in flight, atomics and
+    occupancy, and a GPU run compares them (``bench/ops/bench_verify_knobs.py``).
+
+    chunk: tokens per vocabulary chunk, a power of two >= 16 (never a function of B: a row's
+    arithmetic is the same in any batch); 4096 fp32 logits keep 8 warps' loads in flight. Tests
+    lower it to cross chunk boundaries on small vocabularies.
+    top_k_cap: candidate keys kept per chunk for top-k/top-p/min-p (a power of two >= 2): top-k
+    up to top_k_cap - 1 and most top-p sets are decided from them in one read of the logits.
+    tiles_per_item: chunks per work item, streamed with software pipelining ``stages`` deep.
+    programs_per_sm: the persistent grid (any grid is correct: items are claimed in order).
+    num_warps: per program (None: 8 for chunks of >= 2048 tokens, else 4).
+    maxnreg: a register cap on CUDA (None: ptxas's choice).
+    ticket: how a program claims its next work item: "acq_rel" (an acq_rel atomic add after the
+    current item), "relaxed" (relaxed order), "prefetch" (relaxed, claimed at the start of the
+    current item so the round trip overlaps its loads).
+    stage2_lag: None numbers every stage-1 item before any stage-2 item; L >= 0 numbers row b's
+    stage-2 items right after row b + L's stage-1 items, so a row's second read of position j
+    finds it in L2.
+    poll: how a stage-2 item waits for its row's acceptance chain: "acquire" (an acquire atomic
+    per poll), "relaxed" (volatile loads, then one acquire atomic once the flag is seen).
+    poll_sleep_ns: a ``nanosleep`` between polls on CUDA (0: none; ignored by the interpreter).
+    """
+
+    chunk: int = 4096
+    top_k_cap: int = 64
+    tiles_per_item: int = 1
+    stages: int = 2
+    programs_per_sm: int = 1
+    num_warps: Optional[int] = None
+    maxnreg: Optional[int] = None
+    ticket: str = "acq_rel"
+    stage2_lag: Optional[int] = None
+    poll: str = "acquire"
+    poll_sleep_ns: int = 0
+
+    def __post_init__(self):
+        def want_int(name, lo, optional=False, power_of_two=False):
+            v = getattr(self, name)
+            if optional and v is None:
+                return
+            ok = not isinstance(v, bool) and isinstance(v, int) and v >= lo
+            if ok and power_of_two:
+                ok = v & (v - 1) == 0
+            if not ok:
+                what = f"{'None or ' if optional else ''}an int >= {lo}{', a power of two' if power_of_two else ''}"
+                raise ValueError(f"launch_settings: {name} must be {what}, got {v!r}")
+
+        want_int("chunk", 16, power_of_two=True)
+        want_int("top_k_cap", 2, power_of_two=True)
+        want_int("tiles_per_item", 1)
+        want_int("stages", 1)
+        want_int("programs_per_sm", 1)
+        want_int("num_warps", 1, optional=True, power_of_two=True)
+        want_int("maxnreg", 1, optional=True)
+        want_int("stage2_lag", 0, optional=True)
+        want_int("poll_sleep_ns", 0)
+        for name, choices in (("ticket", _TICKETS), ("poll", _POLLS)):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"launch_settings: {name} must be one of {choices}, got {getattr(self, name)!r}")
+
+
+_TICKETS = ("acq_rel", "relaxed", "prefetch")
+_POLLS = ("acquire", "relaxed")
+# The settings every launch uses; ``ops.kernels.launch_settings`` changes them within a block.
+SETTINGS = SplitSettings()
 
 
 @functools.lru_cache(maxsize=None)
@@ -99,23 +149,32 @@ def _sm_count(index: int) -> int:
 
 
 def split_kernel_meta(V: int, K1: int, has_draft_probs: bool, has_top_k: bool, has_top_p: bool, has_uniforms: bool,
-                has_order: bool = False, packed: bool = False, probs: bool = False, logprobs: bool = False,
-                draft_logits: bool = False, has_min_p: bool = False, block: bool = False) -> dict:
-    """The split kernel's compile-time parameters for V tokens and K + 1 = K1 positions: its
-    constexprs, num_warps and enable_fp_fusion (pinned off, as ``rows_kernel_meta`` says).  The launch
-    and the ahead-of-time compile check (``scripts/gpu_compile_check.py``) both take them here.
-    ``draft_logits``: the draft tensor holds logits (DRAFT_LOGITS; with has_draft_probs);
-    ``has_min_p``: a min_p argument was given (HAS_MIN_P); ``block``: block verification (BLOCK)."""
+                      has_order: bool = False, packed: bool = False, probs: bool = False, logprobs: bool = False,
+                      draft_logits: bool = False, has_min_p: bool = False, block: bool = False,
+                      cuda: bool = True) -> dict:
+    """The split kernel's compile-time parameters for V tokens and K + 1 = K1 positions under the
+    current ``SETTINGS``: its constexprs, num_warps, enable_fp_fusion (pinned off, as
+    ``rows_kernel_meta`` says) and maxnreg (CUDA only).  The launch and the ahead-of-time compile
+    check (``scripts/gpu_compile_check.py``) both take them here.  ``draft_logits``: the draft
+    tensor holds logits (DRAFT_LOGITS; with has_draft_probs); ``has_min_p``: a min_p argument was
+    given (HAS_MIN_P); ``block``: block verification (BLOCK); ``cuda``: compiled for a GPU (the
+    poll's nanosleep is CUDA inline assembly, which the interpreter cannot run)."""
     import triton
 
-    chunk = max(16, min(triton.next_power_of_2(V), _CHUNK_V))
+    st = SETTINGS
+    chunk = max(16, min(triton.next_power_of_2(V), st.chunk))
     nc = triton.cdiv(V, chunk)
-    return dict(HAS_DRAFT_PROBS=has_draft_probs, HAS_TOP_K=has_top_k, HAS_TOP_P=has_top_p, HAS_MIN_P=has_min_p,
+    meta = dict(HAS_DRAFT_PROBS=has_draft_probs, HAS_TOP_K=has_top_k, HAS_TOP_P=has_top_p, HAS_MIN_P=has_min_p,
                 HAS_UNIFORMS=has_uniforms, HAS_ORDER=has_order, PACKED=packed, PROBS=probs, LOGPROBS=logprobs,
-                DRAFT_LOGITS=bool(draft_logits and has_draft_probs), BLOCK=bool(block), CHUNK=chunk, TILES=_TILES_PER_ITEM,
-                STAGES=_STAGES, NCB=triton.next_power_of_2(nc),
-                CAP=_TOP_K_CAP, BLOCK_K=triton.next_power_of_2(K1),
-                num_warps=8 if chunk >= 2048 else 4, enable_fp_fusion=False)
+                DRAFT_LOGITS=bool(draft_logits and has_draft_probs), BLOCK=bool(block), CHUNK=chunk,
+                TILES=st.tiles_per_item, STAGES=st.stages, NCB=triton.next_power_of_2(nc),
+                CAP=st.top_k_cap, BLOCK_K=triton.next_power_of_2(K1),
+                TICKET=_TICKETS.index(st.ticket), POLL=_POLLS.index(st.poll),
+                SLEEP_NS=st.poll_sleep_ns if cuda else 0,
+                num_warps=st.num_warps or (8 if chunk >= 2048 else 4), enable_fp_fusion=False)
+    if cuda and st.maxnreg is not None:
+        meta["maxnreg"] = st.maxnreg
+    return meta
 
 
 def _param_args(value, bit: int, dummy: torch.Tensor, flags: int):
@@ -175,12 +234,14 @@ def _launch_triton(a: _Args, order: Optional[torch.Tensor] = None,
 def _launch(a: _Args, lay: _Layout, order: Optional[torch.Tensor] = None,
             local_workspace: bool = False) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """The split kernel (``_verify_split_kernel.py``): one launch, and on the device no op but the
-    outputs' allocation (scalars go by value, tensors are read as they are; none with ``out=``).
+    outputs' allocation (none with ``out=``) and the memset of the counters the launch uses
+    (scalars go by value, tensors are read as they are).
     Returns (tokens, num_accepted, logprobs or None).
     ``order`` (tests only): int32 [N] permutation of the work items, stage-1 items among themselves
     and stage-2 items among themselves, to prove that arrival order does not change the result.
     ``local_workspace``: a workspace of this call only (the registered op's path: torch.compile's
-    CUDA graphs allocate from pools whose memory they recycle, where a cached one could end up)."""
+    CUDA graphs allocate from pools whose memory they recycle, where a cached one could end up).
+    Under CUDA-graph capture the call takes a workspace of the graph's own, kept alive with it."""
     from ._verify_split_kernel import _verify_split_kernel  # lazily: the torch path needs no Triton
 
     logits, q, tokens, num_accepted, logprobs = _kernel_inputs(a, lay)
@@ -192,22 +253,30 @@ def _launch(a: _Args, lay: _Layout, order: Optional[torch.Tensor] = None,
         return tokens, num_accepted, logprobs
     x, u = a.draft_tokens, a.uniforms
     warp = a.top_k is not None or a.top_p is not None or a.min_p is not None
-    meta = split_kernel_meta(V, K1, q is not None, a.top_k is not None, a.top_p is not None, u is not None, order is not None,
-                       packed=packed, probs=lay.probs, logprobs=lay.logprobs, draft_logits=lay.draft_logits,
-                       has_min_p=a.min_p is not None, block=lay.block)
+    meta = split_kernel_meta(V, K1, q is not None, a.top_k is not None, a.top_p is not None, u is not None,
+                             order is not None, packed=packed, probs=lay.probs, logprobs=lay.logprobs,
+                             draft_logits=lay.draft_logits, has_min_p=a.min_p is not None, block=lay.block,
+                             cuda=dev.type == "cuda")
     nc = -(-V // meta["CHUNK"])
-    sizes = _Workspace.sizes(B, K1, nc, _TOP_K_CAP if warp else 0, meta["DRAFT_LOGITS"], lay.block)
-    ws = _workspace(dev)
-    if local_workspace or (not ws.fits(sizes) and dev.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-        ws = _Workspace()  # this call's own (under capture: of the graph's pool, zeroed by a captured memset)
+    sizes = SplitWorkspace.sizes(B, K1, nc, meta["CAP"] if warp else 0, meta["DRAFT_LOGITS"], lay.block)
+    if local_workspace:
+        ws = SplitWorkspace()
+    elif dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        ws = captured_workspace()  # the graph's own: no replay shares it with another call
+    else:
+        ws = workspace(dev)
     ws.ensure(dev, sizes)
+    # The counters this launch uses start at zero whatever an earlier launch left (one that
+    # overlapped it, one killed mid-way): one memset, a node of its own in a captured graph.
+    ws.counters.zero_()
     ni = -(-nc // meta["TILES"])  # work items per position
     n1 = B * K1 * ni
     n_items = n1 + B * ni * (K1 if lay.block else 1)  # stage 2: per row (block: per row and position)
-    grid = 1 if dev.type != "cuda" else min(n_items, _sm_count(dev.index) * _PROGRAMS_PER_SM)
-    if n_items + grid >= 2**31:  # the kernel's int32 ticket
+    grid = 1 if dev.type != "cuda" else min(n_items, _sm_count(dev.index) * SETTINGS.programs_per_sm)
+    if n_items + 2 * grid >= 2**31:  # the kernel's int32 ticket (a prefetching program claims two)
         raise ValueError(f"fused_verify: {n_items} work items (B = {B}, K + 1 = {K1}, {ni} a position) must stay "
-                         f"below 2^31 - {grid}")
+                         f"below 2^31 - {2 * grid}")
+    lag = B if SETTINGS.stage2_lag is None else min(SETTINGS.stage2_lag, B)
     if order is not None:
         # a stage-2 item before its row's stage-1 items would wait for ever: refuse such orders
         o = order.cpu().tolist()
@@ -241,24 +310,16 @@ def _launch(a: _Args, lay: _Layout, order: Optional[torch.Tensor] = None,
     # Triton launches on the current device's current stream: make it the tensors'. Nothing to
     # do for the interpreter.
     with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
-        try:
-            _verify_split_kernel[(grid,)](
-                logits, *l_strides, x, *x_strides, q if q is not None else dummy, *q_strides, cu, cu_stride,
-                u if u is not None else dummy, u.stride(0) if u is not None else 0, u.stride(1) if u is not None else 0,
-                flags, nd_p, nd_s, nd_v, t_p, t_s, float(t_v), k_p, k_s, k_v, p_p, p_s, float(p_v),
-                mp_p, mp_s, float(mp_v), s_p, s_s, s_v, o_p, o_s, o_v, seed_step,
-                tokens, tokens.stride(0), tokens.stride(1), num_accepted, num_accepted.stride(0), lp, *lp_strides,
-                ws.counters, ws.part_f, ws.part_i, ws.cand, ws.mass, order if order is not None else dummy,
-                B, K, V, q.shape[-1] if q is not None else V, nc, grid,
-                **meta, **({"maxnreg": _MAXNREG} if _MAXNREG is not None and dev.type == "cuda" else {}),
+        _verify_split_kernel[(grid,)](
+            logits, *l_strides, x, *x_strides, q if q is not None else dummy, *q_strides, cu, cu_stride,
+            u if u is not None else dummy, u.stride(0) if u is not None else 0, u.stride(1) if u is not None else 0,
+            flags, nd_p, nd_s, nd_v, t_p, t_s, float(t_v), k_p, k_s, k_v, p_p, p_s, float(p_v),
+            mp_p, mp_s, float(mp_v), s_p, s_s, s_v, o_p, o_s, o_v, seed_step,
+            tokens, tokens.stride(0), tokens.stride(1), num_accepted, num_accepted.stride(0), lp, *lp_strides,
+            ws.counters, ws.part_f, ws.part_i, ws.cand, ws.mass, order if order is not None else dummy,
+            B, K, V, q.shape[-1] if q is not None else V, nc, lag,
+            **meta,
             )
-        except BaseException:
-            # An interpreted launch that did not finish (an error, an interrupt) may leave counters
-            # set: drop the workspaces so that the next call starts from zeros. On CUDA an error
-            # comes before the kernel is enqueued, and a captured graph may hold the workspace.
-            if dev.type != "cuda":
-                _WORKSPACES.clear()
-            raise
     return tokens, num_accepted, logprobs
 
 

@@ -147,6 +147,71 @@ from ._verify_split_stats import (_INT32_MAX, _INT32_MIN, _chunk_candidates, _ke
                                   _warp_from_candidates)
 
 
+_LINE = tl.constexpr(32)  # int32 counters per 128-byte line
+
+
+@triton.jit
+def _line_up(n):
+    return (n + _LINE - 1) // _LINE * _LINE
+
+
+@triton.jit
+def _claim(ticket_ptr, TICKET: tl.constexpr):
+    """The next ticket.  Its order carries nothing (the records are published by the arrival
+    counters), so relaxed suffices; TICKET = 0 keeps an acq_rel claim for comparison."""
+    if TICKET == 0:
+        t = tl.atomic_add(ticket_ptr, 1, sem="acq_rel")
+    else:
+        t = tl.atomic_add(ticket_ptr, 1, sem="relaxed")
+    return t
+
+
+@triton.jit
+def _ticket_item(t, B, A, C, T1, LAG):
+    """The work item of ticket t, numbered as when every stage-1 item comes first (stage 1:
+    item = b * A + r, r < A; stage 2: item = T1 + b * C + r, r < C), with row b's stage-2 items
+    claimed right after row b + LAG's stage-1 items: rows 0..LAG-1's stage-1 items, then for
+    s = LAG..B-1 row s's stage-1 items and row s - LAG's stage-2 items, then the last LAG rows'
+    stage-2 items.  Every stage-2 item still follows its row's stage-1 items; LAG = B is the
+    plain order."""
+    head = LAG * A
+    mid = (B - LAG) * (A + C)
+    item = t  # t < head: rows 0..LAG-1's stage-1 items, in the plain order
+    if (t >= head) & (t < head + mid):
+        s = LAG + (t - head) // (A + C)
+        r = (t - head) % (A + C)
+        item = tl.where(r < A, s * A + r, T1 + (s - LAG) * C + (r - A))
+    elif t >= head + mid:
+        item = T1 + (B - LAG) * C + (t - head - mid)
+    return item
+
+
+@triton.jit
+def _sleep(ns: tl.constexpr):
+    """``nanosleep`` (sm_70+) for about ``ns`` nanoseconds: fewer polls of a hot line."""
+    tl.inline_asm_elementwise("nanosleep.u32 $1; mov.u32 $0, 0;", "=r,r", [tl.full([], ns, tl.int32)],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _wait_ready(flag_ptr, POLL: tl.constexpr, SLEEP_NS: tl.constexpr):
+    """Spin until the row's ready flag is set (released by the program that ran its acceptance
+    chain), then hold an acquire of it: the row's records read afterwards are that program's."""
+    if POLL == 0:
+        ready = tl.atomic_add(flag_ptr, 0, sem="acquire")
+        while ready == 0:
+            if SLEEP_NS > 0:
+                _sleep(SLEEP_NS)
+            ready = tl.atomic_add(flag_ptr, 0, sem="acquire")
+    else:
+        ready = tl.load(flag_ptr, volatile=True)
+        while ready == 0:
+            if SLEEP_NS > 0:
+                _sleep(SLEEP_NS)
+            ready = tl.load(flag_ptr, volatile=True)
+        tl.atomic_add(flag_ptr, 0, sem="acquire")  # reads the released 1: synchronises with it
+
+
 @triton.jit
 def _verify_split_kernel(
     logits_ptr, stride_lb, stride_lk,  # [B, K+1, V] (PACKED: [sum_b (K_b + 1), V]) fp32/bf16/fp16, last dim contiguous
@@ -167,13 +232,14 @@ def _verify_split_kernel(
     tokens_ptr, stride_ob, stride_oc,  # out [B, K+1] int32/int64
     num_accepted_ptr, stride_on,  # out [B] int32/int64
     logprobs_ptr, stride_pb, stride_pc,  # out [B, K+1] fp32 (LOGPROBS)
-    counters_ptr,  # int32 [2 + B * (K+1) + 3 * B], zero between launches
+    counters_ptr,  # int32 [_verify_workspace.counter_layout(B, K+1)["total"]], zeroed before the launch
     part_f_ptr,  # fp32 [2 * B * (K+1) * NC + 2 * B * (K+1)] (DRAFT_LOGITS: twice that)
     part_i_ptr,  # int32 [4 * B * (K+1) * NC + 4 * B * (K+1) + 4 * B + B * NC] (DRAFT_LOGITS: + B * (K+1) * (NC + 1))
     cand_ptr,  # int32 [B * (K+1) * NC * CAP] (with a warp)
     mass_ptr,  # float64 [B * NC] (BLOCK: [2 * B * (K+1) * NC + B * (K+1)])
     order_ptr,  # int32 [T1 + T2]: the item each ticket stands for (tests only, HAS_ORDER)
-    B, K, V, Vd, NC, G,
+    B, K, V, Vd, NC,
+    LAG,  # row b's stage-2 items are numbered after row b + LAG's stage-1 items (LAG = B: after all)
     HAS_DRAFT_PROBS: tl.constexpr,
     HAS_TOP_K: tl.constexpr,
     HAS_TOP_P: tl.constexpr,
@@ -191,6 +257,9 @@ def _verify_split_kernel(
     NCB: tl.constexpr,
     CAP: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    TICKET: tl.constexpr,  # 0: acq_rel claim after an item; 1: relaxed; 2: relaxed, prefetched
+    POLL: tl.constexpr,  # 0: an acquire atomic per poll; 1: volatile loads, then one acquire
+    SLEEP_NS: tl.constexpr,  # nanosleep between polls (CUDA only; 0: none)
 ):
     K1 = K + 1
     N1 = B * K1 * NC  # per-chunk records
@@ -199,13 +268,13 @@ def _verify_split_kernel(
     T2 = B * NI  # stage-2 tickets
     if BLOCK:
         T2 = B * K1 * NI
-    # The workspace's fields (element offsets into its four tensors).
+    # The workspace's fields (element offsets into its tensors); the counters' fields each start
+    # on a 128-byte line of their own (``_verify_workspace.counter_layout``).
     ticket_ptr = counters_ptr
-    exit_ptr = counters_ptr + 1
-    pos_cnt_ptr = counters_ptr + 2  # [B * (K+1)]
-    row_cnt_ptr = pos_cnt_ptr + B * K1  # [B]
-    ready_ptr = row_cnt_ptr + B  # [B]
-    s2_cnt_ptr = ready_ptr + B  # [B]
+    pos_cnt_ptr = counters_ptr + _LINE  # [B * (K+1)]
+    row_cnt_ptr = counters_ptr + _line_up(_LINE + B * K1)  # [B]
+    ready_ptr = counters_ptr + _line_up(_line_up(_LINE + B * K1) + B)  # [B]
+    s2_cnt_ptr = counters_ptr + _line_up(_line_up(_line_up(_LINE + B * K1) + B) + B)  # [B]
     cm_ptr = part_f_ptr  # [B, K+1, NC] chunk max
     cs_ptr = cm_ptr + N1  # [B, K+1, NC] chunk sum of exp(s - chunk max)
     pm_ptr = cs_ptr + N1  # [B, K+1] position max (0 if unusable)
@@ -239,11 +308,16 @@ def _verify_split_kernel(
     cs_ids = tl.arange(0, NCB)
     ks = tl.arange(0, BLOCK_K)
 
-    t = tl.atomic_add(ticket_ptr, 1)
-    while t < T1 + T2:
-        item = t
+    t = _claim(ticket_ptr, TICKET)
+    # t >= 0: a ticket is never negative (the counters are zeroed before the launch); checked
+    # all the same before it indexes anything
+    while (t >= 0) & (t < T1 + T2):
+        if TICKET == 2:
+            t_next = _claim(ticket_ptr, TICKET)  # its round trip overlaps this item's loads
         if HAS_ORDER:
             item = tl.load(order_ptr + t)
+        else:
+            item = _ticket_item(t, B, K1 * NI, T2 // B, T1, LAG)
         if item < T1:
             # ---------------------------------------------------------- stage 1 (b, i, chunks g)
             b = (item // (K1 * NI)).to(tl.int64)
@@ -311,7 +385,6 @@ def _verify_split_kernel(
             tl.debug_barrier()
             arrived = tl.atomic_add(pos_cnt_ptr + pid_bi, 1, sem="acq_rel")
             if arrived == NI - 1:
-                tl.atomic_xchg(pos_cnt_ptr + pid_bi, 0)
                 if (i <= kb) & (bad_param == 0):
                     cmask = cs_ids < NC
                     base = pid_bi * NC
@@ -399,7 +472,6 @@ def _verify_split_kernel(
                 tl.debug_barrier()
                 rows_done = tl.atomic_add(row_cnt_ptr + b, 1, sem="acq_rel")
                 if rows_done == K1 - 1:
-                    tl.atomic_xchg(row_cnt_ptr + b, 0)
                     j = kb * 0
                     rejected = tl.full([], 0, tl.int1)
                     bad_row = bad_param
@@ -498,9 +570,7 @@ def _verify_split_kernel(
                 b = ((item - T1) // NI).to(tl.int64)
             g = (item - T1) % NI
             # Wait for the row's acceptance chain (stage-1 items only: all numbered before this one).
-            ready = tl.atomic_add(ready_ptr + b, 0, sem="acquire")
-            while ready == 0:
-                ready = tl.atomic_add(ready_ptr + b, 0, sem="acquire")
+            _wait_ready(ready_ptr + b, POLL, SLEEP_NS)
             kb, greedy, bad_param, inv_t, k_on, p_on, top_k, top_p, mp_on, min_p = _row_params(
                 b, K, V, param_flags, nd_ptr, nd_stride, nd_scalar, t_ptr, t_stride, t_scalar,
                 k_ptr, k_stride, k_scalar, p_ptr, p_stride, p_scalar, mp_ptr, mp_stride, mp_scalar, cu_ptr, cu_stride,
@@ -551,8 +621,6 @@ def _verify_split_kernel(
             tl.debug_barrier()
             arrived = tl.atomic_add(s2_cnt_ptr + b, 1, sem="acq_rel")
             if arrived == NI * (K1 if BLOCK else 1) - 1:
-                tl.atomic_xchg(s2_cnt_ptr + b, 0)
-                tl.atomic_xchg(ready_ptr + b, 0)
                 if sampled:
                     cmask = cs_ids < NC
                     if BLOCK:
@@ -632,9 +700,7 @@ def _verify_split_kernel(
                                      mask=(ks < K1) & ((ks == j) | ((ks * 0 + bad_row.to(tl.int32)) != 0)))
                     _emit(tokens_ptr, stride_ob, stride_oc, num_accepted_ptr, stride_on, draft_tokens_ptr + t_off,
                           stride_tk, b, K, j, final, bad_row, BLOCK_K)
-        t = tl.atomic_add(ticket_ptr, 1)
-    # Leave: the last program to leave resets the ticket for the next launch on this stream.
-    left = tl.atomic_add(exit_ptr, 1)
-    if left == G - 1:
-        tl.atomic_xchg(ticket_ptr, 0)
-        tl.atomic_xchg(exit_ptr, 0)
+        if TICKET == 2:
+            t = t_next
+        else:
+            t = _claim(ticket_ptr, TICKET)

@@ -1,7 +1,13 @@
-"""The split kernel's scratch (``_Workspace``): arrival counters, per-chunk and per-position
-partial records, candidate keys and float64 masses, one set per device and stream
-(``_workspace``), grown as needed and never freed.  The sizes (``_Workspace.sizes``) and the
+"""The split kernel's scratch (``SplitWorkspace``): arrival counters and ready flags, per-chunk and
+per-position partial records, candidate keys and float64 masses.  One per device and stream
+(``workspace``), one per captured CUDA graph (``captured_workspace``), grown as needed and never
+freed.  The sizes (``SplitWorkspace.sizes``), the counters' layout (``counter_layout``) and the
 offsets ``records`` reads follow the field layout at the top of ``_verify_split_kernel``'s body.
+
+Nothing a launch leaves here can reach a later call: the launcher zeroes the counters a launch
+uses before it (one memset), and every record a launch reads was written earlier in the same
+launch (the arrival counters order them).  Two launches that share a workspace never overlap:
+calls on one stream are ordered, streams have their own, and a graph replays into its own.
 """
 
 from __future__ import annotations
@@ -10,14 +16,33 @@ from typing import Optional
 
 import torch
 
+# int32 counters per 128-byte line: the ticket, the position and row counters, the ready flags
+# and the stage-2 counters each start on a line of their own (no false sharing between the
+# ticket every program claims from and the flags stage 2 polls).
+LINE = 32
 
-class _Workspace:
-    """The split kernel's scratch on one device and stream: arrival counters (zero between
-    launches: every launch resets what it used) and partial records, grown as needed, never
-    shrunk or freed.  Under CUDA-graph capture the capture stream's workspace is used when it
-    exists and fits (warm up on the capture stream to get it: the graph then has no memset, and
-    its replays must not overlap other calls that use that stream's workspace); otherwise the
-    captured call makes a temporary one, zeroed inside the graph (one memset node per replay)."""
+
+def _line_up(n: int) -> int:
+    return -(-n // LINE) * LINE
+
+
+def counter_layout(B: int, K1: int) -> dict:
+    """Where each counter field starts in ``counters`` (int32 elements), and the total used:
+    ticket [1], pos [B * K1] (position arrivals), row [B] (row arrivals), ready [B] (the row's
+    acceptance chain is done), s2 [B] (stage-2 arrivals).  The kernel computes the same offsets."""
+    pos = LINE
+    row = _line_up(pos + B * K1)
+    ready = _line_up(row + B)
+    s2 = _line_up(ready + B)
+    return dict(ticket=0, pos=pos, row=row, ready=ready, s2=s2, total=_line_up(s2 + B))
+
+
+class SplitWorkspace:
+    """The split kernel's scratch on one device and stream (or of one captured graph): counters
+    (zeroed by the launcher before each launch) and partial records, grown as needed, never
+    shrunk or freed.  ``tensors()`` names them; ``reset()`` zeroes them all."""
+
+    NAMES = ("counters", "part_f", "part_i", "cand", "mass")
 
     def __init__(self):
         self.counters = self.part_f = self.part_i = self.cand = self.mass = None
@@ -34,7 +59,7 @@ class _Workspace:
         ``block``: the float64 chunk masses and q counts of every position, and the rule's p_i."""
         N1 = B * K1 * NC
         d = 1 if draft_logits else 0
-        return dict(counters=2 + B * K1 + 3 * B, part_f=(2 * N1 + 2 * B * K1) * (1 + d),
+        return dict(counters=counter_layout(B, K1)["total"], part_f=(2 * N1 + 2 * B * K1) * (1 + d),
                     part_i=4 * N1 + 4 * B * K1 + 4 * B + B * NC + d * (N1 + B * K1), cand=max(1, N1 * cap),
                     mass=2 * N1 + B * K1 if block else B * NC)
 
@@ -42,9 +67,8 @@ class _Workspace:
         return all(self._fits(getattr(self, k), n) for k, n in sizes.items())
 
     def ensure(self, dev: torch.device, sizes: dict) -> None:
-        """Grow what is too small (counters zeroed: a device op, once per growth, not per call).
-        A replaced tensor is kept alive (``retired``): a CUDA graph captured with it replays into
-        it (doubling keeps all of them under twice the largest)."""
+        """Grow what is too small.  A replaced tensor is kept alive (``retired``): a CUDA graph
+        captured with it replays into it (doubling keeps all of them under twice the largest)."""
         for k, n in sizes.items():
             old = getattr(self, k)
             if self._fits(old, n):
@@ -52,12 +76,21 @@ class _Workspace:
             if old is not None:
                 self.retired.append(old)
             n = max(n, 2 * old.numel() if old is not None else 0)
-            if k == "counters":
-                t = torch.zeros(n, dtype=torch.int32, device=dev)
-            else:
-                t = torch.empty(n, dtype={"part_f": torch.float32, "mass": torch.float64}.get(k, torch.int32),
-                                device=dev)
-            setattr(self, k, t)
+            dtype = {"part_f": torch.float32, "mass": torch.float64}.get(k, torch.int32)
+            setattr(self, k, torch.zeros(n, dtype=dtype, device=dev) if k == "counters"
+                    else torch.empty(n, dtype=dtype, device=dev))
+
+    def tensors(self) -> dict:
+        """{name: tensor} of the current tensors (none before the first launch): ``counters``
+        (int32: ticket, arrivals, ready flags; ``counter_layout``), ``part_f`` (fp32 records),
+        ``part_i`` (int32 records), ``cand`` (int32 candidate keys), ``mass`` (float64 masses)."""
+        return {k: getattr(self, k) for k in self.NAMES if getattr(self, k) is not None}
+
+    def reset(self) -> None:
+        """Zero every tensor (a device op on the current stream).  Never needed for correctness:
+        each launch zeroes the counters it uses; for tools that inspect the workspace."""
+        for t in self.tensors().values():
+            t.zero_()
 
     def records(self, B: int, K1: int, NC: int, draft_logits: bool = False) -> dict:
         """The last launch's per-position records as [B, K+1] views (tests and diagnostics):
@@ -81,12 +114,24 @@ class _Workspace:
 
 
 _WORKSPACES: dict = {}
+# One workspace per captured call, alive as long as the process (a graph replays into it).
+_CAPTURED: list = []
 
 
-def _workspace(dev: torch.device) -> _Workspace:
-    stream = torch.cuda.current_stream(dev).stream_id if dev.type == "cuda" else 0
+def workspace(dev: torch.device, stream: Optional[int] = None) -> SplitWorkspace:
+    """The workspace of ``dev`` and a stream (its ``stream_id``; None: the current stream)."""
+    if stream is None:
+        stream = torch.cuda.current_stream(dev).stream_id if dev.type == "cuda" else 0
     key = (dev.type, dev.index, stream)
     ws = _WORKSPACES.get(key)
     if ws is None:
-        ws = _WORKSPACES[key] = _Workspace()
+        ws = _WORKSPACES[key] = SplitWorkspace()
+    return ws
+
+
+def captured_workspace() -> SplitWorkspace:
+    """A new workspace for a call under CUDA-graph capture, kept alive with the process: its
+    tensors come from the graph's pool, and no other graph or eager call ever uses it."""
+    ws = SplitWorkspace()
+    _CAPTURED.append(ws)
     return ws

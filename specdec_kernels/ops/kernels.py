@@ -10,11 +10,13 @@ kernel lazily, on the first launch, so the torch paths run without Triton.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Optional
 
 import torch
 
-__all__ = ["launch_settings", "split_workspace_records", "triton_kernels"]
+__all__ = ["current_settings", "launch_settings", "split_kernel_meta", "split_workspace", "split_workspace_records",
+           "triton_kernels"]
 
 
 def triton_kernels() -> dict:
@@ -29,28 +31,52 @@ def triton_kernels() -> dict:
 
 
 @contextlib.contextmanager
-def launch_settings(tiles_per_item: int, programs_per_sm: int, maxnreg: Optional[int]):
-    """Within the block, the split kernel launches with these settings: vocabulary tiles per
-    work item, persistent programs per SM, and a register cap (None: Triton's choice).  The
-    defaults are restored on exit.  The tokens do not depend on them (batch invariance)."""
-    for name, v in (("tiles_per_item", tiles_per_item), ("programs_per_sm", programs_per_sm)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"launch_settings: {name} must be an int >= 1, got {v!r}")
-    if maxnreg is not None and (isinstance(maxnreg, bool) or not isinstance(maxnreg, int) or maxnreg < 1):
-        raise ValueError(f"launch_settings: maxnreg must be None or an int >= 1, got {maxnreg!r}")
+def launch_settings(**changes):
+    """Within the block, the split kernel launches with these settings changed (the fields of
+    ``SplitSettings``: chunk, top_k_cap, tiles_per_item, stages, programs_per_sm, num_warps,
+    maxnreg, ticket, stage2_lag, poll, poll_sleep_ns); the previous ones are restored on exit.
+    The tokens do not depend on them (batch invariance).  An unknown name or a value the kernel
+    cannot launch with is refused, naming it."""
     from . import _verify_launch as launch
 
-    old = launch._TILES_PER_ITEM, launch._PROGRAMS_PER_SM, launch._MAXNREG
-    launch._TILES_PER_ITEM, launch._PROGRAMS_PER_SM, launch._MAXNREG = tiles_per_item, programs_per_sm, maxnreg
+    fields = {f.name for f in dataclasses.fields(launch.SplitSettings)}
+    unknown = sorted(set(changes) - fields)
+    if unknown:
+        raise ValueError(f"launch_settings: unknown setting {unknown[0]!r}; the settings are {sorted(fields)}")
+    old = launch.SETTINGS
+    launch.SETTINGS = dataclasses.replace(old, **changes)  # checked in SplitSettings.__post_init__
     try:
-        yield
+        yield launch.SETTINGS
     finally:
-        launch._TILES_PER_ITEM, launch._PROGRAMS_PER_SM, launch._MAXNREG = old
+        launch.SETTINGS = old
+
+
+def current_settings():
+    """The split kernel's launch settings in force (a frozen ``SplitSettings``)."""
+    from . import _verify_launch as launch
+
+    return launch.SETTINGS
+
+
+def split_workspace(device, stream: Optional[int] = None):
+    """The split kernel's workspace on ``device`` and a stream (its ``stream_id``; None: the
+    current stream), a ``SplitWorkspace``: ``.tensors()`` names its tensors, ``.reset()`` zeroes
+    them, ``.records(B, K + 1, num_chunks)`` reads the last launch's position records.  Each
+    launch zeroes the counters it uses, so no reset is needed between calls."""
+    from ._verify_workspace import workspace
+
+    return workspace(torch.device(device), stream)
 
 
 def split_workspace_records(device: torch.device, B: int, K1: int, num_chunks: int) -> dict:
     """The split kernel's per-position records of its last launch on ``device`` with these
     sizes (e.g. ``"scanned"``: the positions whose top-k/top-p bisected the whole position)."""
-    from ._verify_workspace import _workspace
+    return split_workspace(device).records(B, K1, num_chunks)
 
-    return _workspace(device).records(B, K1, num_chunks)
+
+def split_kernel_meta(*args, **kwargs) -> dict:
+    """The split kernel's compile-time parameters for a shape under the current settings (the
+    launcher's ``split_kernel_meta``), for tools that compile it ahead of time."""
+    from ._verify_launch import split_kernel_meta as meta
+
+    return meta(*args, **kwargs)
