@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # One prepared run on a GPU machine: build with CUDA, the test files with CUDA cases on CUDA (the
 # Triton kernels for real, not interpreted; the decoder's CUDA paths in test_decoder_devices.py;
-# the other tests run on CPU in CI), bench_verify_knobs (the split kernel's launch settings: chunks
-# per work item, programs per multiprocessor, a register cap), bench_verify on a reduced grid (its default providers: the split kernel, fused_triton, and the
+# the other tests run on CPU in CI; test_verify_split.py's two graphs replayed on two streams among them),
+# bench_verify_knobs (the split kernel's launch settings side by side at B = 64, 16, 256 and 1: ticket
+# prefetch, stage-2 lag, relaxed poll, chunks per work item, two programs per multiprocessor), bench_verify on a reduced grid (its default providers: the split kernel, fused_triton, and the
 # one-program-per-row kernel, fused_triton_rows, side by side, each also under CUDA graph replay
 # at B <= 16; the device copy behind pct_of_copy), bench_e2e on random-weight models of the
 # embedded pair's and feature draft's shapes (the target's GGUF does not travel; acceptance
-# figures come from CPU runs). Works offline from a fresh copy of the repository. The limits of the tests and the four
+# figures come from CPU runs). Works offline from a fresh copy of the repository. The limits of the tests and the five
 # benchmarks add up to 460 s (510 s with the grace periods); the build, random_pair.py and the
 # set-up take about a minute (on the VM: 24 s to build on 2 cores, 9 s for the random pair), and
 # the embedded target's conversion up to 90 s more where its wheel is installed (not in the GPU
@@ -102,18 +103,18 @@ CUDA_TESTS="python_tests/ops/test_kv_cache.py python_tests/ops/test_verify_exact
  python_tests/ops/test_verify_draft_logits.py python_tests/ops/test_verify_min_p.py python_tests/ops/test_block_verify_kernel.py
  python_tests/ops/test_tree_verify_kernel.py python_tests/ops/test_gather_kv.py"
 stamp "tests on CUDA"
-OMP_NUM_THREADS=2 timeout -s INT -k 10 150 $PY -m pytest $CUDA_TESTS -q -n 8 -rfEs --durations=15 -p no:cacheprovider \
+OMP_NUM_THREADS=2 timeout -s INT -k 10 140 $PY -m pytest $CUDA_TESTS -q -n 8 -rfEs --durations=15 -p no:cacheprovider \
     >"$OUT_DIR/tests.log" 2>&1
 tests_rc=$?
 tail -n 40 "$OUT_DIR/tests.log"
-# (the files without CUDA cases run on CPU in CI: their minute here goes to the split kernel's
-# settings; bench_verify_knobs writes each row as it is measured)
+# (the files without CUDA cases run on CPU in CI: their time here goes to the split kernel's
+# settings, the figures that decide its defaults; bench_verify_knobs writes each row as it is measured)
 stamp "bench_verify_knobs (the split kernel's launch settings side by side)"
-timeout -s INT -k 10 60 $PY bench/ops/bench_verify_knobs.py --out "$OUT_DIR"
+timeout -s INT -k 10 160 $PY bench/ops/bench_verify_knobs.py --out "$OUT_DIR"
 knobs_rc=$?
 
 stamp "bench_verify (gpu grid)"
-timeout -s INT -k 10 100 $PY bench/ops/bench_verify.py --grid gpu --out "$OUT_DIR"
+timeout -s INT -k 10 70 $PY bench/ops/bench_verify.py --grid gpu --out "$OUT_DIR"
 verify_rc=$?
 
 stamp "bench_e2e (random weights of the default pair's and feature draft's shapes, fp32)"
@@ -122,7 +123,7 @@ $PY bench/decoding/random_pair.py "$PAIR" && \
 # Sized to finish inside its limit (its defaults, every K at batch 1 and 8 and both temperatures,
 # would not; stopped at the limit it writes the configurations it finished): greedy, K = 2 and
 # auto, 4 prompts at batch 1 and 8 at batch 8, 64 tokens, the median of 3 runs after a warm-up.
-timeout -s INT -k 10 100 $PY bench/decoding/bench_e2e.py --draft "$PAIR/draft" --target "$PAIR/target" --tokenizer "$PAIR/target" \
+timeout -s INT -k 10 60 $PY bench/decoding/bench_e2e.py --draft "$PAIR/draft" --target "$PAIR/target" --tokenizer "$PAIR/target" \
     --feature-draft "$PAIR/feature_draft" --feature-ks 2 --ks 2,auto --batch 1,8 --temperatures 0 \
     --num-prompts 8 --batch1-prompts 4 --warmup-tokens 8 \
     --device cuda --dtype fp32 --out "$OUT_DIR" --repeats 3 --max-new-tokens 64
@@ -132,7 +133,7 @@ e2e_rc=$?
 # one over 5 does (on the CPU it costs 1.2-10x): the target's step per tree shape is the figure
 # (random weights: acceptance comes from the CPU runs). Batch 1, greedy, 2 prompts x 32 tokens.
 stamp "bench_e2e trees (random weights, fp32)"
-timeout -s INT -k 10 50 $PY bench/decoding/bench_e2e.py --draft "$PAIR/draft" --target "$PAIR/target" --tokenizer "$PAIR/target" \
+timeout -s INT -k 10 30 $PY bench/decoding/bench_e2e.py --draft "$PAIR/draft" --target "$PAIR/target" --tokenizer "$PAIR/target" \
     --ks 2,4 --tree-shapes "2,1,1,1;4,1,1,1;8,1,1,1;dynamic:32,4,4" --methods specdec,specdec_tree --batch 1 \
     --temperatures 0 --num-prompts 2 --warmup-tokens 4 --device cuda --dtype fp32 --out "$OUT_DIR/trees" \
     --repeats 1 --max-new-tokens 32

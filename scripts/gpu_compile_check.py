@@ -197,7 +197,7 @@ def verify_split_signature(logits: str, tokens: str, meta: dict) -> dict:
         logprobs_ptr="*fp32" if meta["LOGPROBS"] else placeholder, stride_pb="i32", stride_pc="i32",
         counters_ptr="*i32", part_f_ptr="*fp32", part_i_ptr="*i32", cand_ptr="*i32", mass_ptr="*fp64",
         order_ptr="*i32" if meta["HAS_ORDER"] else placeholder,
-        B="i32", K="i32", V="i32", Vd="i32", NC="i32", G="i32",
+        B="i32", K="i32", V="i32", Vd="i32", NC="i32", LAG="i32",
     )
     params = list(inspect.signature(_verify_split_kernel.fn).parameters)
     for name in params:
@@ -281,6 +281,17 @@ TREE_VARIANTS = [
 # tensor (the kernel reads it or the scalar at run time, so both paths compile).
 SPLIT_SETTINGS = [
     ("bf16 plain, 4 chunks an item", "bf16", "i64", 128256, 4, True, False, False, False, {"TILES": 4}),
+    ("bf16 plain, prefetched relaxed ticket, relaxed poll, 200 ns sleep", "bf16", "i64", 128256, 4, True, False, False,
+     False, {"TICKET": 2, "POLL": 1, "SLEEP_NS": 200}),
+    ("bf16 top-k + top-p, prefetched ticket, relaxed poll", "bf16", "i64", 128256, 4, True, True, True, False,
+     {"TICKET": 2, "POLL": 1, "SLEEP_NS": 200}),
+    ("bf16 plain, 4 warps (two programs an SM)", "bf16", "i64", 128256, 4, True, False, False, False,
+     {"num_warps": 4}),
+    ("bf16 top-k + top-p, 4 warps (two programs an SM)", "bf16", "i64", 128256, 4, True, True, True, False,
+     {"num_warps": 4}),
+    ("bf16 plain, 8 warps, maxnreg 128", "bf16", "i64", 128256, 4, True, False, False, False, {"maxnreg": 128}),
+    ("bf16 top-k + top-p, 8 warps, maxnreg 128", "bf16", "i64", 128256, 4, True, True, True, False,
+     {"maxnreg": 128}),
     ("bf16 top-k + top-p, 4 chunks an item", "bf16", "i64", 128256, 4, True, True, True, False, {"TILES": 4}),
     ("bf16 packed, bf16 q, logprobs", "bf16", "i32", 128256, 4, True, False, False, False,
      {"PACKED": True, "LOGPROBS": True, "_q_dtype": "bf16"}),
@@ -341,10 +352,15 @@ def _compile_one(kernel, meta: dict, signature: dict, name: str, arch: int, show
     kname = kernel.fn.__name__
     meta = dict(meta)
     options = dict(num_warps=meta.pop("num_warps"), enable_fp_fusion=meta.pop("enable_fp_fusion"))
+    if "maxnreg" in meta:
+        options["maxnreg"] = meta.pop("maxnreg")
     row = dict(part="triton", kernel=kname, variant=name, arch=arch, num_warps=options["num_warps"],
                **{f: meta[f] for f in shown}, triton=triton_version)
-    if "TILES" in meta:
-        row["TILES"] = meta["TILES"]
+    for f in ("TILES", "TICKET", "POLL", "SLEEP_NS"):
+        if f in meta:
+            row[f] = meta[f]
+    if "maxnreg" in options:
+        row["maxnreg"] = options["maxnreg"]
     t0 = time.time()
     try:
         src = ASTSource(fn=kernel, signature=signature, constexprs=meta)

@@ -52,6 +52,6 @@ def test_knobs_smoke_runs_every_setting_and_checks_the_tokens(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     text = (tmp_path / "bench_verify_knobs.txt").read_text()
     rows = [line for line in text.splitlines()[3:] if line.strip()]
-    assert len(rows) == 8, text  # 2 batches x 2 warps x 2 settings
+    assert len(rows) == 10, text  # 2 batches x (default and combined with and without a warp, prefetch plain)
     assert all(" True " in r for r in rows), text
     assert (tmp_path / "bench_verify_knobs.csv").exists()

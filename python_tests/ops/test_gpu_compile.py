@@ -59,7 +59,10 @@ def _spill_bound(kernel: str, variant: str) -> int:
       The min-p forms (HAS_MIN_P, V = 128,256): 255 registers and 8 bytes (bf16 min-p; with top-k +
       top-p), 16 bytes (packed, top-k + top-p, draft logits, logprobs).
       Bounded at 64 bytes: a change that pushes it past 255 registers and spills in earnest fails
-      here.
+      here.  The forms for two programs a multiprocessor: at 4 warps (no cap needed: up to 255
+      registers fit two programs of 128 threads) bounded the same; at 8 warps under
+      ``maxnreg = 128`` ptxas spills by design (the setting a GPU run weighs against that), so
+      those variants may spill up to 1 KB, in local memory.
     - the one-program-per-row kernel: ptxas keeps 128 registers (two blocks a multiprocessor)
       and spills a few bytes in some variants (8 on the plain path, 8-64 with top-k/top-p under
       Triton 3.9; up to 144 under 3.6): 16 bytes on the plain paths, 256 otherwise.
@@ -69,7 +72,7 @@ def _spill_bound(kernel: str, variant: str) -> int:
     if kernel == "_tree_verify_kernel":
         return 64
     if kernel == "_verify_split_kernel":
-        return 64
+        return 1024 if "maxnreg 128" in variant else 64
     heavy = "top-k" in variant or "top-p" in variant or "K = 15" in variant or "V = 100" in variant
     return 256 if heavy else 16
 
@@ -100,7 +103,8 @@ def test_verify_kernels_compile_for_sm90(tmp_path):
         assert shown <= set(r) and not absent & set(r), what
         assert "regs" in r, f"no resource usage read back for {what} (cuobjdump)"
         assert 0 < r["regs"] <= 255
-        assert r["local"] == 0, f"{what}: {r['local']} bytes of local memory"
+        if "maxnreg 128" not in r["variant"]:  # spills live in local memory under a register cap
+            assert r["local"] == 0, f"{what}: {r['local']} bytes of local memory"
         assert "spill_stores" in r, f"no ptxas log read back for {what}"
         bound = _spill_bound(r["kernel"], r["variant"])
         assert r["spill_stores"] <= bound, f"{what}: {r['spill_stores']} bytes of spill stores > {bound}"
