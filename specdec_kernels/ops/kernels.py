@@ -14,7 +14,10 @@ from typing import Optional
 
 import torch
 
-__all__ = ["launch_settings", "split_workspace_records", "triton_kernels"]
+# The launcher's public facts, from their stable place here (``specdec env``, the scripts).
+from ._verify_launch import interpreter_problem, split_kernel_meta  # noqa: F401
+
+__all__ = ["interpreter_problem", "launch_settings", "split_kernel_meta", "split_workspace_records", "triton_kernels"]
 
 
 def triton_kernels() -> dict:
