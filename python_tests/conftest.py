@@ -17,3 +17,40 @@ if not HAS_CUDA:
 @pytest.fixture
 def device():
     return DEVICE
+
+
+# The `slow` marker (registered in pyproject.toml): `pytest python_tests -m "not slow" -n 2` is
+# the quick subset for someone changing code; CI (.ci/run) runs everything. Chosen centrally here,
+# by file and by test name, from the suite's durations on a 2-core CPU machine: the distributional
+# tests (chi-square over >= 1e5 draws), every case that runs a Triton kernel (under the
+# interpreter without a GPU), the build of an sdist and a wheel, the ahead-of-time GPU compile,
+# and the vLLM plugin's tests (which need .venv-vllm, from scripts/bootstrap_vllm.sh).
+SLOW_FILES = {
+    "bench/test_bench_verify_interpreter.py",
+    "decoding/test_decoder_triton_verify.py",
+    "integrations/test_integration_vllm.py",
+    "ops/test_block_verify_kernel.py",
+    "ops/test_gpu_compile.py",
+    "ops/test_tree_verify_kernel.py",
+    "ops/test_tree_verify_law.py",
+    "ops/test_verify_distribution.py",
+    "ops/test_verify_split.py",
+    "test_packaging.py",
+}
+# A test whose name or parameters hold one of these: a law or a distribution checked by sampling,
+# or a Triton backend.
+SLOW_WORDS = ("law", "distribution", "matches_target", "triton")
+
+
+def is_slow(nodeid: str) -> bool:
+    """Whether the test ``nodeid`` (``python_tests/ops/test_x.py::test_y[params]``) is slow."""
+    path, _, name = nodeid.partition("::")
+    rel = path.split("python_tests/", 1)[-1]
+    return rel in SLOW_FILES or any(w in name for w in SLOW_WORDS)
+
+
+def pytest_collection_modifyitems(config, items):
+    slow = pytest.mark.slow
+    for item in items:
+        if is_slow(item.nodeid):
+            item.add_marker(slow)
