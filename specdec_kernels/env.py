@@ -13,6 +13,7 @@ machine without a GPU).
 
 from __future__ import annotations
 
+import glob
 import importlib
 import os
 import platform
@@ -37,10 +38,9 @@ def _extension_facts() -> dict:
     if not extension.HAS_EXT:
         return {"loaded": False, "why": f"{type(extension.EXT_IMPORT_ERROR).__name__}: {extension.EXT_IMPORT_ERROR}",
                 "cuda_kernels": False}
-    from .ops import _C  # noqa: F401  (loaded already: HAS_EXT)
-
+    built = sorted(glob.glob(os.path.join(os.path.dirname(extension.__file__), "_C*")))
     has = torch._C._dispatch_has_kernel_for_dispatch_key
-    return {"loaded": True, "path": _C.__file__, "torch": torch.__version__,
+    return {"loaded": True, "path": built[0] if built else "?", "torch": torch.__version__,
             "cuda_kernels": bool(has("specdec::compact_kv_", "CUDA"))}
 
 
