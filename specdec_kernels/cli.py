@@ -3,6 +3,7 @@
     specdec generate "The capital of France is" --draft DRAFT --target TARGET -k 4
     specdec generate "def fib(n):" --target TARGET --drafter prompt_lookup -k auto --json
     python -m specdec_kernels generate "hello" --tiny-random --json
+    specdec env                  # versions, extension, device, Triton: for a bug report
 
 ``--tiny-random`` builds a small random-weight Llama pair and a character-level tokenizer in
 memory (no download), for smoke tests; its text is gibberish by construction.
@@ -48,6 +49,10 @@ class _ShortUsageParser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdec", description="Exact speculative decoding of Hugging Face models.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_ShortUsageParser)
+    e = sub.add_parser("env", help="print the versions, the C++ extension's state, the device and whether the "
+                                   "Triton kernels run on it (paste it into a bug report)")
+    e.add_argument("--json", action="store_true", help="as JSON")
+    e.add_argument("--no-kernel-check", action="store_true", help="do not launch the split kernel once")
     g = sub.add_parser("generate", help="generate text for one or more prompts")
     g.add_argument("prompts", nargs="+", help="prompt text (several prompts are decoded as one batch)")
     g.add_argument("--draft", help="draft model name or path")
@@ -303,6 +308,10 @@ def _decode(dec, inputs, args, common, progress) -> tuple:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "env":
+        from .env import main as env_main
+
+        return env_main(as_json=args.json, run_kernels=not args.no_kernel_check)
     _check_early(args, parser)
     if args.repeats < 1:
         parser.generate_parser.error(f"--repeats must be >= 1, got {args.repeats}")

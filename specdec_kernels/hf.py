@@ -15,7 +15,7 @@ with ``pad_token_id``), or a ``GenerateDecoderOnlyOutput`` with ``sequences`` wh
 its argmax at every position), whatever the draft (Leviathan et al. 2023; Chen et al. 2023).
 
 The draft: ``assistant_model=`` (a causal LM over the target's vocabulary), or, without one,
-``prompt_lookup_num_tokens=`` (drafts copied from the row's own text).  transformers 5.17 to 5.24
+``prompt_lookup_num_tokens=`` (drafts copied from the row's own text).  transformers 5.17 to 5.25
 pass neither ``assistant_model`` nor ``streamer`` to a callable ``custom_generate`` (it keeps
 only the arguments of the callable's signature that are still in its ``**kwargs``), so
 ``generate`` reads them from the calling ``GenerationMixin.generate``'s frame; they may also be

@@ -1,7 +1,7 @@
 """vLLM's engine with and without the specdec_kernels plugin: generated tokens per second.
 
 Runs in vLLM's environment (``.venv-vllm/bin/python bench/integrations/bench_vllm_engine.py``, built by
-scripts/bootstrap.sh).  One ``vllm.LLM`` per drafting method (the embedded target; the embedded
+scripts/bootstrap_vllm.sh).  One ``vllm.LLM`` per drafting method (the embedded target; the embedded
 draft model as ``draft_model``, or ``ngram`` prompt lookup), its engine core in this process, and
 for each batch size (default 1 and 8) the same greedy requests generated with vLLM's own
 rejection sampler and with the plugin's (``specdec_kernels.integrations.vllm.patch()`` /
@@ -155,7 +155,7 @@ def main(argv=None):
     try:
         import vllm
     except ImportError:
-        sys.exit("bench_vllm_engine needs vLLM: run it with .venv-vllm/bin/python (scripts/bootstrap.sh builds it)")
+        sys.exit("bench_vllm_engine needs vLLM: run it with .venv-vllm/bin/python (scripts/bootstrap_vllm.sh builds it)")
     ver = dict(versions(), vllm=vllm.__version__)
     stamp = now()
     print(f"# bench_vllm_engine on CPU {cpu_model()}; {ver}; {stamp}", flush=True)

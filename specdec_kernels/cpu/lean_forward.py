@@ -3,10 +3,8 @@
 A decode step of the speculative loop feeds 1 (draft) or K+1 (verify) tokens.  At that size a
 small model's time goes largely to the Python around the arithmetic: Hugging Face's per-call
 and per-layer machinery (keyword plumbing and deprecation wrappers, the output dataclasses, mask
-construction).  Measured on the embedded pair (bench/cpu/bench_lean_forward.py: 2-core AMD EPYC
-Zen 5, fp32, 1 thread, 64 cached tokens, ``skinny_linear``, median of 60): the draft's
-one-token forward 2.09 -> 1.76 ms, the target's 25.9 -> 24.6 ms (its verify over 2-5 tokens
-1.04-1.05x faster).
+construction).  On the embedded pair this step is 5-22% faster than the model's forward
+(bench/cpu/bench_lean_forward.py; the figures in docs/benchmarks.md, "Lean Llama decode step").
 
 ``LeanLlamaStep`` runs the same modules in the same order with the same tensor operations as
 ``LlamaForCausalLM.forward`` with the ``sdpa`` attention (the model's own linear layers,

@@ -2,8 +2,8 @@
 
 Verifying K drafted tokens runs the target over K+1 positions at once.  On a GPU that costs
 about one decode step; on a CPU, torch's fp32 ``linear`` hands 2-16 rows to an SGEMM that takes
-2-3x the one-row time (measured on an AVX2 AMD EPYC: a 49,152 x 576 output layer, 14 ms for
-one row and 45 ms for five), which wipes out what speculation saves.  ``skinny_linear``
+2-3x the one-row time (docs/benchmarks.md, "Linear layers on CPU"), which wipes out what
+speculation saves.  ``skinny_linear``
 (``torch.ops.specdec.skinny_linear``, csrc/skinny_linear.cpp) streams the weights once for all
 rows instead, so K+1 rows cost little more than one.
 
@@ -40,14 +40,13 @@ __all__ = ["AVX512_MAX_ROWS", "DEFAULT_MAX_ROWS", "SkinnyLinearHandle", "default
 # (a trained fp32 or bf16 weight almost always has one in its first chunk).
 _FP16_CHUNK = 1 << 20
 
-# Up to this many rows (the product of x's leading dims) the kernel beat torch's linear in
-# bench/cpu/bench_skinny_linear.py on the 2-core AVX2 machine (30-50% less time at 2-9 rows, on par
-# at 16, slower at 32); above it torch's SGEMM is used.
+# Up to this many rows (the product of x's leading dims) the kernel's AVX2 path beats torch's
+# linear in bench/cpu/bench_skinny_linear.py (docs/benchmarks.md, "Linear layers on CPU"); above it
+# torch's SGEMM, which wins on larger inputs, is used.
 DEFAULT_MAX_ROWS = 16
 # Where the CPU has AVX-512 the kernel takes its AVX-512 path from 7 rows, and stays ahead of
-# torch's SGEMM up to 24 rows (bench/cpu/bench_skinny_linear.py --isa, the embedded target's layers,
-# 2-core AMD EPYC Zen 5 VM, 1 thread, 2026-12-01: 73.2 ms against 93.2 ms at 24 rows, even at 32:
-# 84.2 against 117.6).
+# torch's SGEMM up to 24 rows and beyond (bench/cpu/bench_skinny_linear.py --isa on the embedded
+# target's layers: docs/benchmarks.md, "Linear layers on CPU").
 AVX512_MAX_ROWS = 24
 
 

@@ -46,8 +46,8 @@ models give that row the same logits, bit for bit, in the batch and alone.  The 
 on their models.  A model's forward need not be batch-invariant: in the prefill, torch's matmul
 over more rows than ``skinny_linear`` takes, and attention over a left-padded or gapped cache,
 may round a row's logits differently in the last bit, and a token then differs where a uniform
-falls within that rounding of a decision boundary (about 1e-6 of the draws, measured on
-2026-12-01, at one step of a tiny random model).  The randomness and the verification never
+falls within that rounding of a decision boundary (rare: about 1e-6 of the draws at one step of
+a tiny random model, docs/benchmarks.md).  The randomness and the verification never
 depend on the other rows.
 
 This module is long for one reason: it is the public class, and about 200 of its ~600 lines
@@ -119,8 +119,8 @@ class SpeculativeDecoder:
     lean_forward: run the decode steps (the draft's tokens, the target's verify) of a plain
     ``LlamaForCausalLM`` with ``sdpa`` attention on the CPU through
     ``specdec_kernels.cpu.lean_forward.LeanLlamaStep``: the model's own modules in the same order,
-    the same bits, without Hugging Face's per-call overhead (about 0.3 ms of a 2.1 ms draft token
-    and 1.4 ms of a 26 ms target step with the embedded pair).  Checked at each ``generate``;
+    the same bits, without Hugging Face's per-call overhead (a few percent of a small model's decode
+    step on the CPU: docs/benchmarks.md, "Lean Llama decode step").  Checked at each ``generate``;
     other models, devices or attention implementations keep their forward
     (``lean_status()`` says which path each model takes and why).
 

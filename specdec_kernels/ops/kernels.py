@@ -15,8 +15,11 @@ from typing import Optional
 
 import torch
 
-__all__ = ["current_settings", "launch_settings", "split_kernel_meta", "split_workspace", "split_workspace_records",
-           "triton_kernels"]
+# The launcher's public facts, from their stable place here (``specdec env``, the scripts).
+from ._verify_launch import interpreter_problem, split_kernel_meta  # noqa: F401
+
+__all__ = ["current_settings", "interpreter_problem", "launch_settings", "split_kernel_meta", "split_workspace",
+           "split_workspace_records", "triton_kernels"]
 
 
 def triton_kernels() -> dict:
@@ -72,11 +75,3 @@ def split_workspace_records(device: torch.device, B: int, K1: int, num_chunks: i
     """The split kernel's per-position records of its last launch on ``device`` with these
     sizes (e.g. ``"scanned"``: the positions whose top-k/top-p bisected the whole position)."""
     return split_workspace(device).records(B, K1, num_chunks)
-
-
-def split_kernel_meta(*args, **kwargs) -> dict:
-    """The split kernel's compile-time parameters for a shape under the current settings (the
-    launcher's ``split_kernel_meta``), for tools that compile it ahead of time."""
-    from ._verify_launch import split_kernel_meta as meta
-
-    return meta(*args, **kwargs)

@@ -1,4 +1,4 @@
-"""Tests that run inside vLLM's own environment (``.venv-vllm``, built by scripts/bootstrap.sh).
+"""Tests that run inside vLLM's own environment (``.venv-vllm``, built by scripts/bootstrap_vllm.sh).
 
 ``python_tests/integrations/test_integration_vllm.py`` runs them there in a subprocess; in an environment
 without vLLM they are not collected (the main suite's pytest sees nothing here).
