@@ -266,7 +266,7 @@ def test_accepted_counter_is_the_independent_count_of_the_same_uniforms(backend)
             # the same with the op's own rule (p normalised in fp32, u * q(x) < p(x) in float64)
             p_x = (p.cpu() / p.cpu().sum(-1, keepdim=True))[:, :K].gather(-1, x.cpu().long()[..., None])[..., 0]
             q_x = q.cpu().gather(-1, x.cpu().long()[..., None])[..., 0]
-            assert torch.equal(acc.cpu().long(), chain_reference._accept(u.cpu()[:, :K], p_x, q_x).sum(-1))
+            assert torch.equal(acc.cpu().long(), chain_reference.acceptance_test(u.cpu()[:, :K], p_x, q_x).sum(-1))
             total_after += int((acc - emi).sum())
             if backend == "triton":
                 break

@@ -178,7 +178,7 @@ def test_mutant_residual_p_minus_p_is_caught(monkeypatch):
 
 def test_mutant_acceptance_ignoring_q_is_caught(monkeypatch):
     """Accepting with probability p(x) instead of min(1, p(x)/q(x)) must fail."""
-    monkeypatch.setattr(chain_reference, "_accept", lambda u, p_x, q_x: u < p_x)
+    monkeypatch.setattr(chain_reference, "acceptance_test", lambda u, p_x, q_x: u < p_x)
     logits, q, _, _, _, _ = CASES["generic"]()
     pv1, _, _, z = check("torch", logits, q, seed0=2)
     assert pv1 < SIGNIFICANCE or abs(z) > Z_BOUND, "the mutant acceptance test was not detected"

@@ -291,7 +291,7 @@ def test_arrival_order_does_not_change_the_draft_records(monkeypatch):
 
     def run(order=None):
         tokens, num, _ = _verify_launch._launch(args, lay, None if order is None else _dev(order))
-        rec = _verify_workspace._workspace(torch.device(DEV)).records(B, K + 1, NC, draft_logits=True)
+        rec = _verify_workspace.device_workspace(torch.device(DEV)).records(B, K + 1, NC, draft_logits=True)
         return tokens.cpu(), num.cpu(), {k: rec[k].cpu().clone() for k in ("m_d", "S_d", "bad_d")}
 
     want_t, want_n, want_rec = run()

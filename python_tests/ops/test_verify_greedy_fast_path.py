@@ -200,7 +200,7 @@ def test_fast_path_reads_no_random_numbers(monkeypatch):
         raise AssertionError("the greedy route must not draw random numbers")
 
     monkeypatch.setattr(_verify_torch, "philox_uniforms", boom)
-    monkeypatch.setattr(_verify_torch, "_philox_uniforms_host", boom)
+    monkeypatch.setattr(_verify_torch, "philox_uniforms_host", boom)
     g = torch.Generator().manual_seed(4)
     logits = torch.randn(2, 5, 64, generator=g)
     x = logits[:, :4].argmax(-1)

@@ -293,10 +293,10 @@ def test_cases_exercise_min_p():
         mp_t = mp if isinstance(mp, torch.Tensor) else torch.full((B,), mp)
         inv_t = torch.where(temperature == 0, 1.0, 1 / temperature.masked_fill(temperature == 0, 1.0))
         K1 = K + 1
-        _, k0 = warp_logits(logits, inv_t[:, None].expand(B, K1), chain_reference._per_position(top_k, K1),
-                            chain_reference._per_position(top_p, K1))
-        _, k1 = warp_logits(logits, inv_t[:, None].expand(B, K1), chain_reference._per_position(top_k, K1),
-                            chain_reference._per_position(top_p, K1), min_p=chain_reference._per_position(mp_t, K1))
+        _, k0 = warp_logits(logits, inv_t[:, None].expand(B, K1), chain_reference.per_position(top_k, K1),
+                            chain_reference.per_position(top_p, K1))
+        _, k1 = warp_logits(logits, inv_t[:, None].expand(B, K1), chain_reference.per_position(top_k, K1),
+                            chain_reference.per_position(top_p, K1), min_p=chain_reference.per_position(mp_t, K1))
         assert (k1.sum(-1) < k0.sum(-1))[temperature != 0].any()
         kb = torch.tensor([K, K, K - 1, 1][:B])
         for s in range(2):
@@ -310,7 +310,7 @@ def test_cases_exercise_min_p():
 
 def _records(B, K1, V):
     chunk = verify_mod.split_kernel_meta(V, K1, True, False, False, False)["CHUNK"]
-    ws = _verify_workspace._workspace(torch.device(DEV))
+    ws = _verify_workspace.device_workspace(torch.device(DEV))
     return {k: v.cpu().clone() for k, v in ws.records(B, K1, -(-V // chunk)).items()}
 
 

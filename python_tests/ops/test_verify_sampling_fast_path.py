@@ -287,8 +287,8 @@ def test_row_draw_takes_large_vocabularies_at_any_batch(V, counted, monkeypatch)
     """B = 12 rows (above _ROW_DRAW_MAX): row by row from V = 4,096 on (_ROW_DRAW_MIN_V), batched
     below it; either way the reference's tokens, rejections and an invalid row included."""
     rows = []
-    orig = _verify_torch._final_token
-    monkeypatch.setattr(_verify_torch, "_final_token", lambda *a: rows.append("batched") or orig(*a))
+    orig = _verify_torch.final_token
+    monkeypatch.setattr(_verify_torch, "final_token", lambda *a: rows.append("batched") or orig(*a))
     g = torch.Generator().manual_seed(V)
     B, K = 12, 2
     logits = torch.randn(B, K + 1, V, generator=g) * 3

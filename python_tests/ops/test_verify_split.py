@@ -42,7 +42,7 @@ def _chunks(V: int) -> int:
 
 
 def _records(B, K1, V):
-    ws = _verify_workspace._workspace(torch.device(DEV))
+    ws = _verify_workspace.device_workspace(torch.device(DEV))
     return {k: v.cpu().clone() for k, v in ws.records(B, K1, _chunks(V)).items()}
 
 
@@ -214,7 +214,7 @@ def test_counters_reset_themselves():
     for B, K, V in [(2, 3, 100), (1, 0, 7), (4, 2, 5000)]:
         logits, x, q = make_step(B, K, V, seed=B + V)
         fused_verify(logits.to(DEV), x.to(DEV), q.to(DEV), top_k=5, seed=1, backend="triton")
-        counters = _verify_workspace._workspace(torch.device(DEV)).counters
+        counters = _verify_workspace.device_workspace(torch.device(DEV)).counters
         assert int(counters.abs().sum()) == 0, counters.nonzero()
 
 
@@ -222,7 +222,7 @@ def test_grown_workspace_keeps_the_old_tensors_and_the_op_path_uses_its_own():
     """A larger shape grows the workspace and keeps the replaced tensors alive (a CUDA graph
     captured with them replays into them); a call through the registered op (torch.compile's
     path) uses a workspace of its own and leaves the cached one as it was."""
-    ws = _verify_workspace._workspace(torch.device(DEV))
+    ws = _verify_workspace.device_workspace(torch.device(DEV))
     logits, x, q = make_step(1, 1, 10, seed=1)
     fused_verify(logits.to(DEV), x.to(DEV), q.to(DEV), seed=1, backend="triton")
     before = ws.counters
@@ -384,7 +384,7 @@ def test_cuda_graph_replays_with_and_without_a_warm_workspace(warm_up_on):
         eager = fused_verify(lg, x, q, seed=seed, offset=step, top_k=20)
         assert torch.equal(out.tokens, eager.tokens) and torch.equal(out.num_accepted, eager.num_accepted)
     torch.cuda.synchronize()
-    assert int(_verify_workspace._workspace(torch.device("cuda")).counters.abs().sum()) == 0
+    assert int(_verify_workspace.device_workspace(torch.device("cuda")).counters.abs().sum()) == 0
 
 
 @needs_cuda

@@ -28,7 +28,7 @@ or 2 for bf16/fp16), I the node-id size (4 or 8):
 - each position the walk stands on (the root and every accepted node): one softmax pass over its
   V * E bytes of logits (the floor: a child's test needs the position's normaliser), and with
   top-k / top-p about 32 passes more each, with min-p (when it cuts deeper) one more
-  (``_warp_full``, ``_masked_mass``);
+  (``warp_full``, ``masked_mass``);
 - each examined child: E bytes of logits (or 4 of the residual slot) and, sampled rule, 4 bytes of
   q; at the first child tested at a position the sampled rule also reads that position's Vd * 4
   bytes of q to check them (a NaN, an inf or a negative entry makes the row invalid);
@@ -69,8 +69,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._verify_kernel import _masked_mass, _order_key, _position_stats
-from ._verify_split_stats import _min_p_key
+from ._verify_kernel import masked_mass, order_key, position_stats
+from ._verify_split_stats import min_p_key
 
 _INT32_MAX = tl.constexpr(2147483647)
 _FLT_MIN = tl.constexpr(1.1754943508222875e-38)  # 2^-126: the reference's clamp of a residual's sum
@@ -84,12 +84,12 @@ def _tree_position(pos_ptr, V, inv_t, top_k, top_p, min_p, mp_on,
     p(v) = exp(s_v - m) / S for the tokens whose order key is >= thr.  min-p's threshold comes
     from m alone; its kept set is an upper set holding the maximum, so it composes with the
     top-k/top-p set as the higher threshold, whose mass is summed once more."""
-    m, S, thr, amax, bad = _position_stats(pos_ptr, V, inv_t, top_k, top_p, HAS_TOP_K, HAS_TOP_P, BLOCK_V)
+    m, S, thr, amax, bad = position_stats(pos_ptr, V, inv_t, top_k, top_p, HAS_TOP_K, HAS_TOP_P, BLOCK_V)
     if HAS_MIN_P:
-        thr_mp = _min_p_key(m, min_p)
+        thr_mp = min_p_key(m, min_p)
         if mp_on & (bad == 0) & (thr_mp > thr):
             thr = thr_mp
-            S = _masked_mass(pos_ptr, V, inv_t, m, thr, BLOCK_V)
+            S = masked_mass(pos_ptr, V, inv_t, m, thr, BLOCK_V)
     return m, S, thr, amax, bad
 
 
@@ -100,7 +100,7 @@ def _p_cur(pos_ptr, slot_ptr, offs, V, p_mat, s_div, inv_t, m, S, thr):
     Only the source in use is read."""
     use_r = p_mat != 0
     s = tl.load(pos_ptr + offs, mask=offs < tl.where(use_r, 0, V), other=float("-inf")).to(tl.float32) * inv_t
-    p = tl.where(_order_key(s).to(tl.int64) >= thr, tl.exp(s - m) / S, 0.0)
+    p = tl.where(order_key(s).to(tl.int64) >= thr, tl.exp(s - m) / S, 0.0)
     r = tl.load(slot_ptr + offs, mask=offs < tl.where(use_r, V, 0), other=0.0)
     return tl.where(use_r, tl.math.div_rn(r, s_div), p), tl.where(use_r, r, p)
 
@@ -184,7 +184,7 @@ def _tree_verify_kernel(
     nb = tl.load(num_nodes_ptr + b)
     temp = tl.load(temperature_ptr + b)
     greedy = temp == 0.0
-    # the reference's _row_parameters; (0, 2^-126): 1 / T overflows, or a subnormal T is flushed to 0
+    # the reference's row_parameters; (0, 2^-126): 1 / T overflows, or a subnormal T is flushed to 0
     bad = ((temp != temp) | (temp < 0.0) | (temp == float("inf")) | ((temp > 0.0) & (temp < _FLT_MIN))
            | (nb < 0) | (nb > N))
     top_k = tl.full([], 0, tl.int64)

@@ -42,14 +42,14 @@ _FLT_MIN = tl.constexpr(1.1754943508222875e-38)  # 2^-126, reference.FLT_MIN: th
 
 
 @triton.jit
-def _order_key(s):
+def order_key(s):
     """fp32 -> int32 with the same order; -0.0 is taken as +0.0 (s + 0.0)."""
     bits = (s + 0.0).to(tl.int32, bitcast=True)
     return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
 
 
 @triton.jit
-def _scaled_tile(row_ptr, start, V, inv_t, BLOCK_V: tl.constexpr):
+def scaled_tile(row_ptr, start, V, inv_t, BLOCK_V: tl.constexpr):
     """Logits [start, start + BLOCK_V) of one position in fp32, times 1/T; -inf past V."""
     offs = start + tl.arange(0, BLOCK_V)
     mask = offs < V
@@ -63,8 +63,8 @@ def _draw_tile(pos_ptr, q_ptr, start, V, q_len, x_j, inv_t, m, S, thr, subtract_
     """One tile of the final draw: p, q and the weights r = max(0, p - q) when subtract_q
     (the residual after a rejection), else r = p. q is read up to q_len (0 = not at all), or is
     one-hot at x_j for a deterministic drafter."""
-    offs, mask, s = _scaled_tile(pos_ptr, start, V, inv_t, BLOCK_V)
-    p = tl.where(mask & (_order_key(s).to(tl.int64) >= thr), tl.exp(s - m) / S, 0.0)
+    offs, mask, s = scaled_tile(pos_ptr, start, V, inv_t, BLOCK_V)
+    p = tl.where(mask & (order_key(s).to(tl.int64) >= thr), tl.exp(s - m) / S, 0.0)
     if HAS_DRAFT_PROBS:
         q = tl.load(q_ptr + offs, mask=offs < q_len, other=0.0)
     else:
@@ -74,18 +74,18 @@ def _draw_tile(pos_ptr, q_ptr, start, V, q_len, x_j, inv_t, m, S, thr, subtract_
 
 
 @triton.jit
-def _masked_mass(row_ptr, V, inv_t, m, thr, BLOCK_V: tl.constexpr):
+def masked_mass(row_ptr, V, inv_t, m, thr, BLOCK_V: tl.constexpr):
     """sum of exp(s - m) over the tokens with order key >= thr (int64 scalar)."""
     acc = tl.zeros([BLOCK_V], dtype=tl.float32)
     for start in range(0, V, BLOCK_V):
-        offs, mask, s = _scaled_tile(row_ptr, start, V, inv_t, BLOCK_V)
-        keep = mask & (_order_key(s).to(tl.int64) >= thr)
+        offs, mask, s = scaled_tile(row_ptr, start, V, inv_t, BLOCK_V)
+        keep = mask & (order_key(s).to(tl.int64) >= thr)
         acc += tl.where(keep, tl.exp(s - m), 0.0)
     return tl.sum(acc, axis=0)
 
 
 @triton.jit
-def _warp_full(row_ptr, V, inv_t, m_safe, S, key_max, top_k, top_p, k_on, p_on,
+def warp_full(row_ptr, V, inv_t, m_safe, S, key_max, top_k, top_p, k_on, p_on,
                HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, BLOCK_V: tl.constexpr):
     """(S, thr) of one position after top-k (when k_on) then top-p (when p_on), by bisection on
     the order keys over the whole position (about 32 passes each): p(v) = exp(s_v - m_safe) / S
@@ -100,13 +100,13 @@ def _warp_full(row_ptr, V, inv_t, m_safe, S, key_max, top_k, top_p, k_on, p_on,
                 mid = lo + (hi - lo + 1) // 2
                 cnt = tl.zeros([BLOCK_V], dtype=tl.int32)
                 for start in range(0, V, BLOCK_V):
-                    offs, mask, s = _scaled_tile(row_ptr, start, V, inv_t, BLOCK_V)
-                    cnt += (mask & (_order_key(s).to(tl.int64) >= mid)).to(tl.int32)
+                    offs, mask, s = scaled_tile(row_ptr, start, V, inv_t, BLOCK_V)
+                    cnt += (mask & (order_key(s).to(tl.int64) >= mid)).to(tl.int32)
                 enough = tl.sum(cnt, axis=0) >= top_k
                 lo = tl.where(enough, mid, lo)
                 hi = tl.where(enough, hi, mid - 1)
             thr = lo
-            S = _masked_mass(row_ptr, V, inv_t, m_safe, thr, BLOCK_V)
+            S = masked_mass(row_ptr, V, inv_t, m_safe, thr, BLOCK_V)
     if HAS_TOP_P:
         # The smallest key c whose strictly-greater mass is < top_p * S: keep key >= c.
         if p_on:
@@ -115,17 +115,17 @@ def _warp_full(row_ptr, V, inv_t, m_safe, S, key_max, top_k, top_p, k_on, p_on,
             hi = key_max
             while lo < hi:
                 mid = lo + (hi - lo) // 2
-                above = _masked_mass(row_ptr, V, inv_t, m_safe, mid + 1, BLOCK_V)
+                above = masked_mass(row_ptr, V, inv_t, m_safe, mid + 1, BLOCK_V)
                 small = above < limit
                 hi = tl.where(small, mid, hi)
                 lo = tl.where(small, lo, mid + 1)
             thr = lo
-            S = _masked_mass(row_ptr, V, inv_t, m_safe, thr, BLOCK_V)
+            S = masked_mass(row_ptr, V, inv_t, m_safe, thr, BLOCK_V)
     return S, thr
 
 
 @triton.jit
-def _position_stats(
+def position_stats(
     row_ptr, V, inv_t, top_k, top_p,
     HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
@@ -142,7 +142,7 @@ def _position_stats(
     acc = tl.zeros([BLOCK_V], dtype=tl.float32)
     n_bad = 0
     for start in range(0, V, BLOCK_V):
-        offs, mask, s = _scaled_tile(row_ptr, start, V, inv_t, BLOCK_V)
+        offs, mask, s = scaled_tile(row_ptr, start, V, inv_t, BLOCK_V)
         n_bad += tl.sum(((s != s) | (s == float("inf"))).to(tl.int32), axis=0)
         s = tl.where(s != s, float("-inf"), s)
         tile_max = tl.max(s, axis=0)
@@ -155,10 +155,10 @@ def _position_stats(
     bad = (n_bad > 0) | (m == float("-inf")) | (m == float("inf"))
     m_safe = tl.where(bad, 0.0, m)
     S = tl.sum(acc, axis=0)
-    key_max = _order_key(m_safe).to(tl.int64)
+    key_max = order_key(m_safe).to(tl.int64)
     k_on = (top_k > 0) & (top_k < V) & (bad == 0)
     p_on = (top_p < 1.0) & (bad == 0)
-    S, thr = _warp_full(row_ptr, V, inv_t, m_safe, S, key_max, top_k, top_p, k_on, p_on,
+    S, thr = warp_full(row_ptr, V, inv_t, m_safe, S, key_max, top_k, top_p, k_on, p_on,
                         HAS_TOP_K, HAS_TOP_P, BLOCK_V)
     return m_safe, S, thr, amax, bad
 
@@ -217,13 +217,13 @@ def _verify_kernel(
     amax_j = tl.full([], 0, tl.int32)
     while (j < kb) & (rejected == 0) & (bad == 0):
         pos_ptr = row_logits + j * stride_lk
-        m, S, thr, amax, bad_pos = _position_stats(
+        m, S, thr, amax, bad_pos = position_stats(
             pos_ptr, V, inv_t, top_k, top_p, HAS_TOP_K, HAS_TOP_P, BLOCK_V)
         x = tl.load(draft_tokens_ptr + b * stride_tb + j).to(tl.int64)
         x_ok = (x >= 0) & (x < V)
         x_safe = tl.where(x_ok, x, 0)
         s_x = tl.load(pos_ptr + x_safe).to(tl.float32) * inv_t
-        p_x = tl.where(_order_key(s_x).to(tl.int64) >= thr, tl.exp(s_x - m) / S, 0.0)
+        p_x = tl.where(order_key(s_x).to(tl.int64) >= thr, tl.exp(s_x - m) / S, 0.0)
         q_x = tl.full([], 1.0, tl.float32)
         if HAS_DRAFT_PROBS:
             q_x = tl.load(draft_probs_ptr + b * stride_qb + j * stride_qk + x_safe,
@@ -241,7 +241,7 @@ def _verify_kernel(
         m_j, S_j, thr_j, amax_j = m, S, thr, amax
     if (rejected == 0) & (bad == 0):
         # Every draft accepted: the bonus token comes from position K_b.
-        m_j, S_j, thr_j, amax_j, bad = _position_stats(
+        m_j, S_j, thr_j, amax_j, bad = position_stats(
             row_logits + j * stride_lk, V, inv_t, top_k, top_p, HAS_TOP_K, HAS_TOP_P, BLOCK_V)
 
     final = amax_j

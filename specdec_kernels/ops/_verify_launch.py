@@ -20,7 +20,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from ._verify_args import _Args, _RowSeeds
-from ._verify_workspace import _WORKSPACES, _Workspace, _workspace
+from ._verify_workspace import _WORKSPACES, _Workspace, device_workspace as _workspace
 
 _BACKENDS = ("auto", "triton", "torch")
 # The vocabulary tile. 4096 fp32 logits per tile keep 8 warps streaming; the tests lower it to
@@ -57,7 +57,7 @@ def interpreter_problem(triton_version: Optional[str] = None, numpy_version: Opt
 _PRIVATE_BACKENDS = ("_triton_rows",)
 
 
-def _resolve_backend(backend: str, device: torch.device) -> str:
+def resolve_backend(backend: str, device: torch.device) -> str:
     if backend not in _BACKENDS + _PRIVATE_BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
     if backend == "auto":

@@ -140,11 +140,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._verify_kernel import _masked_mass, _order_key, _warp_full
+from ._verify_kernel import masked_mass as _masked_mass, order_key as _order_key, warp_full as _warp_full
 from ._verify_split_draw import (_chunk_weights, _draft_q, _draft_uniforms, _draw, _emit, _final_uniform, _logprob,
                                  _p_masses, _row_offsets, _row_params, _scores, _weight)
-from ._verify_split_stats import (_INT32_MAX, _INT32_MIN, _chunk_candidates, _key_value, _min_p_key,
-                                  _warp_from_candidates)
+from ._verify_split_stats import (_INT32_MAX, _INT32_MIN, _chunk_candidates, _key_value, _warp_from_candidates,
+                                  min_p_key as _min_p_key)
 
 
 @triton.jit

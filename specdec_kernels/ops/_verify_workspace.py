@@ -1,6 +1,6 @@
 """The split kernel's scratch (``_Workspace``): arrival counters, per-chunk and per-position
 partial records, candidate keys and float64 masses, one set per device and stream
-(``_workspace``), grown as needed and never freed.  The sizes (``_Workspace.sizes``) and the
+(``device_workspace``), grown as needed and never freed.  The sizes (``_Workspace.sizes``) and the
 offsets ``records`` reads follow the field layout at the top of ``_verify_split_kernel``'s body.
 """
 
@@ -83,7 +83,7 @@ class _Workspace:
 _WORKSPACES: dict = {}
 
 
-def _workspace(dev: torch.device) -> _Workspace:
+def device_workspace(dev: torch.device) -> _Workspace:
     stream = torch.cuda.current_stream(dev).stream_id if dev.type == "cuda" else 0
     key = (dev.type, dev.index, stream)
     ws = _WORKSPACES.get(key)

@@ -51,6 +51,6 @@ def launch_settings(tiles_per_item: int, programs_per_sm: int, maxnreg: Optional
 def split_workspace_records(device: torch.device, B: int, K1: int, num_chunks: int) -> dict:
     """The split kernel's per-position records of its last launch on ``device`` with these
     sizes (e.g. ``"scanned"``: the positions whose top-k/top-p bisected the whole position)."""
-    from ._verify_workspace import _workspace
+    from ._verify_workspace import device_workspace as _workspace
 
     return _workspace(device).records(B, K1, num_chunks)

@@ -27,10 +27,10 @@ import torch
 from .host import host_readable
 from .reference import philox_uniforms
 from .tree_reference import tree_depths, tree_verify_reference
-from ._verify_args import (FloatArg, IntArg, _INDEX_DTYPES, _LOGIT_DTYPES, _as_tensor, _check_draft_probs,
-                           _check_draft_sums, _check_tensor, _listed, _normalize_rows, _per_row_spec, _range_fails,
-                           _shape)
-from ._verify_launch import _resolve_backend
+from ._verify_args import (FloatArg, IntArg, INDEX_DTYPES, LOGIT_DTYPES, as_tensor, check_draft_probs,
+                           check_draft_sums, check_tensor, listed, normalize_rows, per_row_spec, range_fails,
+                           shape_of)
+from ._verify_launch import resolve_backend
 
 __all__ = ["TreeVerifyOutput", "fused_verify_tree"]
 
@@ -95,40 +95,40 @@ def fused_verify_tree(
         raise TypeError(f"target_logits must be a torch.Tensor, got {type(target_logits).__name__}")
     if target_logits.dim() != 3:
         raise ValueError(f"target_logits must have 3 dims [B, N+1, V], got {target_logits.dim()}: "
-                         f"{_shape(target_logits)}")
-    if target_logits.dtype not in _LOGIT_DTYPES:
+                         f"{shape_of(target_logits)}")
+    if target_logits.dtype not in LOGIT_DTYPES:
         raise TypeError(f"target_logits must have dtype float32, bfloat16 or float16, got "
                         f"{str(target_logits.dtype).replace('torch.', '')}")
     B, N1, V = target_logits.shape
     N = N1 - 1
     if N1 < 1:
         raise ValueError(f"target_logits must have N+1 >= 1 positions (dim 1: the root and the N nodes), got "
-                         f"shape {_shape(target_logits)}")
+                         f"shape {shape_of(target_logits)}")
     if V < 1:
-        raise ValueError(f"target_logits must have a vocabulary V >= 1, got shape {_shape(target_logits)}")
+        raise ValueError(f"target_logits must have a vocabulary V >= 1, got shape {shape_of(target_logits)}")
     dev = target_logits.device
-    resolved = _resolve_backend(backend, dev)  # "triton" on CPU tensors needs TRITON_INTERPRET=1
+    resolved = resolve_backend(backend, dev)  # "triton" on CPU tensors needs TRITON_INTERPRET=1
     for name, t in (("node_tokens", node_tokens), ("parents", parents)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 2:
-            raise ValueError(f"{name} must have 2 dims [B, N], got {t.dim()}: {_shape(t)}")
-        _check_tensor(name, t, _INDEX_DTYPES, [B, N], dev)
-    _check_draft_probs(draft_probs, [B, N1], "[B, N+1, Vd]", V, dev)
+            raise ValueError(f"{name} must have 2 dims [B, N], got {t.dim()}: {shape_of(t)}")
+        check_tensor(name, t, INDEX_DTYPES, [B, N], dev)
+    check_draft_probs(draft_probs, [B, N1], "[B, N+1, Vd]", V, dev)
     if num_nodes is None:
         nb = N
     else:
-        nb = _per_row_spec("num_nodes", num_nodes, B, torch.int64, dev, int)
-        if B > 0 and _range_fails(nb, lambda v: (v < 0) | (v > N)):
-            raise ValueError(f"num_nodes must be in [0, N] = [0, {N}], got {_listed(nb)}")
+        nb = per_row_spec("num_nodes", num_nodes, B, torch.int64, dev, int)
+        if B > 0 and range_fails(nb, lambda v: (v < 0) | (v > N)):
+            raise ValueError(f"num_nodes must be in [0, N] = [0, {N}], got {listed(nb)}")
     if max_depth is not None:
         if isinstance(max_depth, bool) or not isinstance(max_depth, int):
             raise TypeError(f"max_depth must be an int or None, got {type(max_depth).__name__}")
         if not 0 <= max_depth <= N:
             raise ValueError(f"max_depth must be in [0, N] = [0, {N}], got {max_depth}")
-    temp, top_k, top_p, seed, offset, min_p = _normalize_rows(B, N, dev, temperature, top_k, top_p, seed, offset,
+    temp, top_k, top_p, seed, offset, min_p = normalize_rows(B, N, dev, temperature, top_k, top_p, seed, offset,
                                                               uniforms, False, min_p)
-    nb = _as_tensor(nb, B, torch.int64, dev)
+    nb = as_tensor(nb, B, torch.int64, dev)
     if host_readable(parents) and host_readable(nb) and B > 0 and N > 0:
         depth, bad_tree = tree_depths(parents, nb)
         if bool(bad_tree.any()):
@@ -140,7 +140,7 @@ def fused_verify_tree(
             b, n = (int(i) for i in (depth > max_depth).nonzero()[0])
             raise ValueError(f"max_depth = {max_depth} is smaller than the depth {int(depth[b, n])} of node {n} "
                              f"of row {b}")
-    temp_t = _as_tensor(temp, B, torch.float32, dev)
+    temp_t = as_tensor(temp, B, torch.float32, dev)
     if draft_probs is not None and B > 0 and N1 > 0 and host_readable(draft_probs) and bool((temp_t != 0).any()):
         # A position's q is read when a sampling row tests a child there: check every used parent's.
         par = parents.to(torch.int64)
@@ -148,20 +148,20 @@ def fused_verify_tree(
         hits = torch.zeros(B, N1, dtype=torch.int64, device=dev)
         hits.scatter_add_(1, par.clamp(-1, N - 1) + 1, live.long())
         used = hits > 0  # [B, N+1]: the positions whose q a sampling row reads
-        _check_draft_sums(draft_probs.reshape(B * N1, -1), used.reshape(-1), lambda i: f"[{i // N1}, {i % N1}]",
+        check_draft_sums(draft_probs.reshape(B * N1, -1), used.reshape(-1), lambda i: f"[{i // N1}, {i % N1}]",
                           lambda i: f"the children of position {i % N1}")
-    opt = lambda v, dtype: None if v is None else _as_tensor(v, B, dtype, dev)  # noqa: E731
+    opt = lambda v, dtype: None if v is None else as_tensor(v, B, dtype, dev)  # noqa: E731
     if resolved == "triton":
         # seed None: row b's seed is base + b, base drawn from torch's default generator
         tokens, path, na = _launch_tree(
             target_logits, node_tokens, parents, draft_probs, nb, temp_t, opt(top_k, torch.int64),
-            opt(top_p, torch.float32), opt(min_p, torch.float32), _as_tensor(seed, B, torch.int64, dev),
-            _as_tensor(offset, B, torch.int64, dev), None if uniforms is None else uniforms.to(torch.float64),
+            opt(top_p, torch.float32), opt(min_p, torch.float32), as_tensor(seed, B, torch.int64, dev),
+            as_tensor(offset, B, torch.int64, dev), None if uniforms is None else uniforms.to(torch.float64),
             max_depth)
         return TreeVerifyOutput(tokens, path, na)
     if uniforms is None:
         # seed None: row b's seed is base + b, base drawn from torch's default generator
-        u = philox_uniforms(_as_tensor(seed, B, torch.int64, dev), _as_tensor(offset, B, torch.int64, dev), N)
+        u = philox_uniforms(as_tensor(seed, B, torch.int64, dev), as_tensor(offset, B, torch.int64, dev), N)
     else:
         u = uniforms.to(torch.float64)
     tokens, path, na = tree_verify_reference(

@@ -27,10 +27,10 @@ try:  # loads the C++ op namespace first, when built
     from . import extension  # noqa: F401
 except ImportError:  # pragma: no cover - extension is part of the package
     pass
-from ._verify_args import (FloatArg, IntArg, _Args, _INDEX_DTYPES, _check_tensor, _materialize, _normalize_packed,
-                           _normalize_rows, normalize_arguments)
+from ._verify_args import (FloatArg, IntArg, _Args, INDEX_DTYPES, check_tensor, _materialize, _normalize_packed,
+                           normalize_rows, normalize_arguments)
 from ._verify_launch import (_BACKENDS, _PRIVATE_BACKENDS, _Layout, _launch, _launch_rows, _launch_triton,
-                             _resolve_backend)
+                             resolve_backend)
 from ._verify_torch import _run_torch, _run_torch_layout
 from .chain_reference import FLT_MIN
 # Public names of the layers below that the decoding loop, the scripts and the benchmarks import from here.
@@ -65,7 +65,7 @@ def verify_normalized(target_logits, draft_tokens, draft_probs, num_draft_tokens
                  local_workspace: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     a = _Args(target_logits, draft_tokens, draft_probs, num_draft_tokens, temperature, top_k, top_p,
               seed, offset, uniforms, min_p)
-    resolved = _resolve_backend(backend, target_logits.device)
+    resolved = resolve_backend(backend, target_logits.device)
     if resolved == "triton":
         return _launch_triton(a, local_workspace=local_workspace)
     if resolved == "_triton_rows" and min_p is not None:
@@ -84,7 +84,7 @@ def _verify_layout(a: _Args, lay: _Layout, backend: str):
     if torch.compiler.is_compiling():
         raise NotImplementedError("fused_verify_packed, and fused_verify with draft_logits, target_is_probs, out=, "
                                   "return_logprobs or method='block', are eager ops: call them outside torch.compile")
-    resolved = _resolve_backend(backend, a.target_logits.device)
+    resolved = resolve_backend(backend, a.target_logits.device)
     if resolved == "_triton_rows" and a.min_p is not None:
         raise NotImplementedError("backend '_triton_rows' does not take min_p (the one-program-per-row kernel "
                                   "warps with top-k/top-p only): use backend 'triton' or 'torch'")
@@ -175,7 +175,7 @@ def check_sampling_scalars(temperature, top_k=None, top_p=None, min_p=None) -> N
                     "min_p": "a float in [0, 1] or None"}[name]
             raise TypeError(f"{name} must be {what}, got {type(value).__name__}")
     check_temperature(temperature)
-    _normalize_rows(1, 0, torch.device("cpu"), temperature, top_k, top_p, 0, 0, None, False, min_p)
+    normalize_rows(1, 0, torch.device("cpu"), temperature, top_k, top_p, 0, 0, None, False, min_p)
 
 
 METHODS = ("token", "block")
@@ -197,8 +197,8 @@ def _check_out(out, B: int, K1: int, dev: torch.device, logprobs: bool) -> tuple
                         f"{type(out).__name__}{f' of length {len(out)}' if isinstance(out, (tuple, list)) else ''}")
     shapes = ([B, K1], [B], [B, K1])
     for name, t, shape in zip(names, out, shapes):
-        dtypes = (torch.float32,) if name == "logprobs" else _INDEX_DTYPES
-        _check_tensor(f"out.{name}", t, dtypes, shape, dev)
+        dtypes = (torch.float32,) if name == "logprobs" else INDEX_DTYPES
+        check_tensor(f"out.{name}", t, dtypes, shape, dev)
     return tuple(out)
 
 

@@ -19,7 +19,7 @@ def order_key(x: torch.Tensor) -> torch.Tensor:
     return torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
 
 
-def _torch_sort_descending(s: torch.Tensor) -> torch.Tensor:
+def torch_sort_descending(s: torch.Tensor) -> torch.Tensor:
     return torch.sort(s, dim=-1, descending=True).values
 
 
@@ -66,7 +66,7 @@ def warp_logits(
     inv_temperature: torch.Tensor,  # [...] fp32: 1 / temperature
     top_k: torch.Tensor | None,  # [...] int, 0 = off
     top_p: torch.Tensor | None,  # [...] fp32, >= 1 = off
-    sort_descending=_torch_sort_descending,
+    sort_descending=torch_sort_descending,
     *,
     min_p: torch.Tensor | None = None,  # [...] fp32 in [0, 1], 0 = off
 ) -> tuple[torch.Tensor, torch.Tensor]:
