@@ -3,7 +3,7 @@
 # Triton kernels for real, not interpreted; the decoder's CUDA paths in test_decoder_devices.py;
 # the other tests run on CPU in CI), bench_verify_knobs (the split kernel's launch settings: chunks
 # per work item, programs per multiprocessor, a register cap), bench_verify on a reduced grid (its default providers: the split kernel, fused_triton, and the
-# one-program-per-row kernel, fused_triton_rows, side by side, each also under CUDA graph replay
+# one-program-per-row kernel of bench/ops/rows_kernel.py, fused_triton_rows, side by side, each also under CUDA graph replay
 # at B <= 16; the device copy behind pct_of_copy), bench_e2e on random-weight models of the
 # embedded pair's and feature draft's shapes (the target's GGUF does not travel; acceptance
 # figures come from CPU runs). Works offline from a fresh copy of the repository. The limits of the tests and the four

@@ -8,8 +8,8 @@ cubin's resource usage read back with ``cuobjdump --dump-resource-usage``:
   specialisation listed in ``VARIANTS`` each: the split kernel
   (``specdec_kernels/ops/_verify_split_kernel.py``, the ``"triton"`` backend; constexprs and
   num_warps from ``verify.split_kernel_meta``) and the one-program-per-row kernel
-  (``specdec_kernels/ops/_verify_kernel.py``, the private ``"_triton_rows"`` backend; from
-  ``verify.rows_kernel_meta``), as for a launch.  The argument types are the ones the launchers pass:
+  (``bench/ops/rows_kernel.py``, the benchmarks' baseline; from ``rows_kernel.rows_kernel_meta``),
+  as for a launch.  The argument types are the ones the launchers pass:
   an absent optional pointer is the int64 placeholder they pass instead; the split kernel's
   per-row parameters are typed as [B] tensors of the op's dtypes (whether a row reads the tensor
   or the scalar argument is decided at run time, so both paths are compiled), its scalar
@@ -114,9 +114,17 @@ def _kernel(name: str):
     return triton_kernels()[name]
 
 
+def _rows_kernel():
+    """bench/ops/rows_kernel.py, the one-program-per-row kernel (the benchmarks' baseline, not the package's)."""
+    sys.path.insert(0, str(ROOT / "bench" / "ops"))
+    import rows_kernel
+
+    return rows_kernel
+
+
 def verify_signature(logits: str, tokens: str, meta: dict) -> dict:
     """The one-program-per-row verify kernel's argument types for a launch with these dtypes and flags."""
-    _verify_kernel = _kernel("verify_rows")
+    _verify_kernel = _rows_kernel()._verify_rows_kernel
 
     placeholder = "*i64"  # the launcher passes num_accepted for an absent optional pointer
     sig = dict(
@@ -243,17 +251,18 @@ def _spills(ptxas_log: str) -> dict:
 def _kernels() -> list:
     """(kernel, meta function, signature function, the meta fields a result row shows) of each
     Triton kernel checked: the split kernel (the "triton" backend) first, then the
-    one-program-per-row kernel (the private "_triton_rows" backend), then the tree kernel
+    one-program-per-row kernel (bench/ops/rows_kernel.py), then the tree kernel
     (``fused_verify_tree``'s "triton" backend; its cases come from ``TREE_VARIANTS``)."""
     _tree_verify_kernel = _kernel("tree_verify")
-    _verify_kernel = _kernel("verify_rows")
+    rows = _rows_kernel()
+    _verify_kernel = rows._verify_rows_kernel
     _verify_split_kernel = _kernel("verify_split")
     from specdec_kernels.ops.tree_verify import tree_kernel_meta
-    from specdec_kernels.ops.verify import rows_kernel_meta, split_kernel_meta
+    from specdec_kernels.ops.verify import split_kernel_meta
 
     return [
         (_verify_split_kernel, split_kernel_meta, verify_split_signature, ("CHUNK", "NCB", "CAP", "BLOCK_K")),
-        (_verify_kernel, rows_kernel_meta, verify_signature, ("BLOCK_V", "BLOCK_K")),
+        (_verify_kernel, rows.rows_kernel_meta, verify_signature, ("BLOCK_V", "BLOCK_K")),
         (_tree_verify_kernel, tree_kernel_meta, tree_signature, ("BLOCK_V", "BLOCK_N", "BLOCK_D")),
     ]
 
@@ -446,7 +455,8 @@ def main(argv=None) -> int:
     # The interpreter replaces @triton.jit functions with interpreted ones, which cannot be
     # compiled: the kernel module must be imported without it (in a fresh process).
     if os.environ.pop("TRITON_INTERPRET", None) and any(
-            m in sys.modules for m in ("specdec_kernels.ops._verify_kernel", "specdec_kernels.ops._verify_split_kernel",
+            m in sys.modules for m in ("rows_kernel", "specdec_kernels.ops._verify_kernel",
+                                       "specdec_kernels.ops._verify_split_kernel",
                                        "specdec_kernels.ops._verify_split_stats",
                                        "specdec_kernels.ops._verify_split_draw",
                                        "specdec_kernels.ops._tree_verify_kernel")):

@@ -3,8 +3,8 @@
 The interpreter (TRITON_INTERPRET=1) runs the verify kernels' Python on numpy: it checks what
 the kernels compute, not that Triton's compiler accepts them for a GPU.  Here
 ``scripts/gpu_compile_check.py`` compiles the verify kernels ahead of time with Triton's own
-ptxas, the split kernel (the "triton" backend) and the one-program-per-row kernel (the private
-"_triton_rows" backend), each for every specialisation of ``VARIANTS`` as its launcher makes it,
+ptxas, the split kernel (the "triton" backend) and the one-program-per-row kernel (the benchmarks'
+baseline, ``bench/ops/rows_kernel.py``), each for every specialisation of ``VARIANTS`` as its launcher makes it,
 and the tree kernel (``fused_verify_tree``'s "triton" backend) for every one of
 ``TREE_VARIANTS``, and compiles ``csrc/*.cu`` with nvcc and torch's extension flags (when nvcc is
 on the machine), in a subprocess without the interpreter; each cubin must use no local memory,
@@ -39,11 +39,11 @@ def _check(tmp_path, *args):
     return proc, results
 
 
-_KERNELS = ("_verify_split_kernel", "_verify_kernel", "_tree_verify_kernel")
+_KERNELS = ("_verify_split_kernel", "_verify_rows_kernel", "_tree_verify_kernel")
 # the meta fields each kernel's result rows show (and the ones they must not)
 _FIELDS = {
     "_verify_split_kernel": ({"CHUNK", "NCB", "CAP", "BLOCK_K"}, {"BLOCK_V", "BLOCK_N", "BLOCK_D"}),
-    "_verify_kernel": ({"BLOCK_V", "BLOCK_K"}, {"CHUNK", "BLOCK_N", "BLOCK_D"}),
+    "_verify_rows_kernel": ({"BLOCK_V", "BLOCK_K"}, {"CHUNK", "BLOCK_N", "BLOCK_D"}),
     "_tree_verify_kernel": ({"BLOCK_V", "BLOCK_N", "BLOCK_D"}, {"CHUNK", "BLOCK_K"}),
 }
 
@@ -86,7 +86,7 @@ def test_verify_kernels_compile_for_sm90(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     expected = {
         "_verify_split_kernel": [v[0] for v in VARIANTS] + [v[0] for v in SPLIT_SETTINGS],
-        "_verify_kernel": [v[0] for v in VARIANTS],
+        "_verify_rows_kernel": [v[0] for v in VARIANTS],
         "_tree_verify_kernel": [v[0] for v in TREE_VARIANTS],
     }
     for kernel in _KERNELS:
@@ -104,7 +104,7 @@ def test_verify_kernels_compile_for_sm90(tmp_path):
         assert "spill_stores" in r, f"no ptxas log read back for {what}"
         bound = _spill_bound(r["kernel"], r["variant"])
         assert r["spill_stores"] <= bound, f"{what}: {r['spill_stores']} bytes of spill stores > {bound}"
-        # multiply-adds are not contracted into FMAs (verify.split_kernel_meta, verify.rows_kernel_meta and
+        # multiply-adds are not contracted into FMAs (verify.split_kernel_meta, rows_kernel.rows_kernel_meta and
         # tree_verify.tree_kernel_meta pin enable_fp_fusion off: the interpreter's and the
         # reference's roundings, whatever Triton's default)
         assert r["enable_fp_fusion"] is False, what

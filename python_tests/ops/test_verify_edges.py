@@ -166,7 +166,7 @@ def test_draft_past_the_draft_vocabulary_has_q_zero(backend, dev):
 
 
 def test_the_kernel_and_the_reference_share_the_smallest_temperature():
-    from specdec_kernels.ops._verify_kernel import _FLT_MIN
+    from specdec_kernels.ops._verify_split_draw import _FLT_MIN
     from specdec_kernels.ops.reference import FLT_MIN
 
     assert getattr(_FLT_MIN, "value", _FLT_MIN) == FLT_MIN == 2.0 ** -126

@@ -620,9 +620,11 @@ def test_argument_errors_name_min_p(packed):
     call(min_p=1)
 
 
-def test_row_kernel_refuses_min_p():
+def test_the_row_kernel_is_not_a_backend():
+    """The one-program-per-row kernel (no min-p) is a benchmark's (bench/ops/rows_kernel.py), not a
+    backend of the op."""
     logits, x, q = make_step(2, 2, 20, seed=1)
-    with pytest.raises(NotImplementedError, match="backend '_triton_rows' does not take min_p"):
+    with pytest.raises(ValueError, match=r"backend must be one of \('auto', 'triton', 'torch'\), got '_triton_rows'"):
         fused_verify(logits, x, q, min_p=0.1, seed=1, backend="_triton_rows")
 
 

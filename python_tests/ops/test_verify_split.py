@@ -387,10 +387,22 @@ def test_cuda_graph_replays_with_and_without_a_warm_workspace(warm_up_on):
     assert int(_verify_workspace.device_workspace(torch.device("cuda")).counters.abs().sum()) == 0
 
 
+def _rows_kernel():
+    """bench/ops/rows_kernel.py, the one-program-per-row kernel (a benchmark's, not the package's)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "bench" / "ops" / "rows_kernel.py"
+    spec = importlib.util.spec_from_file_location("rows_kernel_under_test", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @needs_cuda
 def test_split_kernel_equals_the_row_kernel_on_a_large_batch():
     """B = 64, V = 128,256, bf16, every path at once (greedy, sampled, top-k, top-p rows): the
-    split kernel and the one-program-per-row kernel give the same tokens (the GPU run's check that
+    split kernel and the one-program-per-row kernel (bench/ops/rows_kernel.py) give the same tokens (the GPU run's check that
     the two measured side by side compute the same step)."""
     B, K, V = 64, 4, 128256
     lg, x, q = make_step(B, K, V, dtype=torch.bfloat16, seed=7)
@@ -400,7 +412,7 @@ def test_split_kernel_equals_the_row_kernel_on_a_large_batch():
     top_p = torch.tensor([1.0, 1.0, 0.9, 0.8] * 16, device="cuda")
     kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=torch.arange(B, device="cuda"), offset=5)
     a = fused_verify(lg, x, q, backend="triton", **kw)
-    b = fused_verify(lg, x, q, backend="_triton_rows", **kw)
+    b = _rows_kernel().verify_rows(lg, x, q, **kw)
     assert torch.equal(a.num_accepted, b.num_accepted) and torch.equal(a.tokens, b.tokens)
 
 

@@ -2,8 +2,7 @@
 
 ``_launch``: one launch of the split kernel (``_verify_split_kernel.py``, the ``"triton"``
 backend), its compile-time parameters from ``split_kernel_meta``, its scratch from
-``_verify_workspace``; ``_launch_rows``: the one-program-per-row kernel (``_verify_kernel.py``, the
-private ``"_triton_rows"`` backend), with ``rows_kernel_meta``.  The arguments come checked
+``_verify_workspace``.  The arguments come checked
 (``_verify_args``); a launch allocates the outputs (none with ``out=``), picks the grid, passes
 scalars by value and [B] tensors as they are (on the device no op but the outputs' allocation),
 and refuses only what depends on the grid.  The kernels are imported on the first launch, so the
@@ -23,9 +22,6 @@ from ._verify_args import _Args, _RowSeeds
 from ._verify_workspace import _WORKSPACES, _Workspace, device_workspace as _workspace
 
 _BACKENDS = ("auto", "triton", "torch")
-# The vocabulary tile. 4096 fp32 logits per tile keep 8 warps streaming; the tests lower it to
-# cross tile boundaries on small vocabularies.
-_MAX_BLOCK_V = 4096
 
 
 def interpreting() -> bool:
@@ -53,16 +49,12 @@ def interpreter_problem(triton_version: Optional[str] = None, numpy_version: Opt
     return None
 
 
-# Private: the one-program-per-row kernel, reachable for side-by-side measurements on a GPU.
-_PRIVATE_BACKENDS = ("_triton_rows",)
-
-
 def resolve_backend(backend: str, device: torch.device) -> str:
-    if backend not in _BACKENDS + _PRIVATE_BACKENDS:
+    if backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
     if backend == "auto":
         return "triton" if device.type == "cuda" else "torch"
-    if backend in ("triton", "_triton_rows") and device.type != "cuda":
+    if backend == "triton" and device.type != "cuda":
         if not interpreting():
             raise ValueError(
                 f"backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 for CPU tensors), got tensors on {device}")
@@ -102,7 +94,7 @@ def split_kernel_meta(V: int, K1: int, has_draft_probs: bool, has_top_k: bool, h
                 has_order: bool = False, packed: bool = False, probs: bool = False, logprobs: bool = False,
                 draft_logits: bool = False, has_min_p: bool = False, block: bool = False) -> dict:
     """The split kernel's compile-time parameters for V tokens and K + 1 = K1 positions: its
-    constexprs, num_warps and enable_fp_fusion (pinned off, as ``rows_kernel_meta`` says).  The launch
+    constexprs, num_warps and enable_fp_fusion (pinned off: a multiply and an add stay two roundings).  The launch
     and the ahead-of-time compile check (``scripts/gpu_compile_check.py``) both take them here.
     ``draft_logits``: the draft tensor holds logits (DRAFT_LOGITS; with has_draft_probs);
     ``has_min_p``: a min_p argument was given (HAS_MIN_P); ``block``: block verification (BLOCK)."""
@@ -148,7 +140,7 @@ def _padded_layout(a: _Args) -> _Layout:
 
 
 def _kernel_inputs(a: _Args, lay: _Layout):
-    """(logits, draft_probs, tokens, num_accepted, logprobs) for either Triton kernel: the two
+    """(logits, draft_probs, tokens, num_accepted, logprobs) for the split kernel: the two
     inputs with a contiguous last dim (the kernels read a row at ptr + v; a copy only when it is
     not) and the outputs: ``lay.out``'s, or allocated ([B, K+1] and [B] int64, [B, K+1] fp32)."""
     logits = a.target_logits if a.target_logits.stride(-1) == 1 else a.target_logits.contiguous()
@@ -261,55 +253,3 @@ def _launch(a: _Args, lay: _Layout, order: Optional[torch.Tensor] = None,
             raise
     return tokens, num_accepted, logprobs
 
-
-def _launch_rows(a: _Args) -> tuple[torch.Tensor, torch.Tensor]:
-    """The one-program-per-row kernel (``_verify_kernel.py``, private backend ``"_triton_rows"``),
-    kept until a GPU run has measured it beside the split kernel. Takes materialized arguments."""
-    from ._verify_kernel import _verify_kernel  # imported lazily: the torch path needs no Triton
-
-    logits, q, tokens, num_accepted, _ = _kernel_inputs(a, _padded_layout(a))
-    if q is not None:
-        q = q.float()  # this kernel reads fp32 q
-    B, K1, V = logits.shape
-    K = K1 - 1
-    dev = logits.device
-    if B == 0:
-        return tokens, num_accepted
-    uniforms = a.uniforms.contiguous() if a.uniforms is not None else None  # float64 (normalize_arguments)
-    x = a.draft_tokens if a.draft_tokens.stride(-1) == 1 else a.draft_tokens.contiguous()  # read at + j
-    dummy = num_accepted  # stands in for absent optional pointers; never dereferenced
-    # Triton launches on the current device's current stream: make it the tensors' (cuda:1 while
-    # cuda:0 is current ran in the wrong context before). Nothing to do for the interpreter.
-    with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
-        _verify_kernel[(B,)](
-            logits, logits.stride(0), logits.stride(1),
-            x, x.stride(0),
-            q if q is not None else dummy, q.stride(0) if q is not None else 0, q.stride(1) if q is not None else 0,
-            a.num_draft_tokens, a.temperature,
-            a.top_k if a.top_k is not None else dummy,
-            a.top_p if a.top_p is not None else dummy,
-            a.seed, a.offset,
-            uniforms if uniforms is not None else dummy,
-            tokens, num_accepted,
-            K, V, q.shape[-1] if q is not None else V,
-            **rows_kernel_meta(V, K1, q is not None, a.top_k is not None, a.top_p is not None, uniforms is not None),
-        )
-    return tokens, num_accepted
-
-
-def rows_kernel_meta(V: int, K1: int, has_draft_probs: bool, has_top_k: bool, has_top_p: bool,
-                 has_uniforms: bool) -> dict:
-    """The verify kernel's compile-time parameters for a launch over V tokens and K + 1 = K1
-    positions: its constexprs, num_warps and enable_fp_fusion.  The launch and the
-    ahead-of-time compile check (``scripts/gpu_compile_check.py``) both take them from here.
-
-    enable_fp_fusion is pinned off: a multiply and an add stay two roundings, as in the
-    interpreter and the torch reference (the online softmax's ``acc * exp(m - m') + exp(s - m')``
-    would otherwise become one FMA), and the bits do not change with Triton's default (on in
-    3.6-3.9, off from 3.10)."""
-    import triton  # imported lazily, as above
-
-    block_v = max(16, min(triton.next_power_of_2(V), _MAX_BLOCK_V))
-    return dict(HAS_DRAFT_PROBS=has_draft_probs, HAS_TOP_K=has_top_k, HAS_TOP_P=has_top_p,
-                HAS_UNIFORMS=has_uniforms, BLOCK_V=block_v, BLOCK_K=triton.next_power_of_2(K1),
-                num_warps=8 if block_v >= 2048 else 4, enable_fp_fusion=False)

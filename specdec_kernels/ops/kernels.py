@@ -19,13 +19,11 @@ __all__ = ["launch_settings", "split_workspace_records", "triton_kernels"]
 
 def triton_kernels() -> dict:
     """{"verify_split": the split-vocabulary verify kernel (``fused_verify``'s ``"triton"``
-    backend), "verify_rows": the one-program-per-row kernel (the ``"_triton_rows"`` backend),
-    "tree_verify": ``fused_verify_tree``'s kernel}: the ``@triton.jit`` functions."""
+    backend), "tree_verify": ``fused_verify_tree``'s kernel}: the ``@triton.jit`` functions."""
     from ._tree_verify_kernel import _tree_verify_kernel
-    from ._verify_kernel import _verify_kernel
     from ._verify_split_kernel import _verify_split_kernel
 
-    return {"verify_split": _verify_split_kernel, "verify_rows": _verify_kernel, "tree_verify": _tree_verify_kernel}
+    return {"verify_split": _verify_split_kernel, "tree_verify": _tree_verify_kernel}
 
 
 @contextlib.contextmanager

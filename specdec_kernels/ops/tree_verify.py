@@ -35,8 +35,7 @@ from ._verify_launch import resolve_backend
 __all__ = ["TreeVerifyOutput", "fused_verify_tree"]
 
 _TREE_BACKENDS = ("auto", "triton", "torch")
-# The kernel's vocabulary tile (``_verify_launch._MAX_BLOCK_V``'s value); the tests lower it to cross tile
-# boundaries on small vocabularies.
+# The kernel's vocabulary tile; the tests lower it to cross tile boundaries on small vocabularies.
 _MAX_BLOCK_V = 4096
 
 
@@ -174,7 +173,8 @@ def tree_kernel_meta(V: int, N: int, D: int, has_draft_probs: bool, has_top_k: b
                       has_min_p: bool, has_uniforms: bool) -> dict:
     """The tree kernel's compile-time parameters: its code-path constexprs, the block sizes (the
     vocabulary tile, N and D + 1 rounded up to powers of two), num_warps and enable_fp_fusion
-    (pinned off, as ``_verify_launch.rows_kernel_meta`` says: the bits do not change with Triton's default)."""
+    (pinned off: a multiply and an add stay two roundings, as in the interpreter and the reference, and
+    the bits do not change with Triton's default)."""
     import triton  # imported lazily: the torch path needs no Triton
 
     block_v = max(16, min(triton.next_power_of_2(V), _MAX_BLOCK_V))
