@@ -50,7 +50,7 @@ import triton
 import triton.language as tl
 
 from specdec_kernels.ops.verify import VerifyOutput, normalize_arguments
-from specdec_kernels.ops._verify_kernel import order_key, position_stats, scaled_tile
+from specdec_kernels.ops.verify.triton.common import order_key, position_stats, scaled_tile
 
 __all__ = ["launch_rows", "rows_kernel_meta", "verify_rows"]
 

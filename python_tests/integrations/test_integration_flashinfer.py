@@ -28,7 +28,7 @@ import torch
 from helpers import HAS_CUDA
 from helpers import make_step
 from specdec_kernels import fused_verify
-from specdec_kernels.ops import chain_reference
+from specdec_kernels.ops.verify.reference import chain as chain_reference
 from specdec_kernels.integrations.flashinfer import chain_speculative_sampling, row_keys
 from specdec_kernels.ops.reference import philox_uniforms, verify_reference
 from helpers import chi_square_pvalue

@@ -30,7 +30,7 @@ from scipy import stats
 
 from helpers import HAS_CUDA
 from specdec_kernels import fused_verify
-from specdec_kernels.ops import chain_reference
+from specdec_kernels.ops.verify.reference import chain as chain_reference
 
 N = 100_000
 SIGNIFICANCE = 1e-4

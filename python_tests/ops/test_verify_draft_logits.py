@@ -22,8 +22,8 @@ import torch
 from helpers import HAS_CUDA
 from helpers import make_step
 from specdec_kernels import fused_verify, fused_verify_packed
-from specdec_kernels.ops import chain_reference
-from specdec_kernels.ops import _verify_args, _verify_launch, _verify_workspace
+from specdec_kernels.ops.verify.reference import chain as chain_reference
+from specdec_kernels.ops.verify import args as _verify_args, launch as _verify_launch, workspace as _verify_workspace
 from specdec_kernels.ops.reference import draft_softmax, emitted_logprobs, philox_uniforms, verify_reference
 from helpers import chi_square_pvalue, expected_probs
 from test_verify_distribution import Z_BOUND

@@ -11,8 +11,9 @@ import torch
 
 from helpers import make_step
 from specdec_kernels import fused_verify
-from specdec_kernels.ops import _verify_launch, _verify_torch, verify as verify_mod
-from specdec_kernels.ops.philox_reference import philox_uniforms_host
+from specdec_kernels.ops import verify as verify_mod
+from specdec_kernels.ops.verify import launch as _verify_launch, torch_path as _verify_torch
+from specdec_kernels.ops.verify.reference.philox import philox_uniforms_host
 from specdec_kernels.ops.reference import philox_uniforms, verify_reference
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

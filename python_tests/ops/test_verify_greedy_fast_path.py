@@ -16,7 +16,7 @@ import torch
 
 from helpers import inject_unusable_positions, random_randomness
 from specdec_kernels import fused_verify
-from specdec_kernels.ops import _verify_args, _verify_torch
+from specdec_kernels.ops.verify import args as _verify_args, torch_path as _verify_torch
 from specdec_kernels.ops.reference import philox_uniforms, verify_reference
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

@@ -31,9 +31,10 @@ import torch
 from helpers import HAS_CUDA
 from helpers import assert_close, make_step
 from specdec_kernels import fused_verify, fused_verify_packed
-from specdec_kernels.ops import chain_reference, warp_reference
+from specdec_kernels.ops.verify.reference import chain as chain_reference, warp as warp_reference
 from specdec_kernels.ops import reference as ref
-from specdec_kernels.ops import _verify_args, _verify_launch, _verify_workspace, verify as verify_mod
+from specdec_kernels.ops import verify as verify_mod
+from specdec_kernels.ops.verify import args as _verify_args, launch as _verify_launch, workspace as _verify_workspace
 from specdec_kernels.ops.reference import (emitted_logprobs, min_p_log, min_p_threshold, order_key, philox_uniforms,
                                        verify_reference, warp_logits)
 from helpers import chi_square_pvalue
@@ -81,7 +82,7 @@ def test_min_p_log_is_ln_rounded_to_fp32():
 def test_kernel_holds_the_reference_log_constants():
     """The kernel's float64 constants of min_p_log (series coefficients, ln 2, sqrt 2) are the
     reference's, bit for bit (the kernel's threshold test below checks the result as well)."""
-    import specdec_kernels.ops._verify_split_stats as kmod
+    import specdec_kernels.ops.verify.triton.stats as kmod
 
     def value(c):
         return getattr(c, "value", c)
@@ -462,7 +463,7 @@ def test_min_p_adds_no_device_op(case, monkeypatch):
     """min_p as a scalar goes to the kernel by value and as a [B] tensor (float64 and strided here)
     is read in place: the call is still one launch whose only other ops are the outputs' two
     allocations."""
-    import specdec_kernels.ops._verify_split_kernel as kmod
+    import specdec_kernels.ops.verify.triton.split_kernel as kmod
     from test_verify_split import _CountLaunches, _RecordOps
 
     monkeypatch.setattr(_verify_args, "_check_values", lambda t: False)
@@ -473,8 +474,8 @@ def test_min_p_adds_no_device_op(case, monkeypatch):
     kw = dict(temperature=0.7, top_k=8, min_p=mp, seed=3, backend="triton")
     fused_verify(lg, x, q, **kw)  # warm-up: the workspace is made once per device
     rec = _RecordOps()
-    counter = _CountLaunches(kmod._verify_split_kernel, rec)
-    monkeypatch.setattr(kmod, "_verify_split_kernel", counter)
+    counter = _CountLaunches(kmod.verify_split_kernel, rec)
+    monkeypatch.setattr(kmod, "verify_split_kernel", counter)
     with rec:
         out = fused_verify(lg, x, q, **kw)
     assert counter.launches == 1

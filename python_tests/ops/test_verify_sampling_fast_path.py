@@ -19,7 +19,7 @@ import torch
 
 from helpers import inject_unusable_positions, random_randomness
 from specdec_kernels import fused_verify
-from specdec_kernels.ops import _verify_torch
+from specdec_kernels.ops.verify import torch_path as _verify_torch
 from specdec_kernels.ops.reference import philox_uniforms, verify_reference
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -188,7 +188,7 @@ def test_route_not_taken_with_a_warp_or_all_greedy(counted):
 def _ref_probs(logits: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     """The reference's p = softmax(logits / T) [B, K+1, V], from its own building blocks."""
     from specdec_kernels.ops.reference import warp_logits
-    from specdec_kernels.ops.warp_reference import _target_probs
+    from specdec_kernels.ops.verify.reference.warp import _target_probs
 
     B, K1, _ = logits.shape
     inv_t = 1.0 / t

@@ -1,4 +1,4 @@
-"""The split-vocabulary kernel's own properties (``_verify_split_kernel.py``), on the real kernel
+"""The split-vocabulary kernel's own properties (``verify/triton/split_kernel.py``), on the real kernel
 (interpreted on CPU tensors here): results that do not depend on which program arrives last,
 one launch with no other device op, counters that reset themselves, vocabularies on both sides
 of the chunk size, and top-k/top-p decided from the chunks' candidate keys or by the whole-
@@ -15,7 +15,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from helpers import HAS_CUDA, needs_cuda
 from helpers import make_step
 from specdec_kernels import fused_verify
-from specdec_kernels.ops import _verify_args, _verify_launch, _verify_workspace, verify as verify_mod
+from specdec_kernels.ops import verify as verify_mod
+from specdec_kernels.ops.verify import args as _verify_args, launch as _verify_launch, workspace as _verify_workspace
 from specdec_kernels.ops.reference import philox_uniforms, verify_reference
 
 DEV = "cuda" if HAS_CUDA else "cpu"
@@ -147,7 +148,7 @@ def test_one_launch_and_no_other_device_op(case, monkeypatch):
     num_draft_tokens=None, no dtype conversion of [B] parameters (int32 / float64 ones included),
     no copy of strided ones, no softmax, sort or cumsum.  With seed=None, one more op: the host
     draw of one base seed from torch's default generator (a one-element CPU tensor)."""
-    import specdec_kernels.ops._verify_split_kernel as kmod
+    import specdec_kernels.ops.verify.triton.split_kernel as kmod
 
     monkeypatch.setattr(_verify_args, "_check_values", lambda t: False)  # a device's tensors: not read on the host
     lg, x, q = make_step(3, 4, 64, seed=1)
@@ -163,8 +164,8 @@ def test_one_launch_and_no_other_device_op(case, monkeypatch):
         kw = dict(temperature=0.7, top_k=8, top_p=0.9, offset=2, seed=None if case == "seed_none" else 3)
     fused_verify(lg, x, q, backend="triton", **kw)  # warm-up: the workspace is made once per device
     rec = _RecordOps()
-    counter = _CountLaunches(kmod._verify_split_kernel, rec)
-    monkeypatch.setattr(kmod, "_verify_split_kernel", counter)
+    counter = _CountLaunches(kmod.verify_split_kernel, rec)
+    monkeypatch.setattr(kmod, "verify_split_kernel", counter)
     if HAS_CUDA:
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
@@ -417,7 +418,7 @@ def test_split_kernel_equals_the_row_kernel_on_a_large_batch():
 
 
 def test_launch_settings_are_checked_and_restored():
-    from specdec_kernels.ops import _verify_launch
+    from specdec_kernels.ops.verify import launch as _verify_launch
     from specdec_kernels.ops.kernels import launch_settings
 
     before = (_verify_launch._TILES_PER_ITEM, _verify_launch._PROGRAMS_PER_SM, _verify_launch._MAXNREG)

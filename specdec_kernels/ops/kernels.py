@@ -14,14 +14,16 @@ from typing import Optional
 
 import torch
 
-__all__ = ["launch_settings", "split_workspace_records", "triton_kernels"]
+from .verify.launch import split_kernel_meta
+
+__all__ = ["launch_settings", "split_kernel_meta", "split_workspace_records", "triton_kernels"]
 
 
 def triton_kernels() -> dict:
     """{"verify_split": the split-vocabulary verify kernel (``fused_verify``'s ``"triton"``
     backend), "tree_verify": ``fused_verify_tree``'s kernel}: the ``@triton.jit`` functions."""
-    from ._tree_verify_kernel import _tree_verify_kernel
-    from ._verify_split_kernel import _verify_split_kernel
+    from .tree.kernel import tree_verify_kernel as _tree_verify_kernel
+    from .verify.triton.split_kernel import verify_split_kernel as _verify_split_kernel
 
     return {"verify_split": _verify_split_kernel, "tree_verify": _tree_verify_kernel}
 
@@ -36,7 +38,7 @@ def launch_settings(tiles_per_item: int, programs_per_sm: int, maxnreg: Optional
             raise ValueError(f"launch_settings: {name} must be an int >= 1, got {v!r}")
     if maxnreg is not None and (isinstance(maxnreg, bool) or not isinstance(maxnreg, int) or maxnreg < 1):
         raise ValueError(f"launch_settings: maxnreg must be None or an int >= 1, got {maxnreg!r}")
-    from . import _verify_launch as launch
+    from .verify import launch
 
     old = launch._TILES_PER_ITEM, launch._PROGRAMS_PER_SM, launch._MAXNREG
     launch._TILES_PER_ITEM, launch._PROGRAMS_PER_SM, launch._MAXNREG = tiles_per_item, programs_per_sm, maxnreg
@@ -49,6 +51,6 @@ def launch_settings(tiles_per_item: int, programs_per_sm: int, maxnreg: Optional
 def split_workspace_records(device: torch.device, B: int, K1: int, num_chunks: int) -> dict:
     """The split kernel's per-position records of its last launch on ``device`` with these
     sizes (e.g. ``"scanned"``: the positions whose top-k/top-p bisected the whole position)."""
-    from ._verify_workspace import device_workspace as _workspace
+    from .verify.workspace import device_workspace as _workspace
 
     return _workspace(device).records(B, K1, num_chunks)

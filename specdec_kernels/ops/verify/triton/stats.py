@@ -1,4 +1,4 @@
-"""The split kernel's device functions for the warp (``_verify_split_kernel``'s header gives the
+"""The split kernel's device functions for the warp (``verify.triton.split_kernel``'s header gives the
 design): each chunk's candidate keys (``_chunk_candidates``, by radix select on 8-bit digits,
 ``_radix_select``), top-k and top-p decided from a position's candidates
 (``_warp_from_candidates``), and min-p's threshold as an order key (``min_p_key``, by
@@ -16,7 +16,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._verify_kernel import order_key
+from .common import order_key
 
 _INT32_MAX = tl.constexpr(2147483647)
 _INT32_MIN = tl.constexpr(-2147483648)
@@ -154,7 +154,7 @@ def _chunk_candidates(keys, offs, n_valid, cand_ptr, CAP: tl.constexpr):
 def _warp_from_candidates(cand, t_sat, m, S, key_max, top_k, top_p, k_on, p_on, scratch_ptr,
                           CAP: tl.constexpr):
     """(thr, S_kept, exact) of a position from its candidate keys cand [NCB * CAP] int32 (-2^31:
-    no key; every key of the position above t_sat is among them; see ``_verify_split_kernel``'s
+    no key; every key of the position above t_sat is among them; see ``verify.triton.split_kernel``'s
     header): thr the smallest kept key, S_kept the kept mass sum exp(s - m); exact is false when
     the candidates cannot decide (the caller then scans the whole position).  scratch_ptr: CAP
     int32 of room."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .warp_reference import _target_probs, torch_sort_descending, warp_logits
+from .warp import _target_probs, torch_sort_descending, warp_logits
 
 __all__ = ["FLT_MIN", "draft_softmax", "emitted_logprobs", "inverse_cdf", "verify_reference"]
 

@@ -2,7 +2,7 @@
 Speculative Decoding", ICLR 2025), the ground truth of ``fused_verify(method="block")``.
 
 The drafts are accepted or rejected jointly; the target distributions, the drafts' checks, the
-inverse-CDF draw and the outputs are ``chain_reference``'s, and greedy rows are its token
+inverse-CDF draw and the outputs are ``verify.reference.chain``'s, and greedy rows are its token
 verification.
 """
 
@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from .chain_reference import (_draft_distributions, drafts, verify_outputs, target_distributions, inverse_cdf,
+from .chain import (_draft_distributions, drafts, verify_outputs, target_distributions, inverse_cdf,
                               verify_reference)
-from .warp_reference import torch_sort_descending
+from .warp import torch_sort_descending
 
 __all__ = ["block_verify_reference"]
 

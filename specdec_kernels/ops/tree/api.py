@@ -1,10 +1,10 @@
 """``fused_verify_tree``: exact verification of a tree of drafted tokens in one step.
 
 The rules, the layout of every input and output, and the proof that each rule keeps the target's
-distribution are in ``tree_reference``'s docstring.  This module checks the arguments (each error
+distribution are in ``tree.reference``'s docstring.  This module checks the arguments (each error
 names the argument, the expected and the actual value), draws the random numbers (the chain's
 Philox stream: ``reference.philox_uniforms(seed, offset, N)``) and runs the step.  Backends:
-``"triton"``, the kernel of ``_tree_verify_kernel.py`` (one launch, one program per row, its Philox
+``"triton"``, the kernel of ``tree/kernel.py`` (one launch, one program per row, its Philox
 numbers drawn in-kernel, no host read but the output width D when ``max_depth`` is None), the
 default on CUDA tensors and, under ``TRITON_INTERPRET=1``, on CPU tensors when asked for;
 ``"torch"``, the reference itself, vectorised over the batch (one pass over the N nodes of [B, V]
@@ -24,13 +24,13 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .host import host_readable
-from .reference import philox_uniforms
-from .tree_reference import tree_depths, tree_verify_reference
-from ._verify_args import (FloatArg, IntArg, INDEX_DTYPES, LOGIT_DTYPES, as_tensor, check_draft_probs,
+from ..host import host_readable
+from ..verify.args import (FloatArg, IntArg, INDEX_DTYPES, LOGIT_DTYPES, as_tensor, check_draft_probs,
                            check_draft_sums, check_tensor, listed, normalize_rows, per_row_spec, range_fails,
                            shape_of)
-from ._verify_launch import resolve_backend
+from ..verify.launch import resolve_backend
+from ..verify.reference.philox import philox_uniforms
+from .reference import tree_depths, tree_verify_reference
 
 __all__ = ["TreeVerifyOutput", "fused_verify_tree"]
 
@@ -62,7 +62,7 @@ def fused_verify_tree(
     max_depth: Optional[int] = None,  # D: the outputs' width (None: the deepest used node, a host read)
     backend: str = "auto",  # "auto" | "triton" | "torch"
 ) -> TreeVerifyOutput:
-    """Verify a tree of drafted tokens against the target (``tree_reference`` gives the rules).
+    """Verify a tree of drafted tokens against the target (``tree.reference`` gives the rules).
 
     ``draft_probs`` given: the children of each position were sampled without replacement from
     ``draft_probs[b, j]`` (Gumbel-top-k, or one draw after another with the drawn tokens removed),
@@ -199,11 +199,11 @@ def _launch_tree(
     uniforms: Optional[torch.Tensor],  # [B, N+1] float64, or None: Philox in-kernel
     max_depth: Optional[int],  # D; None: the deepest used node (a host read)
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The tree kernel (``_tree_verify_kernel.py``) on checked arguments: allocates the outputs and
+    """The tree kernel (``tree/kernel.py``) on checked arguments: allocates the outputs and
     the workspaces, picks the grid (one program per row) and launches.  A value out of range marks
     its row invalid in the kernel, as in the reference.  Returns (tokens [B, D+1], path [B, D],
     num_accepted [B]), int64."""
-    from ._tree_verify_kernel import _tree_verify_kernel  # imported lazily: the torch path needs no Triton
+    from .kernel import tree_verify_kernel  # imported lazily: the torch path needs no Triton
 
     B, N1, V = target_logits.shape
     N = N1 - 1
@@ -233,7 +233,7 @@ def _launch_tree(
                              u is not None)
     # Triton launches on the current device's current stream: make it the tensors'.
     with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
-        _tree_verify_kernel[(B,)](
+        tree_verify_kernel[(B,)](
             logits, logits.stride(0), logits.stride(1),
             x, x.stride(0),
             par, par.stride(0),

@@ -20,8 +20,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._verify_kernel import order_key
-from ._verify_split_stats import _INT32_MAX
+from .common import order_key
+from .stats import _INT32_MAX
 
 _FLT_MIN = tl.constexpr(1.1754943508222875e-38)  # 2^-126, reference.FLT_MIN: the smallest temperature
 

@@ -1,6 +1,6 @@
 """The Triton kernel of ``fused_verify_tree``: one launch, one program per batch row.
 
-Row b walks its nodes n = 0..num_nodes[b]-1 in order, as ``tree_reference.tree_verify_reference``
+Row b walks its nodes n = 0..num_nodes[b]-1 in order, as ``tree.reference.tree_verify_reference``
 does (its docstring holds the rules, the layouts and the proof): node n is examined when its parent
 is the current node; a greedy row follows the first child equal to the current position's argmax;
 a sampling row tests the child against the current (residual) target distribution p_cur, under
@@ -47,8 +47,9 @@ So a row that accepts a path of depth d without a rejection reads about (d + 2.5
 hence the workspaces: B * (2 * V + Vd) * 4 bytes, of which a row touches only what its
 rejections write.
 
-Parallelism: one program per row, as ``_verify_kernel`` (whose helpers this kernel calls): at
-small B the step is bound by one streaming multiprocessor per row.
+Parallelism: one program per row, as the chain's row kernel (``bench/ops/rows_kernel.py``), whose
+helpers in ``verify.triton.common`` this kernel calls: at small B the step is bound by one
+streaming multiprocessor per row.
 
 Randomness as the chain's (``reference.philox_uniforms(seed, offset, N)``): node n's test is
 ``tl.rand`` at counter ``(offset << 32) | (n + 1)``, the final draw 53 bits of ``tl.randint4x``
@@ -58,7 +59,7 @@ launch can be captured in a CUDA graph.
 
 Numerics as the reference's: p, q, the residuals and their normalisations in fp32, the tests in
 float64 without a division, the final draw's mass and cumulative sums in float64 (per lane and
-then across lanes for the total, per tile for the scan: ``_verify_kernel``'s final draw).  The
+then across lanes for the total, per tile for the scan: the row kernel's final draw).  The
 fp32 sums (the softmax's S, sum r, sum q_w) add in another order than torch's, so p_cur and q_cur
 agree with the reference's to about an ulp, and the tokens agree but where a uniform falls within
 that of a decision's boundary.
@@ -69,8 +70,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._verify_kernel import masked_mass, order_key, position_stats
-from ._verify_split_stats import min_p_key
+from ..verify.triton.common import masked_mass, order_key, position_stats
+from ..verify.triton.stats import min_p_key
 
 _INT32_MAX = tl.constexpr(2147483647)
 _FLT_MIN = tl.constexpr(1.1754943508222875e-38)  # 2^-126: the reference's clamp of a residual's sum
@@ -153,7 +154,7 @@ def _reject(pos_ptr, src_ptr, dst_ptr, q_pos_ptr, q_ws_ptr, c, V, Vd, inv_t, m, 
 
 
 @triton.jit
-def _tree_verify_kernel(
+def tree_verify_kernel(
     logits_ptr, stride_lb, stride_ln,  # [B, N+1, V] fp32/bf16/fp16, last dim contiguous
     node_tokens_ptr, stride_xb,  # [B, N] int32/int64, last dim contiguous
     parents_ptr, stride_pb,  # [B, N] int32/int64, last dim contiguous
@@ -304,7 +305,7 @@ def _tree_verify_kernel(
         pos_ptr = row_logits + (cur + 1) * stride_ln
         src_ptr = p_ws_row + p_slot * V
         # Pass A: the mass, in float64 per lane, then across lanes.  The scan below sums per tile
-        # instead (``_verify_kernel``'s final draw: the two agree to ~V * 2^-53 relative; a
+        # instead (the row kernel's final draw: the two agree to ~V * 2^-53 relative; a
         # uniform within that of 1 may take the last positive weight).
         acc = tl.zeros([BLOCK_V], dtype=tl.float64)
         for start in range(0, V, BLOCK_V):

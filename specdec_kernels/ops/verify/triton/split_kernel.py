@@ -140,15 +140,15 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._verify_kernel import masked_mass as _masked_mass, order_key as _order_key, warp_full as _warp_full
-from ._verify_split_draw import (_chunk_weights, _draft_q, _draft_uniforms, _draw, _emit, _final_uniform, _logprob,
+from .common import masked_mass as _masked_mass, order_key as _order_key, warp_full as _warp_full
+from .draw import (_chunk_weights, _draft_q, _draft_uniforms, _draw, _emit, _final_uniform, _logprob,
                                  _p_masses, _row_offsets, _row_params, _scores, _weight)
-from ._verify_split_stats import (_INT32_MAX, _INT32_MIN, _chunk_candidates, _key_value, _warp_from_candidates,
+from .stats import (_INT32_MAX, _INT32_MIN, _chunk_candidates, _key_value, _warp_from_candidates,
                                   min_p_key as _min_p_key)
 
 
 @triton.jit
-def _verify_split_kernel(
+def verify_split_kernel(
     logits_ptr, stride_lb, stride_lk,  # [B, K+1, V] (PACKED: [sum_b (K_b + 1), V]) fp32/bf16/fp16, last dim contiguous
     draft_tokens_ptr, stride_tb, stride_tk,  # [B, K] (PACKED: [sum_b K_b]) int32/int64
     draft_probs_ptr, stride_qb, stride_qk,  # [B, K, Vd] (PACKED: [sum_b K_b, Vd]) fp32/bf16/fp16, last dim contiguous

@@ -18,8 +18,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from ._verify_args import _Args, _RowSeeds
-from ._verify_workspace import _WORKSPACES, _Workspace, device_workspace as _workspace
+from .args import _Args, _RowSeeds
+from .workspace import _WORKSPACES, _Workspace, device_workspace as _workspace
 
 _BACKENDS = ("auto", "triton", "torch")
 
@@ -173,7 +173,7 @@ def _launch(a: _Args, lay: _Layout, order: Optional[torch.Tensor] = None,
     and stage-2 items among themselves, to prove that arrival order does not change the result.
     ``local_workspace``: a workspace of this call only (the registered op's path: torch.compile's
     CUDA graphs allocate from pools whose memory they recycle, where a cached one could end up)."""
-    from ._verify_split_kernel import _verify_split_kernel  # lazily: the torch path needs no Triton
+    from .triton.split_kernel import verify_split_kernel as _verify_split_kernel  # lazily: the torch path needs no Triton
 
     logits, q, tokens, num_accepted, logprobs = _kernel_inputs(a, lay)
     B, K = lay.B, lay.K

@@ -15,15 +15,15 @@ from __future__ import annotations
 
 import torch
 
-from . import block_reference as _block
-from . import chain_reference as _chain
-from ._verify_args import _Args, _materialize
-from ._verify_launch import _Layout
-from .chain_reference import (drafts, final_token, verify_outputs, per_position, row_parameters, stop_position,
+from ..host import host_readable, sort_descending_cpu
+from .args import _Args, _materialize
+from .launch import _Layout
+from .reference import block as _block
+from .reference import chain as _chain
+from .reference.chain import (drafts, final_token, verify_outputs, per_position, row_parameters, stop_position,
                               verify_reference)
-from .host import host_readable, sort_descending_cpu
-from .philox_reference import philox_uniforms_host, philox_uniforms
-from .warp_reference import warp_logits
+from .reference.philox import philox_uniforms, philox_uniforms_host
+from .reference.warp import warp_logits
 
 
 def _all_greedy(a: _Args) -> bool:
@@ -228,7 +228,7 @@ _ROW_DRAW_MIN_V = 4096
 
 
 def _final_token_rows(p_j, x_safe, draft_probs, j, rejected, bad_row, greedy, argmax, u_final):
-    """``chain_reference.final_token`` (same arguments, the same tokens and bad_row) on the CPU, one row
+    """``verify.reference.chain.final_token`` (same arguments, the same tokens and bad_row) on the CPU, one row
     at a time (few rows, or a large vocabulary), so that a row pays only for what it uses: a greedy row nothing, a
     bonus row one cumulative sum, a rejected row its residual and one cumulative sum, where the
     batched reference makes about fifteen passes over [B, V] for every row (0.5-0.7 ms at V =
@@ -282,7 +282,7 @@ def _final_token_rows(p_j, x_safe, draft_probs, j, rejected, bad_row, greedy, ar
 
 
 # Up to this many Philox evaluations (B * (K+1)) the CPU path draws them in Python ints
-# (``philox_reference.philox_uniforms_host``, about 4 us each) rather than with ~360 elementwise tensor ops
+# (``verify.reference.philox.philox_uniforms_host``, about 4 us each) rather than with ~360 elementwise tensor ops
 # (about 0.5 ms whatever the batch); the two give the same values.
 _HOST_PHILOX_MAX = 128
 

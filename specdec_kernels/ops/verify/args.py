@@ -7,7 +7,7 @@ error names the argument, the expected and the actual value) and normalised.
 the split kernel as it is) or, with ``materialize`` (``_materialize``), as a [B] tensor of the
 op's dtype.  Values are range-checked only where reading them is free (``_check_values``: CPU
 tensors, not while tracing); on CUDA an out-of-range value makes its row invalid in-kernel instead
-of a host sync.  ``tree_verify`` checks its arguments with the same functions.
+of a host sync.  ``tree.api`` checks its arguments with the same functions.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from typing import NamedTuple, Optional, Union
 
 import torch
 
-from .chain_reference import FLT_MIN
-from .host import host_readable
+from ..host import host_readable
+from .reference.chain import FLT_MIN
 
 LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INDEX_DTYPES = (torch.int32, torch.int64)

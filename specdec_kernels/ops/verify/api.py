@@ -1,11 +1,11 @@
 """``fused_verify``: the verification step of exact speculative decoding in one launch.
 
-Three layers (see shared STYLE.md item 1): the Triton kernel (``_verify_split_kernel.py``), the
-launcher (``_verify_launch.py``: picks the grid and launches, with the arguments checked by
-``_verify_args.py`` and the kernel's scratch from ``_verify_workspace.py``), and the public ops
+Three layers (see shared STYLE.md item 1): the Triton kernel (``verify/triton/split_kernel.py``), the
+launcher (``verify/launch.py``: picks the grid and launches, with the arguments checked by
+``verify/args.py`` and the kernel's scratch from ``verify/workspace.py``), and the public ops
 here: ``fused_verify``, registered with ``torch.library`` as ``specdec::fused_verify`` so that
 ``torch.compile(fullgraph=True)`` traces through it, and ``fused_verify_packed``.  On CPU tensors
-the default backend is the torch path (``_verify_torch.py``), bit-identical to
+the default backend is the torch path (``verify/torch_path.py``), bit-identical to
 ``reference.verify_reference``.
 
 Dtypes are decided here: logits fp32/bf16/fp16 (read as they are, the softmax accumulated in
@@ -23,17 +23,17 @@ from typing import NamedTuple, Optional, Union
 import torch
 
 try:  # loads the C++ op namespace first, when built
-    from . import extension  # noqa: F401
+    from .. import extension  # noqa: F401
 except ImportError:  # pragma: no cover - extension is part of the package
     pass
-from ._verify_args import (FloatArg, IntArg, _Args, INDEX_DTYPES, check_tensor, _materialize, _normalize_packed,
-                           normalize_rows, normalize_arguments)
-from ._verify_launch import _BACKENDS, _Layout, _launch, _launch_triton, resolve_backend
-from ._verify_torch import _run_torch, _run_torch_layout
-from .chain_reference import FLT_MIN
+from .args import (INDEX_DTYPES, FloatArg, IntArg, _Args, _materialize, _normalize_packed, check_tensor,
+                   normalize_arguments, normalize_rows)
+from .launch import _BACKENDS, _Layout, _launch, _launch_triton, resolve_backend
+from .reference.chain import FLT_MIN
+from .torch_path import _run_torch, _run_torch_layout
 # Public names of the layers below that the decoding loop, the scripts and the benchmarks import from here.
-from ._verify_args import DRAFT_PROBS_SUM_TOL  # noqa: F401
-from ._verify_launch import interpreter_problem, interpreting, split_kernel_meta  # noqa: F401
+from .args import DRAFT_PROBS_SUM_TOL  # noqa: F401
+from .launch import interpreter_problem, interpreting, split_kernel_meta  # noqa: F401
 
 __all__ = ["VerifyOutput", "VerifyOutputWithLogprobs", "check_sampling_scalars", "fused_verify", "fused_verify_packed"]
 
@@ -269,7 +269,7 @@ def fused_verify(
     at least as many drafts accepted on average as token by token.  Every other argument and
     output is the same (greedy rows are verified token by token: the same tokens).  It reads the
     full q at every draft position, not only at a rejection, and every position's p twice
-    (``_verify_split_kernel``'s header).  Eager-only, as ``out=``.
+    (``verify.triton.split_kernel``'s header).  Eager-only, as ``out=``.
     """
     _check_method(method)
     if isinstance(temperature, float):

@@ -86,8 +86,8 @@ from __future__ import annotations
 
 import torch
 
-from .chain_reference import acceptance_test, inverse_cdf, target_distributions
-from .warp_reference import torch_sort_descending
+from ..verify.reference.chain import acceptance_test, inverse_cdf, target_distributions
+from ..verify.reference.warp import torch_sort_descending
 
 __all__ = ["tree_depths", "tree_verify_reference"]
 
