@@ -4,7 +4,7 @@
 # the other tests run on CPU in CI; test_verify_split.py's two graphs replayed on two streams among them),
 # bench_verify_knobs (the split kernel's launch settings side by side at B = 64, 16, 256 and 1: ticket
 # prefetch, stage-2 lag, relaxed poll, chunks per work item, two programs per multiprocessor), bench_verify on a reduced grid (its default providers: the split kernel, fused_triton, and the
-# one-program-per-row kernel, fused_triton_rows, side by side, each also under CUDA graph replay
+# one-program-per-row kernel of bench/ops/rows_kernel.py, fused_triton_rows, side by side, each also under CUDA graph replay
 # at B <= 16; the device copy behind pct_of_copy), bench_e2e on random-weight models of the
 # embedded pair's and feature draft's shapes (the target's GGUF does not travel; acceptance
 # figures come from CPU runs). Works offline from a fresh copy of the repository. The limits of the tests and the five

@@ -6,10 +6,10 @@ cubin's resource usage read back with ``cuobjdump --dump-resource-usage``:
 - ``triton``: the three verify kernels through ``triton.compile`` with a ``GPUTarget`` (no driver
   or GPU needed: Triton's own ptxas makes the cubin).  The two chain kernels once per
   specialisation listed in ``VARIANTS`` each: the split kernel
-  (``specdec_kernels/ops/_verify_split_kernel.py``, the ``"triton"`` backend; constexprs and
+  (``specdec_kernels/ops/verify/triton/split_kernel.py``, the ``"triton"`` backend; constexprs and
   num_warps from ``verify.split_kernel_meta``) and the one-program-per-row kernel
-  (``specdec_kernels/ops/_verify_kernel.py``, the private ``"_triton_rows"`` backend; from
-  ``verify.rows_kernel_meta``), as for a launch.  The argument types are the ones the launchers pass:
+  (``bench/ops/rows_kernel.py``, the benchmarks' baseline; from ``rows_kernel.rows_kernel_meta``),
+  as for a launch.  The argument types are the ones the launchers pass:
   an absent optional pointer is the int64 placeholder they pass instead; the split kernel's
   per-row parameters are typed as [B] tensors of the op's dtypes (whether a row reads the tensor
   or the scalar argument is decided at run time, so both paths are compiled), its scalar
@@ -18,9 +18,9 @@ cubin's resource usage read back with ``cuobjdump --dump-resource-usage``:
   float64 chunk masses) and its work-item order pointer as the placeholder (HAS_ORDER is a tests'
   specialisation).  Other integer arguments are typed i32 (the JIT's type for values that fit)
   without the JIT's divisibility hints, which change scheduling, not validity.  The tree kernel
-  (``specdec_kernels/ops/_tree_verify_kernel.py``, ``fused_verify_tree``'s ``"triton"`` backend;
-  constexprs and num_warps from ``tree_verify.tree_kernel_meta``) once per specialisation listed
-  in ``TREE_VARIANTS``, typed as ``tree_verify._launch_tree`` passes its arguments.
+  (``specdec_kernels/ops/tree/kernel.py``, ``fused_verify_tree``'s ``"triton"`` backend;
+  constexprs and num_warps from ``tree.api.tree_kernel_meta``) once per specialisation listed
+  in ``TREE_VARIANTS``, typed as ``tree.api._launch_tree`` passes its arguments.
 - ``cuda``: the CUDA source of the C++ ops (``csrc/*.cu``) through ``nvcc -c`` with the flags
   torch's ``BuildExtension`` gives a ``CUDAExtension`` (torch's include paths, its common nvcc
   flags, the ``-std`` torch's CUDAExtension uses, the extension's defines), when nvcc is found.  A CPU build of torch
@@ -114,9 +114,17 @@ def _kernel(name: str):
     return triton_kernels()[name]
 
 
+def _rows_kernel():
+    """bench/ops/rows_kernel.py, the one-program-per-row kernel (the benchmarks' baseline, not the package's)."""
+    sys.path.insert(0, str(ROOT / "bench" / "ops"))
+    import rows_kernel
+
+    return rows_kernel
+
+
 def verify_signature(logits: str, tokens: str, meta: dict) -> dict:
     """The one-program-per-row verify kernel's argument types for a launch with these dtypes and flags."""
-    _verify_kernel = _kernel("verify_rows")
+    _verify_kernel = _rows_kernel()._verify_rows_kernel
 
     placeholder = "*i64"  # the launcher passes num_accepted for an absent optional pointer
     sig = dict(
@@ -141,7 +149,7 @@ def verify_signature(logits: str, tokens: str, meta: dict) -> dict:
 
 def tree_signature(logits: str, tokens: str, parents: str, meta: dict) -> dict:
     """The tree verify kernel's argument types for a launch with these dtypes and flags (as
-    ``tree_verify._launch_tree`` passes them: fp32 draft probabilities, [B] tensors of every
+    ``tree.api._launch_tree`` passes them: fp32 draft probabilities, [B] tensors of every
     per-row parameter, fp32 workspaces, int64 outputs)."""
     _tree_verify_kernel = _kernel("tree_verify")
 
@@ -243,17 +251,18 @@ def _spills(ptxas_log: str) -> dict:
 def _kernels() -> list:
     """(kernel, meta function, signature function, the meta fields a result row shows) of each
     Triton kernel checked: the split kernel (the "triton" backend) first, then the
-    one-program-per-row kernel (the private "_triton_rows" backend), then the tree kernel
+    one-program-per-row kernel (bench/ops/rows_kernel.py), then the tree kernel
     (``fused_verify_tree``'s "triton" backend; its cases come from ``TREE_VARIANTS``)."""
     _tree_verify_kernel = _kernel("tree_verify")
-    _verify_kernel = _kernel("verify_rows")
+    rows = _rows_kernel()
+    _verify_kernel = rows._verify_rows_kernel
     _verify_split_kernel = _kernel("verify_split")
-    from specdec_kernels.ops.tree_verify import tree_kernel_meta
-    from specdec_kernels.ops.verify import rows_kernel_meta, split_kernel_meta
+    from specdec_kernels.ops.tree.api import tree_kernel_meta
+    from specdec_kernels.ops.verify import split_kernel_meta
 
     return [
         (_verify_split_kernel, split_kernel_meta, verify_split_signature, ("CHUNK", "NCB", "CAP", "BLOCK_K")),
-        (_verify_kernel, rows_kernel_meta, verify_signature, ("BLOCK_V", "BLOCK_K")),
+        (_verify_kernel, rows.rows_kernel_meta, verify_signature, ("BLOCK_V", "BLOCK_K")),
         (_tree_verify_kernel, tree_kernel_meta, tree_signature, ("BLOCK_V", "BLOCK_N", "BLOCK_D")),
     ]
 
@@ -321,7 +330,7 @@ def compile_triton(archs: list) -> list:
     tmp = tempfile.mkdtemp(prefix="specdec-aot-")
     for arch in archs:
         for kernel, meta_of, signature_of, shown in _kernels():
-            if kernel.fn.__name__ == "_tree_verify_kernel":
+            if kernel.fn.__name__ == "tree_verify_kernel":
                 for name, logits, tokens, parents, V, N, D, has_q, has_k, has_p, has_mp, has_u in TREE_VARIANTS:
                     meta = meta_of(V, N, D, has_q, has_k, has_p, has_mp, has_u)
                     signature = signature_of(logits, tokens, parents, meta)
@@ -329,7 +338,7 @@ def compile_triton(archs: list) -> list:
                                                 triton.__version__))
                 continue
             cases = [(v, None) for v in VARIANTS]
-            if kernel.fn.__name__ == "_verify_split_kernel":
+            if kernel.fn.__name__ == "verify_split_kernel":
                 cases += [(v[:-1], v[-1]) for v in SPLIT_SETTINGS]
             for (name, logits, tokens, V, K, has_q, has_k, has_p, has_u), extra in cases:
                 meta = meta_of(V, K + 1, has_q, has_k, has_p, has_u)
@@ -462,10 +471,11 @@ def main(argv=None) -> int:
     # The interpreter replaces @triton.jit functions with interpreted ones, which cannot be
     # compiled: the kernel module must be imported without it (in a fresh process).
     if os.environ.pop("TRITON_INTERPRET", None) and any(
-            m in sys.modules for m in ("specdec_kernels.ops._verify_kernel", "specdec_kernels.ops._verify_split_kernel",
-                                       "specdec_kernels.ops._verify_split_stats",
-                                       "specdec_kernels.ops._verify_split_draw",
-                                       "specdec_kernels.ops._tree_verify_kernel")):
+            m in sys.modules for m in ("rows_kernel", "specdec_kernels.ops.verify.triton.common",
+                                       "specdec_kernels.ops.verify.triton.split_kernel",
+                                       "specdec_kernels.ops.verify.triton.stats",
+                                       "specdec_kernels.ops.verify.triton.draw",
+                                       "specdec_kernels.ops.tree.kernel")):
         raise SystemExit("run this in a process that has not imported the kernels under TRITON_INTERPRET")
     results = []
     if args.only in (None, "triton"):

@@ -4,7 +4,7 @@ The layers, each a folder, importing one way (``ops`` <- ``decoding`` <- the fro
 
 - ``ops``: ``fused_verify`` verifies K drafted tokens against the target's raw logits in one
   Triton launch (or a vectorised PyTorch path on CPU); ``fused_verify_tree`` a tree of them;
-  ``ops.reference`` holds the plain-PyTorch ground truth; ``ops.kv_cache`` the cache roll-back.
+  ``ops.reference`` holds the plain-PyTorch ground truth; ``ops.kv.cache`` the cache roll-back.
 - ``decoding``: ``SpeculativeDecoder`` runs batched, KV-cached speculative decoding over
   Hugging Face models, with its drafters in ``decoding.drafters``.
 - ``cpu``: optional CPU accelerators the decoder is handed; ``models``: the embedded pair and a

@@ -38,7 +38,7 @@ import harness  # noqa: E402
 
 
 def run(model, name: str, rows: list[int], reps: int, ctx: int = 64) -> list[dict]:
-    from specdec_kernels.ops.kv_cache import crop_cache_, new_cache
+    from specdec_kernels.ops.kv.cache import crop_cache_, new_cache
     from specdec_kernels.decoding.runners import ModelRunner
     from specdec_kernels.cpu.lean_forward import LeanLlamaStep
 

@@ -3,8 +3,9 @@
 Providers, all computing the same step on the same inputs:
   fused_triton        fused_verify, the split-vocabulary Triton kernel (one launch, the vocabulary
                       split into chunks across programs; CUDA only)
-  fused_triton_rows   fused_verify(backend="_triton_rows"), the one-program-per-row kernel it
-                      replaced, kept until the two have been measured side by side (CUDA only)
+  fused_triton_rows   the one-program-per-row kernel it replaced (bench/ops/rows_kernel.py:
+                      verify_rows, fused_verify's padded call on that kernel), kept until the two
+                      have been measured side by side (CUDA only)
   fused_packed        fused_verify_packed on the same step in the packed layout (the logits as a
                       [B * (K+1), V] view, cu_num_draft_tokens, max_num_draft_tokens and out=
                       given: an engine's call), on CUDA the split kernel, on CPU the torch path
@@ -64,7 +65,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/: harness
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # this folder: hf_style, torch_batched
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # this folder: hf_style, torch_batched, rows_kernel
 from harness import (append_csv, device_name, now, peak_gbps, print_table, time_fn,  # noqa: E402
                      time_interleaved, versions)
 from hf_style import hf_style_verify  # noqa: E402
@@ -168,7 +169,10 @@ def build_providers(logits, x, q, temperature, warp, device, compiled_cache):
     providers.update(vllm_providers(logits, x, q, temp, top_k, top_p, device))
     if device.type == "cuda":
         providers["fused_triton"] = fused("triton")
-        providers["fused_triton_rows"] = fused("_triton_rows")
+        from rows_kernel import verify_rows  # imports Triton: CUDA only
+
+        providers["fused_triton_rows"] = lambda: verify_rows(logits, x, q, temperature=temp, top_k=top_k, top_p=top_p,
+                                                             seed=seed, offset=0)
     else:  # fused_verify's CPU path: the reference, or its greedy fast route when every row has T = 0
         providers["fused_cpu"] = fused()
     return providers

@@ -11,9 +11,9 @@ top-k/top-p are decided from per-chunk candidate keys, with no re-read of the lo
 those cannot decide and the position is bisected whole).  The absolute times are numpy's, not
 a GPU's.
 
-Kernels (backend of fused_verify), each with four warps of the same inputs:
-  split   backend="triton": the split-vocabulary kernel (one launch, chunks of 4096 tokens)
-  rows    backend="_triton_rows": the one-program-per-row kernel it replaced
+Kernels, each with four warps of the same inputs:
+  split   fused_verify(backend="triton"): the split-vocabulary kernel (one launch, chunks of 4096 tokens)
+  rows    rows_kernel.verify_rows (bench/ops/rows_kernel.py): the one-program-per-row kernel it replaced
   warps   plain (none), top_k=50, top_p=0.9, top_k=50 + top_p=0.9
 
 The inputs are bench_verify.make_inputs' (every draft accepted by default: all K + 1 positions
@@ -51,13 +51,16 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/: harness
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # this folder: bench_verify
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # this folder: bench_verify, rows_kernel
 from bench_verify import make_inputs  # noqa: E402
 from harness import append_csv, cpu_model, device_name, now, print_table, time_interleaved, versions  # noqa: E402
+from rows_kernel import verify_rows  # noqa: E402
 
 from specdec_kernels import fused_verify  # noqa: E402
 
-KERNELS = {"split": "triton", "rows": "_triton_rows"}
+# kernel -> (what the CSV's backend column says, the call)
+KERNELS = {"split": ("triton", lambda *a, **kw: fused_verify(*a, backend="triton", **kw)),
+           "rows": ("rows_kernel", verify_rows)}
 # (name, top_k, top_p); "none" first: the others' ratio is to it
 WARPS = [("none", None, None), ("topk50", 50, None), ("topp0.9", None, 0.9), ("topk50_topp0.9", 50, 0.9)]
 SMOKE = dict(B=1, K=2, V=600, repeats=1)
@@ -92,11 +95,10 @@ def build_cases(B, K, V, seed=0):
     logits, x, q = make_inputs(B, K, V, torch.float32, torch.device("cpu"))
     last: dict = {}
     cases = {}
-    for kernel, backend in KERNELS.items():
+    for kernel, (_, verify) in KERNELS.items():
         for warp, top_k, top_p in WARPS:
-            def call(key=(kernel, warp), backend=backend, top_k=top_k, top_p=top_p):
-                out = fused_verify(logits, x, q, temperature=1.0, top_k=top_k, top_p=top_p, seed=seed,
-                                   backend=backend)
+            def call(key=(kernel, warp), verify=verify, top_k=top_k, top_p=top_p):
+                out = verify(logits, x, q, temperature=1.0, top_k=top_k, top_p=top_p, seed=seed)
                 last[key] = dict(num_accepted=out.num_accepted,
                                  fallback_positions=fallback_positions(B, K + 1, V) if key[0] == "split" else None)
                 return out
@@ -143,7 +145,7 @@ def main(argv=None):
         plain = times.get(f"{kernel}:none")
         n_acc = last[(kernel, warp)]["num_accepted"]
         rows.append(dict(
-            kernel=kernel, backend=KERNELS[kernel], warp=warp, B=B, K=K, V=V, dtype="fp32", temperature=1.0,
+            kernel=kernel, backend=KERNELS[kernel][0], warp=warp, B=B, K=K, V=V, dtype="fp32", temperature=1.0,
             drafts="accepted", mean_accepted=float(n_acc.double().mean()),
             median_s=t[0] / 1e3, q20_s=t[1] / 1e3, q80_s=t[2] / 1e3,
             ratio_to_plain=(t[0] / plain[0]) if plain else None,

@@ -39,7 +39,7 @@ def _llama(heads: int, kv_heads: int, seed: int = 0, dtype=torch.float32, **extr
 
 def _prefill(model, lens, P):
     """A [B, P] left-padded prefill through the model's forward; returns (cache, valid [B, P])."""
-    from specdec_kernels.ops.kv_cache import new_cache
+    from specdec_kernels.ops.kv.cache import new_cache
 
     g = torch.Generator().manual_seed(3)
     B = len(lens)
@@ -193,7 +193,7 @@ def test_lean_step_with_an_all_valid_mask_over_one_token():
     """One new token with an all-valid mask gives the model's bits (Hugging Face drops such a mask
     and calls sdpa as without one; the lean step built a 4-D mask and differed in the last bits
     before)."""
-    from specdec_kernels.ops.kv_cache import new_cache
+    from specdec_kernels.ops.kv.cache import new_cache
     from specdec_kernels.decoding.runners import cache_keyword
 
     model = _llama(4, 2)
@@ -224,7 +224,7 @@ def test_lean_step_with_an_all_valid_mask_over_one_token():
 ])
 def test_lean_step_names_a_bad_argument(kwargs, match):
     model = _llama(4, 2)
-    from specdec_kernels.ops.kv_cache import new_cache
+    from specdec_kernels.ops.kv.cache import new_cache
 
     args = dict(cache=new_cache(model), ids=torch.zeros(1, 2, dtype=torch.long), mask=None,
                 positions=torch.arange(2)[None], keep=1)

@@ -167,7 +167,7 @@ def test_sampling_matches_target_distribution(temperature, top_k, top_p, k, voca
     # the first two are tested
     conf = dict(num_draft_tokens=3, draft_confidence=0.1) if k == "conf" else dict(num_draft_tokens=k)
     if k == "rows":
-        from specdec_kernels.ops import _verify_torch as verify_mod
+        from specdec_kernels.ops.verify import torch_path as verify_mod
 
         monkeypatch.setattr(verify_mod, "_ROW_DRAW_MAX", 10**6)
         row_draws = []

@@ -28,7 +28,7 @@ import torch
 from helpers import HAS_CUDA
 from helpers import make_step
 from specdec_kernels import fused_verify
-from specdec_kernels.ops import chain_reference
+from specdec_kernels.ops.verify.reference import chain as chain_reference
 from specdec_kernels.integrations.flashinfer import chain_speculative_sampling, row_keys
 from specdec_kernels.ops.reference import philox_uniforms, verify_reference
 from helpers import chi_square_pvalue
@@ -266,7 +266,7 @@ def test_accepted_counter_is_the_independent_count_of_the_same_uniforms(backend)
             # the same with the op's own rule (p normalised in fp32, u * q(x) < p(x) in float64)
             p_x = (p.cpu() / p.cpu().sum(-1, keepdim=True))[:, :K].gather(-1, x.cpu().long()[..., None])[..., 0]
             q_x = q.cpu().gather(-1, x.cpu().long()[..., None])[..., 0]
-            assert torch.equal(acc.cpu().long(), chain_reference._accept(u.cpu()[:, :K], p_x, q_x).sum(-1))
+            assert torch.equal(acc.cpu().long(), chain_reference.acceptance_test(u.cpu()[:, :K], p_x, q_x).sum(-1))
             total_after += int((acc - emi).sum())
             if backend == "triton":
                 break

@@ -16,7 +16,8 @@ from scipy.stats import chi2
 from helpers import chi_square_pvalue
 
 from specdec_kernels import fused_verify
-from specdec_kernels.ops import block_reference, reference, warp_reference
+from specdec_kernels.ops import reference
+from specdec_kernels.ops.verify.reference import block as block_reference, warp as warp_reference
 from specdec_kernels.ops.reference import inverse_cdf, block_verify_reference, verify_reference
 
 D = torch.float64

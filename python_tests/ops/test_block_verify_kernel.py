@@ -16,7 +16,7 @@ import torch
 from helpers import HAS_CUDA
 from helpers import assert_close, make_step
 from specdec_kernels import fused_verify, fused_verify_packed
-from specdec_kernels.ops import _verify_launch
+from specdec_kernels.ops.verify import launch as _verify_launch
 from specdec_kernels.ops.reference import (block_verify_reference, emitted_logprobs, philox_uniforms,
                                        verify_reference)
 from test_verify_packed import _pack

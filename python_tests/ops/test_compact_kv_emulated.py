@@ -135,7 +135,7 @@ from feature_setup import fgreedy_refs, fpair  # noqa: E402,F401  (fixtures)
 
 def _route_through_emulation(monkeypatch, emulated, calls: list):
     """Every compact_kv_ the decoder makes (both caches, every step) runs the CUDA kernel's code."""
-    from specdec_kernels.ops import kv_cache
+    from specdec_kernels.ops.kv import cache as kv_cache
 
     def compact(caches, src_start, dst_start, count):
         calls.append(len(caches))

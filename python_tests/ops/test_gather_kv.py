@@ -19,9 +19,9 @@ import pytest
 import torch
 from torch.utils import cpp_extension
 
-from specdec_kernels.ops import kv_cache
+from specdec_kernels.ops.kv import cache as kv_cache
 from specdec_kernels.ops.extension import HAS_EXT
-from specdec_kernels.ops.kv_cache import gather_dynamic_cache_, gather_kv_
+from specdec_kernels.ops.kv.cache import gather_dynamic_cache_, gather_kv_
 from specdec_kernels.ops.reference import gather_kv_reference
 
 HAS_CUDA = torch.cuda.is_available()

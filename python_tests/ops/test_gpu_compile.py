@@ -3,8 +3,8 @@
 The interpreter (TRITON_INTERPRET=1) runs the verify kernels' Python on numpy: it checks what
 the kernels compute, not that Triton's compiler accepts them for a GPU.  Here
 ``scripts/gpu_compile_check.py`` compiles the verify kernels ahead of time with Triton's own
-ptxas, the split kernel (the "triton" backend) and the one-program-per-row kernel (the private
-"_triton_rows" backend), each for every specialisation of ``VARIANTS`` as its launcher makes it,
+ptxas, the split kernel (the "triton" backend) and the one-program-per-row kernel (the benchmarks'
+baseline, ``bench/ops/rows_kernel.py``), each for every specialisation of ``VARIANTS`` as its launcher makes it,
 and the tree kernel (``fused_verify_tree``'s "triton" backend) for every one of
 ``TREE_VARIANTS``, and compiles ``csrc/*.cu`` with nvcc and torch's extension flags (when nvcc is
 on the machine), in a subprocess without the interpreter; each cubin must use no local memory,
@@ -39,12 +39,12 @@ def _check(tmp_path, *args):
     return proc, results
 
 
-_KERNELS = ("_verify_split_kernel", "_verify_kernel", "_tree_verify_kernel")
+_KERNELS = ("verify_split_kernel", "_verify_rows_kernel", "tree_verify_kernel")
 # the meta fields each kernel's result rows show (and the ones they must not)
 _FIELDS = {
-    "_verify_split_kernel": ({"CHUNK", "NCB", "CAP", "BLOCK_K"}, {"BLOCK_V", "BLOCK_N", "BLOCK_D"}),
-    "_verify_kernel": ({"BLOCK_V", "BLOCK_K"}, {"CHUNK", "BLOCK_N", "BLOCK_D"}),
-    "_tree_verify_kernel": ({"BLOCK_V", "BLOCK_N", "BLOCK_D"}, {"CHUNK", "BLOCK_K"}),
+    "verify_split_kernel": ({"CHUNK", "NCB", "CAP", "BLOCK_K"}, {"BLOCK_V", "BLOCK_N", "BLOCK_D"}),
+    "_verify_rows_kernel": ({"BLOCK_V", "BLOCK_K"}, {"CHUNK", "BLOCK_N", "BLOCK_D"}),
+    "tree_verify_kernel": ({"BLOCK_V", "BLOCK_N", "BLOCK_D"}, {"CHUNK", "BLOCK_K"}),
 }
 
 
@@ -69,9 +69,9 @@ def _spill_bound(kernel: str, variant: str) -> int:
     - the tree kernel: 110-229 registers and no spills in every variant (229 sampled, 172
       deterministic, 205 with top-k + top-p + min-p or at V = 152,064, N = 64, D = 8; 110 at 4 warps
       for V = 100): bounded at 64 bytes, as the split kernel, for the same reason."""
-    if kernel == "_tree_verify_kernel":
+    if kernel == "tree_verify_kernel":
         return 64
-    if kernel == "_verify_split_kernel":
+    if kernel == "verify_split_kernel":
         return 1024 if "maxnreg 128" in variant else 64
     heavy = "top-k" in variant or "top-p" in variant or "K = 15" in variant or "V = 100" in variant
     return 256 if heavy else 16
@@ -88,9 +88,9 @@ def test_verify_kernels_compile_for_sm90(tmp_path):
     assert not failed, failed
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     expected = {
-        "_verify_split_kernel": [v[0] for v in VARIANTS] + [v[0] for v in SPLIT_SETTINGS],
-        "_verify_kernel": [v[0] for v in VARIANTS],
-        "_tree_verify_kernel": [v[0] for v in TREE_VARIANTS],
+        "verify_split_kernel": [v[0] for v in VARIANTS] + [v[0] for v in SPLIT_SETTINGS],
+        "_verify_rows_kernel": [v[0] for v in VARIANTS],
+        "tree_verify_kernel": [v[0] for v in TREE_VARIANTS],
     }
     for kernel in _KERNELS:
         assert [r["variant"] for r in results if r["kernel"] == kernel] == expected[kernel], kernel
@@ -108,8 +108,8 @@ def test_verify_kernels_compile_for_sm90(tmp_path):
         assert "spill_stores" in r, f"no ptxas log read back for {what}"
         bound = _spill_bound(r["kernel"], r["variant"])
         assert r["spill_stores"] <= bound, f"{what}: {r['spill_stores']} bytes of spill stores > {bound}"
-        # multiply-adds are not contracted into FMAs (verify.split_kernel_meta, verify.rows_kernel_meta and
-        # tree_verify.tree_kernel_meta pin enable_fp_fusion off: the interpreter's and the
+        # multiply-adds are not contracted into FMAs (verify.split_kernel_meta, rows_kernel.rows_kernel_meta and
+        # tree.api.tree_kernel_meta pin enable_fp_fusion off: the interpreter's and the
         # reference's roundings, whatever Triton's default)
         assert r["enable_fp_fusion"] is False, what
         assert r["fma_f32"] == 0 and r["fma_f64"] == 0, (what, r["fma_f32"], r["fma_f64"])

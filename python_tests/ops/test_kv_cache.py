@@ -18,9 +18,9 @@ import pytest
 import torch
 
 import specdec_kernels
-from specdec_kernels.ops import kv_cache
+from specdec_kernels.ops.kv import cache as kv_cache
 from specdec_kernels.ops.extension import HAS_EXT
-from specdec_kernels.ops.kv_cache import compact_dynamic_cache_, compact_kv_
+from specdec_kernels.ops.kv.cache import compact_dynamic_cache_, compact_kv_
 from specdec_kernels.ops.reference import compact_kv_reference
 
 HAS_CUDA = torch.cuda.is_available()

@@ -13,9 +13,10 @@ import pytest
 import torch
 
 from specdec_kernels import fused_verify
-from specdec_kernels.ops import reference, warp_reference
-from specdec_kernels.ops.tree_reference import tree_verify_reference
-from specdec_kernels.ops.tree_verify import fused_verify_tree
+from specdec_kernels.ops import reference
+from specdec_kernels.ops.verify.reference import warp as warp_reference
+from specdec_kernels.ops.tree.reference import tree_verify_reference
+from specdec_kernels.ops.tree.api import fused_verify_tree
 
 D64 = torch.float64
 

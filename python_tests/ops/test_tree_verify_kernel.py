@@ -17,10 +17,11 @@ import torch
 
 from helpers import HAS_CUDA
 from specdec_kernels import fused_verify
-from specdec_kernels.ops import _verify_launch, tree_verify as tree_mod
+from specdec_kernels.ops.verify import launch as _verify_launch
+from specdec_kernels.ops.tree import api as tree_mod
 from specdec_kernels.ops.reference import philox_uniforms
-from specdec_kernels.ops.tree_reference import tree_verify_reference
-from specdec_kernels.ops.tree_verify import _launch_tree, fused_verify_tree
+from specdec_kernels.ops.tree.reference import tree_verify_reference
+from specdec_kernels.ops.tree.api import _launch_tree, fused_verify_tree
 from test_tree_verify import _case
 
 DEV = "cuda" if HAS_CUDA else "cpu"

@@ -20,8 +20,10 @@ import torch
 
 from test_verify_distribution import chi_square_pvalue
 
-from specdec_kernels.ops import reference, tree_reference, warp_reference
-from specdec_kernels.ops.tree_verify import fused_verify_tree
+from specdec_kernels.ops import reference
+from specdec_kernels.ops.tree import reference as tree_reference
+from specdec_kernels.ops.verify.reference import warp as warp_reference
+from specdec_kernels.ops.tree.api import fused_verify_tree
 
 N_TRIALS = 100_000
 SIGNIFICANCE = 1e-4

@@ -13,7 +13,7 @@ import torch
 
 from helpers import HAS_CUDA
 from specdec_kernels import fused_verify
-from specdec_kernels.ops import _verify_launch, _verify_torch
+from specdec_kernels.ops.verify import launch as _verify_launch, torch_path as _verify_torch
 from specdec_kernels.ops.reference import verify_reference
 
 KERNEL_DEVICE = "cuda" if HAS_CUDA else "cpu"

@@ -22,8 +22,8 @@ import torch
 from helpers import HAS_CUDA
 from helpers import make_step
 from specdec_kernels import fused_verify, fused_verify_packed
-from specdec_kernels.ops import chain_reference
-from specdec_kernels.ops import _verify_args, _verify_launch
+from specdec_kernels.ops.verify import args as _verify_args, launch as _verify_launch
+from specdec_kernels.ops.verify.reference import chain as chain_reference
 from specdec_kernels.ops.kernels import split_workspace
 from specdec_kernels.ops.reference import draft_softmax, emitted_logprobs, philox_uniforms, verify_reference
 from helpers import chi_square_pvalue, expected_probs
@@ -447,11 +447,9 @@ def test_draft_logits_need_not_sum_to_anything():
     assert (out.num_accepted >= 0).all()
 
 
-def test_the_row_kernel_and_torch_compile_refuse_draft_logits(monkeypatch):
+def test_torch_compile_refuses_draft_logits(monkeypatch):
     logits, L, g = _step(2, 2, 16, 16, seed=53)
     x = _drafts(L, torch.ones(2), g)
-    with pytest.raises(NotImplementedError, match="backend '_triton_rows' does not take draft_logits"):
-        fused_verify(_dev(logits), _dev(x), draft_logits=_dev(L), backend="_triton_rows")
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     with pytest.raises(NotImplementedError, match="with draft_logits, .* are eager ops"):
         fused_verify(logits, x, draft_logits=L, seed=1, backend="torch")

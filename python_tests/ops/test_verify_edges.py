@@ -16,7 +16,7 @@ import torch
 
 from helpers import HAS_CUDA
 from specdec_kernels import fused_verify
-from specdec_kernels.ops import _verify_args
+from specdec_kernels.ops.verify import args as _verify_args
 from specdec_kernels.ops.reference import verify_reference
 
 KERNEL_DEVICE = "cuda" if HAS_CUDA else "cpu"
@@ -166,7 +166,7 @@ def test_draft_past_the_draft_vocabulary_has_q_zero(backend, dev):
 
 
 def test_the_kernel_and_the_reference_share_the_smallest_temperature():
-    from specdec_kernels.ops._verify_kernel import _FLT_MIN
+    from specdec_kernels.ops.verify.triton.draw import _FLT_MIN
     from specdec_kernels.ops.reference import FLT_MIN
 
     assert getattr(_FLT_MIN, "value", _FLT_MIN) == FLT_MIN == 2.0 ** -126
@@ -244,7 +244,7 @@ def test_bonus_draw_resolves_the_tail_of_a_large_vocabulary():
     which tiny token a given uniform hits is defined by its p, which a test cannot see; the
     kernel's float64 draw is checked on exact weights above."""
     from specdec_kernels.ops.reference import warp_logits
-    from specdec_kernels.ops.warp_reference import _target_probs
+    from specdec_kernels.ops.verify.reference.warp import _target_probs
 
     g = torch.Generator().manual_seed(1)
     V, n = 49152, 16

@@ -11,8 +11,9 @@ import torch
 
 from helpers import make_step
 from specdec_kernels import fused_verify
-from specdec_kernels.ops import _verify_launch, _verify_torch, verify as verify_mod
-from specdec_kernels.ops.philox_reference import _philox_uniforms_host
+from specdec_kernels.ops import verify as verify_mod
+from specdec_kernels.ops.verify import launch as _verify_launch, torch_path as _verify_torch
+from specdec_kernels.ops.verify.reference.philox import philox_uniforms_host
 from specdec_kernels.ops.reference import philox_uniforms, verify_reference
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -115,7 +116,7 @@ def test_explicit_uniforms_match_seeded_draws(device):
 
 
 def test_host_philox_equals_tensor_philox():
-    """_philox_uniforms_host (Python ints, the CPU path's small batches) gives philox_uniforms'
+    """philox_uniforms_host (Python ints, the CPU path's small batches) gives philox_uniforms'
     values exactly: random and extreme int64 seeds and offsets, K = 0..8, B = 0..6."""
     rng = random.Random(17)
     extremes = [0, 1, -1, 2**31, 2**32 - 1, 2**32, 2**62 + 5, 2**63 - 1, -(2**63)]
@@ -125,7 +126,7 @@ def test_host_philox_equals_tensor_philox():
         offset = [rng.choice([rng.randint(-(2**63), 2**63 - 1), rng.randint(0, 100), rng.choice(extremes)])
                   for _ in range(B)]
         a = philox_uniforms(torch.tensor(seed, dtype=torch.int64), torch.tensor(offset, dtype=torch.int64), K)
-        b = _philox_uniforms_host(seed, offset, K)
+        b = philox_uniforms_host(seed, offset, K)
         assert a.dtype == b.dtype == torch.float64 and a.shape == b.shape == (B, K + 1)
         assert torch.equal(a, b), (seed, offset, K)
 
@@ -135,8 +136,8 @@ def test_seeded_torch_path_equals_explicit_uniforms(B, monkeypatch):
     """The CPU path's seeded draws (host Philox for small batches, tensor Philox for large ones)
     equal passing uniforms = philox_uniforms(seed, offset) explicitly."""
     calls = []
-    orig = _verify_torch._philox_uniforms_host
-    monkeypatch.setattr(_verify_torch, "_philox_uniforms_host", lambda *a: calls.append(1) or orig(*a))
+    orig = _verify_torch.philox_uniforms_host
+    monkeypatch.setattr(_verify_torch, "philox_uniforms_host", lambda *a: calls.append(1) or orig(*a))
     logits, x, q = make_step(B, 4, 97, seed=B)
     seed = torch.arange(B, dtype=torch.int64) * 7919 - 3
     offset = torch.arange(B, dtype=torch.int64) + 2**33

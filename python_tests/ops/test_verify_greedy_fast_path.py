@@ -16,7 +16,7 @@ import torch
 
 from helpers import inject_unusable_positions, random_randomness
 from specdec_kernels import fused_verify
-from specdec_kernels.ops import _verify_args, _verify_torch
+from specdec_kernels.ops.verify import args as _verify_args, torch_path as _verify_torch
 from specdec_kernels.ops.reference import philox_uniforms, verify_reference
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -200,7 +200,7 @@ def test_fast_path_reads_no_random_numbers(monkeypatch):
         raise AssertionError("the greedy route must not draw random numbers")
 
     monkeypatch.setattr(_verify_torch, "philox_uniforms", boom)
-    monkeypatch.setattr(_verify_torch, "_philox_uniforms_host", boom)
+    monkeypatch.setattr(_verify_torch, "philox_uniforms_host", boom)
     g = torch.Generator().manual_seed(4)
     logits = torch.randn(2, 5, 64, generator=g)
     x = logits[:, :4].argmax(-1)

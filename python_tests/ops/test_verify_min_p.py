@@ -31,9 +31,10 @@ import torch
 from helpers import HAS_CUDA
 from helpers import assert_close, make_step
 from specdec_kernels import fused_verify, fused_verify_packed
-from specdec_kernels.ops import chain_reference, warp_reference
+from specdec_kernels.ops.verify.reference import chain as chain_reference, warp as warp_reference
 from specdec_kernels.ops import reference as ref
-from specdec_kernels.ops import _verify_args, _verify_launch, verify as verify_mod
+from specdec_kernels.ops import verify as verify_mod
+from specdec_kernels.ops.verify import args as _verify_args
 from specdec_kernels.ops.kernels import split_workspace
 from specdec_kernels.ops.reference import (emitted_logprobs, min_p_log, min_p_threshold, order_key, philox_uniforms,
                                        verify_reference, warp_logits)
@@ -82,7 +83,7 @@ def test_min_p_log_is_ln_rounded_to_fp32():
 def test_kernel_holds_the_reference_log_constants():
     """The kernel's float64 constants of min_p_log (series coefficients, ln 2, sqrt 2) are the
     reference's, bit for bit (the kernel's threshold test below checks the result as well)."""
-    import specdec_kernels.ops._verify_split_stats as kmod
+    import specdec_kernels.ops.verify.triton.stats as kmod
 
     def value(c):
         return getattr(c, "value", c)
@@ -294,10 +295,10 @@ def test_cases_exercise_min_p():
         mp_t = mp if isinstance(mp, torch.Tensor) else torch.full((B,), mp)
         inv_t = torch.where(temperature == 0, 1.0, 1 / temperature.masked_fill(temperature == 0, 1.0))
         K1 = K + 1
-        _, k0 = warp_logits(logits, inv_t[:, None].expand(B, K1), chain_reference._per_position(top_k, K1),
-                            chain_reference._per_position(top_p, K1))
-        _, k1 = warp_logits(logits, inv_t[:, None].expand(B, K1), chain_reference._per_position(top_k, K1),
-                            chain_reference._per_position(top_p, K1), min_p=chain_reference._per_position(mp_t, K1))
+        _, k0 = warp_logits(logits, inv_t[:, None].expand(B, K1), chain_reference.per_position(top_k, K1),
+                            chain_reference.per_position(top_p, K1))
+        _, k1 = warp_logits(logits, inv_t[:, None].expand(B, K1), chain_reference.per_position(top_k, K1),
+                            chain_reference.per_position(top_p, K1), min_p=chain_reference.per_position(mp_t, K1))
         assert (k1.sum(-1) < k0.sum(-1))[temperature != 0].any()
         kb = torch.tensor([K, K, K - 1, 1][:B])
         for s in range(2):
@@ -463,7 +464,7 @@ def test_min_p_adds_no_device_op(case, monkeypatch):
     """min_p as a scalar goes to the kernel by value and as a [B] tensor (float64 and strided here)
     is read in place: the call is still one launch whose only other ops are the outputs' two
     allocations."""
-    import specdec_kernels.ops._verify_split_kernel as kmod
+    import specdec_kernels.ops.verify.triton.split_kernel as kmod
     from test_verify_split import _CountLaunches, _RecordOps
 
     monkeypatch.setattr(_verify_args, "_check_values", lambda t: False)
@@ -474,8 +475,8 @@ def test_min_p_adds_no_device_op(case, monkeypatch):
     kw = dict(temperature=0.7, top_k=8, min_p=mp, seed=3, backend="triton")
     fused_verify(lg, x, q, **kw)  # warm-up: the workspace is made once per device
     rec = _RecordOps()
-    counter = _CountLaunches(kmod._verify_split_kernel, rec)
-    monkeypatch.setattr(kmod, "_verify_split_kernel", counter)
+    counter = _CountLaunches(kmod.verify_split_kernel, rec)
+    monkeypatch.setattr(kmod, "verify_split_kernel", counter)
     with rec:
         out = fused_verify(lg, x, q, **kw)
     assert counter.launches == 1
@@ -621,9 +622,11 @@ def test_argument_errors_name_min_p(packed):
     call(min_p=1)
 
 
-def test_row_kernel_refuses_min_p():
+def test_the_row_kernel_is_not_a_backend():
+    """The one-program-per-row kernel (no min-p) is a benchmark's (bench/ops/rows_kernel.py), not a
+    backend of the op."""
     logits, x, q = make_step(2, 2, 20, seed=1)
-    with pytest.raises(NotImplementedError, match="backend '_triton_rows' does not take min_p"):
+    with pytest.raises(ValueError, match=r"backend must be one of \('auto', 'triton', 'torch'\), got '_triton_rows'"):
         fused_verify(logits, x, q, min_p=0.1, seed=1, backend="_triton_rows")
 
 

@@ -16,7 +16,7 @@ import torch
 from helpers import HAS_CUDA
 from helpers import assert_close, make_step
 from specdec_kernels import fused_verify, fused_verify_packed
-from specdec_kernels.ops import _verify_args, _verify_launch
+from specdec_kernels.ops.verify import args as _verify_args, launch as _verify_launch
 from specdec_kernels.ops.reference import emitted_logprobs, philox_uniforms, verify_reference
 from helpers import chi_square_pvalue
 
@@ -196,7 +196,7 @@ def test_target_probs_emit_their_distribution():
         return out.tokens[:, 0].numpy()
 
     assert chi_square_pvalue(first_tokens(), want) > 1e-4
-    import specdec_kernels.ops.chain_reference as ref
+    import specdec_kernels.ops.verify.reference.chain as ref
     orig = ref._residual
     try:
         ref._residual = lambda p_, q_: p_  # mutant: the recovered token from p
@@ -311,7 +311,7 @@ def test_packed_call_is_one_launch_and_copies_nothing(with_out, monkeypatch):
     """fused_verify_packed with max_num_draft_tokens and [B] parameters on the device: one kernel
     launch, and no other aten op than the outputs' allocation (``empty``) — none with ``out=``:
     no copy of the logits, no padding, no conversion of the fp16 draft probabilities."""
-    import specdec_kernels.ops._verify_split_kernel as kmod
+    import specdec_kernels.ops.verify.triton.split_kernel as kmod
     from test_verify_split import _CountLaunches, _RecordOps
 
     monkeypatch.setattr(_verify_args, "_check_values", lambda t: False)  # a device's tensors: not read on the host
@@ -325,8 +325,8 @@ def test_packed_call_is_one_launch_and_copies_nothing(with_out, monkeypatch):
            torch.empty(3, 4, device=DEV)) if with_out else None
     want = fused_verify_packed(pl, px, cu, pq, **kw)  # warm-up: the workspace is made once per device
     rec = _RecordOps()
-    counter = _CountLaunches(kmod._verify_split_kernel, rec)
-    monkeypatch.setattr(kmod, "_verify_split_kernel", counter)
+    counter = _CountLaunches(kmod.verify_split_kernel, rec)
+    monkeypatch.setattr(kmod, "verify_split_kernel", counter)
     with rec:
         got = fused_verify_packed(pl, px, cu, pq, out=out, **kw)
     assert counter.launches == 1

@@ -9,7 +9,8 @@ import torch
 from helpers import HAS_CUDA
 from helpers import make_step
 from specdec_kernels import fused_verify
-from specdec_kernels.ops import _verify_args, _verify_launch, verify as verify_mod
+from specdec_kernels.ops import verify as verify_mod
+from specdec_kernels.ops.verify import args as _verify_args, launch as _verify_launch
 
 # The kernel runs for real on a GPU and interpreted on CPU tensors; the torch path runs on CPU.
 KERNEL_DEVICE = "cuda" if HAS_CUDA else "cpu"

@@ -19,7 +19,7 @@ import torch
 
 from helpers import inject_unusable_positions, random_randomness
 from specdec_kernels import fused_verify
-from specdec_kernels.ops import _verify_torch
+from specdec_kernels.ops.verify import torch_path as _verify_torch
 from specdec_kernels.ops.reference import philox_uniforms, verify_reference
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -188,7 +188,7 @@ def test_route_not_taken_with_a_warp_or_all_greedy(counted):
 def _ref_probs(logits: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     """The reference's p = softmax(logits / T) [B, K+1, V], from its own building blocks."""
     from specdec_kernels.ops.reference import warp_logits
-    from specdec_kernels.ops.warp_reference import _target_probs
+    from specdec_kernels.ops.verify.reference.warp import _target_probs
 
     B, K1, _ = logits.shape
     inv_t = 1.0 / t
@@ -287,8 +287,8 @@ def test_row_draw_takes_large_vocabularies_at_any_batch(V, counted, monkeypatch)
     """B = 12 rows (above _ROW_DRAW_MAX): row by row from V = 4,096 on (_ROW_DRAW_MIN_V), batched
     below it; either way the reference's tokens, rejections and an invalid row included."""
     rows = []
-    orig = _verify_torch._final_token
-    monkeypatch.setattr(_verify_torch, "_final_token", lambda *a: rows.append("batched") or orig(*a))
+    orig = _verify_torch.final_token
+    monkeypatch.setattr(_verify_torch, "final_token", lambda *a: rows.append("batched") or orig(*a))
     g = torch.Generator().manual_seed(V)
     B, K = 12, 2
     logits = torch.randn(B, K + 1, V, generator=g) * 3

@@ -1,4 +1,4 @@
-"""The split-vocabulary kernel's own properties (``_verify_split_kernel.py``), on the real kernel
+"""The split-vocabulary kernel's own properties (``verify/triton/split_kernel.py``), on the real kernel
 (interpreted on CPU tensors here): results that do not depend on which program arrives last,
 one launch with no other device op, counters that reset themselves, vocabularies on both sides
 of the chunk size, and top-k/top-p decided from the chunks' candidate keys or by the whole-
@@ -17,9 +17,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from helpers import HAS_CUDA, needs_cuda
 from helpers import make_step
 from specdec_kernels import fused_verify
-from specdec_kernels.ops import _verify_args, _verify_launch, verify as verify_mod
+from specdec_kernels.ops import verify as verify_mod
+from specdec_kernels.ops.verify import args as _verify_args, launch as _verify_launch
 from specdec_kernels.ops.kernels import launch_settings, split_workspace
-from specdec_kernels.ops._verify_split_kernel import _ticket_item
+from specdec_kernels.ops.verify.triton.split_kernel import _ticket_item
 from specdec_kernels.ops.reference import philox_uniforms, verify_reference
 
 DEV = "cuda" if HAS_CUDA else "cpu"
@@ -151,7 +152,7 @@ def test_one_launch_and_no_other_device_op(case, monkeypatch):
     num_draft_tokens=None, no dtype conversion of [B] parameters (int32 / float64 ones included),
     no copy of strided ones, no softmax, sort or cumsum.  With seed=None, one more op: the host
     draw of one base seed from torch's default generator (a one-element CPU tensor)."""
-    import specdec_kernels.ops._verify_split_kernel as kmod
+    import specdec_kernels.ops.verify.triton.split_kernel as kmod
 
     monkeypatch.setattr(_verify_args, "_check_values", lambda t: False)  # a device's tensors: not read on the host
     lg, x, q = make_step(3, 4, 64, seed=1)
@@ -167,8 +168,8 @@ def test_one_launch_and_no_other_device_op(case, monkeypatch):
         kw = dict(temperature=0.7, top_k=8, top_p=0.9, offset=2, seed=None if case == "seed_none" else 3)
     fused_verify(lg, x, q, backend="triton", **kw)  # warm-up: the workspace is made once per device
     rec = _RecordOps()
-    counter = _CountLaunches(kmod._verify_split_kernel, rec)
-    monkeypatch.setattr(kmod, "_verify_split_kernel", counter)
+    counter = _CountLaunches(kmod.verify_split_kernel, rec)
+    monkeypatch.setattr(kmod, "verify_split_kernel", counter)
     if HAS_CUDA:
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
@@ -220,7 +221,7 @@ def _junk_cases():
 
 
 def _poison(ws, how: str, B: int, K1: int, NI: int) -> None:
-    from specdec_kernels.ops._verify_workspace import counter_layout
+    from specdec_kernels.ops.verify.workspace import counter_layout
 
     for name, t in ws.tensors().items():
         if t.dtype == torch.int32:
@@ -263,11 +264,11 @@ def test_junk_left_in_the_workspace_never_reaches_the_next_call(how, method, spl
 def test_the_launch_zeroes_its_counters_and_resets_nothing_itself(monkeypatch):
     """The counters are zeroed by the launcher before the launch (the kernel itself no longer
     resets anything): the kernel sees zeros, and after it the ready flags of the rows stay set."""
-    import specdec_kernels.ops._verify_split_kernel as kmod
-    from specdec_kernels.ops._verify_workspace import counter_layout
+    import specdec_kernels.ops.verify.triton.split_kernel as kmod
+    from specdec_kernels.ops.verify.workspace import counter_layout
 
     seen = {}
-    real = kmod._verify_split_kernel
+    real = kmod.verify_split_kernel
 
     class _Spy:
         def __getitem__(self, grid):
@@ -281,7 +282,7 @@ def test_the_launch_zeroes_its_counters_and_resets_nothing_itself(monkeypatch):
     args = [t.to(DEV) for t in (logits, x, q)]
     fused_verify(*args, seed=1, backend="triton")
     split_workspace(DEV).counters.fill_(5)
-    monkeypatch.setattr(kmod, "_verify_split_kernel", _Spy())
+    monkeypatch.setattr(kmod, "verify_split_kernel", _Spy())
     out = fused_verify(*args, seed=1, backend="triton")
     assert int(seen["before"].abs().sum()) == 0
     lay = counter_layout(2, 4)
@@ -553,10 +554,22 @@ def test_two_graphs_replayed_on_two_streams_then_eager_calls():
             assert torch.equal(e.tokens, w.tokens) and torch.equal(e.num_accepted, w.num_accepted)
 
 
+def _rows_kernel():
+    """bench/ops/rows_kernel.py, the one-program-per-row kernel (a benchmark's, not the package's)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "bench" / "ops" / "rows_kernel.py"
+    spec = importlib.util.spec_from_file_location("rows_kernel_under_test", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @needs_cuda
 def test_split_kernel_equals_the_row_kernel_on_a_large_batch():
     """B = 64, V = 128,256, bf16, every path at once (greedy, sampled, top-k, top-p rows): the
-    split kernel and the one-program-per-row kernel give the same tokens (the GPU run's check that
+    split kernel and the one-program-per-row kernel (bench/ops/rows_kernel.py) give the same tokens (the GPU run's check that
     the two measured side by side compute the same step)."""
     B, K, V = 64, 4, 128256
     lg, x, q = make_step(B, K, V, dtype=torch.bfloat16, seed=7)
@@ -566,7 +579,7 @@ def test_split_kernel_equals_the_row_kernel_on_a_large_batch():
     top_p = torch.tensor([1.0, 1.0, 0.9, 0.8] * 16, device="cuda")
     kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=torch.arange(B, device="cuda"), offset=5)
     a = fused_verify(lg, x, q, backend="triton", **kw)
-    b = fused_verify(lg, x, q, backend="_triton_rows", **kw)
+    b = _rows_kernel().verify_rows(lg, x, q, **kw)
     assert torch.equal(a.num_accepted, b.num_accepted) and torch.equal(a.tokens, b.tokens)
 
 

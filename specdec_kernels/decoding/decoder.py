@@ -30,7 +30,7 @@ Finished rows are sliced out of both caches.  This module holds the loop and the
 ``drafters/sampling.py``, the call's state in ``state.py``, the prefill in ``prefill.py``, what
 each row emits in ``emit.py``, the checks of the arguments in ``arguments.py``, transformers'
 arguments (``GenerationConfig``, streamers, stopping criteria, chat messages) in
-``transformers_args.py``, the DynamicCache helpers in ``ops/kv_cache.py``.
+``transformers_args.py``, the DynamicCache helpers in ``ops/kv/cache.py``.
 
 Host synchronisation: one device-to-host copy per step (the accepted counts and tokens, needed
 to detokenise, check stop strings and EOS, and crop the caches); everything else stays on the
@@ -68,7 +68,7 @@ from typing import Any, Optional, Sequence, TextIO, Union
 import torch
 
 from ..ops.host import to_device
-from ..ops.kv_cache import compact_dynamic_cache_, crop_cache_
+from ..ops.kv.cache import compact_dynamic_cache_, crop_cache_
 from .arguments import as_float
 from .drafters.feature import FeatureDrafter
 from .drafters.model import ModelDrafter

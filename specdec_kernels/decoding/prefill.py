@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from ..ops.kv_cache import new_cache, stack_caches_
+from ..ops.kv.cache import new_cache, stack_caches_
 
 if TYPE_CHECKING:  # pragma: no cover
     from .state import DecodeState

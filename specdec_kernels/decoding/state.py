@@ -16,7 +16,7 @@ from typing import Any, Optional, TextIO
 
 import torch
 
-from ..ops.kv_cache import new_cache
+from ..ops.kv.cache import new_cache
 from .arguments import (as_float, as_int, check_context, check_generate_args, encode_prompts, eos_ids, row_seeds,
                         verbose_stream)
 from .drafters.base import DraftState

@@ -36,9 +36,9 @@ from typing import Optional
 
 import torch
 
-from ..ops.kv_cache import crop_cache_, new_cache, gather_dynamic_cache_
+from ..ops.kv.cache import crop_cache_, new_cache, gather_dynamic_cache_
 from .stats import DecodingStats
-from ..ops.tree_verify import fused_verify_tree
+from ..ops.tree import fused_verify_tree
 
 __all__ = ["TreeShape", "check_tree_arguments", "check_tree_model", "parse_tree", "run_tree"]
 

@@ -2,15 +2,15 @@
 KV-cache roll-back ops (``torch.ops.specdec.*``).
 
 This layer imports nothing from the rest of the package; ``decoding/`` and the integrations sit
-on top of it.  ``verify`` (``fused_verify``, ``fused_verify_packed``), ``tree_verify``
-(``fused_verify_tree``), ``kv_cache`` (``compact_kv_``, ``gather_kv_`` and their DynamicCache
+on top of it.  ``verify`` (``fused_verify``, ``fused_verify_packed``), ``tree.api``
+(``fused_verify_tree``), ``kv.cache`` (``compact_kv_``, ``gather_kv_`` and their DynamicCache
 forms), ``linear`` (``skinny_linear``, the batch-invariant CPU linear op), ``reference`` and
-``tree_reference`` (the ground truth the tests compare to).
+``tree.reference`` (the ground truth the tests compare to).
 """
 
-from .kv_cache import compact_dynamic_cache_, compact_kv_, gather_dynamic_cache_, gather_kv_
+from .kv import compact_dynamic_cache_, compact_kv_, gather_dynamic_cache_, gather_kv_
 from .linear import skinny_linear
-from .tree_verify import TreeVerifyOutput, fused_verify_tree
+from .tree import TreeVerifyOutput, fused_verify_tree
 from .verify import VerifyOutput, VerifyOutputWithLogprobs, fused_verify, fused_verify_packed
 
 __all__ = ["TreeVerifyOutput", "VerifyOutput", "VerifyOutputWithLogprobs", "compact_dynamic_cache_", "compact_kv_",

@@ -10,8 +10,6 @@ from typing import Optional
 
 import torch
 
-from .warp_reference import _torch_sort_descending
-
 
 def host_readable(t: torch.Tensor) -> bool:
     """Whether ``t``'s values may be read on the host (``.tolist()``, ``bool()``, ``.numpy()``):
@@ -40,12 +38,15 @@ def sort_descending_cpu(s: torch.Tensor) -> torch.Tensor:
     in both, as NumPy sorts them last and the order is reversed; their signs and payloads may
     land in another order, and a NaN row is invalid anyway).  torch's sort where the values may
     not be read on the host (``host_readable``) or the tensor requires grad."""
+    # imported here: the verify family imports this module while it initialises
+    from .verify.reference.warp import torch_sort_descending
+
     if not host_readable(s) or s.requires_grad or s.dtype != torch.float32:
-        return _torch_sort_descending(s)
+        return torch_sort_descending(s)
     try:
         import numpy as np
     except ImportError:  # pragma: no cover - numpy comes with transformers
-        return _torch_sort_descending(s)
+        return torch_sort_descending(s)
     ascending = np.sort(s.contiguous().numpy(), axis=-1)
     return torch.from_numpy(ascending[..., ::-1].copy())
 

@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 
 # The launcher's public facts, from their stable place here (``specdec env``, the scripts).
-from ._verify_launch import interpreter_problem, split_kernel_meta  # noqa: F401
+from .verify.launch import interpreter_problem, split_kernel_meta  # noqa: F401
 
 __all__ = ["current_settings", "interpreter_problem", "launch_settings", "split_kernel_meta", "split_workspace",
            "split_workspace_records", "triton_kernels"]
@@ -24,13 +24,11 @@ __all__ = ["current_settings", "interpreter_problem", "launch_settings", "split_
 
 def triton_kernels() -> dict:
     """{"verify_split": the split-vocabulary verify kernel (``fused_verify``'s ``"triton"``
-    backend), "verify_rows": the one-program-per-row kernel (the ``"_triton_rows"`` backend),
-    "tree_verify": ``fused_verify_tree``'s kernel}: the ``@triton.jit`` functions."""
-    from ._tree_verify_kernel import _tree_verify_kernel
-    from ._verify_kernel import _verify_kernel
-    from ._verify_split_kernel import _verify_split_kernel
+    backend), "tree_verify": ``fused_verify_tree``'s kernel}: the ``@triton.jit`` functions."""
+    from .tree.kernel import tree_verify_kernel as _tree_verify_kernel
+    from .verify.triton.split_kernel import verify_split_kernel as _verify_split_kernel
 
-    return {"verify_split": _verify_split_kernel, "verify_rows": _verify_kernel, "tree_verify": _tree_verify_kernel}
+    return {"verify_split": _verify_split_kernel, "tree_verify": _tree_verify_kernel}
 
 
 @contextlib.contextmanager
@@ -40,7 +38,7 @@ def launch_settings(**changes):
     maxnreg, ticket, stage2_lag, poll, poll_sleep_ns); the previous ones are restored on exit.
     The tokens do not depend on them (batch invariance).  An unknown name or a value the kernel
     cannot launch with is refused, naming it."""
-    from . import _verify_launch as launch
+    from .verify import launch
 
     fields = {f.name for f in dataclasses.fields(launch.SplitSettings)}
     unknown = sorted(set(changes) - fields)
@@ -56,7 +54,7 @@ def launch_settings(**changes):
 
 def current_settings():
     """The split kernel's launch settings in force (a frozen ``SplitSettings``)."""
-    from . import _verify_launch as launch
+    from .verify import launch
 
     return launch.SETTINGS
 
@@ -66,7 +64,7 @@ def split_workspace(device, stream: Optional[int] = None):
     current stream), a ``SplitWorkspace``: ``.tensors()`` names its tensors, ``.reset()`` zeroes
     them, ``.records(B, K + 1, num_chunks)`` reads the last launch's position records.  Each
     launch zeroes the counters it uses, so no reset is needed between calls."""
-    from ._verify_workspace import workspace
+    from .verify.workspace import workspace
 
     return workspace(torch.device(device), stream)
 

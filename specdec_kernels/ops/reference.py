@@ -32,23 +32,23 @@ its own probability to within ~2^-53 of the total, not with 0 or 2^-24 (a 53-bit
 fp32 cumulative sum would not be enough: the sum itself swallows such tokens).  In all, the
 draw's total variation from the weights it is given is at most ~V * 2^-54 (3e-12 at V = 49,152).
 
-The references live in one module per op family, all re-exported here: ``philox_reference``
-(the random numbers), ``warp_reference`` (temperature, top-k, top-p, min-p), ``chain_reference``
-(``verify_reference``, ``emitted_logprobs`` and the pieces the others share), ``block_reference``
-(``block_verify_reference``), ``kv_reference`` (``compact_kv_reference``, ``gather_kv_reference``)
-and ``linear_reference`` (``skinny_linear_reference``); the tree's is ``tree_reference``.
+The references live in one module per op family, all re-exported here: ``verify.reference.philox``
+(the random numbers), ``verify.reference.warp`` (temperature, top-k, top-p, min-p), ``verify.reference.chain``
+(``verify_reference``, ``emitted_logprobs`` and the pieces the others share), ``verify.reference.block``
+(``block_verify_reference``), ``kv.reference`` (``compact_kv_reference``, ``gather_kv_reference``)
+and ``linear.reference`` (``skinny_linear_reference``); the tree's is ``tree.reference``.
 """
 
 from __future__ import annotations
 
 # Every public name of the sub-modules is importable from here; ``__all__`` lists the ones a star
 # import takes.
-from .block_reference import block_verify_reference
-from .chain_reference import FLT_MIN, draft_softmax, emitted_logprobs, inverse_cdf, verify_reference  # noqa: F401
-from .kv_reference import compact_kv_reference, gather_kv_reference
-from .linear_reference import skinny_linear_reference
-from .philox_reference import philox_uniforms, uint53_to_uniform  # noqa: F401
-from .warp_reference import LN2, LOG_SERIES, SQRT2, min_p_log, min_p_threshold, order_key, warp_logits  # noqa: F401
+from .kv.reference import compact_kv_reference, gather_kv_reference
+from .linear.reference import skinny_linear_reference
+from .verify.reference.block import block_verify_reference
+from .verify.reference.chain import FLT_MIN, draft_softmax, emitted_logprobs, inverse_cdf, verify_reference  # noqa: F401
+from .verify.reference.philox import philox_uniforms, uint53_to_uniform  # noqa: F401
+from .verify.reference.warp import LN2, LOG_SERIES, SQRT2, min_p_log, min_p_threshold, order_key, warp_logits  # noqa: F401
 
 __all__ = [
     "compact_kv_reference",

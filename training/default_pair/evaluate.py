@@ -77,7 +77,7 @@ def forward_times(dec, ctx: int, reps: int, ks=(1, 2, 3, 4, 5, 6, 8, 9)):
     path: the lean Llama step where the model qualifies): the draft for 1 token, the target for 1
     and for K+1 tokens (a verify call).  The two models are measured interleaved so that load from
     other processes hits both alike.  Also returns "path": how they ran."""
-    from specdec_kernels.ops.kv_cache import crop_cache_, new_cache
+    from specdec_kernels.ops.kv.cache import crop_cache_, new_cache
 
     runners = {"target": dec._t, "draft": dec._d}
     g = torch.Generator().manual_seed(0)

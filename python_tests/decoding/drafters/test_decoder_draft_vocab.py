@@ -106,7 +106,7 @@ def test_draft_vocab_logits_are_the_output_layer_rows(pair, cpu_linear):
     columns, bit for bit (skinny_linear sums each output in a fixed order; torch's linear
     within a tolerance)."""
     from specdec_kernels.ops.extension import HAS_EXT
-    from specdec_kernels.ops.kv_cache import new_cache
+    from specdec_kernels.ops.kv.cache import new_cache
 
     if cpu_linear == "skinny" and not HAS_EXT:
         pytest.skip("cpu_linear='skinny' needs the C++ extension (not built)")

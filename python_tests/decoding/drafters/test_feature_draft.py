@@ -353,7 +353,7 @@ def test_feature_draft_is_fed_each_true_pair_once(fpair):
 # ----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("lean", [True, False])
 def test_step_hidden_logits_are_the_step_bits(fpair, lean):
-    from specdec_kernels.ops.kv_cache import new_cache
+    from specdec_kernels.ops.kv.cache import new_cache
     from specdec_kernels.cpu import CpuAccelerator
     from specdec_kernels.decoding.runners import ModelRunner
 
@@ -551,7 +551,7 @@ def test_targets_that_scale_their_logits():
     first two tokens)."""
     from transformers import GraniteConfig, GraniteForCausalLM
 
-    from specdec_kernels.ops.kv_cache import new_cache
+    from specdec_kernels.ops.kv.cache import new_cache
     from specdec_kernels.decoding.runners import ModelRunner
 
     V, N = 8, 4000

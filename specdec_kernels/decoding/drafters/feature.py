@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ...ops.kv_cache import compact_dynamic_cache_
+from ...ops.kv.cache import compact_dynamic_cache_
 from .base import Drafter, DraftPicker, Drafts, draft_cap, position_limit
 
 __all__ = ["FeatureDrafter", "draft_with_features", "feature_after_verify_", "feature_wait_"]

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ...ops.kv_cache import compact_dynamic_cache_
+from ...ops.kv.cache import compact_dynamic_cache_
 from .base import Drafter, DraftPicker, Drafts, append_right, draft_cap, position_limit
 
 __all__ = ["ModelDrafter", "draft_with_model", "model_after_verify_", "model_block", "model_wait_"]

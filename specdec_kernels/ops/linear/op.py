@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .extension import HAS_EXT
+from ..extension import HAS_EXT
 from .reference import skinny_linear_reference
 
 __all__ = ["skinny_linear", "supported_isas"]

@@ -1,13 +1,13 @@
-"""The split kernel's device functions for the warp (``_verify_split_kernel``'s header gives the
+"""The split kernel's device functions for the warp (``verify.triton.split_kernel``'s header gives the
 design): each chunk's candidate keys (``_chunk_candidates``, by radix select on 8-bit digits,
 ``_radix_select``), top-k and top-p decided from a position's candidates
-(``_warp_from_candidates``), and min-p's threshold as an order key (``_min_p_key``, by
+(``_warp_from_candidates``), and min-p's threshold as an order key (``min_p_key``, by
 ``reference.min_p_log``'s float64 steps, with the reference's constants bit for bit).
 
 Memory traffic: none of them reads the logits (the kernel hands them a chunk's keys or a
 position's candidates in registers).  ``_chunk_candidates`` writes a chunk's list, at most
 CAP * 4 bytes; ``_warp_from_candidates`` stores and reloads the top-k set through at most
-CAP * 4 bytes of scratch when it decides top-p over it; the radix select and ``_min_p_key`` work
+CAP * 4 bytes of scratch when it decides top-p over it; the radix select and ``min_p_key`` work
 in registers.
 """
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._verify_kernel import _order_key
+from .common import order_key
 
 _INT32_MAX = tl.constexpr(2147483647)
 _INT32_MIN = tl.constexpr(-2147483648)
@@ -24,7 +24,7 @@ _INT32_MIN = tl.constexpr(-2147483648)
 
 @triton.jit
 def _key_value(key):
-    """The fp32 value of an order key (the inverse of ``_order_key``)."""
+    """The fp32 value of an order key (the inverse of ``order_key``)."""
     bits = tl.where(key < 0, key ^ 0x7FFFFFFF, key)
     return bits.to(tl.float32, bitcast=True)
 
@@ -53,7 +53,7 @@ def _f64(c):
 
 
 @triton.jit
-def _min_p_key(m, min_p):
+def min_p_key(m, min_p):
     """The order key of min-p's threshold T = fl32(m + L), L = fl32(ln(min_p)) (``reference.
     min_p_threshold``): min-p keeps the tokens whose key is >= it.  L by ``reference.min_p_log``'s
     float64 steps, one for one (no fused multiply-add: enable_fp_fusion is off; IEEE division),
@@ -80,7 +80,7 @@ def _min_p_key(m, min_p):
     acc = acc * w + _f64(_LC1)
     acc = acc * w + _f64(_LC0)
     L = (e * _f64(_LN2) + z * acc).to(tl.float32)
-    return _order_key(m + L).to(tl.int64)
+    return order_key(m + L).to(tl.int64)
 
 
 @triton.jit
@@ -154,7 +154,7 @@ def _chunk_candidates(keys, offs, n_valid, cand_ptr, CAP: tl.constexpr):
 def _warp_from_candidates(cand, t_sat, m, S, key_max, top_k, top_p, k_on, p_on, scratch_ptr,
                           CAP: tl.constexpr):
     """(thr, S_kept, exact) of a position from its candidate keys cand [NCB * CAP] int32 (-2^31:
-    no key; every key of the position above t_sat is among them; see ``_verify_split_kernel``'s
+    no key; every key of the position above t_sat is among them; see ``verify.triton.split_kernel``'s
     header): thr the smallest kept key, S_kept the kept mass sum exp(s - m); exact is false when
     the candidates cannot decide (the caller then scans the whole position).  scratch_ptr: CAP
     int32 of room."""

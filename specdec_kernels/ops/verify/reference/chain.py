@@ -3,8 +3,8 @@ Chen et al. 2023), the ground truth of ``fused_verify``, and ``emitted_logprobs`
 ``return_logprobs=True``.
 
 The pieces the other references and the CPU path share with it are here too: the per-row
-parameters (``_row_parameters``), the draft and target distributions, the acceptance test
-(``_accept``), the residual (``_residual``), the inverse-CDF draw (``inverse_cdf``), the stop
+parameters (``row_parameters``), the draft and target distributions, the acceptance test
+(``acceptance_test``), the residual (``_residual``), the inverse-CDF draw (``inverse_cdf``), the stop
 position and the outputs.  The terms (accepted, recovered, residual, bonus, invalid row) and the
 random numbers are defined in ``reference``'s docstring.
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .warp_reference import _target_probs, _torch_sort_descending, warp_logits
+from .warp import _target_probs, torch_sort_descending, warp_logits
 
 __all__ = ["FLT_MIN", "draft_softmax", "emitted_logprobs", "inverse_cdf", "verify_reference"]
 
@@ -25,7 +25,7 @@ def draft_softmax(draft_logits: torch.Tensor, inv_temperature: torch.Tensor) -> 
     """The draft distributions of ``draft_logits=``: q = softmax(draft_logits / T) per row, fp32.
 
     draft_logits [B, K, Vd] (any float dtype, read as fp32); inv_temperature [B] fp32, each row's
-    1 / T (``_row_parameters``: the target's own, 1 for greedy and invalid rows).  Computed as
+    1 / T (``row_parameters``: the target's own, 1 for greedy and invalid rows).  Computed as
     the target's p: s = logits.float() * (1 / T), m = max s, e = exp(s - m), q = e / sum(e); no
     top-k/top-p (q is the law the draft sampled from).  A row holding a NaN or +inf scaled logit,
     or no finite one, gets q all NaN (an unusable draft distribution, as such a softmax gives):
@@ -39,7 +39,7 @@ def draft_softmax(draft_logits: torch.Tensor, inv_temperature: torch.Tensor) -> 
     return q.masked_fill(bad, float("nan"))
 
 
-def _accept(u: torch.Tensor, p_x: torch.Tensor, q_x: torch.Tensor) -> torch.Tensor:
+def acceptance_test(u: torch.Tensor, p_x: torch.Tensor, q_x: torch.Tensor) -> torch.Tensor:
     """Accept with probability min(1, p(x) / q(x)): u * q(x) < p(x), with no division, in
     float64 (u float64; p(x), q(x) fp32, so the product of a 24-bit u and q is exact)."""
     return u.double() * q_x.double() < p_x.double()
@@ -74,11 +74,11 @@ def _draft_distributions(draft_probs, draft_logits, kb, temperature, top_k, top_
         return draft_probs
     if draft_probs is not None:
         raise ValueError("draft_probs and draft_logits are exclusive: pass one of them, got both")
-    _, _, inv_t_d = _row_parameters(kb, temperature, top_k, top_p, K, min_p)
+    _, _, inv_t_d = row_parameters(kb, temperature, top_k, top_p, K, min_p)
     return draft_softmax(draft_logits, inv_t_d)
 
 
-def _target_distributions(target_logits, kb, temperature, top_k, top_p, min_p, target_is_probs: bool,
+def target_distributions(target_logits, kb, temperature, top_k, top_p, min_p, target_is_probs: bool,
                           sort_descending):
     """(greedy [B], bad_param [B], p [B, K+1, V] fp32, bad_pos [B, K+1], argmax [B, K+1]): the
     warped target distributions of every verify position (``verify_reference``'s definitions),
@@ -88,15 +88,15 @@ def _target_distributions(target_logits, kb, temperature, top_k, top_p, min_p, t
     if target_is_probs:
         if top_k is not None or top_p is not None or min_p is not None:
             raise ValueError("top_k, top_p and min_p must be None with target_is_probs=True")
-        greedy, bad_param, _ = _row_parameters(kb, temperature, None, None, K)
+        greedy, bad_param, _ = row_parameters(kb, temperature, None, None, K)
         bad_param = bad_param | (~greedy & (temperature.float() != 1))
         s = target_logits.float()  # [B, K+1, V]
         bad_pos = torch.isnan(s).any(-1) | torch.isinf(s).any(-1) | (s < 0).any(-1) | ~(s > 0).any(-1)
         p = s / s.sum(-1, keepdim=True)
     else:
-        greedy, bad_param, inv_t = _row_parameters(kb, temperature, top_k, top_p, K, min_p)
-        s, keep = warp_logits(target_logits, inv_t[:, None].expand(B, K1), _per_position(top_k, K1),
-                              _per_position(top_p, K1), sort_descending, min_p=_per_position(min_p, K1))
+        greedy, bad_param, inv_t = row_parameters(kb, temperature, top_k, top_p, K, min_p)
+        s, keep = warp_logits(target_logits, inv_t[:, None].expand(B, K1), per_position(top_k, K1),
+                              per_position(top_p, K1), sort_descending, min_p=per_position(min_p, K1))
         # A position is unusable if any logit is NaN or +inf, or if nothing has a finite logit.
         bad_pos = torch.isnan(s).any(-1) | torch.isposinf(s).any(-1) | torch.isneginf(s).all(-1)  # [B, K+1]
         p = _target_probs(s, keep)  # [B, K+1, V]
@@ -113,7 +113,7 @@ def verify_reference(
     top_p: torch.Tensor | None,  # [B] fp32, 1 = off
     uniforms: torch.Tensor,  # [B, K+1] float64 (or fp32) in [0, 1)
     *,
-    sort_descending=_torch_sort_descending,  # the warp's sort (see warp_logits)
+    sort_descending=torch_sort_descending,  # the warp's sort (see warp_logits)
     target_is_probs: bool = False,  # target_logits holds the target's probabilities, used as given
     draft_logits: torch.Tensor | None = None,  # [B, K, Vd], Vd <= V: the draft's logits instead of draft_probs
     min_p: torch.Tensor | None = None,  # [B] fp32 in [0, 1], 0 = off
@@ -137,20 +137,20 @@ def verify_reference(
     K = K1 - 1
     kb = num_draft_tokens.to(torch.int64)  # [B]
     draft_probs = _draft_distributions(draft_probs, draft_logits, kb, temperature, top_k, top_p, K, min_p)
-    greedy, bad_param, p, bad_pos, argmax = _target_distributions(
+    greedy, bad_param, p, bad_pos, argmax = target_distributions(
         target_logits, kb, temperature, top_k, top_p, min_p, target_is_probs, sort_descending)
 
-    x, x_safe, q_x, bad_x = _drafts(draft_tokens, draft_probs, greedy, V)
+    x, x_safe, q_x, bad_x = drafts(draft_tokens, draft_probs, greedy, V)
     p_x = p[:, :K].gather(-1, x_safe[..., None])[..., 0]  # [B, K]
     u = uniforms.double()
-    accept = torch.where(greedy[:, None], x == argmax[:, :K], _accept(u[:, :K], p_x, q_x))  # [B, K]
+    accept = torch.where(greedy[:, None], x == argmax[:, :K], acceptance_test(u[:, :K], p_x, q_x))  # [B, K]
 
-    j, rejected, bad_row = _stop_position(accept, bad_x, bad_pos, bad_param, kb)
+    j, rejected, bad_row = stop_position(accept, bad_x, bad_pos, bad_param, kb)
 
     # The final draw at position j: the residual after a rejection, p itself for the bonus.
     p_j = p.gather(1, j[:, None, None].expand(B, 1, V))[:, 0]  # [B, V]
-    final, bad_row = _final_token(p_j, x_safe, draft_probs, j, rejected, bad_row, greedy, argmax, u[:, K])
-    return _outputs(x, j, final, bad_row)
+    final, bad_row = final_token(p_j, x_safe, draft_probs, j, rejected, bad_row, greedy, argmax, u[:, K])
+    return verify_outputs(x, j, final, bad_row)
 
 
 def emitted_logprobs(
@@ -162,7 +162,7 @@ def emitted_logprobs(
     top_p: torch.Tensor | None,  # [B] fp32, 1 = off
     *,
     target_is_probs: bool = False,
-    sort_descending=_torch_sort_descending,
+    sort_descending=torch_sort_descending,
     min_p: torch.Tensor | None = None,  # [B] fp32, 0 = off
 ) -> torch.Tensor:
     """[B, K+1] fp32: the target log-probability of each emitted token, log p_i(tokens[b, i]) for
@@ -180,8 +180,8 @@ def emitted_logprobs(
         k = None if top_k is None else torch.where(greedy, 0, top_k.to(torch.int64))
         p_ = None if top_p is None else torch.where(greedy, 1.0, top_p.float())
         mp = None if min_p is None else torch.where(greedy, 0.0, min_p.float())
-        s, keep = warp_logits(target_logits, inv_t[:, None].expand(B, K1), _per_position(k, K1),
-                              _per_position(p_, K1), sort_descending, min_p=_per_position(mp, K1))
+        s, keep = warp_logits(target_logits, inv_t[:, None].expand(B, K1), per_position(k, K1),
+                              per_position(p_, K1), sort_descending, min_p=per_position(mp, K1))
         m = s.masked_fill(~keep, float("-inf")).amax(-1, keepdim=True)
         m = torch.where(torch.isfinite(m), m, 0.0)
         lse = torch.log(torch.where(keep, torch.exp(s - m), 0.0).sum(-1, keepdim=True))
@@ -192,12 +192,12 @@ def emitted_logprobs(
     return torch.where(emitted, lp, float("-inf"))
 
 
-def _per_position(t: torch.Tensor | None, K1: int) -> torch.Tensor | None:
+def per_position(t: torch.Tensor | None, K1: int) -> torch.Tensor | None:
     """A per-row parameter [B] as one per verify position [B, K+1] (a view); None stays None."""
     return None if t is None else t[:, None].expand(t.shape[0], K1)
 
 
-def _row_parameters(
+def row_parameters(
     kb: torch.Tensor,  # [B] int64: K_b
     temperature: torch.Tensor,  # [B]
     top_k: torch.Tensor | None,  # [B] int
@@ -223,7 +223,7 @@ def _row_parameters(
     return greedy, bad_param, inv_t
 
 
-def _drafts(
+def drafts(
     draft_tokens: torch.Tensor,  # [B, K] int
     draft_probs: torch.Tensor | None,  # [B, K, Vd] or None
     greedy: torch.Tensor,  # [B] bool
@@ -246,7 +246,7 @@ def _drafts(
     return x, x_safe, q_x, bad_x
 
 
-def _final_token(
+def final_token(
     p_j: torch.Tensor,  # [B, V] fp32: the target distribution at the stop position j
     x_safe: torch.Tensor,  # [B, K] int64 drafts, out-of-range ids replaced by 0
     draft_probs: torch.Tensor | None,  # [B, K, Vd] or None (one-hot q)
@@ -285,7 +285,7 @@ def _final_token(
     return final, bad_row
 
 
-def _stop_position(
+def stop_position(
     accept: torch.Tensor,  # [B, K] bool: draft i passes its test
     bad_x: torch.Tensor,  # [B, K] bool: draft i (its id, or for sampling rows its q) is unusable
     bad_pos: torch.Tensor,  # [B, K+1] bool: position i's logits are unusable
@@ -305,7 +305,7 @@ def _stop_position(
     return j, rejected, bad_row
 
 
-def _outputs(
+def verify_outputs(
     x: torch.Tensor,  # [B, K] int64 drafts
     j: torch.Tensor,  # [B] int64 stop position
     final: torch.Tensor,  # [B] int64 the recovered or bonus token

@@ -3,7 +3,7 @@
 ``philox_uniforms(seed, offset, K)`` gives the [B, K+1] float64 uniforms ``fused_verify`` and
 ``fused_verify_tree`` draw in-kernel for (seed, offset): 24-bit fp32 values for the acceptance
 tests and a 53-bit value for the final draw (``reference``'s docstring says why 53 bits);
-``_philox_uniforms_host`` computes the same values in Python ints, for small CPU batches.  Every
+``philox_uniforms_host`` computes the same values in Python ints, for small CPU batches.  Every
 value is a function of its row's (seed, offset) and its counter only.
 """
 
@@ -64,7 +64,7 @@ def _philox_r01_host(seed: int, offset: int, counter: int) -> tuple[int, int]:
     return c0, c1
 
 
-def _philox_uniforms_host(seed: list, offset: list, num_draft_slots: int) -> torch.Tensor:
+def philox_uniforms_host(seed: list, offset: list, num_draft_slots: int) -> torch.Tensor:
     """``philox_uniforms`` computed in Python ints (seed, offset: lists of B ints in int64 range):
     the same [B, K+1] float64 values, for CPU batches small enough that ~360 tensor ops per call
     cost more than B * (K+1) Philox evaluations on the host."""

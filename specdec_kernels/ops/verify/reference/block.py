@@ -2,7 +2,7 @@
 Speculative Decoding", ICLR 2025), the ground truth of ``fused_verify(method="block")``.
 
 The drafts are accepted or rejected jointly; the target distributions, the drafts' checks, the
-inverse-CDF draw and the outputs are ``chain_reference``'s, and greedy rows are its token
+inverse-CDF draw and the outputs are ``verify.reference.chain``'s, and greedy rows are its token
 verification.
 """
 
@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from .chain_reference import (_draft_distributions, _drafts, _outputs, _target_distributions, inverse_cdf,
+from .chain import (_draft_distributions, drafts, verify_outputs, target_distributions, inverse_cdf,
                               verify_reference)
-from .warp_reference import _torch_sort_descending
+from .warp import torch_sort_descending
 
 __all__ = ["block_verify_reference"]
 
@@ -41,7 +41,7 @@ def block_verify_reference(
     top_p: torch.Tensor | None,  # [B] fp32, 1 = off
     uniforms: torch.Tensor,  # [B, K+1] float64 (or fp32) in [0, 1)
     *,
-    sort_descending=_torch_sort_descending,  # the warp's sort (see warp_logits)
+    sort_descending=torch_sort_descending,  # the warp's sort (see warp_logits)
     target_is_probs: bool = False,  # target_logits holds the target's probabilities, used as given
     draft_logits: torch.Tensor | None = None,  # [B, K, Vd], Vd <= V: the draft's logits instead of draft_probs
     min_p: torch.Tensor | None = None,  # [B] fp32 in [0, 1], 0 = off
@@ -84,9 +84,9 @@ def block_verify_reference(
     K = K1 - 1
     kb = num_draft_tokens.to(torch.int64)  # [B]
     draft_probs = _draft_distributions(draft_probs, draft_logits, kb, temperature, top_k, top_p, K, min_p)
-    greedy, bad_param, p, bad_pos, _ = _target_distributions(
+    greedy, bad_param, p, bad_pos, _ = target_distributions(
         target_logits, kb, temperature, top_k, top_p, min_p, target_is_probs, sort_descending)
-    x, x_safe, q_x, bad_x = _drafts(draft_tokens, draft_probs, greedy, V)
+    x, x_safe, q_x, bad_x = drafts(draft_tokens, draft_probs, greedy, V)
     cols = torch.arange(K1, device=target_logits.device)
     used_pos = cols[None, :] <= kb[:, None]  # [B, K+1]: positions 0..K_b
     used_x = cols[None, :K] < kb[:, None]  # [B, K]: drafts 0..K_b-1
@@ -127,7 +127,7 @@ def block_verify_reference(
     residual = torch.where((tau < kb)[:, None], _block_residual(p_t, P_t, Q_t), P_t)
     weights = torch.where(residual.sum(-1, keepdim=True) > 0, residual, P_t)
     weights = torch.where(weights.sum(-1, keepdim=True) > 0, weights, 1.0)  # invalid rows only
-    tokens, num = _outputs(x, tau, inverse_cdf(weights, u[:, K]), bad_row)
+    tokens, num = verify_outputs(x, tau, inverse_cdf(weights, u[:, K]), bad_row)
 
     # Greedy rows: token verification against the argmax, as verify_reference has it.
     t_tok, n_tok = verify_reference(target_logits, draft_tokens, draft_probs, num_draft_tokens, temperature, top_k,

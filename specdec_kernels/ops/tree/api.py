@@ -1,10 +1,10 @@
 """``fused_verify_tree``: exact verification of a tree of drafted tokens in one step.
 
 The rules, the layout of every input and output, and the proof that each rule keeps the target's
-distribution are in ``tree_reference``'s docstring.  This module checks the arguments (each error
+distribution are in ``tree.reference``'s docstring.  This module checks the arguments (each error
 names the argument, the expected and the actual value), draws the random numbers (the chain's
 Philox stream: ``reference.philox_uniforms(seed, offset, N)``) and runs the step.  Backends:
-``"triton"``, the kernel of ``_tree_verify_kernel.py`` (one launch, one program per row, its Philox
+``"triton"``, the kernel of ``tree/kernel.py`` (one launch, one program per row, its Philox
 numbers drawn in-kernel, no host read but the output width D when ``max_depth`` is None), the
 default on CUDA tensors and, under ``TRITON_INTERPRET=1``, on CPU tensors when asked for;
 ``"torch"``, the reference itself, vectorised over the batch (one pass over the N nodes of [B, V]
@@ -24,19 +24,18 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .host import host_readable
-from .reference import philox_uniforms
-from .tree_reference import tree_depths, tree_verify_reference
-from ._verify_args import (FloatArg, IntArg, _INDEX_DTYPES, _LOGIT_DTYPES, _as_tensor, _check_draft_probs,
-                           _check_draft_sums, _check_tensor, _listed, _normalize_rows, _per_row_spec, _range_fails,
-                           _shape)
-from ._verify_launch import _resolve_backend
+from ..host import host_readable
+from ..verify.args import (FloatArg, IntArg, INDEX_DTYPES, LOGIT_DTYPES, as_tensor, check_draft_probs,
+                           check_draft_sums, check_tensor, listed, normalize_rows, per_row_spec, range_fails,
+                           shape_of)
+from ..verify.launch import resolve_backend
+from ..verify.reference.philox import philox_uniforms
+from .reference import tree_depths, tree_verify_reference
 
 __all__ = ["TreeVerifyOutput", "fused_verify_tree"]
 
 _TREE_BACKENDS = ("auto", "triton", "torch")
-# The kernel's vocabulary tile (``_verify_launch._MAX_BLOCK_V``'s value); the tests lower it to cross tile
-# boundaries on small vocabularies.
+# The kernel's vocabulary tile; the tests lower it to cross tile boundaries on small vocabularies.
 _MAX_BLOCK_V = 4096
 
 
@@ -63,7 +62,7 @@ def fused_verify_tree(
     max_depth: Optional[int] = None,  # D: the outputs' width (None: the deepest used node, a host read)
     backend: str = "auto",  # "auto" | "triton" | "torch"
 ) -> TreeVerifyOutput:
-    """Verify a tree of drafted tokens against the target (``tree_reference`` gives the rules).
+    """Verify a tree of drafted tokens against the target (``tree.reference`` gives the rules).
 
     ``draft_probs`` given: the children of each position were sampled without replacement from
     ``draft_probs[b, j]`` (Gumbel-top-k, or one draw after another with the drawn tokens removed),
@@ -95,40 +94,40 @@ def fused_verify_tree(
         raise TypeError(f"target_logits must be a torch.Tensor, got {type(target_logits).__name__}")
     if target_logits.dim() != 3:
         raise ValueError(f"target_logits must have 3 dims [B, N+1, V], got {target_logits.dim()}: "
-                         f"{_shape(target_logits)}")
-    if target_logits.dtype not in _LOGIT_DTYPES:
+                         f"{shape_of(target_logits)}")
+    if target_logits.dtype not in LOGIT_DTYPES:
         raise TypeError(f"target_logits must have dtype float32, bfloat16 or float16, got "
                         f"{str(target_logits.dtype).replace('torch.', '')}")
     B, N1, V = target_logits.shape
     N = N1 - 1
     if N1 < 1:
         raise ValueError(f"target_logits must have N+1 >= 1 positions (dim 1: the root and the N nodes), got "
-                         f"shape {_shape(target_logits)}")
+                         f"shape {shape_of(target_logits)}")
     if V < 1:
-        raise ValueError(f"target_logits must have a vocabulary V >= 1, got shape {_shape(target_logits)}")
+        raise ValueError(f"target_logits must have a vocabulary V >= 1, got shape {shape_of(target_logits)}")
     dev = target_logits.device
-    resolved = _resolve_backend(backend, dev)  # "triton" on CPU tensors needs TRITON_INTERPRET=1
+    resolved = resolve_backend(backend, dev)  # "triton" on CPU tensors needs TRITON_INTERPRET=1
     for name, t in (("node_tokens", node_tokens), ("parents", parents)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 2:
-            raise ValueError(f"{name} must have 2 dims [B, N], got {t.dim()}: {_shape(t)}")
-        _check_tensor(name, t, _INDEX_DTYPES, [B, N], dev)
-    _check_draft_probs(draft_probs, [B, N1], "[B, N+1, Vd]", V, dev)
+            raise ValueError(f"{name} must have 2 dims [B, N], got {t.dim()}: {shape_of(t)}")
+        check_tensor(name, t, INDEX_DTYPES, [B, N], dev)
+    check_draft_probs(draft_probs, [B, N1], "[B, N+1, Vd]", V, dev)
     if num_nodes is None:
         nb = N
     else:
-        nb = _per_row_spec("num_nodes", num_nodes, B, torch.int64, dev, int)
-        if B > 0 and _range_fails(nb, lambda v: (v < 0) | (v > N)):
-            raise ValueError(f"num_nodes must be in [0, N] = [0, {N}], got {_listed(nb)}")
+        nb = per_row_spec("num_nodes", num_nodes, B, torch.int64, dev, int)
+        if B > 0 and range_fails(nb, lambda v: (v < 0) | (v > N)):
+            raise ValueError(f"num_nodes must be in [0, N] = [0, {N}], got {listed(nb)}")
     if max_depth is not None:
         if isinstance(max_depth, bool) or not isinstance(max_depth, int):
             raise TypeError(f"max_depth must be an int or None, got {type(max_depth).__name__}")
         if not 0 <= max_depth <= N:
             raise ValueError(f"max_depth must be in [0, N] = [0, {N}], got {max_depth}")
-    temp, top_k, top_p, seed, offset, min_p = _normalize_rows(B, N, dev, temperature, top_k, top_p, seed, offset,
+    temp, top_k, top_p, seed, offset, min_p = normalize_rows(B, N, dev, temperature, top_k, top_p, seed, offset,
                                                               uniforms, False, min_p)
-    nb = _as_tensor(nb, B, torch.int64, dev)
+    nb = as_tensor(nb, B, torch.int64, dev)
     if host_readable(parents) and host_readable(nb) and B > 0 and N > 0:
         depth, bad_tree = tree_depths(parents, nb)
         if bool(bad_tree.any()):
@@ -140,7 +139,7 @@ def fused_verify_tree(
             b, n = (int(i) for i in (depth > max_depth).nonzero()[0])
             raise ValueError(f"max_depth = {max_depth} is smaller than the depth {int(depth[b, n])} of node {n} "
                              f"of row {b}")
-    temp_t = _as_tensor(temp, B, torch.float32, dev)
+    temp_t = as_tensor(temp, B, torch.float32, dev)
     if draft_probs is not None and B > 0 and N1 > 0 and host_readable(draft_probs) and bool((temp_t != 0).any()):
         # A position's q is read when a sampling row tests a child there: check every used parent's.
         par = parents.to(torch.int64)
@@ -148,20 +147,20 @@ def fused_verify_tree(
         hits = torch.zeros(B, N1, dtype=torch.int64, device=dev)
         hits.scatter_add_(1, par.clamp(-1, N - 1) + 1, live.long())
         used = hits > 0  # [B, N+1]: the positions whose q a sampling row reads
-        _check_draft_sums(draft_probs.reshape(B * N1, -1), used.reshape(-1), lambda i: f"[{i // N1}, {i % N1}]",
+        check_draft_sums(draft_probs.reshape(B * N1, -1), used.reshape(-1), lambda i: f"[{i // N1}, {i % N1}]",
                           lambda i: f"the children of position {i % N1}")
-    opt = lambda v, dtype: None if v is None else _as_tensor(v, B, dtype, dev)  # noqa: E731
+    opt = lambda v, dtype: None if v is None else as_tensor(v, B, dtype, dev)  # noqa: E731
     if resolved == "triton":
         # seed None: row b's seed is base + b, base drawn from torch's default generator
         tokens, path, na = _launch_tree(
             target_logits, node_tokens, parents, draft_probs, nb, temp_t, opt(top_k, torch.int64),
-            opt(top_p, torch.float32), opt(min_p, torch.float32), _as_tensor(seed, B, torch.int64, dev),
-            _as_tensor(offset, B, torch.int64, dev), None if uniforms is None else uniforms.to(torch.float64),
+            opt(top_p, torch.float32), opt(min_p, torch.float32), as_tensor(seed, B, torch.int64, dev),
+            as_tensor(offset, B, torch.int64, dev), None if uniforms is None else uniforms.to(torch.float64),
             max_depth)
         return TreeVerifyOutput(tokens, path, na)
     if uniforms is None:
         # seed None: row b's seed is base + b, base drawn from torch's default generator
-        u = philox_uniforms(_as_tensor(seed, B, torch.int64, dev), _as_tensor(offset, B, torch.int64, dev), N)
+        u = philox_uniforms(as_tensor(seed, B, torch.int64, dev), as_tensor(offset, B, torch.int64, dev), N)
     else:
         u = uniforms.to(torch.float64)
     tokens, path, na = tree_verify_reference(
@@ -174,7 +173,8 @@ def tree_kernel_meta(V: int, N: int, D: int, has_draft_probs: bool, has_top_k: b
                       has_min_p: bool, has_uniforms: bool) -> dict:
     """The tree kernel's compile-time parameters: its code-path constexprs, the block sizes (the
     vocabulary tile, N and D + 1 rounded up to powers of two), num_warps and enable_fp_fusion
-    (pinned off, as ``_verify_launch.rows_kernel_meta`` says: the bits do not change with Triton's default)."""
+    (pinned off: a multiply and an add stay two roundings, as in the interpreter and the reference, and
+    the bits do not change with Triton's default)."""
     import triton  # imported lazily: the torch path needs no Triton
 
     block_v = max(16, min(triton.next_power_of_2(V), _MAX_BLOCK_V))
@@ -199,11 +199,11 @@ def _launch_tree(
     uniforms: Optional[torch.Tensor],  # [B, N+1] float64, or None: Philox in-kernel
     max_depth: Optional[int],  # D; None: the deepest used node (a host read)
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The tree kernel (``_tree_verify_kernel.py``) on checked arguments: allocates the outputs and
+    """The tree kernel (``tree/kernel.py``) on checked arguments: allocates the outputs and
     the workspaces, picks the grid (one program per row) and launches.  A value out of range marks
     its row invalid in the kernel, as in the reference.  Returns (tokens [B, D+1], path [B, D],
     num_accepted [B]), int64."""
-    from ._tree_verify_kernel import _tree_verify_kernel  # imported lazily: the torch path needs no Triton
+    from .kernel import tree_verify_kernel  # imported lazily: the torch path needs no Triton
 
     B, N1, V = target_logits.shape
     N = N1 - 1
@@ -233,7 +233,7 @@ def _launch_tree(
                              u is not None)
     # Triton launches on the current device's current stream: make it the tensors'.
     with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
-        _tree_verify_kernel[(B,)](
+        tree_verify_kernel[(B,)](
             logits, logits.stride(0), logits.stride(1),
             x, x.stride(0),
             par, par.stride(0),

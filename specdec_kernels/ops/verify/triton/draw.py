@@ -1,5 +1,5 @@
 """The split kernel's per-row and per-chunk device functions: a row's parameters (``_row_params``,
-as the reference's ``_row_parameters``) and where its data start (``_row_offsets``), its random
+as the reference's ``row_parameters``) and where its data start (``_row_offsets``), its random
 numbers (``_draft_uniforms``, ``_final_uniform``: ``reference.philox_uniforms``'s), a chunk's
 scores and final-draw weights (``_scores``, ``_weight``, ``_chunk_weights``, with the draft's
 softmax ``_draft_q``), log-probabilities (``_logprob``), the inverse-CDF draw (``_draw``) and the
@@ -20,8 +20,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._verify_kernel import _order_key
-from ._verify_split_stats import _INT32_MAX
+from .common import order_key
+from .stats import _INT32_MAX
 
 _FLT_MIN = tl.constexpr(1.1754943508222875e-38)  # 2^-126, reference.FLT_MIN: the smallest temperature
 
@@ -60,7 +60,7 @@ def _row_params(b, K, V, flags,
                 HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr, PACKED: tl.constexpr,
                 PROBS: tl.constexpr):
     """(kb, greedy, bad_param, inv_t, k_on, p_on, top_k, top_p, mp_on, min_p) of row b, as the
-    reference's ``_row_parameters``; k_on / p_on / mp_on: the row's top-k / top-p / min-p is
+    reference's ``row_parameters``; k_on / p_on / mp_on: the row's top-k / top-p / min-p is
     applied (min_p > 0 on a sampled row: min-p may change its distribution).  PACKED:
     K_b = cu[b + 1] - cu[b], and a row whose drafts are not within [0, nd_scalar) is unusable.
     PROBS (probabilities in): a temperature other than 0 or 1 is an unusable parameter, and
@@ -172,7 +172,7 @@ def _chunk_weights(pos_ptr, q_ptr, offs, V, q_len, x_j, inv_t, m, S, thr, subtra
     the position's draft max and sum, from its stage-1 records)."""
     mask = offs < V
     s = _scores(pos_ptr, offs, V, inv_t, PROBS)
-    p = tl.where(mask & (_order_key(s).to(tl.int64) >= thr), _weight(s, m, PROBS) / S, 0.0)
+    p = tl.where(mask & (order_key(s).to(tl.int64) >= thr), _weight(s, m, PROBS) / S, 0.0)
     if HAS_DRAFT_PROBS:
         if DRAFT_LOGITS:
             ld = tl.load(q_ptr + offs, mask=offs < q_len, other=float("-inf")).to(tl.float32) * inv_t

@@ -1,6 +1,6 @@
 """The Triton kernel of ``fused_verify_tree``: one launch, one program per batch row.
 
-Row b walks its nodes n = 0..num_nodes[b]-1 in order, as ``tree_reference.tree_verify_reference``
+Row b walks its nodes n = 0..num_nodes[b]-1 in order, as ``tree.reference.tree_verify_reference``
 does (its docstring holds the rules, the layouts and the proof): node n is examined when its parent
 is the current node; a greedy row follows the first child equal to the current position's argmax;
 a sampling row tests the child against the current (residual) target distribution p_cur, under
@@ -28,7 +28,7 @@ or 2 for bf16/fp16), I the node-id size (4 or 8):
 - each position the walk stands on (the root and every accepted node): one softmax pass over its
   V * E bytes of logits (the floor: a child's test needs the position's normaliser), and with
   top-k / top-p about 32 passes more each, with min-p (when it cuts deeper) one more
-  (``_warp_full``, ``_masked_mass``);
+  (``warp_full``, ``masked_mass``);
 - each examined child: E bytes of logits (or 4 of the residual slot) and, sampled rule, 4 bytes of
   q; at the first child tested at a position the sampled rule also reads that position's Vd * 4
   bytes of q to check them (a NaN, an inf or a negative entry makes the row invalid);
@@ -47,8 +47,9 @@ So a row that accepts a path of depth d without a rejection reads about (d + 2.5
 hence the workspaces: B * (2 * V + Vd) * 4 bytes, of which a row touches only what its
 rejections write.
 
-Parallelism: one program per row, as ``_verify_kernel`` (whose helpers this kernel calls): at
-small B the step is bound by one streaming multiprocessor per row.
+Parallelism: one program per row, as the chain's row kernel (``bench/ops/rows_kernel.py``), whose
+helpers in ``verify.triton.common`` this kernel calls: at small B the step is bound by one
+streaming multiprocessor per row.
 
 Randomness as the chain's (``reference.philox_uniforms(seed, offset, N)``): node n's test is
 ``tl.rand`` at counter ``(offset << 32) | (n + 1)``, the final draw 53 bits of ``tl.randint4x``
@@ -58,7 +59,7 @@ launch can be captured in a CUDA graph.
 
 Numerics as the reference's: p, q, the residuals and their normalisations in fp32, the tests in
 float64 without a division, the final draw's mass and cumulative sums in float64 (per lane and
-then across lanes for the total, per tile for the scan: ``_verify_kernel``'s final draw).  The
+then across lanes for the total, per tile for the scan: the row kernel's final draw).  The
 fp32 sums (the softmax's S, sum r, sum q_w) add in another order than torch's, so p_cur and q_cur
 agree with the reference's to about an ulp, and the tokens agree but where a uniform falls within
 that of a decision's boundary.
@@ -69,8 +70,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._verify_kernel import _masked_mass, _order_key, _position_stats
-from ._verify_split_stats import _min_p_key
+from ..verify.triton.common import masked_mass, order_key, position_stats
+from ..verify.triton.stats import min_p_key
 
 _INT32_MAX = tl.constexpr(2147483647)
 _FLT_MIN = tl.constexpr(1.1754943508222875e-38)  # 2^-126: the reference's clamp of a residual's sum
@@ -84,12 +85,12 @@ def _tree_position(pos_ptr, V, inv_t, top_k, top_p, min_p, mp_on,
     p(v) = exp(s_v - m) / S for the tokens whose order key is >= thr.  min-p's threshold comes
     from m alone; its kept set is an upper set holding the maximum, so it composes with the
     top-k/top-p set as the higher threshold, whose mass is summed once more."""
-    m, S, thr, amax, bad = _position_stats(pos_ptr, V, inv_t, top_k, top_p, HAS_TOP_K, HAS_TOP_P, BLOCK_V)
+    m, S, thr, amax, bad = position_stats(pos_ptr, V, inv_t, top_k, top_p, HAS_TOP_K, HAS_TOP_P, BLOCK_V)
     if HAS_MIN_P:
-        thr_mp = _min_p_key(m, min_p)
+        thr_mp = min_p_key(m, min_p)
         if mp_on & (bad == 0) & (thr_mp > thr):
             thr = thr_mp
-            S = _masked_mass(pos_ptr, V, inv_t, m, thr, BLOCK_V)
+            S = masked_mass(pos_ptr, V, inv_t, m, thr, BLOCK_V)
     return m, S, thr, amax, bad
 
 
@@ -100,7 +101,7 @@ def _p_cur(pos_ptr, slot_ptr, offs, V, p_mat, s_div, inv_t, m, S, thr):
     Only the source in use is read."""
     use_r = p_mat != 0
     s = tl.load(pos_ptr + offs, mask=offs < tl.where(use_r, 0, V), other=float("-inf")).to(tl.float32) * inv_t
-    p = tl.where(_order_key(s).to(tl.int64) >= thr, tl.exp(s - m) / S, 0.0)
+    p = tl.where(order_key(s).to(tl.int64) >= thr, tl.exp(s - m) / S, 0.0)
     r = tl.load(slot_ptr + offs, mask=offs < tl.where(use_r, V, 0), other=0.0)
     return tl.where(use_r, tl.math.div_rn(r, s_div), p), tl.where(use_r, r, p)
 
@@ -153,7 +154,7 @@ def _reject(pos_ptr, src_ptr, dst_ptr, q_pos_ptr, q_ws_ptr, c, V, Vd, inv_t, m, 
 
 
 @triton.jit
-def _tree_verify_kernel(
+def tree_verify_kernel(
     logits_ptr, stride_lb, stride_ln,  # [B, N+1, V] fp32/bf16/fp16, last dim contiguous
     node_tokens_ptr, stride_xb,  # [B, N] int32/int64, last dim contiguous
     parents_ptr, stride_pb,  # [B, N] int32/int64, last dim contiguous
@@ -184,7 +185,7 @@ def _tree_verify_kernel(
     nb = tl.load(num_nodes_ptr + b)
     temp = tl.load(temperature_ptr + b)
     greedy = temp == 0.0
-    # the reference's _row_parameters; (0, 2^-126): 1 / T overflows, or a subnormal T is flushed to 0
+    # the reference's row_parameters; (0, 2^-126): 1 / T overflows, or a subnormal T is flushed to 0
     bad = ((temp != temp) | (temp < 0.0) | (temp == float("inf")) | ((temp > 0.0) & (temp < _FLT_MIN))
            | (nb < 0) | (nb > N))
     top_k = tl.full([], 0, tl.int64)
@@ -304,7 +305,7 @@ def _tree_verify_kernel(
         pos_ptr = row_logits + (cur + 1) * stride_ln
         src_ptr = p_ws_row + p_slot * V
         # Pass A: the mass, in float64 per lane, then across lanes.  The scan below sums per tile
-        # instead (``_verify_kernel``'s final draw: the two agree to ~V * 2^-53 relative; a
+        # instead (the row kernel's final draw: the two agree to ~V * 2^-53 relative; a
         # uniform within that of 1 may take the last positive weight).
         acc = tl.zeros([BLOCK_V], dtype=tl.float64)
         for start in range(0, V, BLOCK_V):

@@ -19,13 +19,13 @@ def order_key(x: torch.Tensor) -> torch.Tensor:
     return torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
 
 
-def _torch_sort_descending(s: torch.Tensor) -> torch.Tensor:
+def torch_sort_descending(s: torch.Tensor) -> torch.Tensor:
     return torch.sort(s, dim=-1, descending=True).values
 
 
 # ln(f) = 2 atanh(z), z = (f - 1) / (f + 1): the series' coefficients 2 / (2k + 1), k = 0..11, for
 # |z| <= (sqrt(2) - 1) / (sqrt(2) + 1) (f in [sqrt(2) / 2, sqrt(2)]), where the first omitted term
-# is below 2^-60 of the sum.  The Triton kernel holds the same constants (``_verify_split_stats``).
+# is below 2^-60 of the sum.  The Triton kernel holds the same constants (``verify.triton.stats``).
 LOG_SERIES = tuple(2.0 / (2 * k + 1) for k in range(12))
 LN2 = 0.6931471805599453  # ln 2 rounded to float64
 SQRT2 = 1.4142135623730951  # sqrt(2) rounded to float64
@@ -66,7 +66,7 @@ def warp_logits(
     inv_temperature: torch.Tensor,  # [...] fp32: 1 / temperature
     top_k: torch.Tensor | None,  # [...] int, 0 = off
     top_p: torch.Tensor | None,  # [...] fp32, >= 1 = off
-    sort_descending=_torch_sort_descending,
+    sort_descending=torch_sort_descending,
     *,
     min_p: torch.Tensor | None = None,  # [...] fp32 in [0, 1], 0 = off
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -4,8 +4,7 @@ Work items, claimed in ticket order by a persistent grid: stage 1, item (b, i, g
 position i <= K and group of TILES chunks (CHUNK tokens each, never a function of B); stage 2,
 item (b, g) (BLOCK: (b, i, g)).  The last stage-1 item of a position combines its chunks in chunk
 order, the last position of a row runs the acceptance chain and releases the row's ready flag,
-stage-2 items wait on it, and the last one draws the final token (``_verify_split_stage1``,
-``_verify_split_stage2``).
+stage-2 items wait on it, and the last one draws the final token (``stage1``, ``stage2``).
 
 Memory traffic per row with K_b drafts, V tokens of E bytes: stage 1 reads (K_b + 1) * V * E
 bytes from HBM, every position once and in parallel (the floor: each decision needs its
@@ -30,9 +29,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._verify_split_draw import _row_offsets, _row_params
-from ._verify_split_stage1 import acceptance_chain, combine_position, stage1_item
-from ._verify_split_stage2 import final_draw, stage2_item
+from .draw import _row_offsets, _row_params
+from .stage1 import acceptance_chain, combine_position, stage1_item
+from .stage2 import final_draw, stage2_item
 
 _LINE = tl.constexpr(32)  # int32 counters per 128-byte line
 
@@ -100,7 +99,7 @@ def _wait_ready(flag_ptr, POLL: tl.constexpr, SLEEP_NS: tl.constexpr):
 
 
 @triton.jit
-def _verify_split_kernel(
+def verify_split_kernel(
     logits_ptr, stride_lb, stride_lk,  # [B, K+1, V] (PACKED: [sum_b (K_b + 1), V]) fp32/bf16/fp16, last dim contiguous
     draft_tokens_ptr, stride_tb, stride_tk,  # [B, K] (PACKED: [sum_b K_b]) int32/int64
     draft_probs_ptr, stride_qb, stride_qk,  # [B, K, Vd] (PACKED: [sum_b K_b, Vd]) fp32/bf16/fp16, last dim contiguous
@@ -119,7 +118,7 @@ def _verify_split_kernel(
     tokens_ptr, stride_ob, stride_oc,  # out [B, K+1] int32/int64
     num_accepted_ptr, stride_on,  # out [B] int32/int64
     logprobs_ptr, stride_pb, stride_pc,  # out [B, K+1] fp32 (LOGPROBS)
-    counters_ptr,  # int32 [_verify_workspace.counter_layout(B, K+1)["total"]], zeroed before the launch
+    counters_ptr,  # int32 [workspace.counter_layout(B, K+1)["total"]], zeroed before the launch
     part_f_ptr,  # fp32 [2 * B * (K+1) * NC + 2 * B * (K+1)] (DRAFT_LOGITS: twice that)
     part_i_ptr,  # int32 [4 * B * (K+1) * NC + 4 * B * (K+1) + 4 * B + B * NC] (DRAFT_LOGITS: + B * (K+1) * (NC + 1))
     cand_ptr,  # int32 [B * (K+1) * NC * CAP] (with a warp)
@@ -154,7 +153,7 @@ def _verify_split_kernel(
     T2 = B * NI  # stage-2 tickets
     if BLOCK:
         T2 = B * K1 * NI
-    # The counters' fields, each on a 128-byte line of its own (``_verify_workspace.counter_layout``).
+    # The counters' fields, each on a 128-byte line of its own (``ops.verify.workspace.counter_layout``).
     ticket_ptr = counters_ptr
     pos_cnt_ptr = counters_ptr + _LINE  # [B * (K+1)] position arrivals
     row_cnt_ptr = counters_ptr + _line_up(_LINE + B * K1)  # [B] row arrivals

@@ -1,5 +1,5 @@
-"""The split verify kernel's stage 1 as device functions (``_verify_split_kernel`` claims the work
-items and calls them), and the workspace's record layout every stage shares.
+"""The split verify kernel's stage 1 as device functions (``split_kernel`` claims the work items
+and calls them), and the workspace's record layout every stage shares.
 
 - ``stage1_item``: item (b, i, g) reduces its chunks of position i to per-chunk records (max,
   first argmax, sum of exponentials, non-finite count, candidate keys; the draft's logits too).
@@ -12,7 +12,7 @@ Memory traffic: ``stage1_item`` reads its chunks of position i (TILES * CHUNK * 
 DRAFT_LOGITS as many of the draft's logits) and writes 16 bytes a chunk (+ 4 * CAP with a warp);
 ``combine_position`` reads the position's records (L2) and, only when the candidate lists cannot
 decide top-k/top-p/min-p, the position again; ``acceptance_chain`` reads K_b logits, draft ids
-and q entries and writes the row's records.  The whole launch: ``_verify_split_kernel``'s header.
+and q entries and writes the row's records.  The whole launch: ``split_kernel``'s header.
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._verify_kernel import _masked_mass, _order_key, _warp_full
-from ._verify_split_draw import _draft_q, _draft_uniforms, _emit, _logprob, _scores, _weight
-from ._verify_split_stats import (_INT32_MAX, _INT32_MIN, _chunk_candidates, _key_value, _min_p_key,
-                                  _warp_from_candidates)
+from .common import masked_mass as _masked_mass, order_key as _order_key, warp_full as _warp_full
+from .draw import _draft_q, _draft_uniforms, _emit, _logprob, _scores, _weight
+from .stats import _INT32_MAX, _INT32_MIN, _chunk_candidates, _key_value, _warp_from_candidates
+from .stats import min_p_key as _min_p_key
 
 
 @triton.jit

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .extension import HAS_EXT
+from ..extension import HAS_EXT
 from .reference import compact_kv_reference, gather_kv_reference
 
 __all__ = ["compact_kv_", "compact_dynamic_cache_", "gather_kv_", "gather_dynamic_cache_"]

@@ -1,5 +1,5 @@
 """The ground truth of the KV-cache ops ``specdec::compact_kv_`` and ``specdec::gather_kv_``
-(``kv_cache.py``): plain loops over the indices, read on the host, with the CPU kernels' error
+(``kv/cache.py``): plain loops over the indices, read on the host, with the CPU kernels' error
 messages.
 """
 

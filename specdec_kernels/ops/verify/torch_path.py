@@ -15,15 +15,15 @@ from __future__ import annotations
 
 import torch
 
-from . import block_reference as _block
-from . import chain_reference as _chain
-from ._verify_args import _Args, _materialize
-from ._verify_launch import _Layout
-from .chain_reference import (_drafts, _final_token, _outputs, _per_position, _row_parameters, _stop_position,
+from ..host import host_readable, sort_descending_cpu
+from .args import _Args, _materialize
+from .launch import _Layout
+from .reference import block as _block
+from .reference import chain as _chain
+from .reference.chain import (drafts, final_token, verify_outputs, per_position, row_parameters, stop_position,
                               verify_reference)
-from .host import host_readable, sort_descending_cpu
-from .philox_reference import _philox_uniforms_host, philox_uniforms
-from .warp_reference import warp_logits
+from .reference.philox import philox_uniforms, philox_uniforms_host
+from .reference.warp import warp_logits
 
 
 def _all_greedy(a: _Args) -> bool:
@@ -90,16 +90,16 @@ def _verify_greedy(a: _Args) -> tuple[torch.Tensor, torch.Tensor]:
     if B * K1 <= _HOST_GREEDY_MAX and host_readable(logits):
         # (CPU only: reading device tensors on the host would be a sync per call)
         return _greedy_host(a, m, argmax, B, K, V)
-    _, bad_param, _ = _row_parameters(kb, a.temperature, a.top_k, a.top_p, K, a.min_p)
+    _, bad_param, _ = row_parameters(kb, a.temperature, a.top_k, a.top_p, K, a.min_p)
     argmax = argmax.view(B, K1)  # [B, K+1]: first index of the maximum, as the reference
     bad_pos = ~torch.isfinite(m).view(B, K1)  # [B, K+1]
 
     x = a.draft_tokens.to(torch.int64)  # [B, K]
     bad_x = (x < 0) | (x >= V)  # a greedy row checks only the draft id, never q
     accept = x == argmax[:, :K]
-    j, _, bad_row = _stop_position(accept, bad_x, bad_pos, bad_param, kb)
+    j, _, bad_row = stop_position(accept, bad_x, bad_pos, bad_param, kb)
     final = argmax.gather(1, j[:, None])[:, 0]
-    return _outputs(x, j, final, bad_row)
+    return verify_outputs(x, j, final, bad_row)
 
 
 # Up to this many verified positions (B * (K+1)) the greedy route finishes on the host, in
@@ -111,8 +111,8 @@ _HOST_GREEDY_MAX = 64
 
 def _greedy_host(a: _Args, m: torch.Tensor, argmax: torch.Tensor, B: int, K: int, V: int):
     """The rest of ``_verify_greedy`` for a small CPU batch, row by row in Python: the same
-    decisions as ``_row_parameters`` (its checks that can fail here: every temperature is 0 on
-    this route, ``_all_greedy``), ``_stop_position`` and ``_outputs``, so the same outputs (the
+    decisions as ``row_parameters`` (its checks that can fail here: every temperature is 0 on
+    this route, ``_all_greedy``), ``stop_position`` and ``verify_outputs``, so the same outputs (the
     tests compare both with the reference)."""
     K1 = K + 1
     kb = a.num_draft_tokens.tolist()
@@ -185,12 +185,12 @@ def _verify_sampled(a: _Args, u: torch.Tensor, warped: bool) -> tuple[torch.Tens
     B, K1, V = logits.shape
     K = K1 - 1
     kb = a.num_draft_tokens.to(torch.int64)
-    greedy, bad_param, inv_t = _row_parameters(kb, a.temperature, a.top_k, a.top_p, K, a.min_p)
+    greedy, bad_param, inv_t = row_parameters(kb, a.temperature, a.top_k, a.top_p, K, a.min_p)
     keep = None
     if warped:
-        s, keep = warp_logits(logits, inv_t[:, None].expand(B, K1), _per_position(a.top_k, K1),
-                              _per_position(a.top_p, K1), sort_descending_cpu,
-                              min_p=_per_position(a.min_p, K1))  # s fresh, keep [B, K+1, V] bool
+        s, keep = warp_logits(logits, inv_t[:, None].expand(B, K1), per_position(a.top_k, K1),
+                              per_position(a.top_p, K1), sort_descending_cpu,
+                              min_p=per_position(a.min_p, K1))  # s fresh, keep [B, K+1, V] bool
     else:
         s = logits.float() * inv_t[:, None].expand(B, K1)[..., None]  # [B, K+1, V], as warp_logits
     m, argmax = _max_and_first_argmax(s.reshape(B * K1, V))  # a copy only for permuted logits
@@ -206,15 +206,15 @@ def _verify_sampled(a: _Args, u: torch.Tensor, warped: bool) -> tuple[torch.Tens
         e.masked_fill_(~keep, 0.0)  # the reference's where(keep, exp(s - m), 0)
     total = e.sum(-1, keepdim=True)  # [B, K+1, 1]
 
-    x, x_safe, q_x, bad_x = _drafts(a.draft_tokens, a.draft_probs, greedy, V)
+    x, x_safe, q_x, bad_x = drafts(a.draft_tokens, a.draft_probs, greedy, V)
     p_x = e[:, :K].gather(-1, x_safe[..., None])[..., 0] / total[:, :K, 0]  # [B, K]
     # The acceptance rule through the reference's module, so that a mutant of it (the tests'
-    # monkeypatched chain_reference._accept) reaches this route too.
-    accept = torch.where(greedy[:, None], x == argmax[:, :K], _chain._accept(u[:, :K], p_x, q_x))  # [B, K]
-    j, rejected, bad_row = _stop_position(accept, bad_x, bad_pos, bad_param, kb)
+    # monkeypatched chain_reference.acceptance_test) reaches this route too.
+    accept = torch.where(greedy[:, None], x == argmax[:, :K], _chain.acceptance_test(u[:, :K], p_x, q_x))  # [B, K]
+    j, rejected, bad_row = stop_position(accept, bad_x, bad_pos, bad_param, kb)
     p_j = e.gather(1, j[:, None, None].expand(B, 1, V))[:, 0].div_(total.gather(1, j[:, None, None])[:, 0])  # [B, V]
     final, bad_row = _final_token_rows(p_j, x_safe, a.draft_probs, j, rejected, bad_row, greedy, argmax, u[:, K])
-    return _outputs(x, j, final, bad_row)
+    return verify_outputs(x, j, final, bad_row)
 
 
 # The untruncated route makes its final draw row by row (below) for up to this many rows, or for
@@ -228,7 +228,7 @@ _ROW_DRAW_MIN_V = 4096
 
 
 def _final_token_rows(p_j, x_safe, draft_probs, j, rejected, bad_row, greedy, argmax, u_final):
-    """``chain_reference._final_token`` (same arguments, the same tokens and bad_row) on the CPU, one row
+    """``verify.reference.chain.final_token`` (same arguments, the same tokens and bad_row) on the CPU, one row
     at a time (few rows, or a large vocabulary), so that a row pays only for what it uses: a greedy row nothing, a
     bonus row one cumulative sum, a rejected row its residual and one cumulative sum, where the
     batched reference makes about fifteen passes over [B, V] for every row (0.5-0.7 ms at V =
@@ -238,7 +238,7 @@ def _final_token_rows(p_j, x_safe, draft_probs, j, rejected, bad_row, greedy, ar
     has w > 0, as the reference requires); the last positive weight if none."""
     B, V = p_j.shape
     if (B > _ROW_DRAW_MAX and V < _ROW_DRAW_MIN_V) or not host_readable(p_j):  # it reads values on the host
-        return _final_token(p_j, x_safe, draft_probs, j, rejected, bad_row, greedy, argmax, u_final)
+        return final_token(p_j, x_safe, draft_probs, j, rejected, bad_row, greedy, argmax, u_final)
     K = x_safe.shape[1]
     j_h, rej, gr, u = j.tolist(), rejected.tolist(), greedy.tolist(), u_final.tolist()
     final = argmax.gather(1, j[:, None])[:, 0].tolist()  # greedy rows keep it
@@ -268,7 +268,7 @@ def _final_token_rows(p_j, x_safe, draft_probs, j, rejected, bad_row, greedy, ar
         if w is None:
             w = torch.nan_to_num(p, nan=0.0)
             cdf = torch.cumsum(w, 0, dtype=torch.float64)
-            if not cdf[-1] > 0:  # only invalid rows: a dummy draw, discarded by _outputs
+            if not cdf[-1] > 0:  # only invalid rows: a dummy draw, discarded by verify_outputs
                 w = torch.ones_like(p)
                 cdf = torch.cumsum(w, 0, dtype=torch.float64)
         target = u[b] * float(cdf[-1])
@@ -282,7 +282,7 @@ def _final_token_rows(p_j, x_safe, draft_probs, j, rejected, bad_row, greedy, ar
 
 
 # Up to this many Philox evaluations (B * (K+1)) the CPU path draws them in Python ints
-# (``philox_reference._philox_uniforms_host``, about 4 us each) rather than with ~360 elementwise tensor ops
+# (``verify.reference.philox.philox_uniforms_host``, about 4 us each) rather than with ~360 elementwise tensor ops
 # (about 0.5 ms whatever the batch); the two give the same values.
 _HOST_PHILOX_MAX = 128
 
@@ -292,7 +292,7 @@ def _uniforms(a: _Args, K: int) -> torch.Tensor:
         return a.uniforms
     if (host_readable(a.seed)
             and a.seed.shape[0] * (K + 1) <= _HOST_PHILOX_MAX):
-        return _philox_uniforms_host(a.seed.tolist(), a.offset.tolist(), K)  # CPU: no device sync
+        return philox_uniforms_host(a.seed.tolist(), a.offset.tolist(), K)  # CPU: no device sync
     return philox_uniforms(a.seed, a.offset, K)
 
 
@@ -341,7 +341,7 @@ def _run_torch_layout(a: _Args, lay: _Layout):
         if lay.draft_logits and a.draft_probs is not None:
             # q = softmax(l / T) with each row's 1 / T (the reference's own function: a mutant of
             # it reaches this path too), then the draft_probs computation
-            _, _, inv_t = _row_parameters(a.num_draft_tokens, a.temperature, a.top_k, a.top_p, lay.K, a.min_p)
+            _, _, inv_t = row_parameters(a.num_draft_tokens, a.temperature, a.top_k, a.top_p, lay.K, a.min_p)
             a = a._replace(draft_probs=_chain.draft_softmax(a.draft_probs, inv_t))
         if lay.block and not _all_greedy(a):  # (greedy rows: block verification is token verification)
             u = _uniforms(a, lay.K)

@@ -1,4 +1,4 @@
-"""The Triton kernel of ``fused_verify``: one launch, one program per batch row.
+"""The one-program-per-row verify kernel: ``fused_verify``'s step in one launch, one program per batch row.
 
 Memory traffic, per batch row b that stops at position j (its first rejection, or K_b when it
 accepts everything), with V the vocabulary and E the logit element size (4, or 2 for bf16/fp16):
@@ -21,8 +21,9 @@ acceptance tests and the final draw's masses and cumulative sums in float64 (see
 Parallelism: one program per batch row, so at small B the step is bound by one streaming
 multiprocessor per row, not by the device's bandwidth. Splitting the vocabulary across programs
 needs a grid-wide barrier between the softmax statistics and the final draw (the residual
-max(0, e/S - q) is not decomposable before S is known); that variant is future work, to be
-measured against this one on a GPU.
+max(0, e/S - q) is not decomposable before S is known): the package's split kernel
+(``specdec_kernels/ops/verify/triton/split_kernel.py``) does that, and this kernel is its
+benchmark baseline.
 
 Randomness is counter-based: the numbers of row b come from Philox at counter
 ``(offset_b << 32) | c``: ``tl.rand`` (fp32, 24 bits) with c = i + 1 for the acceptance test of
@@ -30,31 +31,33 @@ draft i, and 53 bits of ``tl.randint4x`` with c = 0 for the final draw, whose in
 in float64: a token is drawn with its probability to within ~2^-53 of the total (a total
 variation of at most ~V * 2^-54), not only to within fp32's 2^-24.  A row's numbers never
 depend on the other rows, on B or on K, and the kernel can be captured in a CUDA graph.  ``reference.philox_uniforms`` reproduces them.
+
+Not part of the package: the benchmarks' provider ``fused_triton_rows`` (``bench_verify.py``) and
+kernel ``rows`` (``bench_verify_interpreter.py``), the split kernel's comparison on a GPU
+(``test_verify_split.py``), and the ahead-of-time compile check (``scripts/gpu_compile_check.py``).
+It takes top-k and top-p but no min-p, draft logits, packed rows, probabilities in, log-probabilities
+out or ``out=``; ``verify_rows`` checks its arguments with ``fused_verify``'s own
+``normalize_arguments``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+
+import torch
 import triton
 import triton.language as tl
 
+from specdec_kernels.ops.verify import VerifyOutput, normalize_arguments
+from specdec_kernels.ops.verify.triton.common import order_key, position_stats, scaled_tile
+
+__all__ = ["launch_rows", "rows_kernel_meta", "verify_rows"]
+
 _INT32_MAX = tl.constexpr(2147483647)
 _FLT_MIN = tl.constexpr(1.1754943508222875e-38)  # 2^-126, reference.FLT_MIN: the smallest temperature
-
-
-@triton.jit
-def _order_key(s):
-    """fp32 -> int32 with the same order; -0.0 is taken as +0.0 (s + 0.0)."""
-    bits = (s + 0.0).to(tl.int32, bitcast=True)
-    return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-
-
-@triton.jit
-def _scaled_tile(row_ptr, start, V, inv_t, BLOCK_V: tl.constexpr):
-    """Logits [start, start + BLOCK_V) of one position in fp32, times 1/T; -inf past V."""
-    offs = start + tl.arange(0, BLOCK_V)
-    mask = offs < V
-    s = tl.load(row_ptr + offs, mask=mask, other=float("-inf")).to(tl.float32) * inv_t
-    return offs, mask, s
+# The vocabulary tile. 4096 fp32 logits per tile keep 8 warps streaming.
+_MAX_BLOCK_V = 4096
 
 
 @triton.jit
@@ -63,8 +66,8 @@ def _draw_tile(pos_ptr, q_ptr, start, V, q_len, x_j, inv_t, m, S, thr, subtract_
     """One tile of the final draw: p, q and the weights r = max(0, p - q) when subtract_q
     (the residual after a rejection), else r = p. q is read up to q_len (0 = not at all), or is
     one-hot at x_j for a deterministic drafter."""
-    offs, mask, s = _scaled_tile(pos_ptr, start, V, inv_t, BLOCK_V)
-    p = tl.where(mask & (_order_key(s).to(tl.int64) >= thr), tl.exp(s - m) / S, 0.0)
+    offs, mask, s = scaled_tile(pos_ptr, start, V, inv_t, BLOCK_V)
+    p = tl.where(mask & (order_key(s).to(tl.int64) >= thr), tl.exp(s - m) / S, 0.0)
     if HAS_DRAFT_PROBS:
         q = tl.load(q_ptr + offs, mask=offs < q_len, other=0.0)
     else:
@@ -74,97 +77,7 @@ def _draw_tile(pos_ptr, q_ptr, start, V, q_len, x_j, inv_t, m, S, thr, subtract_
 
 
 @triton.jit
-def _masked_mass(row_ptr, V, inv_t, m, thr, BLOCK_V: tl.constexpr):
-    """sum of exp(s - m) over the tokens with order key >= thr (int64 scalar)."""
-    acc = tl.zeros([BLOCK_V], dtype=tl.float32)
-    for start in range(0, V, BLOCK_V):
-        offs, mask, s = _scaled_tile(row_ptr, start, V, inv_t, BLOCK_V)
-        keep = mask & (_order_key(s).to(tl.int64) >= thr)
-        acc += tl.where(keep, tl.exp(s - m), 0.0)
-    return tl.sum(acc, axis=0)
-
-
-@triton.jit
-def _warp_full(row_ptr, V, inv_t, m_safe, S, key_max, top_k, top_p, k_on, p_on,
-               HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, BLOCK_V: tl.constexpr):
-    """(S, thr) of one position after top-k (when k_on) then top-p (when p_on), by bisection on
-    the order keys over the whole position (about 32 passes each): p(v) = exp(s_v - m_safe) / S
-    for the tokens whose key is >= thr.  S comes in as the untruncated mass."""
-    thr = tl.full([], -2147483648, tl.int64)  # every int32 order key is >= this: keep all
-    if HAS_TOP_K:
-        # The k-th largest key: the largest t with count(key >= t) >= k, by bisection on keys.
-        if k_on:
-            lo = thr
-            hi = key_max
-            while lo < hi:
-                mid = lo + (hi - lo + 1) // 2
-                cnt = tl.zeros([BLOCK_V], dtype=tl.int32)
-                for start in range(0, V, BLOCK_V):
-                    offs, mask, s = _scaled_tile(row_ptr, start, V, inv_t, BLOCK_V)
-                    cnt += (mask & (_order_key(s).to(tl.int64) >= mid)).to(tl.int32)
-                enough = tl.sum(cnt, axis=0) >= top_k
-                lo = tl.where(enough, mid, lo)
-                hi = tl.where(enough, hi, mid - 1)
-            thr = lo
-            S = _masked_mass(row_ptr, V, inv_t, m_safe, thr, BLOCK_V)
-    if HAS_TOP_P:
-        # The smallest key c whose strictly-greater mass is < top_p * S: keep key >= c.
-        if p_on:
-            limit = top_p * S
-            lo = thr
-            hi = key_max
-            while lo < hi:
-                mid = lo + (hi - lo) // 2
-                above = _masked_mass(row_ptr, V, inv_t, m_safe, mid + 1, BLOCK_V)
-                small = above < limit
-                hi = tl.where(small, mid, hi)
-                lo = tl.where(small, lo, mid + 1)
-            thr = lo
-            S = _masked_mass(row_ptr, V, inv_t, m_safe, thr, BLOCK_V)
-    return S, thr
-
-
-@triton.jit
-def _position_stats(
-    row_ptr, V, inv_t, top_k, top_p,
-    HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, BLOCK_V: tl.constexpr,
-):
-    """Softmax statistics of one verify position after temperature, top-k and top-p.
-
-    Returns (m, S, thr, argmax, bad): p(v) = exp(s_v - m) / S for the tokens whose order key is
-    >= thr and 0 elsewhere; argmax is the first index of the largest logit; bad is 1 when the
-    position holds a NaN or +inf, or nothing finite.
-    """
-    # Pass 1, online over tiles: max, first argmax, the running sum of exp(s - max), and the
-    # non-finite check. Without top-k/top-p this is the whole softmax of the position.
-    m = float("-inf")
-    amax = 0
-    acc = tl.zeros([BLOCK_V], dtype=tl.float32)
-    n_bad = 0
-    for start in range(0, V, BLOCK_V):
-        offs, mask, s = _scaled_tile(row_ptr, start, V, inv_t, BLOCK_V)
-        n_bad += tl.sum(((s != s) | (s == float("inf"))).to(tl.int32), axis=0)
-        s = tl.where(s != s, float("-inf"), s)
-        tile_max = tl.max(s, axis=0)
-        tile_arg = tl.min(tl.where(s == tile_max, offs, _INT32_MAX), axis=0)
-        amax = tl.where(tile_max > m, tile_arg, amax)
-        m_new = tl.maximum(m, tile_max)
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        acc = acc * tl.exp(m - m_ref) + tl.exp(s - m_ref)
-        m = m_new
-    bad = (n_bad > 0) | (m == float("-inf")) | (m == float("inf"))
-    m_safe = tl.where(bad, 0.0, m)
-    S = tl.sum(acc, axis=0)
-    key_max = _order_key(m_safe).to(tl.int64)
-    k_on = (top_k > 0) & (top_k < V) & (bad == 0)
-    p_on = (top_p < 1.0) & (bad == 0)
-    S, thr = _warp_full(row_ptr, V, inv_t, m_safe, S, key_max, top_k, top_p, k_on, p_on,
-                        HAS_TOP_K, HAS_TOP_P, BLOCK_V)
-    return m_safe, S, thr, amax, bad
-
-
-@triton.jit
-def _verify_kernel(
+def _verify_rows_kernel(
     logits_ptr, stride_lb, stride_lk,  # [B, K+1, V] fp32/bf16/fp16, last dim contiguous
     draft_tokens_ptr, stride_tb,  # [B, K] int32/int64
     draft_probs_ptr, stride_qb, stride_qk,  # [B, K, Vd] fp32, last dim contiguous
@@ -200,7 +113,7 @@ def _verify_kernel(
         top_p = tl.load(top_p_ptr + b)
         bad_param = bad_param | ~(top_p > 0.0) | (top_p > 1.0)
     # Greedy rows need only the argmax: no temperature, no warp.
-    inv_t = tl.where(greedy | bad_param, 1.0, 1.0 / tl.where(greedy | bad_param, 1.0, temp))
+    inv_t = tl.where(greedy | bad_param, 1.0, tl.math.div_rn(1.0, tl.where(greedy | bad_param, 1.0, temp)))
     top_k = tl.where(greedy, 0, top_k)
     top_p = tl.where(greedy, 1.0, top_p)
     seed = tl.load(seed_ptr + b)
@@ -217,13 +130,13 @@ def _verify_kernel(
     amax_j = tl.full([], 0, tl.int32)
     while (j < kb) & (rejected == 0) & (bad == 0):
         pos_ptr = row_logits + j * stride_lk
-        m, S, thr, amax, bad_pos = _position_stats(
+        m, S, thr, amax, bad_pos = position_stats(
             pos_ptr, V, inv_t, top_k, top_p, HAS_TOP_K, HAS_TOP_P, BLOCK_V)
         x = tl.load(draft_tokens_ptr + b * stride_tb + j).to(tl.int64)
         x_ok = (x >= 0) & (x < V)
         x_safe = tl.where(x_ok, x, 0)
         s_x = tl.load(pos_ptr + x_safe).to(tl.float32) * inv_t
-        p_x = tl.where(_order_key(s_x).to(tl.int64) >= thr, tl.exp(s_x - m) / S, 0.0)
+        p_x = tl.where(order_key(s_x).to(tl.int64) >= thr, tl.exp(s_x - m) / S, 0.0)
         q_x = tl.full([], 1.0, tl.float32)
         if HAS_DRAFT_PROBS:
             q_x = tl.load(draft_probs_ptr + b * stride_qb + j * stride_qk + x_safe,
@@ -241,7 +154,7 @@ def _verify_kernel(
         m_j, S_j, thr_j, amax_j = m, S, thr, amax
     if (rejected == 0) & (bad == 0):
         # Every draft accepted: the bonus token comes from position K_b.
-        m_j, S_j, thr_j, amax_j, bad = _position_stats(
+        m_j, S_j, thr_j, amax_j, bad = position_stats(
             row_logits + j * stride_lk, V, inv_t, top_k, top_p, HAS_TOP_K, HAS_TOP_P, BLOCK_V)
 
     final = amax_j
@@ -317,3 +230,69 @@ def _verify_kernel(
     out = tl.where(bad, -1, out)
     tl.store(tokens_ptr + b * (K + 1) + cols, out, mask=cols < K + 1)
     tl.store(num_accepted_ptr + b, tl.where(bad, -1, j))
+
+
+def rows_kernel_meta(V: int, K1: int, has_draft_probs: bool, has_top_k: bool, has_top_p: bool,
+                     has_uniforms: bool) -> dict:
+    """The kernel's compile-time parameters for a launch over V tokens and K + 1 = K1
+    positions: its constexprs, num_warps and enable_fp_fusion.  The launch and the
+    ahead-of-time compile check (``scripts/gpu_compile_check.py``) both take them from here.
+
+    enable_fp_fusion is pinned off: a multiply and an add stay two roundings, as in the
+    interpreter and the torch reference (the online softmax's ``acc * exp(m - m') + exp(s - m')``
+    would otherwise become one FMA), and the bits do not change with Triton's default (on in
+    3.6-3.9, off from 3.10)."""
+    block_v = max(16, min(triton.next_power_of_2(V), _MAX_BLOCK_V))
+    return dict(HAS_DRAFT_PROBS=has_draft_probs, HAS_TOP_K=has_top_k, HAS_TOP_P=has_top_p,
+                HAS_UNIFORMS=has_uniforms, BLOCK_V=block_v, BLOCK_K=triton.next_power_of_2(K1),
+                num_warps=8 if block_v >= 2048 else 4, enable_fp_fusion=False)
+
+
+def launch_rows(a) -> tuple[torch.Tensor, torch.Tensor]:
+    """One launch of the kernel on ``normalize_arguments(..., materialize=True)``'s result (every
+    per-row parameter a [B] tensor): (tokens [B, K+1] int64, num_accepted [B] int64)."""
+    logits = a.target_logits if a.target_logits.stride(-1) == 1 else a.target_logits.contiguous()
+    q = a.draft_probs
+    if q is not None:
+        q = q.float()  # this kernel reads fp32 q
+        q = q if q.stride(-1) == 1 else q.contiguous()
+    B, K1, V = logits.shape
+    K = K1 - 1
+    dev = logits.device
+    tokens = torch.empty((B, K1), dtype=torch.int64, device=dev)
+    num_accepted = torch.empty((B,), dtype=torch.int64, device=dev)
+    if B == 0:
+        return tokens, num_accepted
+    uniforms = a.uniforms.contiguous() if a.uniforms is not None else None  # float64 (normalize_arguments)
+    x = a.draft_tokens if a.draft_tokens.stride(-1) == 1 else a.draft_tokens.contiguous()  # read at + j
+    dummy = num_accepted  # stands in for absent optional pointers; never dereferenced
+    # Triton launches on the current device's current stream: make it the tensors'. Nothing to do
+    # for the interpreter.
+    with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
+        _verify_rows_kernel[(B,)](
+            logits, logits.stride(0), logits.stride(1),
+            x, x.stride(0),
+            q if q is not None else dummy, q.stride(0) if q is not None else 0, q.stride(1) if q is not None else 0,
+            a.num_draft_tokens, a.temperature,
+            a.top_k if a.top_k is not None else dummy,
+            a.top_p if a.top_p is not None else dummy,
+            a.seed, a.offset,
+            uniforms if uniforms is not None else dummy,
+            tokens, num_accepted,
+            K, V, q.shape[-1] if q is not None else V,
+            **rows_kernel_meta(V, K1, q is not None, a.top_k is not None, a.top_p is not None, uniforms is not None),
+        )
+    return tokens, num_accepted
+
+
+def verify_rows(target_logits, draft_tokens, draft_probs=None, *, num_draft_tokens=None, temperature=1.0, top_k=None,
+                top_p=None, seed=None, offset=0, uniforms=None) -> VerifyOutput:
+    """``fused_verify``'s padded call (its arguments checked by its own ``normalize_arguments``)
+    on this kernel: CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``.  The same tokens
+    as ``fused_verify(backend="triton")`` for the same seeds or uniforms."""
+    if target_logits.device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        raise ValueError(f"verify_rows needs CUDA tensors (or TRITON_INTERPRET=1 for CPU tensors), got tensors on "
+                         f"{target_logits.device}")
+    a = normalize_arguments(target_logits, draft_tokens, draft_probs, num_draft_tokens, temperature, top_k, top_p,
+                            seed, offset, uniforms, materialize=True)
+    return VerifyOutput(*launch_rows(a))

@@ -7,7 +7,7 @@ error names the argument, the expected and the actual value) and normalised.
 the split kernel as it is) or, with ``materialize`` (``_materialize``), as a [B] tensor of the
 op's dtype.  Values are range-checked only where reading them is free (``_check_values``: CPU
 tensors, not while tracing); on CUDA an out-of-range value makes its row invalid in-kernel instead
-of a host sync.  ``tree_verify`` checks its arguments with the same functions.
+of a host sync.  ``tree.api`` checks its arguments with the same functions.
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ from typing import NamedTuple, Optional, Union
 
 import torch
 
-from .chain_reference import FLT_MIN
-from .host import host_readable
+from ..host import host_readable
+from .reference.chain import FLT_MIN
 
-_LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_INDEX_DTYPES = (torch.int32, torch.int64)
+LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 # The per-row parameters' types: a Python scalar for every row, or a [B] tensor.
@@ -30,18 +30,18 @@ IntArg = Union[int, torch.Tensor]
 FloatArg = Union[float, torch.Tensor]
 
 
-def _shape(t: torch.Tensor) -> list[int]:
+def shape_of(t: torch.Tensor) -> list[int]:
     return list(t.shape)
 
 
-def _check_tensor(name: str, t, dtypes, shape: list[int], device: torch.device) -> None:
+def check_tensor(name: str, t, dtypes, shape: list[int], device: torch.device) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in dtypes:
         want = " or ".join(str(d).replace("torch.", "") for d in dtypes)
         raise TypeError(f"{name} must have dtype {want}, got {str(t.dtype).replace('torch.', '')}")
-    if _shape(t) != shape:
-        raise ValueError(f"{name} must have shape {shape}, got {_shape(t)}")
+    if shape_of(t) != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {shape_of(t)}")
     if t.device != device:
         raise ValueError(f"{name} must be on {device} (the device of target_logits), got {t.device}")
 
@@ -67,13 +67,13 @@ def _fp32_value(value: float) -> float:
     return float(torch.tensor(value, dtype=torch.float64).float())  # near fp32's largest: torch's rounding
 
 
-def _per_row_spec(name: str, value, B: int, dtype: torch.dtype, device: torch.device, kind: type):
+def per_row_spec(name: str, value, B: int, dtype: torch.dtype, device: torch.device, kind: type):
     """A per-row parameter as given and checked: a Python scalar (a float already rounded to
     float32), or a [B] tensor of an accepted dtype on ``device`` (not converted: the kernel reads
     it as it is; ``_materialize`` makes the [B] tensor of ``dtype`` for the torch path)."""
     if isinstance(value, torch.Tensor):
-        ok = (torch.float32, torch.float64, torch.bfloat16, torch.float16) if kind is float else _INDEX_DTYPES
-        _check_tensor(name, value, ok, [B], device)
+        ok = (torch.float32, torch.float64, torch.bfloat16, torch.float16) if kind is float else INDEX_DTYPES
+        check_tensor(name, value, ok, [B], device)
         if kind is float and B > 0 and value.dtype == torch.float64 and _check_values(value):
             _check_fp32_representable(name, value, value.to(dtype))
         return value
@@ -102,16 +102,16 @@ def _check_fp32_representable(name: str, src: torch.Tensor, out: torch.Tensor) -
     lost = ((src != 0) & (out == 0)) | (torch.isfinite(src) & ~torch.isfinite(out))
     if bool(lost.any()):
         raise ValueError(f"{name} must be representable in float32 (a value that rounds to 0 or to inf there is "
-                         f"refused), got {_listed(src)}")
+                         f"refused), got {listed(src)}")
 
 
 def _per_row(name: str, value, B: int, dtype: torch.dtype, device: torch.device, kind: type) -> torch.Tensor:
     """A python scalar or a [B] tensor as a [B] tensor of ``dtype`` on ``device``."""
-    return _as_tensor(_per_row_spec(name, value, B, dtype, device, kind), B, dtype, device)
+    return as_tensor(per_row_spec(name, value, B, dtype, device, kind), B, dtype, device)
 
 
-def _as_tensor(value, B: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A checked per-row parameter (``_per_row_spec``) as a contiguous [B] tensor of ``dtype``."""
+def as_tensor(value, B: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A checked per-row parameter (``per_row_spec``) as a contiguous [B] tensor of ``dtype``."""
     if isinstance(value, torch.Tensor):
         return value.to(dtype).contiguous()  # the old kernel reads row b at ptr + b
     if isinstance(value, _RowSeeds):
@@ -119,7 +119,7 @@ def _as_tensor(value, B: int, dtype: torch.dtype, device: torch.device) -> torch
     return torch.full((B,), value, dtype=dtype, device=device)
 
 
-def _range_fails(value, bad) -> bool:
+def range_fails(value, bad) -> bool:
     """Whether a checked per-row parameter holds a value for which ``bad`` (a predicate on a
     tensor or on a Python scalar) is true: scalars always, tensors only where their values may
     be read (``_check_values``), floating ones as the fp32 values the kernel reads."""
@@ -130,7 +130,7 @@ def _range_fails(value, bad) -> bool:
     return bool(bad(value))
 
 
-def _listed(value):
+def listed(value):
     """A parameter's value(s) as given, for an error message."""
     return value.tolist() if isinstance(value, torch.Tensor) else value
 
@@ -170,44 +170,44 @@ def normalize_arguments(target_logits, draft_tokens, draft_probs, num_draft_toke
     if not isinstance(target_logits, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(target_logits).__name__}")
     if target_logits.dim() != 3:
-        raise ValueError(f"{name} must have 3 dims [B, K+1, V], got {target_logits.dim()}: {_shape(target_logits)}")
-    if target_logits.dtype not in _LOGIT_DTYPES:
+        raise ValueError(f"{name} must have 3 dims [B, K+1, V], got {target_logits.dim()}: {shape_of(target_logits)}")
+    if target_logits.dtype not in LOGIT_DTYPES:
         raise TypeError(f"{name} must have dtype float32, bfloat16 or float16, got {str(target_logits.dtype).replace('torch.', '')}")
     B, K1, V = target_logits.shape
     K = K1 - 1
     if K1 < 1:
         raise ValueError(f"{name} must have K+1 >= 1 positions (dim 1: the K drafts and the bonus), got "
-                         f"shape {_shape(target_logits)}")
+                         f"shape {shape_of(target_logits)}")
     if V < 1:
-        raise ValueError(f"{name} must have a vocabulary V >= 1, got shape {_shape(target_logits)}")
+        raise ValueError(f"{name} must have a vocabulary V >= 1, got shape {shape_of(target_logits)}")
     dev = target_logits.device
     if not isinstance(draft_tokens, torch.Tensor):
         raise TypeError(f"draft_tokens must be a torch.Tensor, got {type(draft_tokens).__name__}")
     if draft_tokens.dim() != 2:
-        raise ValueError(f"draft_tokens must have 2 dims [B, K], got {draft_tokens.dim()}: {_shape(draft_tokens)}")
-    _check_tensor("draft_tokens", draft_tokens, _INDEX_DTYPES, [B, K], dev)
-    _check_draft_probs(draft_probs, [B, K], "[B, K, Vd]", V, dev, q_name)
+        raise ValueError(f"draft_tokens must have 2 dims [B, K], got {draft_tokens.dim()}: {shape_of(draft_tokens)}")
+    check_tensor("draft_tokens", draft_tokens, INDEX_DTYPES, [B, K], dev)
+    check_draft_probs(draft_probs, [B, K], "[B, K, Vd]", V, dev, q_name)
     if num_draft_tokens is None:
         kb = K
     else:
-        kb = _per_row_spec("num_draft_tokens", num_draft_tokens, B, torch.int64, dev, int)
-        if B > 0 and _range_fails(kb, lambda v: (v < 0) | (v > K)):
-            raise ValueError(f"num_draft_tokens must be in [0, K] = [0, {K}], got {_listed(kb)}")
-    temp, top_k, top_p, seed, offset, min_p = _normalize_rows(B, K, dev, temperature, top_k, top_p, seed, offset,
+        kb = per_row_spec("num_draft_tokens", num_draft_tokens, B, torch.int64, dev, int)
+        if B > 0 and range_fails(kb, lambda v: (v < 0) | (v > K)):
+            raise ValueError(f"num_draft_tokens must be in [0, K] = [0, {K}], got {listed(kb)}")
+    temp, top_k, top_p, seed, offset, min_p = normalize_rows(B, K, dev, temperature, top_k, top_p, seed, offset,
                                                               uniforms, target_is_probs, min_p)
     if draft_probs is not None and not logits_q and K > 0 and B > 0 and _check_values(draft_probs) \
-            and _range_fails(temp, lambda v: v != 0):
+            and range_fails(temp, lambda v: v != 0):
         # Read where the row reads q: sampled rows, j < K_b (a greedy row never reads q).
-        kb_t = _as_tensor(kb, B, torch.int64, dev)
-        sampled = _as_tensor(temp, B, torch.float32, dev) != 0
+        kb_t = as_tensor(kb, B, torch.int64, dev)
+        sampled = as_tensor(temp, B, torch.float32, dev) != 0
         read = (torch.arange(K, device=dev)[None, :] < kb_t[:, None]) & sampled[:, None]  # [B, K]
-        _check_draft_sums(draft_probs.reshape(B * K, -1), read.reshape(-1), lambda n: f"[{n // K}, {n % K}]",
+        check_draft_sums(draft_probs.reshape(B * K, -1), read.reshape(-1), lambda n: f"[{n // K}, {n % K}]",
                           lambda n: f"draft {n % K}")
     a = _Args(target_logits, draft_tokens, draft_probs, kb, temp, top_k, top_p, seed, offset, uniforms, min_p)
     return _materialize(a) if materialize else a
 
 
-def _check_draft_probs(draft_probs, lead: list, layout: str, V: int, dev: torch.device,
+def check_draft_probs(draft_probs, lead: list, layout: str, V: int, dev: torch.device,
                        name: str = "draft_probs") -> None:
     """draft_probs (or, name "draft_logits", the draft's logits) None, or a tensor of shape
     lead + [Vd] (layout: the dims' names, for the message), 1 <= Vd <= V, fp32/bf16/fp16, on dev."""
@@ -217,11 +217,11 @@ def _check_draft_probs(draft_probs, lead: list, layout: str, V: int, dev: torch.
         raise TypeError(f"{name} must be a torch.Tensor or None, got {type(draft_probs).__name__}")
     if draft_probs.dim() != len(lead) + 1:
         raise ValueError(f"{name} must have {len(lead) + 1} dims {layout}, got {draft_probs.dim()}: "
-                         f"{_shape(draft_probs)}")
+                         f"{shape_of(draft_probs)}")
     Vd = draft_probs.shape[-1]
     if not 1 <= Vd <= V:
         raise ValueError(f"{name} must have a vocabulary 1 <= Vd <= V = {V}, got Vd = {Vd}")
-    _check_tensor(name, draft_probs, _LOGIT_DTYPES, lead + [Vd], dev)
+    check_tensor(name, draft_probs, LOGIT_DTYPES, lead + [Vd], dev)
 
 
 def _draft_input(draft_probs, draft_logits):
@@ -236,39 +236,39 @@ def _draft_input(draft_probs, draft_logits):
     return draft_logits, True
 
 
-def _normalize_rows(B: int, K: int, dev: torch.device, temperature, top_k, top_p, seed, offset, uniforms,
+def normalize_rows(B: int, K: int, dev: torch.device, temperature, top_k, top_p, seed, offset, uniforms,
                     target_is_probs: bool, min_p=None):
     """The per-row parameters checked (both layouts): (temperature, top_k, top_p, seed, offset,
-    min_p) as ``_per_row_spec`` keeps them; uniforms [B, K+1] checked in place."""
-    temp = _per_row_spec("temperature", temperature, B, torch.float32, dev, float)
-    if B > 0 and _range_fails(temp, _not_finite_nonnegative):
-        raise ValueError(f"temperature must be finite and >= 0 (0 = greedy), got {_listed(temperature)}")
-    if B > 0 and _range_fails(temp, lambda v: (v > 0) & (v < FLT_MIN)):
+    min_p) as ``per_row_spec`` keeps them; uniforms [B, K+1] checked in place."""
+    temp = per_row_spec("temperature", temperature, B, torch.float32, dev, float)
+    if B > 0 and range_fails(temp, _not_finite_nonnegative):
+        raise ValueError(f"temperature must be finite and >= 0 (0 = greedy), got {listed(temperature)}")
+    if B > 0 and range_fails(temp, lambda v: (v > 0) & (v < FLT_MIN)):
         raise ValueError(f"temperature must be 0 (greedy) or >= {FLT_MIN:.8g} (the smallest normal fp32), "
-                         f"got {_listed(temperature)}")
+                         f"got {listed(temperature)}")
     if target_is_probs:
         # The probabilities are the caller's warped distribution: nothing is applied to them again.
-        if B > 0 and _range_fails(temp, lambda v: (v != 0) & (v != 1)):
+        if B > 0 and range_fails(temp, lambda v: (v != 0) & (v != 1)):
             raise ValueError(f"temperature must be 0 (greedy) or 1 (sample the probabilities as given) with "
-                             f"target_is_probs=True, got {_listed(temperature)}")
+                             f"target_is_probs=True, got {listed(temperature)}")
         for pname, value in (("top_k", top_k), ("top_p", top_p), ("min_p", min_p)):
             if value is not None:
                 raise ValueError(f"{pname} must be None with target_is_probs=True (the probabilities are used as "
-                                 f"given: apply the warp before taking them), got {_listed(value)}")
+                                 f"given: apply the warp before taking them), got {listed(value)}")
     if top_k is not None:
-        top_k = _per_row_spec("top_k", top_k, B, torch.int64, dev, int)
-        if B > 0 and _range_fails(top_k, lambda v: v < 0):
-            raise ValueError(f"top_k must be >= 0 (0 = off), got {_listed(top_k)}")
+        top_k = per_row_spec("top_k", top_k, B, torch.int64, dev, int)
+        if B > 0 and range_fails(top_k, lambda v: v < 0):
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {listed(top_k)}")
     if top_p is not None:
         top_p_in = top_p
-        top_p = _per_row_spec("top_p", top_p, B, torch.float32, dev, float)
-        if B > 0 and _range_fails(top_p, _outside_top_p_range):
-            raise ValueError(f"top_p must be in (0, 1] (1 = off), got {_listed(top_p_in)}")
+        top_p = per_row_spec("top_p", top_p, B, torch.float32, dev, float)
+        if B > 0 and range_fails(top_p, _outside_top_p_range):
+            raise ValueError(f"top_p must be in (0, 1] (1 = off), got {listed(top_p_in)}")
     if min_p is not None:
         min_p_in = min_p
-        min_p = _per_row_spec("min_p", min_p, B, torch.float32, dev, float)
-        if B > 0 and _range_fails(min_p, _outside_min_p_range):
-            raise ValueError(f"min_p must be in [0, 1] (0 = off), got {_listed(min_p_in)}")
+        min_p = per_row_spec("min_p", min_p, B, torch.float32, dev, float)
+        if B > 0 and range_fails(min_p, _outside_min_p_range):
+            raise ValueError(f"min_p must be in [0, 1] (0 = off), got {listed(min_p_in)}")
     if seed is None:
         if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
             # Inside a CUDA graph a host draw would be frozen into every replay: draw on the device
@@ -277,10 +277,10 @@ def _normalize_rows(B: int, K: int, dev: torch.device, temperature, top_k, top_p
         else:
             seed = _RowSeeds(int(torch.randint(0, 2**62, (1,), dtype=torch.int64)))  # host: no device sync
     else:
-        seed = _per_row_spec("seed", seed, B, torch.int64, dev, int)
-    offset = _per_row_spec("offset", offset, B, torch.int64, dev, int)
+        seed = per_row_spec("seed", seed, B, torch.int64, dev, int)
+    offset = per_row_spec("offset", offset, B, torch.int64, dev, int)
     if uniforms is not None:
-        _check_tensor("uniforms", uniforms, (torch.float64, torch.float32), [B, K + 1], dev)
+        check_tensor("uniforms", uniforms, (torch.float64, torch.float32), [B, K + 1], dev)
         if _check_values(uniforms) and uniforms.numel():
             out = ~((uniforms >= 0) & (uniforms < 1))
             if bool(out.any()):
@@ -289,7 +289,7 @@ def _normalize_rows(B: int, K: int, dev: torch.device, temperature, top_k, top_p
     return temp, top_k, top_p, seed, offset, min_p
 
 
-def _check_draft_sums(q: torch.Tensor, read: torch.Tensor, where, what) -> None:
+def check_draft_sums(q: torch.Tensor, read: torch.Tensor, where, what) -> None:
     """Each q [N, Vd] row that is read (read [N] bool) must sum to 1: the distribution its draft was
     sampled from (a q that does not sum to 1 biases the output; NaN/inf/negative q make their row
     invalid instead, as on CUDA, where nothing here is read).  where(n) / what(n): row n's index
@@ -329,7 +329,7 @@ def _materialize(a: _Args) -> _Args:
     B = a.target_logits.shape[0]
     dev = a.target_logits.device
     def t(v, dtype):
-        return None if v is None else _as_tensor(v, B, dtype, dev)
+        return None if v is None else as_tensor(v, B, dtype, dev)
     u = a.uniforms.to(torch.float64) if a.uniforms is not None else None  # the tests and the draw compute in float64
     return _Args(a.target_logits, a.draft_tokens, a.draft_probs, t(a.num_draft_tokens, torch.int64),
                  t(a.temperature, torch.float32), t(a.top_k, torch.int64), t(a.top_p, torch.float32),
@@ -346,28 +346,28 @@ def _normalize_packed(logits, draft_tokens, cu, draft_probs, max_num_draft_token
     if not isinstance(logits, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(logits).__name__}")
     if logits.dim() != 2:
-        raise ValueError(f"{name} must have 2 dims [sum_b (K_b + 1), V], got {logits.dim()}: {_shape(logits)}")
-    if logits.dtype not in _LOGIT_DTYPES:
+        raise ValueError(f"{name} must have 2 dims [sum_b (K_b + 1), V], got {logits.dim()}: {shape_of(logits)}")
+    if logits.dtype not in LOGIT_DTYPES:
         raise TypeError(f"{name} must have dtype float32, bfloat16 or float16, got {str(logits.dtype).replace('torch.', '')}")
     N, V = logits.shape
     if V < 1:
-        raise ValueError(f"{name} must have a vocabulary V >= 1, got shape {_shape(logits)}")
+        raise ValueError(f"{name} must have a vocabulary V >= 1, got shape {shape_of(logits)}")
     dev = logits.device
     for arg, t in (("cu_num_draft_tokens", cu), ("draft_tokens", draft_tokens)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{arg} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 1:
-            raise ValueError(f"{arg} must have 1 dim, got {t.dim()}: {_shape(t)}")
+            raise ValueError(f"{arg} must have 1 dim, got {t.dim()}: {shape_of(t)}")
     if cu.numel() < 1:
-        raise ValueError(f"cu_num_draft_tokens must have B + 1 >= 1 entries (cu[0] = 0), got shape {_shape(cu)}")
+        raise ValueError(f"cu_num_draft_tokens must have B + 1 >= 1 entries (cu[0] = 0), got shape {shape_of(cu)}")
     B = cu.numel() - 1
-    _check_tensor("cu_num_draft_tokens", cu, _INDEX_DTYPES, [B + 1], dev)
+    check_tensor("cu_num_draft_tokens", cu, INDEX_DTYPES, [B + 1], dev)
     nd = draft_tokens.numel()
-    _check_tensor("draft_tokens", draft_tokens, _INDEX_DTYPES, [nd], dev)
+    check_tensor("draft_tokens", draft_tokens, INDEX_DTYPES, [nd], dev)
     if N != nd + B:
         raise ValueError(f"{name} must have sum_b (K_b + 1) = {nd} + {B} = {nd + B} rows (each row's drafts and its "
                          f"bonus position), got {N}")
-    _check_draft_probs(draft_probs, [nd], "[sum_b K_b, Vd]", V, dev, "draft_logits" if logits_q else "draft_probs")
+    check_draft_probs(draft_probs, [nd], "[sum_b K_b, Vd]", V, dev, "draft_logits" if logits_q else "draft_probs")
     if max_num_draft_tokens is not None and (isinstance(max_num_draft_tokens, bool)
                                              or not isinstance(max_num_draft_tokens, int) or max_num_draft_tokens < 0):
         raise ValueError(f"max_num_draft_tokens must be None or an int >= 0, got {max_num_draft_tokens!r}")
@@ -386,13 +386,13 @@ def _normalize_packed(logits, draft_tokens, cu, draft_probs, max_num_draft_token
         K = max_num_draft_tokens  # a row with more drafts is marked invalid in the kernel
     else:
         K = int((cu[1:] - cu[:-1]).max()) if B else 0  # a host sync: pass max_num_draft_tokens to avoid it
-    temp, top_k, top_p, seed, offset, min_p = _normalize_rows(B, K, dev, temperature, top_k, top_p, seed, offset,
+    temp, top_k, top_p, seed, offset, min_p = normalize_rows(B, K, dev, temperature, top_k, top_p, seed, offset,
                                                               uniforms, target_is_probs, min_p)
     if draft_probs is not None and not logits_q and nd and kb is not None and _check_values(draft_probs) \
-            and _range_fails(temp, lambda v: v != 0):
+            and range_fails(temp, lambda v: v != 0):
         row = torch.repeat_interleave(torch.arange(B, device=dev), torch.tensor(kb, device=dev))  # [nd]
-        sampled = _as_tensor(temp, B, torch.float32, dev) != 0
-        _check_draft_sums(draft_probs, sampled[row], lambda n: f"[{n}]",
+        sampled = as_tensor(temp, B, torch.float32, dev) != 0
+        check_draft_sums(draft_probs, sampled[row], lambda n: f"[{n}]",
                           lambda n: f"draft {n - c[int(row[n])]} of row {int(row[n])}")
     a = _Args(logits, draft_tokens, draft_probs, None, temp, top_k, top_p, seed, offset, uniforms, min_p)
     return a, B, K

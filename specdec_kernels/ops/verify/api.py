@@ -1,12 +1,11 @@
 """``fused_verify``: the verification step of exact speculative decoding in one launch.
 
-Three layers (see shared STYLE.md item 1): the Triton kernel (``_verify_split_kernel.py``; the
-one-program-per-row ``_verify_kernel.py`` is the private ``"_triton_rows"`` backend), the
-launcher (``_verify_launch.py``: picks the grid and launches, with the arguments checked by
-``_verify_args.py`` and the kernel's scratch from ``_verify_workspace.py``), and the public ops
+Three layers (see shared STYLE.md item 1): the Triton kernel (``verify/triton/split_kernel.py``), the
+launcher (``verify/launch.py``: picks the grid and launches, with the arguments checked by
+``verify/args.py`` and the kernel's scratch from ``verify/workspace.py``), and the public ops
 here: ``fused_verify``, registered with ``torch.library`` as ``specdec::fused_verify`` so that
 ``torch.compile(fullgraph=True)`` traces through it, and ``fused_verify_packed``.  On CPU tensors
-the default backend is the torch path (``_verify_torch.py``), bit-identical to
+the default backend is the torch path (``verify/torch_path.py``), bit-identical to
 ``reference.verify_reference``.
 
 Dtypes are decided here: logits fp32/bf16/fp16 (read as they are, the softmax accumulated in
@@ -24,18 +23,17 @@ from typing import NamedTuple, Optional, Union
 import torch
 
 try:  # loads the C++ op namespace first, when built
-    from . import extension  # noqa: F401
+    from .. import extension  # noqa: F401
 except ImportError:  # pragma: no cover - extension is part of the package
     pass
-from ._verify_args import (FloatArg, IntArg, _Args, _INDEX_DTYPES, _check_tensor, _materialize, _normalize_packed,
-                           _normalize_rows, normalize_arguments)
-from ._verify_launch import (_BACKENDS, _PRIVATE_BACKENDS, _Layout, _launch, _launch_rows, _launch_triton,
-                             _resolve_backend)
-from ._verify_torch import _run_torch, _run_torch_layout
-from .chain_reference import FLT_MIN
+from .args import (INDEX_DTYPES, FloatArg, IntArg, _Args, _materialize, _normalize_packed, check_tensor,
+                   normalize_arguments, normalize_rows)
+from .launch import _BACKENDS, _Layout, _launch, _launch_triton, resolve_backend
+from .reference.chain import FLT_MIN
+from .torch_path import _run_torch, _run_torch_layout
 # Public names of the layers below that the decoding loop, the scripts and the benchmarks import from here.
-from ._verify_args import DRAFT_PROBS_SUM_TOL  # noqa: F401
-from ._verify_launch import interpreter_problem, interpreting, rows_kernel_meta, split_kernel_meta  # noqa: F401
+from .args import DRAFT_PROBS_SUM_TOL  # noqa: F401
+from .launch import interpreter_problem, interpreting, split_kernel_meta  # noqa: F401
 
 __all__ = ["VerifyOutput", "VerifyOutputWithLogprobs", "check_sampling_scalars", "fused_verify", "fused_verify_packed"]
 
@@ -65,15 +63,10 @@ def verify_normalized(target_logits, draft_tokens, draft_probs, num_draft_tokens
                  local_workspace: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     a = _Args(target_logits, draft_tokens, draft_probs, num_draft_tokens, temperature, top_k, top_p,
               seed, offset, uniforms, min_p)
-    resolved = _resolve_backend(backend, target_logits.device)
+    resolved = resolve_backend(backend, target_logits.device)
     if resolved == "triton":
         return _launch_triton(a, local_workspace=local_workspace)
-    if resolved == "_triton_rows" and min_p is not None:
-        raise NotImplementedError("backend '_triton_rows' does not take min_p (the one-program-per-row kernel "
-                                  "warps with top-k/top-p only): use backend 'triton' or 'torch'")
     a = _materialize(a)
-    if resolved == "_triton_rows":
-        return _launch_rows(a)
     with torch.no_grad():  # integer outputs; its in-place and out= temporaries must not meet autograd
         return _run_torch(a)
 
@@ -84,17 +77,7 @@ def _verify_layout(a: _Args, lay: _Layout, backend: str):
     if torch.compiler.is_compiling():
         raise NotImplementedError("fused_verify_packed, and fused_verify with draft_logits, target_is_probs, out=, "
                                   "return_logprobs or method='block', are eager ops: call them outside torch.compile")
-    resolved = _resolve_backend(backend, a.target_logits.device)
-    if resolved == "_triton_rows" and a.min_p is not None:
-        raise NotImplementedError("backend '_triton_rows' does not take min_p (the one-program-per-row kernel "
-                                  "warps with top-k/top-p only): use backend 'triton' or 'torch'")
-    if resolved == "_triton_rows" and lay.draft_logits:
-        raise NotImplementedError("backend '_triton_rows' does not take draft_logits (the one-program-per-row kernel "
-                                  "reads draft probabilities only): use backend 'triton' or 'torch', or pass "
-                                  "draft_probs")
-    if resolved == "_triton_rows":
-        raise ValueError("backend '_triton_rows' takes only fused_verify's padded logits, without "
-                         "target_is_probs, out=, return_logprobs or method='block'")
+    resolved = resolve_backend(backend, a.target_logits.device)
     if resolved == "triton":
         tokens, num, lp = _launch(a, lay)
     else:
@@ -175,7 +158,7 @@ def check_sampling_scalars(temperature, top_k=None, top_p=None, min_p=None) -> N
                     "min_p": "a float in [0, 1] or None"}[name]
             raise TypeError(f"{name} must be {what}, got {type(value).__name__}")
     check_temperature(temperature)
-    _normalize_rows(1, 0, torch.device("cpu"), temperature, top_k, top_p, 0, 0, None, False, min_p)
+    normalize_rows(1, 0, torch.device("cpu"), temperature, top_k, top_p, 0, 0, None, False, min_p)
 
 
 METHODS = ("token", "block")
@@ -197,8 +180,8 @@ def _check_out(out, B: int, K1: int, dev: torch.device, logprobs: bool) -> tuple
                         f"{type(out).__name__}{f' of length {len(out)}' if isinstance(out, (tuple, list)) else ''}")
     shapes = ([B, K1], [B], [B, K1])
     for name, t, shape in zip(names, out, shapes):
-        dtypes = (torch.float32,) if name == "logprobs" else _INDEX_DTYPES
-        _check_tensor(f"out.{name}", t, dtypes, shape, dev)
+        dtypes = (torch.float32,) if name == "logprobs" else INDEX_DTYPES
+        check_tensor(f"out.{name}", t, dtypes, shape, dev)
     return tuple(out)
 
 
@@ -278,7 +261,7 @@ def fused_verify(
     ``num_accepted = -1`` as with a NaN in ``draft_probs`` (nothing is refused on the host);
     -inf logits are allowed (q = 0).  The result equals ``draft_probs=reference.draft_softmax(
     draft_logits, 1 / T)`` (fp32; the kernel's sums round in another order, as for p).
-    Eager-only too; the private ``"_triton_rows"`` backend refuses it (NotImplementedError).
+    Eager-only too.
 
     ``method="block"``: block verification (Sun et al., "Block Verification Accelerates Speculative
     Decoding", ICLR 2025; ``reference.block_verify_reference`` defines it): the K_b drafts are
@@ -286,7 +269,7 @@ def fused_verify(
     at least as many drafts accepted on average as token by token.  Every other argument and
     output is the same (greedy rows are verified token by token: the same tokens).  It reads the
     full q at every draft position, not only at a rejection, and every position's p twice
-    (``_verify_split_kernel``'s header).  Eager-only, as ``out=``.
+    (``verify.triton.split_kernel``'s header).  Eager-only, as ``out=``.
     """
     _check_method(method)
     if isinstance(temperature, float):
@@ -301,7 +284,7 @@ def fused_verify(
         K = target_logits.shape[1] - 1
         if not 0 <= num_draft_tokens <= K:
             raise ValueError(f"num_draft_tokens must be in [0, K] = [0, {K}], got {num_draft_tokens}")
-    if backend not in _BACKENDS + _PRIVATE_BACKENDS:
+    if backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
     a = normalize_arguments(target_logits, draft_tokens, draft_probs, num_draft_tokens, temperature, top_k,
                    top_p, seed, offset, uniforms, materialize=False, target_is_probs=bool(target_is_probs),
@@ -354,7 +337,7 @@ def fused_verify_packed(
     _check_method(method)
     if isinstance(temperature, float):
         check_temperature(temperature)
-    if backend not in _BACKENDS + _PRIVATE_BACKENDS:
+    if backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
     a, B, K = _normalize_packed(logits, draft_tokens, cu_num_draft_tokens, draft_probs, max_num_draft_tokens,
                                 temperature, top_k, top_p, seed, offset, uniforms, bool(target_is_probs),

@@ -14,10 +14,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._verify_kernel import _order_key
-from ._verify_split_draw import _chunk_weights, _draft_uniforms, _draw, _emit, _final_uniform, _logprob, _p_masses
-from ._verify_split_stage1 import _f_fields, _i_fields, _m_fields
-from ._verify_split_stats import _INT32_MIN
+from .common import order_key as _order_key
+from .draw import _chunk_weights, _draft_uniforms, _draw, _emit, _final_uniform, _logprob, _p_masses
+from .stage1 import _f_fields, _i_fields, _m_fields
+from .stats import _INT32_MIN
 
 
 @triton.jit

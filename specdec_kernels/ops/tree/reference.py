@@ -86,8 +86,8 @@ from __future__ import annotations
 
 import torch
 
-from .chain_reference import _accept, inverse_cdf, _target_distributions
-from .warp_reference import _torch_sort_descending
+from ..verify.reference.chain import acceptance_test, inverse_cdf, target_distributions
+from ..verify.reference.warp import torch_sort_descending
 
 __all__ = ["tree_depths", "tree_verify_reference"]
 
@@ -137,7 +137,7 @@ def tree_verify_reference(
     *,
     min_p: torch.Tensor | None = None,  # [B] fp32 in [0, 1], 0 = off
     max_depth: int | None = None,  # D, the width of path; None = the deepest used node
-    sort_descending=_torch_sort_descending,
+    sort_descending=torch_sort_descending,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One tree-verification step (the module docstring gives the rules and their proof).
     Returns (tokens [B, D+1] int64, path [B, D] int64, num_accepted [B] int64)."""
@@ -151,7 +151,7 @@ def tree_verify_reference(
     D = (int(depth.max()) if depth.numel() else 0) if max_depth is None else int(max_depth)
     bad_tree |= (depth > D).any(-1)
 
-    greedy, bad_param, p, bad_pos, argmax = _target_distributions(
+    greedy, bad_param, p, bad_pos, argmax = target_distributions(
         target_logits, nb, temperature, top_k, top_p, min_p, False, sort_descending)  # p [B, N+1, V] fp32
     sampled = draft_probs is not None
     if sampled:
@@ -184,7 +184,7 @@ def tree_verify_reference(
             examine &= ~bad
             q_c = q_cur.gather(1, c_safe[:, None])[:, 0]
             live = examine & (greedy | (q_c > 0))
-            passes = _accept(u[:, n], p_c, q_c)
+            passes = acceptance_test(u[:, n], p_c, q_c)
         else:
             live = examine & (greedy | (p_c > 0))
             passes = u[:, n] < p_c.double()

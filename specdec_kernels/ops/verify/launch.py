@@ -1,13 +1,11 @@
-"""The launchers of ``fused_verify``'s Triton kernels, and the choice of backend.
+"""The launcher of ``fused_verify``'s Triton kernel, its launch settings, and the choice of backend.
 
-``_launch``: one launch of the split kernel (``_verify_split_kernel.py``, the ``"triton"``
-backend), its compile-time parameters from ``split_kernel_meta``, its scratch from
-``_verify_workspace``; ``_launch_rows``: the one-program-per-row kernel (``_verify_kernel.py``, the
-private ``"_triton_rows"`` backend), with ``rows_kernel_meta``.  The arguments come checked
-(``_verify_args``); a launch allocates the outputs (none with ``out=``), picks the grid, passes
-scalars by value and [B] tensors as they are (on the device no op but the outputs' allocation),
-and refuses only what depends on the grid.  The kernels are imported on the first launch, so the
-torch path runs without Triton.
+``_launch``: one launch of the split kernel (``triton/split_kernel.py``, the ``"triton"``
+backend), its compile-time parameters from ``split_kernel_meta`` under the current
+``SplitSettings``, its scratch from ``workspace``.  The arguments come checked (``args``); a
+launch allocates the outputs (none with ``out=``), zeroes the workspace's counters, picks the
+grid, passes scalars by value and [B] tensors as they are, and refuses only what depends on the
+grid.  The kernel is imported on the first launch, so the torch path runs without Triton.
 """
 
 from __future__ import annotations
@@ -20,13 +18,10 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from ._verify_args import _Args, _RowSeeds
-from ._verify_workspace import SplitWorkspace, captured_workspace, workspace
+from .args import _Args, _RowSeeds
+from .workspace import SplitWorkspace, captured_workspace, workspace
 
 _BACKENDS = ("auto", "triton", "torch")
-# The vocabulary tile. 4096 fp32 logits per tile keep 8 warps streaming; the tests lower it to
-# cross tile boundaries on small vocabularies.
-_MAX_BLOCK_V = 4096
 
 
 def interpreting() -> bool:
@@ -54,16 +49,12 @@ def interpreter_problem(triton_version: Optional[str] = None, numpy_version: Opt
     return None
 
 
-# Private: the one-program-per-row kernel, reachable for side-by-side measurements on a GPU.
-_PRIVATE_BACKENDS = ("_triton_rows",)
-
-
-def _resolve_backend(backend: str, device: torch.device) -> str:
-    if backend not in _BACKENDS + _PRIVATE_BACKENDS:
+def resolve_backend(backend: str, device: torch.device) -> str:
+    if backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
     if backend == "auto":
         return "triton" if device.type == "cuda" else "torch"
-    if backend in ("triton", "_triton_rows") and device.type != "cuda":
+    if backend == "triton" and device.type != "cuda":
         if not interpreting():
             raise ValueError(
                 f"backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 for CPU tensors), got tensors on {device}")
@@ -153,8 +144,8 @@ def split_kernel_meta(V: int, K1: int, has_draft_probs: bool, has_top_k: bool, h
                       draft_logits: bool = False, has_min_p: bool = False, block: bool = False,
                       cuda: bool = True) -> dict:
     """The split kernel's compile-time parameters for V tokens and K + 1 = K1 positions under the
-    current ``SETTINGS``: its constexprs, num_warps, enable_fp_fusion (pinned off, as
-    ``rows_kernel_meta`` says) and maxnreg (CUDA only).  The launch and the ahead-of-time compile
+    current ``SETTINGS``: its constexprs, num_warps, enable_fp_fusion (pinned off: a
+    multiply and an add stay two roundings) and maxnreg (CUDA only).  The launch and the ahead-of-time compile
     check (``scripts/gpu_compile_check.py``) both take them here.  ``draft_logits``: the draft
     tensor holds logits (DRAFT_LOGITS; with has_draft_probs); ``has_min_p``: a min_p argument was
     given (HAS_MIN_P); ``block``: block verification (BLOCK); ``cuda``: compiled for a GPU (the
@@ -207,7 +198,7 @@ def _padded_layout(a: _Args) -> _Layout:
 
 
 def _kernel_inputs(a: _Args, lay: _Layout):
-    """(logits, draft_probs, tokens, num_accepted, logprobs) for either Triton kernel: the two
+    """(logits, draft_probs, tokens, num_accepted, logprobs) for the split kernel: the two
     inputs with a contiguous last dim (the kernels read a row at ptr + v; a copy only when it is
     not) and the outputs: ``lay.out``'s, or allocated ([B, K+1] and [B] int64, [B, K+1] fp32)."""
     logits = a.target_logits if a.target_logits.stride(-1) == 1 else a.target_logits.contiguous()
@@ -233,7 +224,7 @@ def _launch_triton(a: _Args, order: Optional[torch.Tensor] = None,
 
 def _launch(a: _Args, lay: _Layout, order: Optional[torch.Tensor] = None,
             local_workspace: bool = False) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-    """The split kernel (``_verify_split_kernel.py``): one launch, and on the device no op but the
+    """The split kernel (``triton/split_kernel.py``): one launch, and on the device no op but the
     outputs' allocation (none with ``out=``) and the memset of the counters the launch uses
     (scalars go by value, tensors are read as they are).
     Returns (tokens, num_accepted, logprobs or None).
@@ -242,7 +233,7 @@ def _launch(a: _Args, lay: _Layout, order: Optional[torch.Tensor] = None,
     ``local_workspace``: a workspace of this call only (the registered op's path: torch.compile's
     CUDA graphs allocate from pools whose memory they recycle, where a cached one could end up).
     Under CUDA-graph capture the call takes a workspace of the graph's own, kept alive with it."""
-    from ._verify_split_kernel import _verify_split_kernel  # lazily: the torch path needs no Triton
+    from .triton.split_kernel import verify_split_kernel  # lazily: the torch path needs no Triton
 
     logits, q, tokens, num_accepted, logprobs = _kernel_inputs(a, lay)
     B, K = lay.B, lay.K
@@ -310,7 +301,7 @@ def _launch(a: _Args, lay: _Layout, order: Optional[torch.Tensor] = None,
     # Triton launches on the current device's current stream: make it the tensors'. Nothing to
     # do for the interpreter.
     with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
-        _verify_split_kernel[(grid,)](
+        verify_split_kernel[(grid,)](
             logits, *l_strides, x, *x_strides, q if q is not None else dummy, *q_strides, cu, cu_stride,
             u if u is not None else dummy, u.stride(0) if u is not None else 0, u.stride(1) if u is not None else 0,
             flags, nd_p, nd_s, nd_v, t_p, t_s, float(t_v), k_p, k_s, k_v, p_p, p_s, float(p_v),
@@ -322,55 +313,3 @@ def _launch(a: _Args, lay: _Layout, order: Optional[torch.Tensor] = None,
             )
     return tokens, num_accepted, logprobs
 
-
-def _launch_rows(a: _Args) -> tuple[torch.Tensor, torch.Tensor]:
-    """The one-program-per-row kernel (``_verify_kernel.py``, private backend ``"_triton_rows"``),
-    kept until a GPU run has measured it beside the split kernel. Takes materialized arguments."""
-    from ._verify_kernel import _verify_kernel  # imported lazily: the torch path needs no Triton
-
-    logits, q, tokens, num_accepted, _ = _kernel_inputs(a, _padded_layout(a))
-    if q is not None:
-        q = q.float()  # this kernel reads fp32 q
-    B, K1, V = logits.shape
-    K = K1 - 1
-    dev = logits.device
-    if B == 0:
-        return tokens, num_accepted
-    uniforms = a.uniforms.contiguous() if a.uniforms is not None else None  # float64 (normalize_arguments)
-    x = a.draft_tokens if a.draft_tokens.stride(-1) == 1 else a.draft_tokens.contiguous()  # read at + j
-    dummy = num_accepted  # stands in for absent optional pointers; never dereferenced
-    # Triton launches on the current device's current stream: make it the tensors' (cuda:1 while
-    # cuda:0 is current ran in the wrong context before). Nothing to do for the interpreter.
-    with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
-        _verify_kernel[(B,)](
-            logits, logits.stride(0), logits.stride(1),
-            x, x.stride(0),
-            q if q is not None else dummy, q.stride(0) if q is not None else 0, q.stride(1) if q is not None else 0,
-            a.num_draft_tokens, a.temperature,
-            a.top_k if a.top_k is not None else dummy,
-            a.top_p if a.top_p is not None else dummy,
-            a.seed, a.offset,
-            uniforms if uniforms is not None else dummy,
-            tokens, num_accepted,
-            K, V, q.shape[-1] if q is not None else V,
-            **rows_kernel_meta(V, K1, q is not None, a.top_k is not None, a.top_p is not None, uniforms is not None),
-        )
-    return tokens, num_accepted
-
-
-def rows_kernel_meta(V: int, K1: int, has_draft_probs: bool, has_top_k: bool, has_top_p: bool,
-                 has_uniforms: bool) -> dict:
-    """The verify kernel's compile-time parameters for a launch over V tokens and K + 1 = K1
-    positions: its constexprs, num_warps and enable_fp_fusion.  The launch and the
-    ahead-of-time compile check (``scripts/gpu_compile_check.py``) both take them from here.
-
-    enable_fp_fusion is pinned off: a multiply and an add stay two roundings, as in the
-    interpreter and the torch reference (the online softmax's ``acc * exp(m - m') + exp(s - m')``
-    would otherwise become one FMA), and the bits do not change with Triton's default (on in
-    3.6-3.9, off from 3.10)."""
-    import triton  # imported lazily, as above
-
-    block_v = max(16, min(triton.next_power_of_2(V), _MAX_BLOCK_V))
-    return dict(HAS_DRAFT_PROBS=has_draft_probs, HAS_TOP_K=has_top_k, HAS_TOP_P=has_top_p,
-                HAS_UNIFORMS=has_uniforms, BLOCK_V=block_v, BLOCK_K=triton.next_power_of_2(K1),
-                num_warps=8 if block_v >= 2048 else 4, enable_fp_fusion=False)

@@ -2,7 +2,7 @@
 per-position partial records, candidate keys and float64 masses.  One per device and stream
 (``workspace``), one per captured CUDA graph (``captured_workspace``), grown as needed and never
 freed.  The sizes (``SplitWorkspace.sizes``), the counters' layout (``counter_layout``) and the
-offsets ``records`` reads follow the field layout at the top of ``_verify_split_kernel``'s body.
+offsets ``records`` reads follow the field layout of ``triton/stage1.py`` (``_f_fields``, ``_i_fields``).
 
 Nothing a launch leaves here can reach a later call: the launcher zeroes the counters a launch
 uses before it (one memset), and every record a launch reads was written earlier in the same
