@@ -6,7 +6,7 @@ import contextlib
 
 import pytest
 
-from specdec_kernels.ops.kernels import launch_settings
+from specdec_kernels.ops.kernels import launch_settings, tree_launch_settings
 
 
 @pytest.fixture
@@ -15,3 +15,11 @@ def split_settings():
     the end of the test (``ops.kernels.launch_settings``); calls stack, each on top of the last."""
     with contextlib.ExitStack() as stack:
         yield lambda **changes: stack.enter_context(launch_settings(**changes))
+
+
+@pytest.fixture
+def tree_settings():
+    """``tree_settings(block_v=16)``: the tree kernel's vocabulary tile changed to the end of the
+    test (``ops.kernels.tree_launch_settings``)."""
+    with contextlib.ExitStack() as stack:
+        yield lambda **changes: stack.enter_context(tree_launch_settings(**changes))

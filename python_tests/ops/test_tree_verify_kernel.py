@@ -18,7 +18,6 @@ import torch
 from helpers import HAS_CUDA
 from specdec_kernels import fused_verify
 from specdec_kernels.ops.verify import launch as _verify_launch
-from specdec_kernels.ops.tree import api as tree_mod
 from specdec_kernels.ops.reference import philox_uniforms
 from specdec_kernels.ops.tree.reference import tree_verify_reference
 from specdec_kernels.ops.tree.api import _launch_tree, fused_verify_tree
@@ -81,11 +80,11 @@ CONFIGS = [
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=[c[0] for c in CONFIGS])
-def test_kernel_equals_reference(cfg, monkeypatch):
+def test_kernel_equals_reference(cfg, tree_settings):
     """The same uniforms, and the same seeds/offsets (the kernel's Philox numbers), give the
     reference's tokens, path and count; the cases reach deep paths and residual decisions."""
     name, sampled, warp, V, Vd, dtype, qdtype, tile = cfg
-    monkeypatch.setattr(tree_mod, "_MAX_BLOCK_V", tile)
+    tree_settings(block_v=tile)
     B, N = 8, 8
     g = torch.Generator().manual_seed(sum(map(ord, name)))
     stats = [0, 0, 0]
@@ -132,13 +131,13 @@ def test_kernel_equals_reference(cfg, monkeypatch):
 
 
 @pytest.mark.parametrize("sampled", [True, False], ids=["sampled", "deterministic"])
-def test_siblings_against_the_residual(sampled, monkeypatch):
+def test_siblings_against_the_residual(sampled, tree_settings):
     """Every row a star: six children of the root, then a child under each of the first three.
     Deterministic rule: the root's six likeliest tokens; sampled rule: q's six likeliest (a
     Gumbel-top-k draw's likeliest outcome), with p loosely related to q.  Each rejection removes
     a sizeable share of p (and of q), so the renormalised residual and q decide the next tests and
     the final draws."""
-    monkeypatch.setattr(tree_mod, "_MAX_BLOCK_V", 16)
+    tree_settings(block_v=16)
     g = torch.Generator().manual_seed(51 + sampled)
     B, N, V = 8, 9, 24
     q_logits = torch.randn(B, N + 1, V, generator=g) * 2
@@ -274,10 +273,10 @@ def test_residual_that_sums_to_zero_is_not_taken():
 
 
 @pytest.mark.parametrize("sampled", [True, False], ids=["sampled", "deterministic"])
-def test_chain_as_tree_equals_fused_verify_triton(sampled, monkeypatch, split_settings):
+def test_chain_as_tree_equals_fused_verify_triton(sampled, tree_settings, split_settings):
     """Node n's parent n - 1: the tree kernel gives the chain kernel's tokens and counts on the same
     uniforms and on the same seeds."""
-    monkeypatch.setattr(tree_mod, "_MAX_BLOCK_V", 16)
+    tree_settings(block_v=16)
     split_settings(chunk=16)
     g = torch.Generator().manual_seed(31 + sampled)
     B, K, V = 6, 4, 29

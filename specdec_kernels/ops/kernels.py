@@ -19,7 +19,7 @@ import torch
 from .verify.launch import interpreter_problem, split_kernel_meta  # noqa: F401
 
 __all__ = ["current_settings", "interpreter_problem", "launch_settings", "split_kernel_meta", "split_workspace",
-           "split_workspace_records", "triton_kernels"]
+           "split_workspace_records", "tree_launch_settings", "triton_kernels"]
 
 
 def triton_kernels() -> dict:
@@ -50,6 +50,23 @@ def launch_settings(**changes):
         yield launch.SETTINGS
     finally:
         launch.SETTINGS = old
+
+
+@contextlib.contextmanager
+def tree_launch_settings(*, block_v: int):
+    """Within the block, ``fused_verify_tree``'s kernel reads the vocabulary in tiles of
+    ``block_v`` tokens (a power of two >= 16; 4096 by default); restored on exit.  The tokens do
+    not depend on it."""
+    from .tree import api
+
+    if isinstance(block_v, bool) or not isinstance(block_v, int) or block_v < 16 or block_v & (block_v - 1):
+        raise ValueError(f"tree_launch_settings: block_v must be an int >= 16, a power of two, got {block_v!r}")
+    old = api.TREE_BLOCK_V
+    api.TREE_BLOCK_V = block_v
+    try:
+        yield
+    finally:
+        api.TREE_BLOCK_V = old
 
 
 def current_settings():

@@ -36,7 +36,9 @@ __all__ = ["TreeVerifyOutput", "fused_verify_tree"]
 
 _TREE_BACKENDS = ("auto", "triton", "torch")
 # The kernel's vocabulary tile; the tests lower it to cross tile boundaries on small vocabularies.
-_MAX_BLOCK_V = 4096
+# The kernel's vocabulary tile, a power of two >= 16 (``ops.kernels.tree_launch_settings``
+# changes it: the tests lower it to cross tile boundaries on small vocabularies).
+TREE_BLOCK_V = 4096
 
 
 class TreeVerifyOutput(NamedTuple):
@@ -177,7 +179,7 @@ def tree_kernel_meta(V: int, N: int, D: int, has_draft_probs: bool, has_top_k: b
     the bits do not change with Triton's default)."""
     import triton  # imported lazily: the torch path needs no Triton
 
-    block_v = max(16, min(triton.next_power_of_2(V), _MAX_BLOCK_V))
+    block_v = max(16, min(triton.next_power_of_2(V), TREE_BLOCK_V))
     return dict(HAS_DRAFT_PROBS=has_draft_probs, HAS_TOP_K=has_top_k, HAS_TOP_P=has_top_p, HAS_MIN_P=has_min_p,
                 HAS_UNIFORMS=has_uniforms, BLOCK_V=block_v, BLOCK_N=triton.next_power_of_2(max(N, 1)),
                 BLOCK_D=triton.next_power_of_2(D + 1), num_warps=8 if block_v >= 2048 else 4,

@@ -34,8 +34,8 @@ def interpreter_problem(triton_version: Optional[str] = None, numpy_version: Opt
 
     Triton 3.6's interpreter turns one-element arrays into Python ints with ``int()``, which
     NumPy 2.4 refuses ("only 0-dimensional arrays can be converted to Python scalars", at the
-    kernel's first loop over the vocabulary); Triton 3.7 squeezes them first. Seen 2026-12-01
-    with triton 3.6.0 and numpy 2.4.6 (the GPU image's Triton; the compiled kernel is unaffected)."""
+    kernel's first loop over the vocabulary); Triton 3.7 squeezes them first (triton 3.6.0 with
+    numpy 2.4.6; the compiled kernel is unaffected)."""
     if triton_version is None or numpy_version is None:
         import numpy
         import triton

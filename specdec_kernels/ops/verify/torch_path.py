@@ -104,8 +104,7 @@ def _verify_greedy(a: _Args) -> tuple[torch.Tensor, torch.Tensor]:
 
 # Up to this many verified positions (B * (K+1)) the greedy route finishes on the host, in
 # Python ints, after the maxima, instead of the reference's some forty small tensor ops for the
-# stop position and outputs (Zen 5 VM, 1 thread, B = 1, K = 2, V = 49,152: the whole call 168 ->
-# 79 us hot; inside the decoder's loop, where it runs cold, 0.63 -> 0.51 ms).
+# stop position and outputs (about half the call at B = 1: docs/benchmarks.md).
 _HOST_GREEDY_MAX = 64
 
 
@@ -199,8 +198,7 @@ def _verify_sampled(a: _Args, u: torch.Tensor, warped: bool) -> tuple[torch.Tens
     bad_pos = ~torch.isfinite(m[..., 0])  # [B, K+1]
     # In place: s is a fresh tensor read no more.  Each [B, K+1, V] temporary not allocated is
     # one fewer fresh block from malloc, whose page faults can cost more than the arithmetic
-    # (B = 4, V = 32,000: 4.2 ms a call with the temporaries, against 2.0 with malloc told to
-    # keep its memory).
+    # (docs/benchmarks.md).
     e = s.sub_(m).exp_()  # [B, K+1, V]
     if keep is not None:
         e.masked_fill_(~keep, 0.0)  # the reference's where(keep, exp(s - m), 0)
@@ -219,10 +217,8 @@ def _verify_sampled(a: _Args, u: torch.Tensor, warped: bool) -> tuple[torch.Tens
 
 # The untruncated route makes its final draw row by row (below) for up to this many rows, or for
 # any number of rows over a vocabulary of at least _ROW_DRAW_MIN_V tokens, rather than through the
-# reference's batched passes.  Measured on the Zen 5 VM, 1 thread, K = 2 (fused_verify, batched
-# against row by row): B = 16 / 64 at V = 32,000: 22.0 / 85.8 ms against 7.7 / 44.7; B = 16 at V =
-# 128,256: 69.2 against 18.9; but B = 64 at V = 1,000: 2.25 against 2.97, B = 256 at V = 100: 1.71
-# against 6.91 (the per-row Python costs more than a small vocabulary's passes).
+# reference's batched passes: faster for a few rows or a large vocabulary, slower for many rows
+# of a small one, where the per-row Python costs more than the passes (docs/benchmarks.md).
 _ROW_DRAW_MAX = 8
 _ROW_DRAW_MIN_V = 4096
 
@@ -231,8 +227,7 @@ def _final_token_rows(p_j, x_safe, draft_probs, j, rejected, bad_row, greedy, ar
     """``verify.reference.chain.final_token`` (same arguments, the same tokens and bad_row) on the CPU, one row
     at a time (few rows, or a large vocabulary), so that a row pays only for what it uses: a greedy row nothing, a
     bonus row one cumulative sum, a rejected row its residual and one cumulative sum, where the
-    batched reference makes about fifteen passes over [B, V] for every row (0.5-0.7 ms at V =
-    49,152, B = 1).  The inverse CDF is the reference's: the first v with cumsum(w)[v] > u *
+    batched reference makes about fifteen passes over [B, V] for every row.  The inverse CDF is the reference's: the first v with cumsum(w)[v] > u *
     sum(w), found by binary search in the float64 cumsum (a sequential sum of non-negative
     weights, so non-decreasing, and flat exactly where w[v] = 0: the first index past the target
     has w > 0, as the reference requires); the last positive weight if none."""
@@ -282,8 +277,8 @@ def _final_token_rows(p_j, x_safe, draft_probs, j, rejected, bad_row, greedy, ar
 
 
 # Up to this many Philox evaluations (B * (K+1)) the CPU path draws them in Python ints
-# (``verify.reference.philox.philox_uniforms_host``, about 4 us each) rather than with ~360 elementwise tensor ops
-# (about 0.5 ms whatever the batch); the two give the same values.
+# (``verify.reference.philox.philox_uniforms_host``) rather than with ~360 elementwise tensor ops,
+# whose fixed cost is larger for so few (docs/benchmarks.md); the two give the same values.
 _HOST_PHILOX_MAX = 128
 
 
