@@ -315,3 +315,18 @@ def test_backends(monkeypatch):
         fused_verify_tree(*args, backend="triton", **kwargs)
     with pytest.raises(ValueError, match=r"backend must be one of \('auto', 'triton', 'torch'\)"):
         fused_verify_tree(*args, backend="cuda", **kwargs)
+
+
+def test_tree_launch_settings_are_checked_and_restored():
+    from specdec_kernels.ops.kernels import tree_launch_settings
+    from specdec_kernels.ops.tree import api
+
+    before = api.TREE_BLOCK_V
+    with tree_launch_settings(block_v=32):
+        assert api.tree_kernel_meta(1000, 4, 2, True, False, False, False, False)["BLOCK_V"] == 32
+    assert api.TREE_BLOCK_V == before
+    for bad in (0, 8, 48, 2.0, True):
+        with pytest.raises(ValueError, match=f"block_v must be an int >= 16, a power of two, got {bad!r}"):
+            with tree_launch_settings(block_v=bad):
+                pass
+    assert api.TREE_BLOCK_V == before

@@ -601,6 +601,7 @@ def test_launch_settings_are_checked_and_restored():
                      (dict(stage2_lag=-1), "stage2_lag must be None or an int >= 0, got -1"),
                      (dict(ticket="fast"), "ticket must be one of ('acq_rel', 'relaxed', 'prefetch'), got 'fast'"),
                      (dict(poll="spin"), "poll must be one of ('acquire', 'relaxed'), got 'spin'"),
+                     (dict(poll_sleep_ns=2_000_000), "poll_sleep_ns must be at most 1,000,000, got 2000000"),
                      (dict(chunks=4), "unknown setting 'chunks'")):
         with pytest.raises(ValueError, match=msg.replace("(", r"\(").replace(")", r"\)")):
             with launch_settings(**bad):

@@ -123,6 +123,8 @@ class SplitSettings:
         want_int("maxnreg", 1, optional=True)
         want_int("stage2_lag", 0, optional=True)
         want_int("poll_sleep_ns", 0)
+        if self.poll_sleep_ns > 1_000_000:  # nanosleep's limit
+            raise ValueError(f"launch_settings: poll_sleep_ns must be at most 1,000,000, got {self.poll_sleep_ns}")
         for name, choices in (("ticket", _TICKETS), ("poll", _POLLS)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"launch_settings: {name} must be one of {choices}, got {getattr(self, name)!r}")
