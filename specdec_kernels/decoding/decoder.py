@@ -47,7 +47,7 @@ on their models.  A model's forward need not be batch-invariant: in the prefill,
 over more rows than ``skinny_linear`` takes, and attention over a left-padded or gapped cache,
 may round a row's logits differently in the last bit, and a token then differs where a uniform
 falls within that rounding of a decision boundary (rare: about 1e-6 of the draws at one step of
-a tiny random model, docs/benchmarks.md).  The randomness and the verification never
+a tiny random model, docs/history/measurements.md).  The randomness and the verification never
 depend on the other rows.
 
 This module is long for one reason: it is the public class, and about 200 of its ~600 lines

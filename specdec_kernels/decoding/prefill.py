@@ -24,7 +24,7 @@ if TYPE_CHECKING:  # pragma: no cover
 # The prefill's fixed cost of one more forward, in padded prompt tokens: what a forward over a
 # [rows, P] block costs is about this + rows * P tokens.  On the CPU a forward's fixed part (the
 # Python of the layers, one pass over the weights) weighs about as much as 12 tokens of
-# arithmetic (SmolLM2-135M, fp32, 1 thread: docs/benchmarks.md); on a GPU the arithmetic of a few thousand tokens hides behind the launch overhead, so
+# arithmetic (SmolLM2-135M, fp32, 1 thread: docs/history/measurements.md); on a GPU the arithmetic of a few thousand tokens hides behind the launch overhead, so
 # rows are split only when the lengths differ by thousands.
 _PREFILL_GROUP_COST = {"cpu": 12, "other": 4096}
 

@@ -32,7 +32,7 @@ def host_readable(t: torch.Tensor) -> bool:
 
 def sort_descending_cpu(s: torch.Tensor) -> torch.Tensor:
     """``torch.sort(s, dim=-1, descending=True).values`` of an fp32 tensor, through NumPy's sort
-    on CPU tensors (its SIMD sort is many times faster than torch's on a CPU: docs/benchmarks.md).
+    on CPU tensors (its SIMD sort is many times faster than torch's on a CPU: docs/history/measurements.md).
     The same values in the same places, but for the order among equal values that are told
     apart by their bits only: -0.0 and +0.0, which every use here treats alike, and NaNs (first
     in both, as NumPy sorts them last and the order is reversed; their signs and payloads may

@@ -1,7 +1,7 @@
 """A draft vocabulary: the tokens a draft model may propose.
 
 A small draft spends much of a decode step in its output layer: the embedded draft's 49,152 x 192
-layer is about half of its time per token on a CPU (docs/benchmarks.md).  Its
+layer is about half of its time per token on a CPU (docs/history/measurements.md).  Its
 correct guesses are frequent tokens, so its logits are computed only for the ``N`` tokens the
 target emits most often (the idea of FR-Spec, Zhao et al. 2025, "frequency-ranked speculative
 sampling"): the draft proposes the argmax (or a sample) over those ``N`` tokens, and its

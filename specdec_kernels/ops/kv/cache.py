@@ -169,7 +169,7 @@ def compact_kv_(
         torch.ops.specdec.compact_kv_(list(caches), src_start, dst_start, count)
     else:
         # Eager: the op checks every argument itself, in C++, before it touches any data.  The
-        # Python checks cost about twice the op on a 32-layer model (docs/benchmarks.md), so
+        # Python checks cost about twice the op on a 32-layer model (docs/history/measurements.md), so
         # they run only when the op refuses, to turn its RuntimeError into the TypeError or
         # ValueError they raise; errors they do not cover (index values, aliasing) re-raise.
         try:

@@ -93,7 +93,7 @@ def verify_prechecked(target_logits, draft_tokens, draft_probs, num_draft_tokens
     of its dtypes on the logits' device, in range), without the per-call checks: the tail of
     ``fused_verify``, and ``SpeculativeDecoder``'s entry (it checks its parameters once per
     ``generate``; inside its CPU loop the checks would cost about 1% of a step of the embedded
-    target: docs/benchmarks.md).  The same computation either way."""
+    target: docs/history/measurements.md).  The same computation either way."""
     a = _Args(target_logits, draft_tokens, draft_probs, num_draft_tokens, temperature, top_k, top_p, seed, offset,
               uniforms, min_p)
     if torch.compiler.is_compiling():

@@ -104,7 +104,7 @@ def _verify_greedy(a: _Args) -> tuple[torch.Tensor, torch.Tensor]:
 
 # Up to this many verified positions (B * (K+1)) the greedy route finishes on the host, in
 # Python ints, after the maxima, instead of the reference's some forty small tensor ops for the
-# stop position and outputs (about half the call at B = 1: docs/benchmarks.md).
+# stop position and outputs (about half the call at B = 1: docs/history/measurements.md).
 _HOST_GREEDY_MAX = 64
 
 
@@ -198,7 +198,7 @@ def _verify_sampled(a: _Args, u: torch.Tensor, warped: bool) -> tuple[torch.Tens
     bad_pos = ~torch.isfinite(m[..., 0])  # [B, K+1]
     # In place: s is a fresh tensor read no more.  Each [B, K+1, V] temporary not allocated is
     # one fewer fresh block from malloc, whose page faults can cost more than the arithmetic
-    # (docs/benchmarks.md).
+    # (docs/history/measurements.md).
     e = s.sub_(m).exp_()  # [B, K+1, V]
     if keep is not None:
         e.masked_fill_(~keep, 0.0)  # the reference's where(keep, exp(s - m), 0)
@@ -218,7 +218,7 @@ def _verify_sampled(a: _Args, u: torch.Tensor, warped: bool) -> tuple[torch.Tens
 # The untruncated route makes its final draw row by row (below) for up to this many rows, or for
 # any number of rows over a vocabulary of at least _ROW_DRAW_MIN_V tokens, rather than through the
 # reference's batched passes: faster for a few rows or a large vocabulary, slower for many rows
-# of a small one, where the per-row Python costs more than the passes (docs/benchmarks.md).
+# of a small one, where the per-row Python costs more than the passes (docs/history/measurements.md).
 _ROW_DRAW_MAX = 8
 _ROW_DRAW_MIN_V = 4096
 
@@ -278,7 +278,7 @@ def _final_token_rows(p_j, x_safe, draft_probs, j, rejected, bad_row, greedy, ar
 
 # Up to this many Philox evaluations (B * (K+1)) the CPU path draws them in Python ints
 # (``verify.reference.philox.philox_uniforms_host``) rather than with ~360 elementwise tensor ops,
-# whose fixed cost is larger for so few (docs/benchmarks.md); the two give the same values.
+# whose fixed cost is larger for so few (docs/history/measurements.md); the two give the same values.
 _HOST_PHILOX_MAX = 128
 
 
