@@ -433,10 +433,7 @@ class SpeculativeDecoder:
         """Every active row is past the draft's context (it never drafts again): the rest is the
         target alone, with no draft state kept (nothing waits for a draft forward)."""
         st.target_only = True
-        st.draft.dc = None
-        st.draft.wait = st.draft.wait_cnt = st.draft.wait_host = None
-        st.draft.pend_tok = st.draft.pend_feat = st.draft.pend_cnt = None
-        st.draft.pend_cnt_host = []
+        st.draft.retire()
 
     def _run(self, st: DecodeState, baseline_tokens_per_s) -> GenerationResult:
         t0 = time.perf_counter()
@@ -475,8 +472,8 @@ class SpeculativeDecoder:
         # drafters.base.draft_cap), so K is at most the largest K_b any row may verify.
         dctx = st.draft_context
         room = max(st.budget_host[p] - len(st.generated[p]) - 1 if dctx is None else
-                   min(st.budget_host[p] - len(st.generated[p]) - 1, dctx - lt)
-                   for p, lt in zip(st.rows, st.lt_host))
+                   min(st.budget_host[p] - len(st.generated[p]) - 1, dctx - n)
+                   for p, n in zip(st.rows, st.target_len_host))
         return max(min(k, room), 0)
 
     @staticmethod
@@ -492,12 +489,12 @@ class SpeculativeDecoder:
 
     def _step(self, st: DecodeState) -> None:
         """One step: draft -> verify -> roll back -> emit, with one host sync (after the verify)."""
-        if st.draft_context is not None and not st.target_only and min(st.lt_host) >= st.draft_context:
+        if st.draft_context is not None and not st.target_only and min(st.target_len_host) >= st.draft_context:
             self._retire_draft(st)
         drafter = None if st.target_only else self._drafter
         K = self._choose_k(st)
         # this step's draft takes what waited through K = 0 steps (not a typical draft time)
-        waited = st.draft.waited if st.draft.pend_tok is not None else st.draft.wait is not None
+        waited = st.draft.holds_waiting()
         clock = st.clock
         t_a = clock.mark()
         d = drafter.draft(st, K) if drafter is not None and K > 0 else None
@@ -516,9 +513,9 @@ class SpeculativeDecoder:
         # Roll back (device work, no sync): the target keeps last + the accepted drafts, the
         # drafter what it accepted (or, without drafts, what waits for its next forward).
         keep_t = (n + 1).clamp(min=0)  # [B]
-        compact_dynamic_cache_(st.tc, st.Tt, st.lt, keep_t)
-        st.lt, st.Tt = st.lt + keep_t, st.Tt + K + 1
-        st.lt_host = [a + max(m + 1, 0) for a, m in zip(st.lt_host, n_host)]
+        compact_dynamic_cache_(st.target_cache, st.target_columns, st.target_len, keep_t)
+        st.target_len, st.target_columns = st.target_len + keep_t, st.target_columns + K + 1
+        st.target_len_host = [a + max(m + 1, 0) for a, m in zip(st.target_len_host, n_host)]
         if drafter is not None and d is not None:
             drafter.after_verify(st, out, feats, n, n_host, K)
         elif drafter is not None:  # a K = 0 step
@@ -535,11 +532,9 @@ class SpeculativeDecoder:
             st.pbar.update(sum(emitted))
         self._drop_finished(st)
         if st.rows:  # drop the columns past the longest row (rejected drafts, finished rows)
-            st.Tt = max(st.lt_host)
-            crop_cache_(st.tc, st.Tt)
-            if st.draft.dc is not None:
-                st.draft.Td = max(st.draft.ld_host)
-                crop_cache_(st.draft.dc, st.draft.Td)
+            st.target_columns = max(st.target_len_host)
+            crop_cache_(st.target_cache, st.target_columns)
+            st.draft.crop()
 
     @staticmethod
     def _verify_inputs(st: DecodeState, drafter, d) -> tuple:
@@ -555,25 +550,25 @@ class SpeculativeDecoder:
         return d.tokens, d.probs, kb if d.num is None else torch.minimum(kb, d.num)
 
     def _verify(self, st: DecodeState, drafter, X: torch.Tensor, Q, kb: torch.Tensor) -> tuple:
-        """The target scores [last, x_1 .. x_K] at cache columns Tt .. Tt + K and ``fused_verify``
+        """The target scores [last, x_1 .. x_K] at cache columns target_columns .. target_columns + K and ``fused_verify``
         keeps a prefix of the drafts and adds one token.  Returns (VerifyOutput, the target's
         features at those columns [B, K + 1, H] for a drafter that reads them, else None)."""
         from ..ops.verify import fused_verify, verify_prechecked
 
         B, K, dev = X.shape[0], X.shape[1], st.device
         ids = torch.cat([st.last[:, None], X], 1)  # [B, K+1]
-        pos = st.lt[:, None] + torch.arange(K + 1, device=dev)[None, :]  # [B, K+1]
+        pos = st.target_len[:, None] + torch.arange(K + 1, device=dev)[None, :]  # [B, K+1]
         if st.context is not None:
             pos = pos.clamp(max=st.context - 1)
         mask = None  # every row's cache is full: no padding, no mask
-        if min(st.lt_host) < st.Tt:
-            mask = torch.cat([torch.arange(st.Tt, device=dev)[None, :] < st.lt[:, None],
-                              torch.ones((B, K + 1), dtype=torch.bool, device=dev)], 1)  # [B, Tt+K+1]
+        if min(st.target_len_host) < st.target_columns:
+            mask = torch.cat([torch.arange(st.target_columns, device=dev)[None, :] < st.target_len[:, None],
+                              torch.ones((B, K + 1), dtype=torch.bool, device=dev)], 1)  # [B, target_columns + K + 1]
         feats = None
         if drafter is not None and drafter.reads_features:
-            logits, feats = self._t.step_hidden(st.tc, ids, mask, pos, st.Tt, K + 1)  # + [B, K+1, H]
+            logits, feats = self._t.step_hidden(st.target_cache, ids, mask, pos, st.target_columns, K + 1)  # + [B, K+1, H]
         else:
-            logits = self._t.step(st.tc, ids, mask, pos, st.Tt, K + 1)  # [B, K+1, V]
+            logits = self._t.step(st.target_cache, ids, mask, pos, st.target_columns, K + 1)  # [B, K+1, V]
         if st.procs is not None:  # sequence processors: position i sees the row's ids, then x_1 .. x_i
             logits = st.procs(logits, X, kb.tolist(), st.rows, st.generated)
         temp, top_k, top_p, min_p = self._row_params(st, B)
@@ -593,14 +588,14 @@ class SpeculativeDecoder:
         if not keep:
             return
         idx = to_device(keep, torch.int64, st.device)
-        for name in ("last", "lt", "gen", "budget", "seed", "key_lo", "key_hi", "step"):
+        for name in ("last", "target_len", "gen", "budget", "seed", "key_lo", "key_hi", "step"):
             t = getattr(st, name)
             if t is not None:
                 setattr(st, name, t.index_select(0, idx))
-        st.lt_host = [st.lt_host[i] for i in keep] if st.lt_host else st.lt_host
+        st.target_len_host = [st.target_len_host[i] for i in keep] if st.target_len_host else st.target_len_host
         self._drafter.select_rows(st, idx, keep)  # what the drafter keeps per row, its cache included
-        if st.lt_host:  # after the prefill: slice the cache (the caller crops it)
-            st.tc.batch_select_indices(idx)
+        if st.target_len_host:  # after the prefill: slice the cache (the caller crops it)
+            st.target_cache.batch_select_indices(idx)
 
 
 # generate's arguments and their defaults, taken once (transformers_args tells a passed argument from a default)
