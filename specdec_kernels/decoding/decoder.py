@@ -50,7 +50,7 @@ falls within that rounding of a decision boundary (rare: about 1e-6 of the draws
 a tiny random model, docs/benchmarks.md).  The randomness and the verification never
 depend on the other rows.
 
-This module is long for one reason: it is the public class, and about 200 of its ~600 lines
+This module is long for one reason: it is the public class, and about 200 of its ~650 lines
 document its ~30 arguments (``SpeculativeDecoder``'s and ``generate``'s docstrings, where users
 read them).  The loop itself is short: ``_step`` reads top to bottom in one screen (draft,
 verify, the one host sync, roll back, emit), and everything it delegates lives in a module of
@@ -70,6 +70,7 @@ import torch
 from ..ops.host import to_device
 from ..ops.kv.cache import compact_dynamic_cache_, crop_cache_
 from .arguments import as_float
+from .drafters.base import Drafter
 from .drafters.feature import FeatureDrafter
 from .drafters.model import ModelDrafter
 from .drafters.vocab import resolve_draft_vocab
@@ -100,7 +101,9 @@ class SpeculativeDecoder:
     ``draft=None`` drafts by prompt lookup (``drafter="prompt_lookup"``); ``drafter="feature"``
     takes a ``specdec_kernels.decoding.drafters.feature_model.FeatureDraft`` (or its directory) as ``draft``: a draft
     that reads the target's hidden states, trained for that target (with neither draft nor
-    target: the embedded target with its embedded feature draft).  The two must share
+    target: the embedded target with its embedded feature draft).  ``drafter=<a Drafter instance>``
+    (``specdec_kernels.decoding.drafters.base.Drafter``) drafts through that object, which brings
+    what it drafts with (no ``draft``); ``self.drafter`` is the drafter's name.  The two must share
     a vocabulary (the target's may be padded beyond the draft's); when both tokenizers are
     known their vocabularies must be equal.  tokenizer: a tokenizer or path (default: the
     target's, when the target is given by path); without one, prompts must be token ids.
@@ -148,7 +151,7 @@ class SpeculativeDecoder:
     """
 
     def __init__(self, draft=None, target=None, tokenizer=None, device=None, dtype=None, *,
-                 drafter: Optional[str] = None, max_ngram: Optional[int] = None, cpu_linear: str = "auto",
+                 drafter: Union[str, Drafter, None] = None, max_ngram: Optional[int] = None, cpu_linear: str = "auto",
                  lean_forward: bool = True, draft_vocab: Any = "auto", verify_backend: str = "auto",
                  verification: str = "token", tree: Any = None, accelerator: Any = None):
         if cpu_linear not in ("auto", "skinny", "torch"):
@@ -197,8 +200,8 @@ class SpeculativeDecoder:
         if self.feature is not None:
             self._d = FeatureRunner(self.feature, target)
         # the drafter the loop drafts through (drafters/base.py: draft, after_verify, wait, select_rows)
-        self._drafter = (self.lookup if self._d is None else FeatureDrafter(self._d) if self.feature is not None
-                         else ModelDrafter(self._d))
+        self._drafter = (pair.instance if pair.instance is not None else self.lookup if self._d is None
+                         else FeatureDrafter(self._d) if self.feature is not None else ModelDrafter(self._d))
         self._feature_vocab = feature_vocab
         if self._d is not None and self._d.vocab_size > self._t.vocab_size:
             raise ValueError(f"the draft vocabulary must not exceed the target's: draft vocab_size = "
@@ -377,7 +380,7 @@ class SpeculativeDecoder:
             streamer.put(torch.tensor([st.seqs[0]]))  # the prompt, [1, T], as transformers' generate does
         if target_step_s is not None:
             st.recorder.set_target_step(target_step_s)
-        return self._decode(st, baseline_tokens_per_s)
+        return self.decode(st, baseline_tokens_per_s)
 
     def _generate_tree(self, st: DecodeState, streamer, criteria, procs, draft_confidence, verbose) -> GenerationResult:
         """``generate`` with tree steps (``tree.run_tree``); what it does not take is
@@ -396,11 +399,41 @@ class SpeculativeDecoder:
         return GenerationResult(texts=texts, token_ids=st.generated, stats=stats, finish_reasons=list(st.finish),
                                 seeds=list(st.seeds))
 
-    def _decode(self, st: DecodeState, baseline_tokens_per_s=None) -> GenerationResult:
-        """Run a started state (``_start``) to the end with this decoder's forward paths."""
+    def start(self, prompts, max_new_tokens: int = 64, num_draft_tokens: Union[int, str] = 4,
+              temperature: float = 0.0, top_k: Optional[int] = None, top_p: Optional[float] = None,
+              seed: Union[int, Sequence[int], None] = 0, stop: Union[str, Sequence[str], None] = None, *,
+              attention_mask: Optional[torch.Tensor] = None, max_draft_tokens: int = 8,
+              draft_confidence: float = 0.0, eos_token_id=None, min_p: Optional[float] = None,
+              streamer: Any = None, criteria: Any = None, procs: Any = None, verbose: Union[bool, TextIO] = False,
+              progress: bool = False) -> DecodeState:
+        """The state of a call that a front-end prepares itself (``hf.generate``): ``generate``'s
+        arguments of the same names checked, the prompts encoded, the state allocated, no model
+        work; ``decode(state)`` then runs it.  streamer: a ``BaseStreamer`` that already has the
+        prompt; criteria: ``transformers_rows.RowCriteria`` or None; procs:
+        ``logits_processors.VerifyProcessors`` (over ``self.vocab_size``) or None."""
+        st = self._start(prompts, max_new_tokens, num_draft_tokens, temperature, top_k, top_p, seed, stop, verbose,
+                         attention_mask, max_draft_tokens, eos_token_id, progress, target_only=False,
+                         draft_confidence=draft_confidence, min_p=min_p)
+        check_streamer(streamer, len(st.seqs))
+        st.streamer, st.criteria, st.procs = streamer, criteria, procs
+        return st
+
+    def decode(self, st: DecodeState, baseline_tokens_per_s: Optional[float] = None) -> GenerationResult:
+        """Run a started state (``start``) to the end with this decoder's forward paths."""
         self._refresh_lean()
         with self._linear_layers():
             return self._run(st, baseline_tokens_per_s)
+
+    @property
+    def vocab_size(self) -> int:
+        """The target's vocabulary size: token ids in prompts and outputs are below it."""
+        return self._t.vocab_size
+
+    @property
+    def has_draft_network(self) -> bool:
+        """True when a network drafts (a draft model, a feature draft): its drafts come with the
+        distributions they were drawn from; False for a drafter without one (prompt lookup)."""
+        return self._d is not None
 
     @torch.inference_mode()
     def generate_target_only(self, prompts, max_new_tokens: int = 64, temperature: float = 0.0,
@@ -414,7 +447,7 @@ class SpeculativeDecoder:
         ``stats.tokens_per_s`` is what ``generate(baseline_tokens_per_s=...)`` compares to."""
         st = self._start(prompts, max_new_tokens, 1, temperature, top_k, top_p, seed, stop, False,
                          attention_mask, 1, eos_token_id, progress, target_only=True, min_p=min_p)
-        return self._decode(st)
+        return self.decode(st)
 
     # -- the loop -----------------------------------------------------------------------------
     def _start(self, prompts, max_new_tokens, num_draft_tokens, temperature, top_k, top_p, seed, stop,

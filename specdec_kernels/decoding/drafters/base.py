@@ -118,8 +118,11 @@ class Drafts(NamedTuple):
 
 
 class Drafter:
-    """The interface the loop drafts through (see the module docstring)."""
+    """The interface the loop drafts through (see the module docstring).  A subclass passed as
+    ``SpeculativeDecoder(drafter=<instance>)`` drafts for the target alone: it brings whatever it
+    drafts with (``draft=`` stays None), and its drafts are target token ids."""
 
+    name = "custom"  # what ``SpeculativeDecoder.drafter`` says (the registered name of the built-in ones)
     reads_features = False  # the verify must also return the target's features ([B, K + 1, H])
     network = True  # a draft network: its K_b is clamped to each row's budget by the loop
 

@@ -67,6 +67,7 @@ class FeatureDraftState(CachedDraftState):
 class FeatureDrafter(Drafter):
     """A feature draft (``runner``: its ``FeatureRunner``) as a ``Drafter``."""
 
+    name = "feature"
     reads_features = True
 
     def __init__(self, runner):

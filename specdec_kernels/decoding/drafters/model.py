@@ -59,6 +59,8 @@ class ModelDraftState(CachedDraftState):
 class ModelDrafter(Drafter):
     """A draft model (``runner``: its ``ModelRunner``) as a ``Drafter``."""
 
+    name = "model"
+
     def __init__(self, runner):
         self.runner = runner
 
