@@ -71,8 +71,7 @@ from ..ops.host import to_device
 from ..ops.kv.cache import compact_dynamic_cache_, crop_cache_
 from .arguments import as_float
 from .drafters.base import Drafter
-from .drafters.feature import FeatureDrafter
-from .drafters.model import ModelDrafter
+from .drafters.registry import drafter_kind
 from .drafters.vocab import resolve_draft_vocab
 from .drafters.sampling import warp_probs  # noqa: F401  (public here: the draft's warp)
 from .emit import emit_rows, stop_cut
@@ -201,7 +200,7 @@ class SpeculativeDecoder:
             self._d = FeatureRunner(self.feature, target)
         # the drafter the loop drafts through (drafters/base.py: draft, after_verify, wait, select_rows)
         self._drafter = (pair.instance if pair.instance is not None else self.lookup if self._d is None
-                         else FeatureDrafter(self._d) if self.feature is not None else ModelDrafter(self._d))
+                         else drafter_kind(self.drafter).make(self._d))  # the registry's (drafters/registry.py)
         self._feature_vocab = feature_vocab
         if self._d is not None and self._d.vocab_size > self._t.vocab_size:
             raise ValueError(f"the draft vocabulary must not exceed the target's: draft vocab_size = "

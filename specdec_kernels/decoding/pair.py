@@ -16,11 +16,11 @@ import torch
 
 from .arguments import load_tokenizer, resolve_dtype, vocab_mismatch
 from .drafters.base import Drafter
-from .drafters.prompt_lookup import PromptLookupDrafter
+from .drafters.registry import drafter_kind, drafter_names
 
 __all__ = ["DRAFTERS", "Pair", "device_of", "embedded_pair", "load_model", "load_pair"]
 
-DRAFTERS = ("model", "prompt_lookup", "feature")
+DRAFTERS = ("model", "prompt_lookup", "feature")  # the built-in ones; drafters.registry.drafter_names(): all
 
 
 class Pair(NamedTuple):
@@ -37,7 +37,7 @@ class Pair(NamedTuple):
     dtype: Optional[torch.dtype]
     feature_vocab: Optional[torch.Tensor]
     feature_given: bool
-    lookup: Any  # the PromptLookupDrafter (drafter="prompt_lookup"), else None
+    lookup: Any  # the drafter without a network (drafter="prompt_lookup": a PromptLookupDrafter), else None
     instance: Any = None  # the Drafter passed as drafter=<instance>, else None
 
 
@@ -94,7 +94,7 @@ def load_pair(draft, target, tokenizer, device: Optional[torch.device], dtype, d
             raise ValueError(f"tree drafting needs a draft model (drafter='model'), got drafter="
                              f"{type(instance).__name__}")
     elif drafter is not None and not isinstance(drafter, str):
-        raise TypeError(f"drafter must be one of {DRAFTERS}, a Drafter instance or None, got "
+        raise TypeError(f"drafter must be one of {drafter_names()}, a Drafter instance or None, got "
                         f"{type(drafter).__name__}")
     if instance is not None:
         if target is None:  # the embedded target, without its draft
@@ -115,18 +115,17 @@ def load_pair(draft, target, tokenizer, device: Optional[torch.device], dtype, d
                         "(pass neither draft nor target for the embedded default pair)")
     if drafter is None:
         drafter = "model" if draft is not None else "prompt_lookup"
-    if drafter not in DRAFTERS:
-        raise ValueError(f"drafter must be one of {DRAFTERS}, got {drafter!r}")
-    if drafter == "model" and draft is None:
-        raise ValueError("drafter='model' needs a draft model, got draft=None")
+    kind = drafter_kind(drafter)  # the registry's entry (a ValueError naming the registered ones)
+    if kind.draft == "model" and draft is None:
+        raise ValueError(f"drafter={drafter!r} needs a draft model, got draft=None")
     if tree and drafter != "model":
         raise ValueError(f"tree drafting needs a draft model (drafter='model'), got drafter={drafter!r}")
-    if drafter == "prompt_lookup" and draft is not None:
-        raise ValueError(f"drafter='prompt_lookup' takes no draft model, got draft={type(draft).__name__}")
+    if kind.draft is None and draft is not None:
+        raise ValueError(f"drafter={drafter!r} takes no draft model, got draft={type(draft).__name__}")
     dtype = resolve_dtype(dtype)
     feature = None  # a FeatureDraft (drafter="feature")
     feature_vocab = None
-    if drafter == "feature":
+    if kind.draft == "feature":
         from .drafters.feature_model import FeatureDraft, load_feature_draft
 
         feature_given = not isinstance(draft, (str, os.PathLike))
@@ -136,11 +135,11 @@ def load_pair(draft, target, tokenizer, device: Optional[torch.device], dtype, d
             raise TypeError(f"drafter='feature' needs a FeatureDraft or the directory of one "
                             f"(specdec_kernels.decoding.drafters.feature_model), got draft={type(draft).__name__}")
         feature, draft = draft.eval(), None
-    if max_ngram is not None and drafter != "prompt_lookup":
+    if max_ngram is not None and "max_ngram" not in kind.options:
         raise ValueError(f"max_ngram applies to drafter='prompt_lookup', got max_ngram={max_ngram!r} with "
                          f"drafter={drafter!r}")
-    lookup = (PromptLookupDrafter(max_ngram=3 if max_ngram is None else max_ngram)  # checked before any loading
-              if drafter == "prompt_lookup" else None)
+    options = {} if max_ngram is None else {"max_ngram": max_ngram}
+    lookup = kind.make(None, **options) if kind.draft is None else None  # checked before any loading
 
     # Tokenizers first: a mismatch is refused before loading any weights.
     if isinstance(tokenizer, str):

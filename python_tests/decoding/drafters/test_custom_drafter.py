@@ -106,3 +106,26 @@ def test_a_drafter_instance_takes_no_draft(pair):
         SpeculativeDecoder(draft=draft, target=target, drafter=RepeatLast())
     with pytest.raises(TypeError, match="a Drafter instance"):
         SpeculativeDecoder(target=target, drafter=3)
+
+
+def test_a_registered_drafter_is_a_choice_of_the_cli_and_a_name_of_the_decoder(pair, greedy_refs):
+    from specdec_kernels.cli import build_parser
+    from specdec_kernels.decoding.drafters.registry import drafter_names, register_drafter, unregister_drafter
+
+    _, target = pair
+    register_drafter("repeat_last", None, lambda runner: RepeatLast())
+    try:
+        assert "repeat_last" in drafter_names()
+        assert build_parser().parse_args(["generate", "hi", "--drafter", "repeat_last"]).drafter == "repeat_last"
+        dec = SpeculativeDecoder(target=target, drafter="repeat_last")
+        assert isinstance(dec._drafter, RepeatLast) and dec.drafter == "repeat_last"
+        assert dec.generate(PROMPTS, max_new_tokens=24, num_draft_tokens=2).token_ids == greedy_refs
+        with pytest.raises(ValueError, match="already registered"):
+            register_drafter("repeat_last", None, lambda runner: RepeatLast())
+    finally:
+        unregister_drafter("repeat_last")
+    assert "repeat_last" not in drafter_names()
+    with pytest.raises(SystemExit):  # no longer a choice
+        build_parser().parse_args(["generate", "hi", "--drafter", "repeat_last"])
+    with pytest.raises(ValueError, match="drafter must be one of"):
+        SpeculativeDecoder(target=target, drafter="repeat_last")
