@@ -136,3 +136,33 @@ def test_the_package_imports_public_names_only():
                                          and any(getattr(t, "id", None) == "__all__" for t in n.targets))))
     imported = {a.asname or a.name for n in tree.body if isinstance(n, ast.ImportFrom) for a in n.names}
     assert imported - exported == {"hf"}, imported - exported  # hf: the public module of custom_generate
+
+
+def _decoder_private_members() -> set:
+    """The private members of ``SpeculativeDecoder``: its methods and attributes named ``_x``
+    (the class's own, and those its methods assign on ``self``), dunders aside."""
+    tree = ast.parse((PKG / "decoding" / "decoder.py").read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "SpeculativeDecoder")
+    names = {n.name for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    names |= {n.attr for n in ast.walk(cls) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
+              and n.value.id == "self"}
+    return {n for n in names if n.startswith("_") and not n.endswith("__")}
+
+
+def test_the_decoder_has_private_members():
+    """The check below has something to look for (it would pass vacuously on an empty set)."""
+    assert {"_start", "_run", "_step", "_t", "_d", "_drafter"} <= _decoder_private_members()
+
+
+FRONT_ENDS = [(path, m) for path, m, _ in MODULES if _layer(m) in ("front", "integrations")]
+
+
+@pytest.mark.parametrize("path,module", FRONT_ENDS, ids=[m or "specdec_kernels" for _, m in FRONT_ENDS])
+def test_front_ends_reach_no_private_member_of_the_decoder(path, module):
+    """``hf.py``, the CLI and the integrations drive ``SpeculativeDecoder`` through its public
+    members (``start``, ``decode``, ``generate``, ``vocab_size``, ...): no attribute named like
+    one of its private members is read or written in them."""
+    private = _decoder_private_members()
+    bad = [f"{path.name}:{n.lineno}: .{n.attr}" for n in ast.walk(ast.parse(path.read_text()))
+           if isinstance(n, ast.Attribute) and n.attr in private]
+    assert not bad, f"{module} reaches private members of SpeculativeDecoder: " + "; ".join(bad)

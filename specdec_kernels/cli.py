@@ -47,6 +47,8 @@ class _ShortUsageParser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .decoding.drafters.registry import drafter_names  # --drafter's choices: every registered drafter
+
     parser = argparse.ArgumentParser(prog="specdec", description="Exact speculative decoding of Hugging Face models.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_ShortUsageParser)
     e = sub.add_parser("env", help="print the versions, the C++ extension's state, the device and whether the "
@@ -58,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--draft", help="draft model name or path")
     g.add_argument("--target", help="target model name or path")
     g.add_argument("--tokenizer", help="tokenizer name or path (default: the target's)")
-    g.add_argument("--drafter", choices=["model", "prompt_lookup", "feature"], default=None,
+    g.add_argument("--drafter", choices=drafter_names(), default=None,
                    help="'prompt_lookup' drafts by n-gram lookup without a draft model; 'feature': a draft that "
                         "reads the target's hidden states (--draft: its directory; default with the embedded "
                         "target: the embedded one)")

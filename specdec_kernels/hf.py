@@ -256,15 +256,16 @@ def generate(model, input_ids: torch.Tensor, logits_processor=None, stopping_cri
             ngram = getattr(gc, "max_matching_ngram_size", None) or _PROMPT_LOOKUP_NGRAM
             dec = SpeculativeDecoder(target=model, max_ngram=ngram)
         draft = {n: _decoder_default(n) for n in ("num_draft_tokens", "max_draft_tokens", "draft_confidence")}
-        draft.update(draft_settings(gc, dec.drafter, dec._d is not None))
+        draft.update(draft_settings(gc, dec.drafter, dec.has_draft_network))
         with torch.inference_mode():
-            st = dec._start(input_ids, max_length - T, draft["num_draft_tokens"], temperature, top_k, top_p, seed, None,
-                            False, mask, draft["max_draft_tokens"], [] if eos is None else eos, False,
-                            target_only=False, draft_confidence=draft["draft_confidence"], min_p=min_p)
-            st.streamer = streamer  # transformers' generate put the prompt
-            st.criteria = RowCriteria(rest, input_ids.tolist(), dec.device) if len(rest) else None
-            st.procs = VerifyProcessors(procs, input_ids.tolist(), dec.device, dec._t.vocab_size) if procs else None
-            res = dec._decode(st)
+            st = dec.start(input_ids, max_length - T, draft["num_draft_tokens"], temperature, top_k, top_p, seed,
+                           attention_mask=mask, max_draft_tokens=draft["max_draft_tokens"],
+                           draft_confidence=draft["draft_confidence"], eos_token_id=[] if eos is None else eos,
+                           min_p=min_p, streamer=streamer,  # transformers' generate put the prompt
+                           criteria=RowCriteria(rest, input_ids.tolist(), dec.device) if len(rest) else None,
+                           procs=VerifyProcessors(procs, input_ids.tolist(), dec.device, dec.vocab_size)
+                           if procs else None)
+            res = dec.decode(st)
     finally:
         for m, training in modes:
             m.train(training)

@@ -208,9 +208,9 @@ def test_a_draft_past_its_context_is_retired(pair):
     orig = dec._step
 
     def step(st):
-        before = min(st.lt_host)
+        before = min(st.target_len_host)
         orig(st)
-        seen.append((before, st.target_only, st.draft.dc is None, st.draft.wait is None))
+        seen.append((before, st.target_only, st.draft.cache is None, st.draft.waiting is None))
 
     dec._step = step
     res = dec.generate([[1, 2, 3], [4, 5]], max_new_tokens=30, num_draft_tokens=3, eos_token_id=[])

@@ -32,17 +32,17 @@ def test_caches_equal_fresh_forward_after_each_step(pair, temperature):
         dec._prefill(st)
         for _ in range(5):
             dec._step(st)
-            assert st.tc.get_seq_length() == max(st.lt_host)
-            assert st.draft.dc.get_seq_length() == max(st.draft.ld_host)
+            assert st.target_cache.get_seq_length() == max(st.target_len_host)
+            assert st.draft.cache.get_seq_length() == max(st.draft.cache_len_host)
             for b, p in enumerate(st.rows):
                 seq = st.seqs[p]
                 # The target caches everything but the last emitted token; the draft also lacks
                 # x_K when the row accepted all K drafts (it catches up next step).
-                assert st.lt_host[b] == len(seq) - 1
-                assert st.draft.ld_host[b] == len(seq) - 1 - int(st.draft.catch_host[b])
-                caught_up += int(st.draft.catch_host[b])
-                _assert_row_cache(st.tc, b, st.lt_host[b], target, seq[: st.lt_host[b]])
-                _assert_row_cache(st.draft.dc, b, st.draft.ld_host[b], draft, seq[: st.draft.ld_host[b]])
+                assert st.target_len_host[b] == len(seq) - 1
+                assert st.draft.cache_len_host[b] == len(seq) - 1 - int(st.draft.catch_up_host[b])
+                caught_up += int(st.draft.catch_up_host[b])
+                _assert_row_cache(st.target_cache, b, st.target_len_host[b], target, seq[: st.target_len_host[b]])
+                _assert_row_cache(st.draft.cache, b, st.draft.cache_len_host[b], draft, seq[: st.draft.cache_len_host[b]])
     assert caught_up > 0  # the catch-up path was exercised
 
 
@@ -66,27 +66,27 @@ def test_caches_after_steps_without_drafts(pair, temperature):
     with torch.inference_mode():
         dec._prefill(st)
         for k in pattern:
-            catch_before = any(st.draft.catch_host)
+            catch_before = any(st.draft.catch_up_host)
             fed.clear()
             dec._step(st)
             assert st.recorder.stats.history[-1]["k"] == k
             if k == 0:
                 assert not fed  # no draft forward at all
                 zero_after_catch += int(catch_before)
-                assert not any(st.draft.catch_host)  # the catch-up token waits with the rest
+                assert not any(st.draft.catch_up_host)  # the catch-up token waits with the rest
             else:
-                assert len(fed) == k and st.draft.wait is None  # one block, then a forward per draft
+                assert len(fed) == k and st.draft.waiting is None  # one block, then a forward per draft
             for b, p in enumerate(st.rows):
                 seq = st.seqs[p]
-                assert st.lt_host[b] == len(seq) - 1
-                ld = st.draft.ld_host[b]
-                w = 0 if st.draft.wait is None else st.draft.wait_host[b]
-                waiting = [] if w == 0 else st.draft.wait[b, -w:].tolist()
-                catch = [int(st.draft.catch[b])] if st.draft.catch_host[b] else []
+                assert st.target_len_host[b] == len(seq) - 1
+                ld = st.draft.cache_len_host[b]
+                w = 0 if st.draft.waiting is None else st.draft.waiting_count_host[b]
+                waiting = [] if w == 0 else st.draft.waiting[b, -w:].tolist()
+                catch = [int(st.draft.catch_up[b])] if st.draft.catch_up_host[b] else []
                 assert waiting + catch + [int(st.last[b])] == seq[ld:]
                 waited_most = max(waited_most, w)
-                _assert_row_cache(st.tc, b, st.lt_host[b], target, seq[: st.lt_host[b]])
-                _assert_row_cache(st.draft.dc, b, ld, draft, seq[:ld])
+                _assert_row_cache(st.target_cache, b, st.target_len_host[b], target, seq[: st.target_len_host[b]])
+                _assert_row_cache(st.draft.cache, b, ld, draft, seq[:ld])
     assert zero_after_catch > 0  # a K = 0 step came after a row's catch-up token
     assert waited_most >= 3  # tokens waited through several K = 0 steps
 
@@ -167,14 +167,14 @@ def test_grouped_prefill_caches_and_outputs(pair, temperature):
     assert [tuple(c[0].shape) for c in tc.calls] == [(len(g), max(len(SKEWED[i]) - 1 for i in g)) for g in groups]
     with torch.inference_mode():
         for b, p in enumerate(st.rows):
-            if st.lt_host[b]:
-                _assert_row_cache(st.tc, b, st.lt_host[b], target, st.seqs[p][: st.lt_host[b]])
-                _assert_row_cache(st.draft.dc, b, st.draft.ld_host[b], draft, st.seqs[p][: st.draft.ld_host[b]])
+            if st.target_len_host[b]:
+                _assert_row_cache(st.target_cache, b, st.target_len_host[b], target, st.seqs[p][: st.target_len_host[b]])
+                _assert_row_cache(st.draft.cache, b, st.draft.cache_len_host[b], draft, st.seqs[p][: st.draft.cache_len_host[b]])
         for _ in range(4):
             dec._step(st)
             for b, p in enumerate(st.rows):
-                _assert_row_cache(st.tc, b, st.lt_host[b], target, st.seqs[p][: st.lt_host[b]])
-                _assert_row_cache(st.draft.dc, b, st.draft.ld_host[b], draft, st.seqs[p][: st.draft.ld_host[b]])
+                _assert_row_cache(st.target_cache, b, st.target_len_host[b], target, st.seqs[p][: st.target_len_host[b]])
+                _assert_row_cache(st.draft.cache, b, st.draft.cache_len_host[b], draft, st.seqs[p][: st.draft.cache_len_host[b]])
     kw = dict(max_new_tokens=12, num_draft_tokens=3, temperature=temperature)
     batch = dec.generate(SKEWED, seed=7, **kw)
     for i, p in enumerate(SKEWED):
@@ -298,10 +298,10 @@ def test_a_ragged_catch_up_block_over_a_dense_draft_cache(pair):
     with torch.inference_mode():
         dec._prefill(st)
         for _ in range(8):
-            hit += min(st.draft.ld_host) == st.draft.Td and len(set(st.draft.catch_host)) > 1
+            hit += min(st.draft.cache_len_host) == st.draft.columns and len(set(st.draft.catch_up_host)) > 1
             dec._step(st)
             for b, p in enumerate(st.rows):
-                _assert_row_cache(st.draft.dc, b, st.draft.ld_host[b], draft, st.seqs[p][: st.draft.ld_host[b]])
+                _assert_row_cache(st.draft.cache, b, st.draft.cache_len_host[b], draft, st.seqs[p][: st.draft.cache_len_host[b]])
     assert hit > 0  # the case this is about was reached
     kw = dict(max_new_tokens=16, num_draft_tokens=1, temperature=1.0)
     prompts = prompts + [[10, 11, 12]]

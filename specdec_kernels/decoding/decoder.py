@@ -50,7 +50,7 @@ falls within that rounding of a decision boundary (rare: about 1e-6 of the draws
 a tiny random model, docs/history/measurements.md).  The randomness and the verification never
 depend on the other rows.
 
-This module is long for one reason: it is the public class, and about 200 of its ~600 lines
+This module is long for one reason: it is the public class, and about 200 of its ~650 lines
 document its ~30 arguments (``SpeculativeDecoder``'s and ``generate``'s docstrings, where users
 read them).  The loop itself is short: ``_step`` reads top to bottom in one screen (draft,
 verify, the one host sync, roll back, emit), and everything it delegates lives in a module of
@@ -70,8 +70,8 @@ import torch
 from ..ops.host import to_device
 from ..ops.kv.cache import compact_dynamic_cache_, crop_cache_
 from .arguments import as_float
-from .drafters.feature import FeatureDrafter
-from .drafters.model import ModelDrafter
+from .drafters.base import Drafter
+from .drafters.registry import drafter_kind
 from .drafters.vocab import resolve_draft_vocab
 from .drafters.sampling import warp_probs  # noqa: F401  (public here: the draft's warp)
 from .emit import emit_rows, stop_cut
@@ -100,7 +100,9 @@ class SpeculativeDecoder:
     ``draft=None`` drafts by prompt lookup (``drafter="prompt_lookup"``); ``drafter="feature"``
     takes a ``specdec_kernels.decoding.drafters.feature_model.FeatureDraft`` (or its directory) as ``draft``: a draft
     that reads the target's hidden states, trained for that target (with neither draft nor
-    target: the embedded target with its embedded feature draft).  The two must share
+    target: the embedded target with its embedded feature draft).  ``drafter=<a Drafter instance>``
+    (``specdec_kernels.decoding.drafters.base.Drafter``) drafts through that object, which brings
+    what it drafts with (no ``draft``); ``self.drafter`` is the drafter's name.  The two must share
     a vocabulary (the target's may be padded beyond the draft's); when both tokenizers are
     known their vocabularies must be equal.  tokenizer: a tokenizer or path (default: the
     target's, when the target is given by path); without one, prompts must be token ids.
@@ -148,7 +150,7 @@ class SpeculativeDecoder:
     """
 
     def __init__(self, draft=None, target=None, tokenizer=None, device=None, dtype=None, *,
-                 drafter: Optional[str] = None, max_ngram: Optional[int] = None, cpu_linear: str = "auto",
+                 drafter: Union[str, Drafter, None] = None, max_ngram: Optional[int] = None, cpu_linear: str = "auto",
                  lean_forward: bool = True, draft_vocab: Any = "auto", verify_backend: str = "auto",
                  verification: str = "token", tree: Any = None, accelerator: Any = None):
         if cpu_linear not in ("auto", "skinny", "torch"):
@@ -197,8 +199,8 @@ class SpeculativeDecoder:
         if self.feature is not None:
             self._d = FeatureRunner(self.feature, target)
         # the drafter the loop drafts through (drafters/base.py: draft, after_verify, wait, select_rows)
-        self._drafter = (self.lookup if self._d is None else FeatureDrafter(self._d) if self.feature is not None
-                         else ModelDrafter(self._d))
+        self._drafter = (pair.instance if pair.instance is not None else self.lookup if self._d is None
+                         else drafter_kind(self.drafter).make(self._d))  # the registry's (drafters/registry.py)
         self._feature_vocab = feature_vocab
         if self._d is not None and self._d.vocab_size > self._t.vocab_size:
             raise ValueError(f"the draft vocabulary must not exceed the target's: draft vocab_size = "
@@ -377,7 +379,7 @@ class SpeculativeDecoder:
             streamer.put(torch.tensor([st.seqs[0]]))  # the prompt, [1, T], as transformers' generate does
         if target_step_s is not None:
             st.recorder.set_target_step(target_step_s)
-        return self._decode(st, baseline_tokens_per_s)
+        return self.decode(st, baseline_tokens_per_s)
 
     def _generate_tree(self, st: DecodeState, streamer, criteria, procs, draft_confidence, verbose) -> GenerationResult:
         """``generate`` with tree steps (``tree.run_tree``); what it does not take is
@@ -396,11 +398,41 @@ class SpeculativeDecoder:
         return GenerationResult(texts=texts, token_ids=st.generated, stats=stats, finish_reasons=list(st.finish),
                                 seeds=list(st.seeds))
 
-    def _decode(self, st: DecodeState, baseline_tokens_per_s=None) -> GenerationResult:
-        """Run a started state (``_start``) to the end with this decoder's forward paths."""
+    def start(self, prompts, max_new_tokens: int = 64, num_draft_tokens: Union[int, str] = 4,
+              temperature: float = 0.0, top_k: Optional[int] = None, top_p: Optional[float] = None,
+              seed: Union[int, Sequence[int], None] = 0, stop: Union[str, Sequence[str], None] = None, *,
+              attention_mask: Optional[torch.Tensor] = None, max_draft_tokens: int = 8,
+              draft_confidence: float = 0.0, eos_token_id=None, min_p: Optional[float] = None,
+              streamer: Any = None, criteria: Any = None, procs: Any = None, verbose: Union[bool, TextIO] = False,
+              progress: bool = False) -> DecodeState:
+        """The state of a call that a front-end prepares itself (``hf.generate``): ``generate``'s
+        arguments of the same names checked, the prompts encoded, the state allocated, no model
+        work; ``decode(state)`` then runs it.  streamer: a ``BaseStreamer`` that already has the
+        prompt; criteria: ``transformers_rows.RowCriteria`` or None; procs:
+        ``logits_processors.VerifyProcessors`` (over ``self.vocab_size``) or None."""
+        st = self._start(prompts, max_new_tokens, num_draft_tokens, temperature, top_k, top_p, seed, stop, verbose,
+                         attention_mask, max_draft_tokens, eos_token_id, progress, target_only=False,
+                         draft_confidence=draft_confidence, min_p=min_p)
+        check_streamer(streamer, len(st.seqs))
+        st.streamer, st.criteria, st.procs = streamer, criteria, procs
+        return st
+
+    def decode(self, st: DecodeState, baseline_tokens_per_s: Optional[float] = None) -> GenerationResult:
+        """Run a started state (``start``) to the end with this decoder's forward paths."""
         self._refresh_lean()
         with self._linear_layers():
             return self._run(st, baseline_tokens_per_s)
+
+    @property
+    def vocab_size(self) -> int:
+        """The target's vocabulary size: token ids in prompts and outputs are below it."""
+        return self._t.vocab_size
+
+    @property
+    def has_draft_network(self) -> bool:
+        """True when a network drafts (a draft model, a feature draft): its drafts come with the
+        distributions they were drawn from; False for a drafter without one (prompt lookup)."""
+        return self._d is not None
 
     @torch.inference_mode()
     def generate_target_only(self, prompts, max_new_tokens: int = 64, temperature: float = 0.0,
@@ -414,7 +446,7 @@ class SpeculativeDecoder:
         ``stats.tokens_per_s`` is what ``generate(baseline_tokens_per_s=...)`` compares to."""
         st = self._start(prompts, max_new_tokens, 1, temperature, top_k, top_p, seed, stop, False,
                          attention_mask, 1, eos_token_id, progress, target_only=True, min_p=min_p)
-        return self._decode(st)
+        return self.decode(st)
 
     # -- the loop -----------------------------------------------------------------------------
     def _start(self, prompts, max_new_tokens, num_draft_tokens, temperature, top_k, top_p, seed, stop,
@@ -433,10 +465,7 @@ class SpeculativeDecoder:
         """Every active row is past the draft's context (it never drafts again): the rest is the
         target alone, with no draft state kept (nothing waits for a draft forward)."""
         st.target_only = True
-        st.draft.dc = None
-        st.draft.wait = st.draft.wait_cnt = st.draft.wait_host = None
-        st.draft.pend_tok = st.draft.pend_feat = st.draft.pend_cnt = None
-        st.draft.pend_cnt_host = []
+        st.draft.retire()
 
     def _run(self, st: DecodeState, baseline_tokens_per_s) -> GenerationResult:
         t0 = time.perf_counter()
@@ -475,8 +504,8 @@ class SpeculativeDecoder:
         # drafters.base.draft_cap), so K is at most the largest K_b any row may verify.
         dctx = st.draft_context
         room = max(st.budget_host[p] - len(st.generated[p]) - 1 if dctx is None else
-                   min(st.budget_host[p] - len(st.generated[p]) - 1, dctx - lt)
-                   for p, lt in zip(st.rows, st.lt_host))
+                   min(st.budget_host[p] - len(st.generated[p]) - 1, dctx - n)
+                   for p, n in zip(st.rows, st.target_len_host))
         return max(min(k, room), 0)
 
     @staticmethod
@@ -492,12 +521,12 @@ class SpeculativeDecoder:
 
     def _step(self, st: DecodeState) -> None:
         """One step: draft -> verify -> roll back -> emit, with one host sync (after the verify)."""
-        if st.draft_context is not None and not st.target_only and min(st.lt_host) >= st.draft_context:
+        if st.draft_context is not None and not st.target_only and min(st.target_len_host) >= st.draft_context:
             self._retire_draft(st)
         drafter = None if st.target_only else self._drafter
         K = self._choose_k(st)
         # this step's draft takes what waited through K = 0 steps (not a typical draft time)
-        waited = st.draft.waited if st.draft.pend_tok is not None else st.draft.wait is not None
+        waited = st.draft.holds_waiting()
         clock = st.clock
         t_a = clock.mark()
         d = drafter.draft(st, K) if drafter is not None and K > 0 else None
@@ -516,9 +545,9 @@ class SpeculativeDecoder:
         # Roll back (device work, no sync): the target keeps last + the accepted drafts, the
         # drafter what it accepted (or, without drafts, what waits for its next forward).
         keep_t = (n + 1).clamp(min=0)  # [B]
-        compact_dynamic_cache_(st.tc, st.Tt, st.lt, keep_t)
-        st.lt, st.Tt = st.lt + keep_t, st.Tt + K + 1
-        st.lt_host = [a + max(m + 1, 0) for a, m in zip(st.lt_host, n_host)]
+        compact_dynamic_cache_(st.target_cache, st.target_columns, st.target_len, keep_t)
+        st.target_len, st.target_columns = st.target_len + keep_t, st.target_columns + K + 1
+        st.target_len_host = [a + max(m + 1, 0) for a, m in zip(st.target_len_host, n_host)]
         if drafter is not None and d is not None:
             drafter.after_verify(st, out, feats, n, n_host, K)
         elif drafter is not None:  # a K = 0 step
@@ -535,11 +564,9 @@ class SpeculativeDecoder:
             st.pbar.update(sum(emitted))
         self._drop_finished(st)
         if st.rows:  # drop the columns past the longest row (rejected drafts, finished rows)
-            st.Tt = max(st.lt_host)
-            crop_cache_(st.tc, st.Tt)
-            if st.draft.dc is not None:
-                st.draft.Td = max(st.draft.ld_host)
-                crop_cache_(st.draft.dc, st.draft.Td)
+            st.target_columns = max(st.target_len_host)
+            crop_cache_(st.target_cache, st.target_columns)
+            st.draft.crop()
 
     @staticmethod
     def _verify_inputs(st: DecodeState, drafter, d) -> tuple:
@@ -555,25 +582,25 @@ class SpeculativeDecoder:
         return d.tokens, d.probs, kb if d.num is None else torch.minimum(kb, d.num)
 
     def _verify(self, st: DecodeState, drafter, X: torch.Tensor, Q, kb: torch.Tensor) -> tuple:
-        """The target scores [last, x_1 .. x_K] at cache columns Tt .. Tt + K and ``fused_verify``
+        """The target scores [last, x_1 .. x_K] at cache columns target_columns .. target_columns + K and ``fused_verify``
         keeps a prefix of the drafts and adds one token.  Returns (VerifyOutput, the target's
         features at those columns [B, K + 1, H] for a drafter that reads them, else None)."""
         from ..ops.verify import fused_verify, verify_prechecked
 
         B, K, dev = X.shape[0], X.shape[1], st.device
         ids = torch.cat([st.last[:, None], X], 1)  # [B, K+1]
-        pos = st.lt[:, None] + torch.arange(K + 1, device=dev)[None, :]  # [B, K+1]
+        pos = st.target_len[:, None] + torch.arange(K + 1, device=dev)[None, :]  # [B, K+1]
         if st.context is not None:
             pos = pos.clamp(max=st.context - 1)
         mask = None  # every row's cache is full: no padding, no mask
-        if min(st.lt_host) < st.Tt:
-            mask = torch.cat([torch.arange(st.Tt, device=dev)[None, :] < st.lt[:, None],
-                              torch.ones((B, K + 1), dtype=torch.bool, device=dev)], 1)  # [B, Tt+K+1]
+        if min(st.target_len_host) < st.target_columns:
+            mask = torch.cat([torch.arange(st.target_columns, device=dev)[None, :] < st.target_len[:, None],
+                              torch.ones((B, K + 1), dtype=torch.bool, device=dev)], 1)  # [B, target_columns + K + 1]
         feats = None
         if drafter is not None and drafter.reads_features:
-            logits, feats = self._t.step_hidden(st.tc, ids, mask, pos, st.Tt, K + 1)  # + [B, K+1, H]
+            logits, feats = self._t.step_hidden(st.target_cache, ids, mask, pos, st.target_columns, K + 1)  # + [B, K+1, H]
         else:
-            logits = self._t.step(st.tc, ids, mask, pos, st.Tt, K + 1)  # [B, K+1, V]
+            logits = self._t.step(st.target_cache, ids, mask, pos, st.target_columns, K + 1)  # [B, K+1, V]
         if st.procs is not None:  # sequence processors: position i sees the row's ids, then x_1 .. x_i
             logits = st.procs(logits, X, kb.tolist(), st.rows, st.generated)
         temp, top_k, top_p, min_p = self._row_params(st, B)
@@ -593,14 +620,14 @@ class SpeculativeDecoder:
         if not keep:
             return
         idx = to_device(keep, torch.int64, st.device)
-        for name in ("last", "lt", "gen", "budget", "seed", "key_lo", "key_hi", "step"):
+        for name in ("last", "target_len", "gen", "budget", "seed", "key_lo", "key_hi", "step"):
             t = getattr(st, name)
             if t is not None:
                 setattr(st, name, t.index_select(0, idx))
-        st.lt_host = [st.lt_host[i] for i in keep] if st.lt_host else st.lt_host
+        st.target_len_host = [st.target_len_host[i] for i in keep] if st.target_len_host else st.target_len_host
         self._drafter.select_rows(st, idx, keep)  # what the drafter keeps per row, its cache included
-        if st.lt_host:  # after the prefill: slice the cache (the caller crops it)
-            st.tc.batch_select_indices(idx)
+        if st.target_len_host:  # after the prefill: slice the cache (the caller crops it)
+            st.target_cache.batch_select_indices(idx)
 
 
 # generate's arguments and their defaults, taken once (transformers_args tells a passed argument from a default)

@@ -15,11 +15,12 @@ from typing import Any, NamedTuple, Optional
 import torch
 
 from .arguments import load_tokenizer, resolve_dtype, vocab_mismatch
-from .drafters.prompt_lookup import PromptLookupDrafter
+from .drafters.base import Drafter
+from .drafters.registry import drafter_kind, drafter_names
 
 __all__ = ["DRAFTERS", "Pair", "device_of", "embedded_pair", "load_model", "load_pair"]
 
-DRAFTERS = ("model", "prompt_lookup", "feature")
+DRAFTERS = ("model", "prompt_lookup", "feature")  # the built-in ones; drafters.registry.drafter_names(): all
 
 
 class Pair(NamedTuple):
@@ -36,7 +37,8 @@ class Pair(NamedTuple):
     dtype: Optional[torch.dtype]
     feature_vocab: Optional[torch.Tensor]
     feature_given: bool
-    lookup: Any  # the PromptLookupDrafter (drafter="prompt_lookup"), else None
+    lookup: Any  # the drafter without a network (drafter="prompt_lookup": a PromptLookupDrafter), else None
+    instance: Any = None  # the Drafter passed as drafter=<instance>, else None
 
 
 def device_of(model) -> torch.device:
@@ -79,6 +81,31 @@ def load_pair(draft, target, tokenizer, device: Optional[torch.device], dtype, d
               max_ngram: Optional[int] = None, tree: bool = False) -> Pair:
     """Resolve and check a pair as ``SpeculativeDecoder`` takes it (its docstring says what each
     argument may be); ``device``: as ``models.resolve_device`` resolved it (None: where they are)."""
+    instance = None
+    if isinstance(drafter, Drafter):  # it drafts for the target alone, with what it brings
+        instance, drafter = drafter, None
+        if draft is not None:
+            raise ValueError(f"drafter=<a Drafter instance> brings what it drafts with and takes no draft, got "
+                             f"draft={type(draft).__name__} with drafter={type(instance).__name__}")
+        if max_ngram is not None:
+            raise ValueError(f"max_ngram applies to drafter='prompt_lookup', got max_ngram={max_ngram!r} with "
+                             f"drafter={type(instance).__name__}")
+        if tree:
+            raise ValueError(f"tree drafting needs a draft model (drafter='model'), got drafter="
+                             f"{type(instance).__name__}")
+    elif drafter is not None and not isinstance(drafter, str):
+        raise TypeError(f"drafter must be one of {drafter_names()}, a Drafter instance or None, got "
+                        f"{type(drafter).__name__}")
+    if instance is not None:
+        if target is None:  # the embedded target, without its draft
+            _, target, default_tokenizer = embedded_pair("prompt_lookup", device, dtype)
+            tokenizer = default_tokenizer if tokenizer is None else tokenizer
+        tokenizer = load_tokenizer(tokenizer, "tokenizer") if isinstance(tokenizer, str) else tokenizer
+        if tokenizer is None and isinstance(target, str):
+            tokenizer = load_tokenizer(target, "target")
+        target = load_model(target, resolve_dtype(dtype))
+        return _checked(Pair(target, None, None, instance.name, tokenizer, None, resolve_dtype(dtype), None, False,
+                             None, instance), device)
     feature_given = False
     if target is None and draft is None and drafter in (None, "feature"):
         draft, target, default_tokenizer = embedded_pair(drafter, device, dtype)
@@ -88,18 +115,17 @@ def load_pair(draft, target, tokenizer, device: Optional[torch.device], dtype, d
                         "(pass neither draft nor target for the embedded default pair)")
     if drafter is None:
         drafter = "model" if draft is not None else "prompt_lookup"
-    if drafter not in DRAFTERS:
-        raise ValueError(f"drafter must be one of {DRAFTERS}, got {drafter!r}")
-    if drafter == "model" and draft is None:
-        raise ValueError("drafter='model' needs a draft model, got draft=None")
+    kind = drafter_kind(drafter)  # the registry's entry (a ValueError naming the registered ones)
+    if kind.draft == "model" and draft is None:
+        raise ValueError(f"drafter={drafter!r} needs a draft model, got draft=None")
     if tree and drafter != "model":
         raise ValueError(f"tree drafting needs a draft model (drafter='model'), got drafter={drafter!r}")
-    if drafter == "prompt_lookup" and draft is not None:
-        raise ValueError(f"drafter='prompt_lookup' takes no draft model, got draft={type(draft).__name__}")
+    if kind.draft is None and draft is not None:
+        raise ValueError(f"drafter={drafter!r} takes no draft model, got draft={type(draft).__name__}")
     dtype = resolve_dtype(dtype)
     feature = None  # a FeatureDraft (drafter="feature")
     feature_vocab = None
-    if drafter == "feature":
+    if kind.draft == "feature":
         from .drafters.feature_model import FeatureDraft, load_feature_draft
 
         feature_given = not isinstance(draft, (str, os.PathLike))
@@ -109,11 +135,11 @@ def load_pair(draft, target, tokenizer, device: Optional[torch.device], dtype, d
             raise TypeError(f"drafter='feature' needs a FeatureDraft or the directory of one "
                             f"(specdec_kernels.decoding.drafters.feature_model), got draft={type(draft).__name__}")
         feature, draft = draft.eval(), None
-    if max_ngram is not None and drafter != "prompt_lookup":
+    if max_ngram is not None and "max_ngram" not in kind.options:
         raise ValueError(f"max_ngram applies to drafter='prompt_lookup', got max_ngram={max_ngram!r} with "
                          f"drafter={drafter!r}")
-    lookup = (PromptLookupDrafter(max_ngram=3 if max_ngram is None else max_ngram)  # checked before any loading
-              if drafter == "prompt_lookup" else None)
+    options = {} if max_ngram is None else {"max_ngram": max_ngram}
+    lookup = kind.make(None, **options) if kind.draft is None else None  # checked before any loading
 
     # Tokenizers first: a mismatch is refused before loading any weights.
     if isinstance(tokenizer, str):
@@ -128,8 +154,15 @@ def load_pair(draft, target, tokenizer, device: Optional[torch.device], dtype, d
 
     target = load_model(target, dtype)  # a path is loaded in dtype; a module is converted below
     draft = load_model(draft, dtype) if draft is not None else None
-    # Everything that can refuse the pair is checked before a caller's module is converted or
-    # moved: a refused pair leaves the models as they were (a dtype round trip is lossy).
+    return _checked(Pair(target, draft, feature, drafter, tokenizer, None, dtype, feature_vocab, feature_given,
+                         lookup), device)
+
+
+def _checked(pair: Pair, device: Optional[torch.device]) -> Pair:
+    """``pair`` with the device its models will run on, once every check that can refuse it has
+    passed, before a caller's module is converted or moved: a refused pair leaves the models as
+    they were (a dtype round trip is lossy)."""
+    target, draft, feature = pair.target, pair.draft, pair.feature
     final_device = torch.device(device) if device is not None else device_of(target)
     if device is None and draft is not None and device_of(draft) != device_of(target):
         raise ValueError(f"draft and target must be on the same device, got draft on {device_of(draft)} "
@@ -139,4 +172,4 @@ def load_pair(draft, target, tokenizer, device: Optional[torch.device], dtype, d
     if on_meta:
         raise ValueError(f"the models must hold their weights, got the {' and '.join(on_meta)} on the meta "
                          f"device (no data): load them with their weights")
-    return Pair(target, draft, feature, drafter, tokenizer, final_device, dtype, feature_vocab, feature_given, lookup)
+    return pair._replace(device=final_device)

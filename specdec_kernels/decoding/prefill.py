@@ -89,79 +89,68 @@ def _prefill_groups(lens: Sequence[int], fixed_cost: float) -> list:
 def prefill_(st: "DecodeState", t, d, feature) -> None:
     """Cache every prompt token but the last, which becomes the first step's ``last``: the
     target (runner ``t``) and the draft (runner ``d``, None for prompt lookup; ``feature``: the
-    FeatureDraft when ``d`` runs one) into ``st.tc`` / ``st.draft.dc``; sets the rows' lengths and
+    FeatureDraft when ``d`` runs one) into ``st.target_cache`` / ``st.draft.cache``; sets the rows' lengths and
     ``last``."""
     t0 = time.perf_counter()
     dev = st.device
     lens = [st.prompt_lens[p] for p in st.rows]
     B, P = len(lens), max(lens) - 1
     st.last = torch.tensor([st.seqs[p][-1] for p in st.rows], dtype=torch.int64, device=dev)
-    st.lt_host = [n - 1 for n in lens]
-    st.draft.ld_host = list(st.lt_host)
-    st.lt = torch.tensor(st.lt_host, dtype=torch.int64, device=dev)
-    st.draft.ld = st.lt.clone()
-    st.draft.catch = torch.full((B,), -1, dtype=torch.int64, device=dev)
-    st.draft.catch_host = [False] * B
-    if feature is not None and st.draft.dc is not None:
-        # the first pending pair: (the target's feature at the prompt's second-to-last token,
-        # or 0 for a one-token prompt, as at column 0; the last token), filled in by the prefill
-        st.draft.pend_tok = st.last[:, None]
-        st.draft.pend_feat = torch.zeros((B, 1, feature.hidden_size), dtype=feature.fc.weight.dtype,
-                                   device=dev)
-        st.draft.pend_cnt = torch.ones(B, dtype=torch.int64, device=dev)
-        st.draft.pend_cnt_host = [1] * B
-    groups = _prefill_groups(st.lt_host, _PREFILL_GROUP_COST.get(dev.type, _PREFILL_GROUP_COST["other"]))
+    st.target_len_host = [n - 1 for n in lens]
+    st.target_len = torch.tensor(st.target_len_host, dtype=torch.int64, device=dev)
+    st.draft.begin(st, P)  # the drafter's own per-row state (its cache's lengths, a feature draft's first pair)
+    groups = _prefill_groups(st.target_len_host, _PREFILL_GROUP_COST.get(dev.type, _PREFILL_GROUP_COST["other"]))
     if P > 0 and len(groups) == 1:
         # One forward over all rows (right-padded to P).  A row whose prompt is one token has
         # no valid column here; column 0 stands in as a valid key for this forward only, so
         # no query row is fully masked (sdpa would write NaN into the cache).  Later masks
         # drop it and compaction overwrites it.
-        _prefill_rows(st, t, d, feature, list(range(B)), P, st.tc, st.draft.dc)
+        _prefill_rows(st, t, d, feature, list(range(B)), P, st.target_cache, st.draft.cache)
     elif P > 0:
         # Prompts of very different lengths: one forward per group of similar lengths (no
         # row is padded to the longest prompt), then the groups' caches stacked, right-padded
         # to P columns, into the batch's caches.  Rows with nothing to cache are in no group.
         parts = []
         for g in groups:
-            Pg = max(st.lt_host[i] for i in g)
-            tc = new_cache(t.model)
-            dc = new_cache(d.model) if st.draft.dc is not None else None
-            _prefill_rows(st, t, d, feature, g, Pg, tc, dc)
-            parts.append((torch.tensor(g, dtype=torch.int64, device=dev), tc, dc))
-        stack_caches_(st.tc, [(g, tc) for g, tc, _ in parts], B, P)
-        if st.draft.dc is not None:
-            stack_caches_(st.draft.dc, [(g, dc) for g, _, dc in parts], B, P)
-    st.Tt = st.draft.Td = P
+            Pg = max(st.target_len_host[i] for i in g)
+            target_cache = new_cache(t.model)
+            draft_cache = new_cache(d.model) if st.draft.cache is not None else None
+            _prefill_rows(st, t, d, feature, g, Pg, target_cache, draft_cache)
+            parts.append((torch.tensor(g, dtype=torch.int64, device=dev), target_cache, draft_cache))
+        stack_caches_(st.target_cache, [(g, c) for g, c, _ in parts], B, P)
+        if st.draft.cache is not None:
+            stack_caches_(st.draft.cache, [(g, c) for g, _, c in parts], B, P)
+    st.target_columns = P
     if st.clock.cuda:
         torch.cuda.synchronize(dev)
     st.prefill_time = time.perf_counter() - t0
 
-def _prefill_rows(st: "DecodeState", t, d, feature, rows: list, P: int, tc, dc) -> None:
-    """Cache the prompts (all tokens but the last) of batch rows ``rows`` into ``tc``/``dc``
+def _prefill_rows(st: "DecodeState", t, d, feature, rows: list, P: int, target_cache, draft_cache) -> None:
+    """Cache the prompts (all tokens but the last) of batch rows ``rows`` into ``target_cache``/``draft_cache``
     in one forward each, right-padded to ``P`` columns."""
     dev = st.device
     n = len(rows)
     ids = torch.zeros((n, P), dtype=torch.int64)  # right-padded; the pad id is irrelevant
     for j, i in enumerate(rows):
-        L = st.lt_host[i]
+        L = st.target_len_host[i]
         ids[j, :L] = torch.tensor(st.seqs[st.rows[i]][:L])
     ids = ids.to(dev)
-    lt = torch.tensor([max(st.lt_host[i], 1) for i in rows], dtype=torch.int64, device=dev)
-    mask = torch.arange(P, device=dev)[None, :] < lt[:, None]  # [n, P]
+    lens = torch.tensor([max(st.target_len_host[i], 1) for i in rows], dtype=torch.int64, device=dev)
+    mask = torch.arange(P, device=dev)[None, :] < lens[:, None]  # [n, P]
     pos = torch.arange(P, device=dev)[None, :].expand(n, P)
     # the draft's positions stop at its context where it is shorter than the target's: a prompt
     # past it leaves the draft nothing to draft from (drafters.base.draft_cap), but a valid cache
     dpos = pos if st.draft_context is None else pos.clamp(max=st.draft_context - 1)
-    if feature is not None and dc is not None:
+    if feature is not None and draft_cache is not None:
         # the target's features h; the draft's column t takes (h[t - 1], x_t), h[-1] = 0
-        h = t.forward_hidden(tc, ids, mask, pos, 0)  # [n, P, H]
-        feats = torch.cat([torch.zeros_like(h[:, :1]), h[:, :-1]], 1).to(st.draft.pend_feat.dtype)
-        d.step(dc, ids, feats, mask, dpos, 1, model_path=True)
+        h = t.forward_hidden(target_cache, ids, mask, pos, 0)  # [n, P, H]
+        feats = torch.cat([torch.zeros_like(h[:, :1]), h[:, :-1]], 1).to(st.draft.pending_features.dtype)
+        d.step(draft_cache, ids, feats, mask, dpos, 1, model_path=True)
         idx = torch.tensor(rows, dtype=torch.int64, device=dev)
-        last_col = (lt - 1)[:, None, None].expand(n, 1, h.shape[-1])
-        has = torch.tensor([st.lt_host[i] > 0 for i in rows], device=dev)[:, None]  # else f = 0
-        st.draft.pend_feat[idx, 0] = torch.where(has, h.gather(1, last_col)[:, 0], 0).to(st.draft.pend_feat.dtype)
+        last_col = (lens - 1)[:, None, None].expand(n, 1, h.shape[-1])
+        has = torch.tensor([st.target_len_host[i] > 0 for i in rows], device=dev)[:, None]  # else f = 0
+        st.draft.pending_features[idx, 0] = torch.where(has, h.gather(1, last_col)[:, 0], 0).to(st.draft.pending_features.dtype)
         return
-    t.forward(tc, ids, mask, pos, 0, 1)
-    if dc is not None:
-        d.forward(dc, ids.clamp(max=d.vocab_size - 1), mask, dpos, 0, 1)
+    t.forward(target_cache, ids, mask, pos, 0, 1)
+    if draft_cache is not None:
+        d.forward(draft_cache, ids.clamp(max=d.vocab_size - 1), mask, dpos, 0, 1)

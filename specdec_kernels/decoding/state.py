@@ -2,8 +2,8 @@
 
 ``DecodeState`` holds what the loop carries from step to step: the rows still decoding, their
 host-side sequences, the device tensors of each row (the next token, the valid cache columns,
-seeds, budgets), both caches, and what each drafter keeps between steps (a draft model's
-catch-up and waiting tokens, a feature draft's pending pairs).  One is made per call by
+seeds, budgets), the target's cache, and the drafter's own state (``draft``: the
+``drafters.base.DraftState`` its drafter made, with the draft's cache).  One is made per call by
 ``SpeculativeDecoder._start``; the loop (``decoder``), the prefill, the drafters
 (``drafters/model.py``, ``drafters/feature.py``) and tree drafting (``tree``) read and update it.
 """
@@ -92,7 +92,7 @@ class DecodeState:
     device: torch.device
     # device tensors, one entry per active row
     last: torch.Tensor = None  # [B] int64: the next token to feed (emitted, not yet cached)
-    lt: torch.Tensor = None  # [B] int64: valid target-cache columns
+    target_len: torch.Tensor = None  # [B] int64: valid target-cache columns (row b's in [0, target_len_b))
     gen: torch.Tensor = None  # [B] int64: tokens generated so far
     budget: torch.Tensor = None  # [B] int64: tokens the row may generate in total
     seed: torch.Tensor = None  # [B] int64: the verifier's Philox seed
@@ -100,10 +100,10 @@ class DecodeState:
     key_hi: torch.Tensor = None
     step: torch.Tensor = None  # [B] int64: the row's own step counter
     # host mirrors
-    lt_host: list = field(default_factory=list)
+    target_len_host: list = field(default_factory=list)
     budget_host: list = field(default_factory=list)
-    tc: Any = None  # target cache
-    Tt: int = 0  # target cache columns
+    target_cache: Any = None  # the target's KV cache (a DynamicCache, left-aligned rows)
+    target_columns: int = 0  # its columns (the batch's width: the longest row and the masked gaps)
     steps_done: int = 0
     prefill_time: float = 0.0
     draft_confidence: float = 0.0  # a row stops drafting below this estimate of acceptance (0: off)
@@ -184,8 +184,8 @@ def start_state(dec, prompts, max_new_tokens, num_draft_tokens, temperature, top
     st.gen = torch.zeros(B, dtype=torch.int64, device=dev)
     st.budget = torch.tensor(budgets, dtype=torch.int64, device=dev)
     st.budget_host = budgets
-    st.tc = new_cache(dec.target)
-    st.draft.dc = new_cache(dec._d.model) if (dec._d is not None and not target_only) else None
+    st.target_cache = new_cache(dec.target)
+    st.draft = dec._drafter.new_state(st, target_only)  # the drafter's own state, its cache included
     # Rows with no budget (prompt already fills the context) finish before any work.
     for i, b in enumerate(budgets):
         if b <= 0:

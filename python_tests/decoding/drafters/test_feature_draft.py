@@ -167,16 +167,16 @@ def _assert_feature_state(st, fd, target):
     one-token prompt caches nothing at first, and its first feature is 0)."""
     for b, p in enumerate(st.rows):
         seq = st.seqs[p]
-        ld, c = st.draft.ld_host[b], st.draft.pend_cnt_host[b]
+        ld, c = st.draft.cache_len_host[b], st.draft.pending_count_host[b]
         assert ld + c == len(seq)
-        assert st.draft.pend_tok[b, :c].tolist() == seq[ld:]
+        assert st.draft.pending_tokens[b, :c].tolist() == seq[ld:]
         if ld == 0:
             continue
-        _assert_row_cache(st.tc, b, st.lt_host[b], target, seq[: st.lt_host[b]])
-        assert st.lt_host[b] == len(seq) - 1
-        _assert_draft_row_cache(st.draft.dc, b, ld, fd, target, seq[:ld])
+        _assert_row_cache(st.target_cache, b, st.target_len_host[b], target, seq[: st.target_len_host[b]])
+        assert st.target_len_host[b] == len(seq) - 1
+        _assert_draft_row_cache(st.draft.cache, b, ld, fd, target, seq[:ld])
         _, feats, _ = _pairs(target, torch.tensor([seq]))
-        torch.testing.assert_close(st.draft.pend_feat[b, :c], feats[0, ld:], atol=CACHE_ATOL, rtol=CACHE_RTOL)
+        torch.testing.assert_close(st.draft.pending_features[b, :c], feats[0, ld:], atol=CACHE_ATOL, rtol=CACHE_RTOL)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
@@ -190,7 +190,7 @@ def test_feature_caches_equal_fresh_forward_after_each_step(fpair, temperature):
         dec._prefill(st)
         for _ in range(6):
             dec._step(st)
-            counts.update(st.draft.pend_cnt_host)
+            counts.update(st.draft.pending_count_host)
             _assert_feature_state(st, fd, target)
     assert len(counts) > 1  # rows had different numbers of pending pairs
 
@@ -300,22 +300,22 @@ def test_feature_zero_steps_run_no_draft_forward(fpair, fgreedy_refs, temperatur
     dec._drafter.draft = drafting
     with torch.inference_mode():
         dec._prefill(st)
-        prefilled = sum(st.draft.ld_host)
+        prefilled = sum(st.draft.cache_len_host)
         most = 0
         for k in pattern:
-            before = list(st.draft.pend_cnt_host)
+            before = list(st.draft.pending_count_host)
             most = max(most, *before)
             blocks.append(None)
             dec._step(st)
             if k == 0:
                 assert blocks[-1] is None  # no draft forward at all
-                assert st.draft.pend_cnt_host == [c + 1 for c in before]
+                assert st.draft.pending_count_host == [c + 1 for c in before]
             else:
                 assert blocks[-1] == sum(before)  # every waiting pair, once
             _assert_feature_state(st, fd, target)
     assert len(st.rows) == len(PROMPTS)
     assert most >= 4  # pairs did wait over several K = 0 steps
-    assert prefilled + sum(b for b in blocks if b) == sum(st.draft.ld_host)  # each true pair fed once
+    assert prefilled + sum(b for b in blocks if b) == sum(st.draft.cache_len_host)  # each true pair fed once
     if temperature == 0:
         assert [st.generated[p] for p in range(len(PROMPTS))] == [r[: len(st.generated[p])]
                                                                  for p, r in enumerate(fgreedy_refs)]

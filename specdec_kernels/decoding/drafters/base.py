@@ -4,10 +4,13 @@ A drafter proposes each step's drafts and keeps its own bookkeeping across steps
 (``decoder.py``) calls, per step: ``draft(st, K)`` (K >= 1) for the step's ``Drafts``, or, on
 a K = 0 step, nothing before the verify; then, after the verify and the target's roll-back,
 ``after_verify`` (a step with drafts) or ``wait`` (a K = 0 step); and
-``select_rows`` when rows finish.  What a drafter keeps between steps is its ``DraftState``,
-``st.draft`` (a draft model: its cache, ``ld``, ``catch``, ``wait``; a feature draft: its cache,
-``ld``, ``pend_*``); the drafter object itself holds only its network.  Every method takes the call's state, whose parameters
-``generate`` has checked, so none of them checks its arguments again.
+``select_rows`` when rows finish.  What a drafter keeps between steps is the state it makes
+with ``new_state`` at the start of each call, ``st.draft``: a ``DraftState`` of its own class (a
+draft model's ``ModelDraftState``: its cache, ``cache_len``, ``catch_up``, ``waiting``; a feature
+draft's ``FeatureDraftState``: its cache, ``cache_len``, ``pending_*``; prompt lookup's the empty
+base); the drafter object itself holds only its network and settings, so one drafter serves
+many calls.  Every method takes the call's state, whose parameters ``generate`` has checked, so
+none of them checks its arguments again.
 
 ``DraftPicker`` picks each position's draft for the network drafters (greedy argmax, or the
 warped distribution sampled by inverse CDF with the row's counter-based uniforms), applies
@@ -22,41 +25,83 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 
 import torch
 
+from ...ops.kv.cache import crop_cache_
 from .sampling import _draft_uniforms_k, _sample_inverse_cdf, warp_probs
 
-__all__ = ["DraftPicker", "DraftState", "Drafter", "Drafts", "append_right", "draft_cap", "position_limit"]
+__all__ = ["CachedDraftState", "DraftPicker", "DraftState", "Drafter", "Drafts", "append_right", "draft_cap", "position_limit"]
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..state import DecodeState
     from ...ops.verify import VerifyOutput
 
 
-@dataclass
 class DraftState:
-    """What a network drafter keeps of a ``generate`` call between steps (``DecodeState.draft``):
-    its left-aligned cache and, per active row, how much of it is valid, plus a draft model's
-    catch-up and waiting tokens or a feature draft's pending pairs."""
+    """What a drafter keeps of a ``generate`` call between steps (``DecodeState.draft``), made by
+    its ``Drafter.new_state``.  This base keeps nothing per row (prompt lookup: no network, no
+    cache); a network drafter's state is a ``CachedDraftState``.  The loop calls ``begin`` at the
+    prefill, ``select_rows`` when rows finish, ``crop`` after each step, ``retire`` when every row
+    is past the draft's context, and reads ``holds_waiting`` and ``cache``."""
 
-    dc: Any = None  # the draft's cache (a DynamicCache)
-    Td: int = 0  # its columns
-    ld: torch.Tensor = None  # [B] int64: valid draft-cache columns
-    ld_host: list = field(default_factory=list)
-    catch: torch.Tensor = None  # [B] int64: the token the draft must catch up on, or -1
-    catch_host: list = field(default_factory=list)
-    # a draft model's tokens waiting through K = 0 steps (right-aligned: row b's wait_host[b]
-    # tokens end at the last column), fed before its next step's [catch-up, last]; None: none
-    wait: torch.Tensor = None  # [B, W] int64
-    wait_cnt: torch.Tensor = None  # [B] int64
-    wait_host: list = None
-    # a feature draft's pending pairs: (the target's feature at column c - 1, the token at column c)
-    # for the columns c the target has made true and the draft has not taken yet
-    pend_tok: torch.Tensor = None  # [B, C] int64
-    pend_feat: torch.Tensor = None  # [B, C, H]
-    pend_cnt: torch.Tensor = None  # [B] int64 in [1, C]
-    pend_cnt_host: list = field(default_factory=list)
-    block_start: int = 0  # the draft cache column where this step's pending pairs went
-    fed: Any = None  # a draft model's (block, drafts) fed this step, until after_verify
-    waited: bool = False  # the pending pairs include some that waited through K = 0 steps
+    cache: Any = None  # the draft's own KV cache (a DynamicCache), or None: it keeps none
+
+    def begin(self, st: "DecodeState", columns: int) -> None:
+        """The prefill starts: each row's target length (``st.target_len``) and ``st.last`` are
+        set; ``columns``: the cache columns the prefill writes."""
+
+    def select_rows(self, idx: torch.Tensor, keep: list, prefilled: bool) -> None:
+        """Keep the per-row state of rows ``keep`` (host indices; ``idx`` on the device), and
+        after the prefill (``prefilled``) its cache's rows."""
+
+    def crop(self) -> None:
+        """Drop the cache columns past the longest row (rejected drafts, finished rows)."""
+
+    def retire(self) -> None:
+        """The draft never drafts again in this call: keep nothing that waits for a forward."""
+
+    def holds_waiting(self) -> bool:
+        """True when the next draft forward also takes what waited through K = 0 steps (that
+        step's draft time is not a typical one)."""
+        return False
+
+
+@dataclass
+class CachedDraftState(DraftState):
+    """A network drafter's state: its left-aligned cache and, per active row, how many of its
+    columns are valid (row b's in [0, cache_len_b))."""
+
+    cache: Any = None  # the draft's KV cache (a DynamicCache); None: retired, or a target-only call
+    columns: int = 0  # its columns (the batch's width)
+    cache_len: torch.Tensor = None  # [B] int64: valid draft-cache columns
+    cache_len_host: list = field(default_factory=list)
+
+    # the per-row device tensors and host lists ``select_rows`` keeps (subclasses add theirs)
+    ROW_TENSORS = ("cache_len",)
+    ROW_LISTS = ("cache_len_host",)
+
+    def begin(self, st: "DecodeState", columns: int) -> None:
+        self.cache_len_host = list(st.target_len_host)  # the prefill caches what the target caches
+        self.cache_len = st.target_len.clone()
+        self.columns = columns
+
+    def select_rows(self, idx: torch.Tensor, keep: list, prefilled: bool) -> None:
+        for name in self.ROW_TENSORS:
+            t = getattr(self, name)
+            if t is not None:
+                setattr(self, name, t.index_select(0, idx))
+        for name in self.ROW_LISTS:
+            h = getattr(self, name)
+            if h:
+                setattr(self, name, [h[i] for i in keep])
+        if prefilled and self.cache is not None:
+            self.cache.batch_select_indices(idx)
+
+    def crop(self) -> None:
+        if self.cache is not None:
+            self.columns = max(self.cache_len_host)
+            crop_cache_(self.cache, self.columns)
+
+    def retire(self) -> None:
+        self.cache = None
 
 
 class Drafts(NamedTuple):
@@ -73,10 +118,18 @@ class Drafts(NamedTuple):
 
 
 class Drafter:
-    """The interface the loop drafts through (see the module docstring)."""
+    """The interface the loop drafts through (see the module docstring).  A subclass passed as
+    ``SpeculativeDecoder(drafter=<instance>)`` drafts for the target alone: it brings whatever it
+    drafts with (``draft=`` stays None), and its drafts are target token ids."""
 
+    name = "custom"  # what ``SpeculativeDecoder.drafter`` says (the registered name of the built-in ones)
     reads_features = False  # the verify must also return the target's features ([B, K + 1, H])
     network = True  # a draft network: its K_b is clamped to each row's budget by the loop
+
+    def new_state(self, st: "DecodeState", target_only: bool) -> DraftState:
+        """This drafter's state for a new ``generate`` call (``st``: its state, the rows encoded,
+        nothing prefilled; ``target_only``: the target alone decodes, the draft runs nothing)."""
+        return DraftState()
 
     def draft(self, st: "DecodeState", K: int) -> Drafts:
         """The step's drafts (K >= 1; a row may propose fewer, a lookup none)."""
@@ -91,18 +144,8 @@ class Drafter:
 
     def select_rows(self, st: "DecodeState", idx: torch.Tensor, keep: list) -> None:
         """Keep the drafter's per-row state of rows ``keep`` (host indices; ``idx`` on the device):
-        ``st.draft``'s per-row tensors and lists, and after the prefill its cache's rows."""
-        d = st.draft
-        for name in ("ld", "catch", "wait", "wait_cnt", "pend_tok", "pend_feat", "pend_cnt"):
-            t = getattr(d, name)
-            if t is not None:
-                setattr(d, name, t.index_select(0, idx))
-        for name in ("ld_host", "catch_host", "wait_host", "pend_cnt_host"):
-            h = getattr(d, name)
-            if h:
-                setattr(d, name, [h[i] for i in keep])
-        if st.lt_host and d.dc is not None:
-            d.dc.batch_select_indices(idx)
+        its state's (``st.draft``) per-row tensors and lists, and after the prefill its cache's rows."""
+        st.draft.select_rows(idx, keep, bool(st.target_len_host))
 
 
 def position_limit(st: "DecodeState") -> Optional[int]:

@@ -50,6 +50,7 @@ def prompt_lookup(tokens: Sequence[int], num_tokens: int, max_ngram: int = 3,
 class PromptLookupDrafter(Drafter):
     """Batched prompt lookup: one list of drafts per row, padded into a [B, K] block."""
 
+    name = "prompt_lookup"
     network = False  # it proposes within each row's budget itself
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
