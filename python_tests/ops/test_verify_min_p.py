@@ -463,9 +463,9 @@ def test_all_greedy_rows_ignore_min_p_but_not_its_range(B, monkeypatch):
 def test_min_p_adds_no_device_op(case, monkeypatch):
     """min_p as a scalar goes to the kernel by value and as a [B] tensor (float64 and strided here)
     is read in place: the call is still one launch whose only other ops are the outputs' two
-    allocations."""
+    allocations and the memset of the workspace's counters."""
     import specdec_kernels.ops.verify.triton.split_kernel as kmod
-    from test_verify_split import _CountLaunches, _RecordOps
+    from test_verify_split import _CountLaunches, _memset_op, _RecordOps
 
     monkeypatch.setattr(_verify_args, "_check_values", lambda t: False)
     lg, x, q = make_step(3, 4, 64, seed=1)
@@ -481,7 +481,8 @@ def test_min_p_adds_no_device_op(case, monkeypatch):
         out = fused_verify(lg, x, q, **kw)
     assert counter.launches == 1
     dev = torch.device(DEV).type
-    assert sorted(rec.ops, key=str) == sorted([("aten.empty", dev, 15), ("aten.empty", dev, 3)], key=str), rec.ops
+    want = [("aten.empty", dev, 15), ("aten.empty", dev, 3), _memset_op()]
+    assert sorted(rec.ops, key=str) == sorted(want, key=str), rec.ops
     assert (out.num_accepted >= 0).all()
 
 

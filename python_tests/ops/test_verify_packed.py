@@ -309,10 +309,11 @@ def test_packed_logprobs_equal_padded(monkeypatch):
 @pytest.mark.parametrize("with_out", [False, True], ids=["allocates", "out"])
 def test_packed_call_is_one_launch_and_copies_nothing(with_out, monkeypatch):
     """fused_verify_packed with max_num_draft_tokens and [B] parameters on the device: one kernel
-    launch, and no other aten op than the outputs' allocation (``empty``) — none with ``out=``:
-    no copy of the logits, no padding, no conversion of the fp16 draft probabilities."""
+    launch, and no other aten op than the outputs' allocation (``empty``; none with ``out=``) and
+    the memset of the workspace's counters: no copy of the logits, no padding, no conversion of
+    the fp16 draft probabilities."""
     import specdec_kernels.ops.verify.triton.split_kernel as kmod
-    from test_verify_split import _CountLaunches, _RecordOps
+    from test_verify_split import _CountLaunches, _memset_op, _RecordOps
 
     monkeypatch.setattr(_verify_args, "_check_values", lambda t: False)  # a device's tensors: not read on the host
     monkeypatch.setattr(_verify_args, "host_readable", lambda t: False)
@@ -331,6 +332,7 @@ def test_packed_call_is_one_launch_and_copies_nothing(with_out, monkeypatch):
         got = fused_verify_packed(pl, px, cu, pq, out=out, **kw)
     assert counter.launches == 1
     dev = torch.device(DEV).type
-    expect = [] if with_out else [("aten.empty", dev, 12), ("aten.empty", dev, 3), ("aten.empty", dev, 12)]
+    expect = [_memset_op()] + ([] if with_out else [("aten.empty", dev, 12), ("aten.empty", dev, 3),
+                                                     ("aten.empty", dev, 12)])
     assert sorted(rec.ops, key=str) == sorted(expect, key=str), rec.ops
     assert torch.equal(got.tokens.long().cpu(), want.tokens.cpu())

@@ -127,6 +127,12 @@ class _RecordOps(TorchDispatchMode):
         return out
 
 
+def _memset_op():
+    """The one op a launch adds to the outputs' allocations: the memset of the workspace's
+    counters (its size: what the workspace has grown to so far)."""
+    return ("aten.zero_", torch.device(DEV).type, split_workspace(DEV).counters.numel())
+
+
 class _CountLaunches:
     """Stands in for the kernel object: counts launches and hides the interpreter's own tensor
     handling from the op recorder."""
@@ -182,7 +188,7 @@ def test_one_launch_and_no_other_device_op(case, monkeypatch):
     assert counter.launches == 1
     dev = torch.device(DEV).type
     # the memset of the workspace's counters (its size: what the workspace grew to so far)
-    want = [("aten.empty", dev, 15), ("aten.empty", dev, 3), ("aten.zero_", dev, split_workspace(DEV).counters.numel())]
+    want = [("aten.empty", dev, 15), ("aten.empty", dev, 3), _memset_op()]
     if case == "seed_none":  # one base seed drawn and read on the host (no device sync)
         want += [("aten.randint", "cpu", 1), ("aten._local_scalar_dense", None, None)]
     assert sorted(rec.ops, key=str) == sorted(want, key=str), rec.ops
