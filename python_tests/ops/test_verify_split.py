@@ -296,6 +296,24 @@ def test_the_launch_zeroes_its_counters_and_resets_nothing_itself(monkeypatch):
     assert ready.tolist() == [1, 1] and (out.num_accepted >= 0).all()
 
 
+def test_a_workspace_made_under_inference_mode_serves_calls_outside_it(monkeypatch):
+    """The first call inside ``torch.inference_mode()`` (a decoding loop's) makes the workspace;
+    its tensors are normal tensors, so a later call outside inference mode can zero the counters
+    (an inference tensor refuses an in-place update there), and the reverse order works too."""
+    from specdec_kernels.ops.verify import workspace as workspace_mod
+
+    logits, x, q = make_step(2, 2, 50, seed=5)
+    args = [t.to(DEV) for t in (logits, x, q)]
+    want = fused_verify(*args, seed=3, backend="torch")
+    for first_inside in (True, False):
+        monkeypatch.setattr(workspace_mod, "_WORKSPACES", {})  # a fresh workspace for this device
+        for inside in (first_inside, not first_inside, first_inside):
+            with torch.inference_mode(inside):
+                got = fused_verify(*args, seed=3, backend="triton")
+            assert torch.equal(got.tokens.cpu(), want.tokens.cpu())
+        assert not any(t.is_inference() for t in split_workspace(DEV).tensors().values())
+
+
 def test_workspace_tensors_by_name_and_reset():
     """``ops.kernels.split_workspace``: the workspace's tensors by name, and ``reset()`` zeroes
     every one of them; a call after a reset is exact."""

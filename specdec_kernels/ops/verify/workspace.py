@@ -68,7 +68,9 @@ class SplitWorkspace:
 
     def ensure(self, dev: torch.device, sizes: dict) -> None:
         """Grow what is too small.  A replaced tensor is kept alive (``retired``): a CUDA graph
-        captured with it replays into it (doubling keeps all of them under twice the largest)."""
+        captured with it replays into it (doubling keeps all of them under twice the largest).
+        The tensors are made as normal tensors even inside ``torch.inference_mode()`` (a decoding
+        loop's first call): an inference tensor could not be zeroed by a later call outside it."""
         for k, n in sizes.items():
             old = getattr(self, k)
             if self._fits(old, n):
@@ -77,8 +79,9 @@ class SplitWorkspace:
                 self.retired.append(old)
             n = max(n, 2 * old.numel() if old is not None else 0)
             dtype = {"part_f": torch.float32, "mass": torch.float64}.get(k, torch.int32)
-            setattr(self, k, torch.zeros(n, dtype=dtype, device=dev) if k == "counters"
-                    else torch.empty(n, dtype=dtype, device=dev))
+            with torch.inference_mode(False):
+                setattr(self, k, torch.zeros(n, dtype=dtype, device=dev) if k == "counters"
+                        else torch.empty(n, dtype=dtype, device=dev))
 
     def tensors(self) -> dict:
         """{name: tensor} of the current tensors (none before the first launch): ``counters``
