@@ -152,7 +152,8 @@ class SpeculativeDecoder:
     def __init__(self, draft=None, target=None, tokenizer=None, device=None, dtype=None, *,
                  drafter: Union[str, Drafter, None] = None, max_ngram: Optional[int] = None, cpu_linear: str = "auto",
                  lean_forward: bool = True, draft_vocab: Any = "auto", verify_backend: str = "auto",
-                 verification: str = "token", tree: Any = None, accelerator: Any = None):
+                 verification: str = "token", tree: Any = None, accelerator: Any = None,
+                 draft_tokenizer: Any = None, vocabulary: str = "auto"):
         if cpu_linear not in ("auto", "skinny", "torch"):
             raise ValueError(f"cpu_linear must be 'auto', 'skinny' or 'torch', got {cpu_linear!r}")
         if accelerator is not None and (cpu_linear != "auto" or lean_forward is not True):
@@ -170,7 +171,14 @@ class SpeculativeDecoder:
 
         device = resolve_device(device)
         self.verify_backend = verify_backend
-        pair = load_pair(draft, target, tokenizer, device, dtype, drafter, max_ngram, tree=self.tree is not None)
+        pair = load_pair(draft, target, tokenizer, device, dtype, drafter, max_ngram, tree=self.tree is not None,
+                         draft_tokenizer=draft_tokenizer, vocabulary=vocabulary)
+        self.vocabulary, self.draft_tokenizer = pair.vocabulary, pair.draft_tokenizer
+        cross = pair.vocabulary != "shared"
+        if cross and not (draft_vocab is None or (isinstance(draft_vocab, str) and draft_vocab == "auto")):
+            raise ValueError(f"draft_vocab applies to a draft over the target's vocabulary, got draft_vocab="
+                             f"{type(draft_vocab).__name__} with a draft over another tokenizer (vocabulary="
+                             f"{pair.vocabulary!r})")
         target, draft, self.feature, drafter = pair.target, pair.draft, pair.feature, pair.drafter
         self.drafter, self.tokenizer, final_device, dtype = drafter, pair.tokenizer, pair.device, pair.dtype
         feature_vocab, feature_given = pair.feature_vocab, pair.feature_given
@@ -201,8 +209,13 @@ class SpeculativeDecoder:
         # the drafter the loop drafts through (drafters/base.py: draft, after_verify, wait, select_rows)
         self._drafter = (pair.instance if pair.instance is not None else self.lookup if self._d is None
                          else drafter_kind(self.drafter).make(self._d))  # the registry's (drafters/registry.py)
+        if cross:  # a draft model over another tokenizer (drafters/cross.py)
+            from .drafters.cross import CrossVocabDrafter
+
+            self._drafter = CrossVocabDrafter(self._d, pair.draft_tokenizer, pair.tokenizer, pair.vocabulary,
+                                              self._t.vocab_size)
         self._feature_vocab = feature_vocab
-        if self._d is not None and self._d.vocab_size > self._t.vocab_size:
+        if self._d is not None and not cross and self._d.vocab_size > self._t.vocab_size:
             raise ValueError(f"the draft vocabulary must not exceed the target's: draft vocab_size = "
                              f"{self._d.vocab_size}, target vocab_size = {self._t.vocab_size}")
         if accelerator is None:  # the one place the decoder names the CPU layer: its default accelerator
@@ -211,8 +224,8 @@ class SpeculativeDecoder:
             accelerator = CpuAccelerator(cpu_linear, lean_forward)
         self.accelerator = accelerator
         self.draft = draft
-        self.draft_vocab = resolve_draft_vocab(draft_vocab, self._d, self.drafter, self.draft, self.feature,
-                                               self._feature_vocab)
+        self.draft_vocab = None if cross else resolve_draft_vocab(draft_vocab, self._d, self.drafter, self.draft,
+                                                                  self.feature, self._feature_vocab)
         self.accelerator.check_device(final_device)
 
         # Accepted: convert and move.
@@ -481,6 +494,8 @@ class SpeculativeDecoder:
             st.streamer.end()
         stats = st.recorder.finalize(total, st.prefill_time, st.finish, baseline_tokens_per_s,
                                      draft_is_free=self._d is None)
+        for name, value in self._drafter.describe(st).items():  # e.g. the vocabulary a draft model used
+            setattr(stats, name, value)
         texts = None
         if self.tokenizer is not None:
             texts = [self.tokenizer.decode(g, skip_special_tokens=True) for g in st.generated]

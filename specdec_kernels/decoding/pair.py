@@ -39,6 +39,8 @@ class Pair(NamedTuple):
     feature_given: bool
     lookup: Any  # the drafter without a network (drafter="prompt_lookup": a PromptLookupDrafter), else None
     instance: Any = None  # the Drafter passed as drafter=<instance>, else None
+    draft_tokenizer: Any = None  # the draft's tokenizer, where known
+    vocabulary: str = "shared"  # "shared", or for a draft over another tokenizer "auto" | "intersection" | "string"
 
 
 def device_of(model) -> torch.device:
@@ -78,9 +80,14 @@ def embedded_pair(drafter: Optional[str], device, dtype) -> tuple:
 
 
 def load_pair(draft, target, tokenizer, device: Optional[torch.device], dtype, drafter: Optional[str],
-              max_ngram: Optional[int] = None, tree: bool = False) -> Pair:
+              max_ngram: Optional[int] = None, tree: bool = False, draft_tokenizer=None,
+              vocabulary: str = "auto") -> Pair:
     """Resolve and check a pair as ``SpeculativeDecoder`` takes it (its docstring says what each
     argument may be); ``device``: as ``models.resolve_device`` resolved it (None: where they are)."""
+    from .drafters.cross import VOCABULARIES
+
+    if not isinstance(vocabulary, str) or vocabulary not in VOCABULARIES:
+        raise ValueError(f"vocabulary must be one of {VOCABULARIES}, got {vocabulary!r}")
     instance = None
     if isinstance(drafter, Drafter):  # it drafts for the target alone, with what it brings
         instance, drafter = drafter, None
@@ -146,16 +153,43 @@ def load_pair(draft, target, tokenizer, device: Optional[torch.device], dtype, d
         tokenizer = load_tokenizer(tokenizer, "tokenizer")
     if tokenizer is None and isinstance(target, str):
         tokenizer = load_tokenizer(target, "target")
-    draft_tokenizer = load_tokenizer(draft, "draft") if isinstance(draft, str) else None
-    if draft_tokenizer is not None and tokenizer is not None:
-        why = vocab_mismatch(draft_tokenizer.get_vocab(), tokenizer.get_vocab())
-        if why is not None:
-            raise ValueError(f"draft and target tokenizers must have the same vocabulary, got {why}")
+    if isinstance(draft_tokenizer, (str, os.PathLike)):
+        draft_tokenizer = load_tokenizer(str(draft_tokenizer), "draft_tokenizer")
+    if draft_tokenizer is None and isinstance(draft, str):
+        draft_tokenizer = load_tokenizer(draft, "draft")
+    mode = _vocabulary(vocabulary, draft_tokenizer, tokenizer, kind.draft, drafter, tree)
 
     target = load_model(target, dtype)  # a path is loaded in dtype; a module is converted below
     draft = load_model(draft, dtype) if draft is not None else None
     return _checked(Pair(target, draft, feature, drafter, tokenizer, None, dtype, feature_vocab, feature_given,
-                         lookup), device)
+                         lookup, None, draft_tokenizer, mode), device)
+
+
+def _vocabulary(vocabulary: str, draft_tokenizer, tokenizer, draft_kind, drafter: str, tree: bool) -> str:
+    """How the draft's tokens reach the target: "shared" (one vocabulary: the draft proposes the
+    target's ids), else the ``vocabulary`` asked for a draft model over another tokenizer
+    (``drafters.cross``).  "auto" is "shared" when the tokenizers' vocabularies are equal (or the
+    draft's is not known), else a cross-vocabulary draft."""
+    if vocabulary == "shared" or (vocabulary == "auto" and (draft_tokenizer is None or tokenizer is None)):
+        if draft_tokenizer is not None and tokenizer is not None:
+            why = vocab_mismatch(draft_tokenizer.get_vocab(), tokenizer.get_vocab())
+            if why is not None:
+                raise ValueError(f"draft and target tokenizers must have the same vocabulary with "
+                                 f"vocabulary='shared', got {why} (vocabulary='auto' drafts across them)")
+        return "shared"
+    if vocabulary == "auto" and vocab_mismatch(draft_tokenizer.get_vocab(), tokenizer.get_vocab()) is None:
+        return "shared"
+    if draft_kind != "model":
+        raise ValueError(f"vocabulary={vocabulary!r} needs a draft model (drafter='model'), got drafter={drafter!r}")
+    if draft_tokenizer is None:
+        raise ValueError(f"vocabulary={vocabulary!r} needs the draft's tokenizer: pass draft_tokenizer= (or the "
+                         f"draft by name or directory, which brings its own)")
+    if tokenizer is None:
+        raise ValueError(f"vocabulary={vocabulary!r} needs the target's tokenizer: pass tokenizer=")
+    if tree:
+        raise ValueError("tree drafting needs a draft over the target's vocabulary, got a draft with another "
+                         "tokenizer")
+    return vocabulary
 
 
 def _checked(pair: Pair, device: Optional[torch.device]) -> Pair:

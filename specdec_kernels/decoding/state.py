@@ -135,7 +135,8 @@ def start_state(dec, prompts, max_new_tokens, num_draft_tokens, temperature, top
                                       min_p=min_p)
     rows = encode_prompts(prompts, attention_mask, dec.tokenizer, dec._t.vocab_size)
     context = check_context(rows, (dec._t,))  # the target's: a draft's shorter one only stops drafting
-    draft_context = None if (target_only or dec._d is None) else dec._d.context
+    draft_context = (None if (target_only or dec._d is None or not dec._drafter.follows_target_cache)
+                     else dec._d.context)
     if draft_context is not None and context is not None and draft_context >= context:
         draft_context = None
     B = len(rows)

@@ -50,6 +50,10 @@ class DecodingStats:
     baseline_tokens_per_s: Optional[float] = None  # the target alone, when measured
     measured_speedup: Optional[float] = None  # tokens_per_s / baseline_tokens_per_s
     finish_reasons: list = field(default_factory=list)  # per prompt: eos|stop|length|context|nonfinite
+    # a draft model's vocabulary: "shared" (the target's), or, over another tokenizer, the way its
+    # drafts were proposed ("intersection" | "string"); None without a draft model
+    vocabulary: Optional[str] = None
+    intersection_size: Optional[int] = None  # the tokens both vocabularies share (where computed)
     history: list = field(default_factory=list, repr=False)  # per step: dict(k, rows, num_draft, accepted)
 
     def to_dict(self, with_history: bool = False) -> dict:

@@ -125,6 +125,10 @@ class Drafter:
     name = "custom"  # what ``SpeculativeDecoder.drafter`` says (the registered name of the built-in ones)
     reads_features = False  # the verify must also return the target's features ([B, K + 1, H])
     network = True  # a draft network: its K_b is clamped to each row's budget by the loop
+    # its cache follows the target's: the loop's prefill fills it with the target's ids, and its
+    # context is counted in the target's positions (``DecodeState.draft_context``); False: the
+    # drafter syncs its own (a draft over another tokenizer)
+    follows_target_cache = True
 
     def new_state(self, st: "DecodeState", target_only: bool) -> DraftState:
         """This drafter's state for a new ``generate`` call (``st``: its state, the rows encoded,
@@ -134,6 +138,10 @@ class Drafter:
     def draft(self, st: "DecodeState", K: int) -> Drafts:
         """The step's drafts (K >= 1; a row may propose fewer, a lookup none)."""
         raise NotImplementedError
+
+    def describe(self, st: "DecodeState") -> dict:
+        """What the call's stats say of this drafter (``DecodingStats`` fields): {} by default."""
+        return {}
 
     def after_verify(self, st: "DecodeState", out: "VerifyOutput", feats: Optional[torch.Tensor],
                      n: torch.Tensor, n_host: list, K: int) -> None:

@@ -72,6 +72,9 @@ class ModelDrafter(Drafter):
         st.draft.fed = (block, X)  # what this step fed the draft's cache, for after_verify
         return Drafts(X, Q, kb, X.shape[1])
 
+    def describe(self, st) -> dict:
+        return {"vocabulary": "shared"}
+
     def after_verify(self, st, out, feats, n, n_host, K) -> None:
         (block, X), st.draft.fed = st.draft.fed, None
         model_after_verify_(st, block, X, n, n_host)
