@@ -30,8 +30,8 @@ DRAFT_SPECIALS = ["</s>", "<unk>"]  # the same contents, other ids
 def _fast(vocab: dict, merges: list, unk: str) -> PreTrainedTokenizerFast:
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=unk, fuse_unk=False))
     tok.decoder = decoders.Fuse()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token=unk, eos_token="</s>")
-    return fast
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token=unk, eos_token="</s>", pad_token=unk,
+                                   padding_side="left")
 
 
 def target_tokenizer() -> PreTrainedTokenizerFast:

@@ -104,6 +104,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--draft-vocab", default="auto", metavar="auto|full|PATH",
                    help="the tokens the draft may propose: 'auto' (default: the draft_vocab.json "
                         "shipped in the draft's directory, if any), 'full' (the whole vocabulary) or a file")
+    g.add_argument("--draft-tokenizer", default=None, metavar="PATH",
+                   help="the draft's tokenizer, where it differs from the target's (default: the --draft "
+                        "directory's own)")
+    g.add_argument("--vocabulary", choices=("auto", "shared", "intersection", "string"), default="auto",
+                   help="how a draft over another tokenizer proposes: 'auto' (default: 'shared' when the "
+                        "vocabularies are equal, else 'intersection' when the tokens both write hold most of the "
+                        "draft's probability, else 'string'), 'intersection' (the shared tokens, with the draft's "
+                        "renormalised distribution) or 'string' (its text, re-encoded by the target's tokenizer)")
     g.add_argument("--baseline", action="store_true",
                    help="also decode with the target alone, to report the measured speed-up (both sides warmed "
                         "up untimed first, the side timed first alternating; greedy: the token ids compared)")
@@ -123,7 +131,8 @@ _FLAGS = {"max_new_tokens": "--max-new-tokens", "num_draft_tokens": "-k", "max_d
           "draft_confidence": "--draft-confidence", "temperature": "--temperature", "top_k": "--top-k",
           "top_p": "--top-p", "min_p": "--min-p", "seed": "--seed", "stop strings": "--stop", "dtype": "--dtype", "device": "--device",
           "draft_vocab": "--draft-vocab", "tokenizer directory": "--tokenizer directory", "target directory": "--target directory",
-          "draft directory": "--draft directory", "tree must": "--tree must"}
+          "draft directory": "--draft directory", "tree must": "--tree must",
+          "draft_tokenizer directory": "--draft-tokenizer directory"}
 
 
 def _flag_message(msg: str) -> str:
@@ -138,6 +147,9 @@ def _check_early(args, parser) -> None:
     from .models.embedded import resolve_device
 
     g = parser.generate_parser
+    if (args.draft_tokenizer is not None or args.vocabulary != "auto") and (args.tiny_random or args.target is None):
+        g.error("--draft-tokenizer and --vocabulary apply to --target/--draft models; the embedded pair and "
+                "--tiny-random share one vocabulary")
     if args.tokenizer is not None and (args.tiny_random or args.target is None):
         g.error("--tokenizer applies to --target/--draft models; the embedded pair and --tiny-random bring "
                 "their own")
@@ -166,7 +178,8 @@ def _check_early(args, parser) -> None:
     except (ValueError, TypeError) as e:
         g.error(_flag_message(str(e)))
     for flag, value, kind in (("--target", args.target, "model"), ("--draft", args.draft, drafter),
-                              ("--tokenizer", args.tokenizer, "tokenizer")):
+                              ("--tokenizer", args.tokenizer, "tokenizer"),
+                              ("--draft-tokenizer", args.draft_tokenizer, "tokenizer")):
         # a local path (absolute, relative or ~), not a hub name: it must exist; a model directory
         # must hold a config.json (else transformers' errors speak of hub ids or tokenizers)
         if value is None or not (os.path.isabs(value) or value.startswith((".", "~")) or os.path.exists(value)):
@@ -231,7 +244,8 @@ def _make_decoder(args, parser):
         return SpeculativeDecoder(draft=draft, target=target, tokenizer=tokenizer, drafter=args.drafter, **paths)
     draft = args.draft  # (--draft with --target, or prompt lookup without: _check_early)
     return SpeculativeDecoder(draft=draft, target=args.target, tokenizer=args.tokenizer, device=args.device,
-                              dtype=args.dtype, drafter=args.drafter, **paths)
+                              dtype=args.dtype, drafter=args.drafter, draft_tokenizer=args.draft_tokenizer,
+                              vocabulary=args.vocabulary, **paths)
 
 
 def _user_errors() -> tuple:

@@ -14,7 +14,9 @@ with ``pad_token_id``), or a ``GenerateDecoderOnlyOutput`` with ``sequences`` wh
 ``return_dict_in_generate=True``.  The emitted tokens follow the target's law exactly (greedy:
 its argmax at every position), whatever the draft (Leviathan et al. 2023; Chen et al. 2023).
 
-The draft: ``assistant_model=`` (a causal LM over the target's vocabulary), or, without one,
+The draft: ``assistant_model=`` (a causal LM over the target's vocabulary, or over another one with
+``tokenizer=`` and ``assistant_tokenizer=``, as for transformers' Universal Assisted Generation:
+see ``generate``; batched and exact at every temperature), or, without one,
 ``prompt_lookup_num_tokens=`` (drafts copied from the row's own text).  transformers 5.17 to 5.25
 pass neither ``assistant_model`` nor ``streamer`` to a callable ``custom_generate`` (it keeps
 only the arguments of the callable's signature that are still in its ``**kwargs``), so
@@ -64,8 +66,8 @@ renormalize_logits                     no effect on tokens (a log-softmax after 
 bos_token_id, decoder_start_token_id   no effect: prompts are required; encoder-decoders refused
 early_stopping, length_penalty,        beam / contrastive search only: no effect, as in
 low_memory                             transformers' greedy and sampling modes
-assistant_lookbehind,                  for drafts over another tokenizer: no effect (draft and
-target_lookbehind, is_assistant        target share one vocabulary; is_assistant: internal)
+assistant_lookbehind,                  for drafts over another tokenizer: no effect (the draft
+target_lookbehind, is_assistant        re-reads each row's whole text; is_assistant: internal)
 compile_config, disable_compile        for static caches (refused): no effect
 top_h, typical_p,                      refused with do_sample=True (ValueError naming the field);
 epsilon_cutoff, eta_cutoff             no effect when greedy, as in transformers
@@ -117,6 +119,8 @@ valid ones, where transformers would continue a right-padded row from its pad co
 
 from __future__ import annotations
 
+import functools
+import os
 import sys
 from typing import Any, Optional
 
@@ -144,6 +148,34 @@ def _calling_generate_locals() -> dict:
     if code.co_name == "generate" and path.endswith("transformers/generation/utils.py"):
         return frame.f_locals
     return {}
+
+
+@functools.lru_cache(maxsize=8)
+def _directory_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def _pair_tokenizers(model, assistant_model, tokenizer, assistant_tokenizer) -> tuple:
+    """(tokenizer, assistant_tokenizer): as given; where neither is given and the models'
+    vocabulary sizes differ, each loaded from the local directory its model was loaded from.  A
+    draft over another vocabulary whose tokenizer is unknown is refused in one line."""
+    if tokenizer is not None or assistant_tokenizer is not None:
+        return tokenizer, assistant_tokenizer
+    if model.config.get_text_config().vocab_size == assistant_model.config.get_text_config().vocab_size:
+        return None, None  # one vocabulary (a padded one is told by the decoder's own checks)
+    found = []
+    for m in (model, assistant_model):
+        path = str(getattr(m, "name_or_path", "") or "")
+        found.append(_directory_tokenizer(path) if path and os.path.isdir(path) and any(
+            os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json")) else None)
+    if found[1] is not None and found[0] is None:
+        raise ValueError(f"a draft over another vocabulary needs the target's tokenizer: the target was not loaded "
+                         f"from a directory that holds one (name_or_path={getattr(model, 'name_or_path', None)!r}); "
+                         f"call specdec_kernels.hf.generate(model, input_ids, assistant_model=..., tokenizer=..., "
+                         f"assistant_tokenizer=...) directly")
+    return found[0], found[1]
 
 
 def _decoder_default(name: str):
@@ -177,12 +209,18 @@ def _check_model_kwargs(model_kwargs: dict, input_ids: torch.Tensor) -> Optional
 
 
 def generate(model, input_ids: torch.Tensor, logits_processor=None, stopping_criteria=None, generation_config=None,
-             synced_gpus: bool = False, streamer=None, *, assistant_model=None, seed=None, **model_kwargs) -> Any:
+             synced_gpus: bool = False, streamer=None, *, assistant_model=None, seed=None, tokenizer=None,
+             assistant_tokenizer=None, **model_kwargs) -> Any:
     """Speculative decoding of ``model`` (the target) as transformers' ``generate`` decodes; see the
     module docstring.  model, input_ids [B, T], logits_processor, stopping_criteria,
     generation_config: as transformers' ``generate`` prepares them for ``custom_generate``.
     assistant_model: the draft (default: the calling ``generate``'s).  seed: an int (row p uses
     seed + p), a list of one int per row, or None (drawn from torch's global generator).
+    tokenizer, assistant_tokenizer: the target's and the draft's tokenizers, for a draft over
+    another vocabulary (``SpeculativeDecoder(draft_tokenizer=...)``); transformers 5.17 to 5.25
+    drop both before calling a ``custom_generate`` callable, so when they are not passed here they
+    are loaded from the directories the models were loaded from (``name_or_path``), where the
+    models' vocabulary sizes differ.
     Returns [B, T + N] int64 ids on ``input_ids``' device, or a ``GenerateDecoderOnlyOutput``."""
     from transformers import GenerationConfig, MaxTimeCriteria
     from transformers.generation.utils import GenerateDecoderOnlyOutput
@@ -251,7 +289,9 @@ def generate(model, input_ids: torch.Tensor, logits_processor=None, stopping_cri
     modes = [(m, m.training) for m in (model, assistant_model) if m is not None]
     try:
         if assistant_model is not None:
-            dec = SpeculativeDecoder(draft=assistant_model, target=model)
+            tokenizer, assistant_tokenizer = _pair_tokenizers(model, assistant_model, tokenizer, assistant_tokenizer)
+            dec = SpeculativeDecoder(draft=assistant_model, target=model, tokenizer=tokenizer,
+                                     draft_tokenizer=assistant_tokenizer)
         else:
             ngram = getattr(gc, "max_matching_ngram_size", None) or _PROMPT_LOOKUP_NGRAM
             dec = SpeculativeDecoder(target=model, max_ngram=ngram)

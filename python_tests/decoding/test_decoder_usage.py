@@ -321,14 +321,16 @@ def test_bad_constructor_arguments(pair, tmp_path):
                                              "meta device"):
             SpeculativeDecoder(draft=meta_draft, target=meta_target, device=device, dtype=torch.float16)
         assert next(meta_target.parameters()).dtype == torch.float32
-    # Tokenizers from paths: a different vocabulary is refused before any weights load.
+    # Tokenizers from paths: with vocabulary="shared", a different vocabulary is refused before any
+    # weights load (the default, "auto", drafts across them: test_cross_vocab.py).
     tok = tiny_char_tokenizer()
     tok.save_pretrained(tmp_path / "target")
     other = tiny_char_tokenizer()
     other.add_tokens(["<extra>"])
     other.save_pretrained(tmp_path / "draft")
-    with pytest.raises(ValueError, match="draft and target tokenizers must have the same vocabulary, got 52 vs 51"):
-        SpeculativeDecoder(draft=str(tmp_path / "draft"), target=str(tmp_path / "target"))
+    with pytest.raises(ValueError, match="draft and target tokenizers must have the same vocabulary with "
+                                         "vocabulary='shared', got 52 vs 51"):
+        SpeculativeDecoder(draft=str(tmp_path / "draft"), target=str(tmp_path / "target"), vocabulary="shared")
 
 
 def test_a_refused_pair_leaves_the_models_as_they_were(pair):

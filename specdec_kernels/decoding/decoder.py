@@ -102,10 +102,20 @@ class SpeculativeDecoder:
     that reads the target's hidden states, trained for that target (with neither draft nor
     target: the embedded target with its embedded feature draft).  ``drafter=<a Drafter instance>``
     (``specdec_kernels.decoding.drafters.base.Drafter``) drafts through that object, which brings
-    what it drafts with (no ``draft``); ``self.drafter`` is the drafter's name.  The two must share
-    a vocabulary (the target's may be padded beyond the draft's); when both tokenizers are
-    known their vocabularies must be equal.  tokenizer: a tokenizer or path (default: the
-    target's, when the target is given by path); without one, prompts must be token ids.
+    what it drafts with (no ``draft``); ``self.drafter`` is the drafter's name.  tokenizer: a
+    tokenizer or path (default: the target's, when the target is given by path); without one,
+    prompts must be token ids.
+
+    draft_tokenizer, vocabulary: a draft model may have a tokenizer of its own
+    (``drafters/cross.py``).  draft_tokenizer: a tokenizer or path (default: the draft's, when the
+    draft is given by path).  vocabulary: ``"auto"`` (default): ``"shared"`` when the two
+    tokenizers' vocabularies are equal or the draft's is not known, else a draft over another
+    tokenizer that proposes through the tokens both write the same way when they hold at least
+    half the draft's probability at the end of the prompts (``"intersection"``: its
+    distribution restricted there and renormalised is the verify's q), else its text re-encoded by
+    the target's tokenizer (``"string"``: deterministic proposals).  ``"shared"``: one vocabulary
+    (the target's may be padded beyond the draft's; tokenizers that differ are refused).  Every
+    way is exact; ``stats.vocabulary`` says which was used, ``self.vocabulary`` what was asked.
     device, dtype: where and in which dtype to put the models (default: where they are; both
     must be on the same device).
     cpu_linear: how the models' fp32 ``nn.Linear`` layers run on the CPU during ``generate``:

@@ -80,7 +80,9 @@ class DecodingStats:
             f"prefill {self.prefill_time_s:.3f}s, total {self.total_time_s:.3f}s",
             f"speed-up: predicted {f(self.predicted_speedup, '{:.2f}x')}, "
             f"measured {f(self.measured_speedup, '{:.2f}x')}",
-        ])
+        ] + ([] if self.vocabulary in (None, "shared") else [
+            f"draft vocabulary: {self.vocabulary} (the tokenizers share "
+            f"{'n/a' if self.intersection_size is None else self.intersection_size} tokens)"]))
 
 
 class StatsRecorder:

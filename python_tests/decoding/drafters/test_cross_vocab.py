@@ -252,3 +252,57 @@ def test_bad_input_is_refused_in_one_line(xpair):
     with pytest.raises(ValueError, match="vocabulary='intersection' needs tokens .* got none in common"):
         SpeculativeDecoder(draft=draft, target=target, tokenizer=tt, draft_tokenizer=disjoint,
                            vocabulary="intersection")
+
+
+# ----------------------------------------------------------------------------------------------
+# transformers' generate(custom_generate=...)
+# ----------------------------------------------------------------------------------------------
+def test_hf_generate_with_a_foreign_assistant(xpair, tmp_path):
+    """Models loaded from directories: transformers drops tokenizer= and assistant_tokenizer=
+    before calling the callable, so they come from the models' directories; passed directly to
+    hf.generate they are used as given.  Greedy: the target's own tokens, for a padded batch."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    from specdec_kernels import hf
+
+    draft, target, dt, tt = xpair
+    for name, m, tok in (("draft", draft, dt), ("target", target, tt)):
+        m.save_pretrained(tmp_path / name)
+        tok.save_pretrained(tmp_path / name)
+    d2 = AutoModelForCausalLM.from_pretrained(tmp_path / "draft")
+    t2 = AutoModelForCausalLM.from_pretrained(tmp_path / "target")
+    batch = tt(["abc def", "g"], return_tensors="pt", padding=True)
+    with torch.inference_mode():
+        ref = [t2.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=10, pad_token_id=0)[0, len(ids):]
+               for ids in _ids(tt, ["abc def", "g"])]
+        out = t2.generate(**batch, custom_generate=hf.generate, assistant_model=d2, tokenizer=tt,
+                          assistant_tokenizer=dt, do_sample=False, max_new_tokens=10, pad_token_id=0)
+        gc = GenerationConfig(max_new_tokens=10, pad_token_id=0, do_sample=False)
+        direct = hf.generate(target, batch["input_ids"], generation_config=gc,
+                             attention_mask=batch["attention_mask"], assistant_model=draft, tokenizer=tt,
+                             assistant_tokenizer=dt)
+    T = batch["input_ids"].shape[1]
+    for b in range(2):
+        assert out[b, T:].tolist() == ref[b].tolist()[:10]
+        assert direct[b, T:].tolist() == ref[b].tolist()[:10]
+    with pytest.raises(ValueError, match="needs the target's tokenizer"):
+        hf.generate(target, batch["input_ids"], generation_config=gc, attention_mask=batch["attention_mask"],
+                    assistant_model=d2)
+
+
+def test_cli_drafts_across_tokenizers(xpair, tmp_path):
+    """specdec generate --draft DIR --target DIR: each brings its own tokenizer; --vocabulary picks."""
+    import subprocess
+    import sys
+
+    draft, target, dt, tt = xpair
+    for name, m, tok in (("draft", draft, dt), ("target", target, tt)):
+        m.save_pretrained(tmp_path / name)
+        tok.save_pretrained(tmp_path / name)
+    cmd = [sys.executable, "-m", "specdec_kernels", "generate", "abc def", "--draft", str(tmp_path / "draft"),
+           "--target", str(tmp_path / "target"), "--max-new-tokens", "8", "--vocabulary", "string"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "draft vocabulary: string" in out.stdout
+    bad = subprocess.run(cmd[:-2] + ["--vocabulary", "shared"], capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "same vocabulary with vocabulary='shared'" in bad.stderr
