@@ -24,7 +24,6 @@ for any set (``CrossVocabDrafter``).
 
 from __future__ import annotations
 
-import json
 import re
 from typing import NamedTuple, Optional
 
@@ -40,8 +39,8 @@ def _byte_level(tokenizer) -> bool:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
         return False
-    doc = json.loads(backend.to_str())
-    return "ByteLevel" in json.dumps(doc.get("pre_tokenizer")) or "ByteLevel" in json.dumps(doc.get("decoder"))
+    parts = (backend.pre_tokenizer, backend.decoder)
+    return any(p is not None and b'"ByteLevel"' in p.__getstate__() for p in parts)  # their JSON
 
 
 def token_keys(tokenizer, size: Optional[int] = None) -> list:
