@@ -251,22 +251,24 @@ class CrossVocabDrafter(Drafter):
         from; the target's tokens were not drawn from them, so they are not reported (the tests'
         mutant reports them)."""
         dt, tt = self.draft_tokenizer, self.target_tokenizer
-        props = []
-        for b, p in enumerate(st.rows):
-            ds = d_host[b][:num[b]]
-            if not ds:
-                props.append([])
-                continue
-            tail = encs[b][-_TAIL:]
-            base = dt.decode(tail, **_TEXT)
-            full = dt.decode(tail + ds, **_TEXT)
-            text = full[len(base):] if full.startswith(base) else dt.decode(ds, **_TEXT)
-            t_tail = st.seqs[p][-_TAIL:]
-            enc = tt(tt.decode(t_tail, **_TEXT) + text, add_special_tokens=False)["input_ids"]
-            new = enc[len(t_tail):] if enc[:len(t_tail)] == t_tail else tt(text, add_special_tokens=False)["input_ids"]
-            if new and new[-1] in self.extendable:
-                new = new[:-1]  # text that follows may merge into it
-            props.append([t for t in new[:K] if t < self.target_vocab_size])
+        live = [b for b in range(len(st.rows)) if num[b] > 0]
+        props: list = [[] for _ in st.rows]
+        if live:  # each tokenizer call batched over the rows
+            tails = [encs[b][-_TAIL:] for b in live]
+            drafts = [d_host[b][:num[b]] for b in live]
+            bases = dt.batch_decode(tails, **_TEXT)
+            fulls = dt.batch_decode([t + d for t, d in zip(tails, drafts)], **_TEXT)
+            texts = [f[len(a):] if f.startswith(a) else dt.decode(d, **_TEXT)
+                     for a, f, d in zip(bases, fulls, drafts)]
+            t_tails = [st.seqs[st.rows[b]][-_TAIL:] for b in live]
+            t_bases = tt.batch_decode(t_tails, **_TEXT)
+            encoded = tt([a + x for a, x in zip(t_bases, texts)], add_special_tokens=False)["input_ids"]
+            for b, t_tail, enc, text in zip(live, t_tails, encoded, texts):
+                # the tail must encode to itself, else the text alone (a rare boundary case)
+                new = enc[len(t_tail):] if enc[:len(t_tail)] == t_tail else tt(text, add_special_tokens=False)["input_ids"]
+                if new and new[-1] in self.extendable:
+                    new = new[:-1]  # text that follows may merge into it
+                props[b] = [t for t in new[:K] if t < self.target_vocab_size]
         width = max(len(x) for x in props)
         X = torch.tensor([x + [0] * (width - len(x)) for x in props], dtype=torch.int64).reshape(len(props), width)
         n = torch.tensor([len(x) for x in props], dtype=torch.int64)
