@@ -248,6 +248,11 @@ def test_bad_input_is_refused_in_one_line(xpair):
         SpeculativeDecoder(draft=draft, target=target, tokenizer=tt, draft_tokenizer=dt, draft_vocab=[1, 2])
     with pytest.raises(ValueError, match="tree drafting needs a draft over the target's vocabulary"):
         SpeculativeDecoder(draft=draft, target=target, tokenizer=tt, draft_tokenizer=dt, tree=[2, 1])
+    specials_only = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.BPE(vocab={}, merges=[])),
+                                            eos_token="</s>")
+    with pytest.raises(ValueError, match="draft_tokenizer must write text for the draft's tokens, got a "
+                                         ".* none of whose 23 ids is a token with text"):
+        SpeculativeDecoder(draft=draft, target=target, tokenizer=tt, draft_tokenizer=specials_only)
     disjoint = _byte_level_tokenizer({"\u0120zz": 0, "yy": 1})
     with pytest.raises(ValueError, match="vocabulary='intersection' needs tokens .* got none in common"):
         SpeculativeDecoder(draft=draft, target=target, tokenizer=tt, draft_tokenizer=disjoint,

@@ -103,10 +103,15 @@ class CrossVocabDrafter(Drafter):
         self.intersection: Optional[Intersection] = None
         self._on: dict = {}  # device -> the intersection's tensors there
         keys = token_keys(target_tokenizer, target_vocab_size)
+        draft_keys = token_keys(draft_tokenizer, runner.vocab_size)
+        if not any(k is not None and k[0] == "text" and k[1] for k in draft_keys):
+            raise ValueError(f"draft_tokenizer must write text for the draft's tokens, got a "
+                             f"{type(draft_tokenizer).__name__} none of whose {runner.vocab_size} ids is a token "
+                             f"with text")
         self.extendable = extendable(keys)  # target ids that text which follows may merge into
         if vocabulary != "string":
             self.intersection = intersect(draft_tokenizer, target_tokenizer, runner.vocab_size, target_vocab_size,
-                                          keys)
+                                          keys, draft_keys)
             if self.intersection.size == 0 and vocabulary == "intersection":
                 raise ValueError("vocabulary='intersection' needs tokens that both tokenizers write the same way, "
                                  "got none in common (use vocabulary='string')")

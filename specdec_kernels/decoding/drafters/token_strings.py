@@ -98,17 +98,17 @@ def extendable(keys: list) -> set:
 
 
 def intersect(draft_tokenizer, target_tokenizer, draft_size: int, target_size: int,
-              target_keys: Optional[list] = None) -> Intersection:
+              target_keys: Optional[list] = None, draft_keys: Optional[list] = None) -> Intersection:
     """The pairs (draft id, target id) whose tokens write the same (``token_keys``), over the
     draft's ids [0, draft_size) and the target's [0, target_size) (the models' vocab sizes);
-    ``target_keys``: the target's keys if already computed."""
+    ``target_keys``, ``draft_keys``: the keys if already computed."""
     first: dict = {}
     keys = token_keys(target_tokenizer, target_size) if target_keys is None else target_keys
     for i, k in enumerate(keys):
         if k is not None and k not in first:
             first[k] = i
     pairs, seen = [], set()
-    for i, k in enumerate(token_keys(draft_tokenizer, draft_size)):
+    for i, k in enumerate(token_keys(draft_tokenizer, draft_size) if draft_keys is None else draft_keys):
         j = first.get(k)
         if j is not None and j not in seen:
             seen.add(j)
