@@ -218,11 +218,18 @@ def _bad_calls(n, kind):
     return calls
 
 
+_BAD_LABELS = {
+    "nan": ("NaN at draft 0, sampled", "NaN at draft 0, greedy", "NaN at the bonus, greedy",
+            "NaN at the bonus, sampled", "+inf at draft 0, sampled"),
+    "ids": ("id V, no q, sampled", "id V+7, no q, sampled", "id V, greedy", "id V, with q, sampled"),
+}
+
+
 def _bad_check(kind):
     def check(calls, outputs):
         bad, refused, raised, rows = 0, 0, 0, 0
-        notes = []
-        for call, out in zip(calls, outputs):
+        notes, per_call = [], []
+        for label, call, out in zip(_BAD_LABELS[kind], calls, outputs):
             B = call.target_logits.shape[0]
             rows += B
             if isinstance(out, BaseException):
@@ -230,6 +237,7 @@ def _bad_check(kind):
                     raise out
                 raised += B
                 notes.append(f"{type(out).__name__}: {str(out).splitlines()[0][:80] if str(out) else ''}")
+                per_call.append(f"{label}: raised")
                 continue
             tokens, num = torch.as_tensor(out[0]).long(), torch.as_tensor(out[1]).long()
             Vc = call.target_logits.shape[-1]
@@ -242,8 +250,10 @@ def _bad_check(kind):
             row_bad = (inside & forbidden).any(-1)
             bad += int(row_bad.sum())
             refused += int((num < 0).sum())
-        detail = (f"{bad} of {rows} rows emit a forbidden token (the NaN logit's index or an id outside [0, V)); "
-                  f"{refused} refused (num_accepted -1), {raised} in calls that raised")
+            per_call.append(f"{label}: {int(row_bad.sum())} bad, {int((num < 0).sum())} refused")
+        what = "the NaN logit's index" if kind == "nan" else "an id outside [0, V)"
+        detail = (f"{bad} of {rows} rows emit a forbidden token ({what}); {refused} refused (num_accepted -1), "
+                  f"{raised} in calls that raised ({'; '.join(per_call)})")
         if notes:
             detail += " [" + "; ".join(sorted(set(notes))) + "]"
         return Outcome(bad, 0.0 if bad else 1.0, detail)
