@@ -19,6 +19,7 @@ with one line saying so.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import Optional
 
 import torch
@@ -167,8 +168,6 @@ def user_verifier(spec: str):
         raise ValueError(f"--verifier must be one of {VERIFIERS} or module:function, got {spec!r}")
     try:
         if mod_name.endswith(".py"):
-            import importlib.util
-
             s = importlib.util.spec_from_file_location("specdec_audit_user_verifier", mod_name)
             if s is None:
                 raise ImportError(f"no such file: {mod_name}")

@@ -139,7 +139,10 @@ def _law_case(name, shows, mutation, stats=("first",), seed=0, **params):
             _chi(counts(num, K + 1), laws["num_accepted"], "number accepted", tests, details)
         return _finish(tests, details)
 
-    bound = f"chi-square of {' and '.join(stats)} ({'Bonferroni over ' + str(len(stats)) if len(stats) > 1 else 'one test'}), fail if p < 1e-4"
+    names = {"first": "the first token", "second": "the second token given draft 0 accepted",
+             "num_accepted": "the number accepted"}
+    bound = (f"chi-square of {' and of '.join(names[s] for s in stats)}"
+             f"{' (Bonferroni over ' + str(len(stats)) + ')' if len(stats) > 1 else ''}, fail if p < 1e-4")
     return Case(name, shows, bound, mutation, build, check)
 
 

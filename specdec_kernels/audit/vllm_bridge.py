@@ -1,6 +1,7 @@
 """The ``vllm`` verifier adapter: the audit's calls run by ``vllm_worker`` in an interpreter that
 has vLLM (this one if ``import vllm`` works; else ``--vllm-python``, ``$SPECDEC_VLLM_PYTHON``, or
-``.venv-vllm/bin/python`` beside the package's source tree, as scripts/bootstrap_vllm.sh makes it).
+``.venv-vllm/bin/python`` beside the package's source tree or beside the running virtual environment,
+as scripts/bootstrap_vllm.sh makes it).
 All the calls of an audit go in one subprocess (vLLM's import takes seconds)."""
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import subprocess
+import sys
 
 import tempfile
 from pathlib import Path
@@ -31,9 +33,10 @@ def find_vllm_python(given: Optional[str] = None) -> Optional[str]:
             return cand
     if importlib.util.find_spec("vllm") is not None:
         return None
-    local = ROOT / ".venv-vllm" / "bin" / "python"
-    if local.exists():
-        return str(local)
+    # .venv-vllm beside the source tree, or beside the virtual environment running this
+    for local in (ROOT / ".venv-vllm" / "bin" / "python", Path(sys.prefix).parent / ".venv-vllm" / "bin" / "python"):
+        if local.exists():
+            return str(local)
     raise AdapterUnavailable("vllm is not installed (no `import vllm` here, no .venv-vllm: run "
                              "scripts/bootstrap_vllm.sh, or pass --vllm-python / set SPECDEC_VLLM_PYTHON)")
 
@@ -77,7 +80,7 @@ class VllmVerifier:
                         raise AdapterUnavailable(f"vllm is not installed in {self.python}")
                     return [RuntimeError(f"the vLLM worker exited with status {proc.returncode}: {tail}")] * len(calls)
                 res = torch.load(dst, weights_only=False)
-        self.versions = res["versions"]
+        self.versions = {"vllm": res["versions"]["vllm"], "torch in vLLM's environment": res["versions"]["torch"]}
         out = []
         for r in res["results"]:
             if "error" in r:
