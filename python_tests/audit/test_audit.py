@@ -165,8 +165,8 @@ def test_generator_audit_of_ours():
     (r,) = run_generator_audit("ours", 1_500)
     assert r["verdict"] == "pass", r
     assert r["mutant_verdict"] == "FAIL", r
-    with pytest.raises(AdapterUnavailable, match="--generator vllm is not implemented"):
-        run_generator_audit("vllm", 10)
+    with pytest.raises(ValueError, match=r"K = 0 \(the target alone\) is the vLLM engine.s control only"):
+        run_generator_audit("ours", 10, K=0)
 
 
 def _cli(*argv):

@@ -113,7 +113,8 @@ def _finish(tests, details) -> Outcome:
 
 def _law_case(name, shows, mutation, stats=("first",), seed=0, **params):
     """A case of one row repeated n times: ``stats`` among 'first' (the first emitted token),
-    'second' (the second given draft 0 accepted), 'num_accepted'."""
+    'second' (the second given the first: the law of the pairs (first, second or none), whose
+    conditional given draft 0 accepted is the second position's), 'num_accepted'."""
     warp = {k: params[k] for k in ("temperature", "top_k", "top_p", "min_p") if k in params}
     with_q = params.pop("with_q", True)
     Vd = params.pop("Vd", None)
@@ -131,15 +132,23 @@ def _law_case(name, shows, mutation, stats=("first",), seed=0, **params):
         tests, details = [], []
         if "first" in stats:
             _chi(counts(tokens[:, 0], Vc), laws["first"], "first token", tests, details)
-        if "second" in stats:
-            sel = (num >= 1) & (tokens[:, 0] == call.draft_tokens[0, 0])
-            _chi(counts(tokens[sel, 1], Vc), laws["second_given_accept"], f"second | draft 0 accepted ({int(sel.sum())} rows)",
+        if "second" in stats:  # the pairs (first, second or none): P(d_0, y) = a_0 law2(y), P(x, none) = rest
+            d0, a0 = int(call.draft_tokens[0, 0]), laws["accept"][0]
+            joint = torch.zeros(Vc, Vc + 1, dtype=torch.float64)
+            joint[:, Vc] = laws["first"]
+            joint[d0, Vc] -= a0
+            joint[d0, :Vc] += a0 * laws["second_given_accept"]
+            joint = joint.clamp(min=0)
+            second = torch.where(num >= 1, tokens[:, 1], Vc)
+            sel = (num >= 1) & (tokens[:, 0] == d0)
+            _chi(counts(tokens[:, 0] * (Vc + 1) + second, Vc * (Vc + 1)), joint.flatten(),
+                 f"(first, second) pairs ({int(sel.sum())} rows accept draft 0, {a0 * len(num):.0f} expected)",
                  tests, details)
         if "num_accepted" in stats:
             _chi(counts(num, K + 1), laws["num_accepted"], "number accepted", tests, details)
         return _finish(tests, details)
 
-    names = {"first": "the first token", "second": "the second token given draft 0 accepted",
+    names = {"first": "the first token", "second": "the pairs (first token, second token or none)",
              "num_accepted": "the number accepted"}
     bound = (f"chi-square of {' and of '.join(names[s] for s in stats)}"
              f"{' (Bonferroni over ' + str(len(stats)) + ')' if len(stats) > 1 else ''}, fail if p < 1e-4")
@@ -292,7 +301,8 @@ def _seed_check(calls, outputs):
 CASES = [
     _law_case("first_token", "the first emitted token has the target's law (T=1, drafts sampled from q)",
               "accept_p", ("first",), seed=1),
-    _law_case("second_given_first", "the second token given draft 0 accepted has its exact law",
+    _law_case("second_given_first", "the second token given the first (draft 0 accepted) has its exact law, "
+              "tested with the first as the law of the pairs",
               "residual_from_p_after_first", ("second",), seed=2),
     _law_case("num_accepted", "the number of accepted drafts has law a_0 ... a_{m-1} (1 - a_m)",
               "accept_inverted", ("num_accepted",), seed=3),

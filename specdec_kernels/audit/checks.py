@@ -48,7 +48,8 @@ def emitted(out, K_b: torch.Tensor, V: int, allow_invalid: bool = False) -> tupl
     inside = cols < n_emit
     if (inside & ((tokens < 0) | (tokens >= V))).any():
         b = int((inside & ((tokens < 0) | (tokens >= V))).any(-1).nonzero()[0])
-        raise FormatError(f"emitted tokens must be in [0, V = {V}): row {b} emits {tokens[b, :int(n_emit[b])].tolist()}")
+        raise FormatError(f"emitted tokens must be in [0, V = {V}): row {b} emits "
+                          f"{tokens[b, :int(n_emit[b])].tolist()}")
     if (~inside & (tokens != -1)).any():
         b = int((~inside & (tokens != -1)).any(-1).nonzero()[0])
         raise FormatError(f"tokens after the emitted ones must be -1: row {b} is {tokens[b].tolist()} with "

@@ -18,8 +18,8 @@ import sys
 
 __all__ = ["add_audit_parser", "run_audit"]
 
-QUICK = {"verifier": 5_000, "ours": 3_000, "transformers": 1_500}
-FULL = {"verifier": 30_000, "ours": 30_000, "transformers": 12_000}
+QUICK = {"verifier": 5_000, "ours": 3_000, "transformers": 1_500, "vllm": 3_000}
+FULL = {"verifier": 30_000, "ours": 30_000, "transformers": 12_000, "vllm": 10_000}
 GENERATOR_TEMPERATURES = {"quick": (1.0,), "full": (1.0, 0.6)}
 
 
@@ -98,11 +98,19 @@ def run_audit(args, parser=None) -> int:
 
             trials = args.trials or sizes.get(args.generator, sizes["ours"])
             rows = []
-            for T in GENERATOR_TEMPERATURES[mode]:
-                rows += run_generator_audit(args.generator, trials, temperature=T, mutants=not args.no_mutants)
+            runs = [(T, 2) for T in GENERATOR_TEMPERATURES[mode]]
+            if args.generator == "vllm":  # the engine without speculation: tells its sampling from its verification
+                runs.append((1.0, 0))
+            for T, K in runs:
+                rows += run_generator_audit(args.generator, trials, temperature=T, K=K, mutants=not args.no_mutants,
+                                            vllm_python=args.vllm_python, fix_expand=args.vllm_fix_expand)
                 if not args.json:
                     _print_row(rows[-1])
-            head = header(f"--generator {args.generator}", trials, mode)
+            from .generators import _vllm
+
+            extra = getattr(_vllm, "versions", None) if args.generator == "vllm" else None
+            fixed = " (expand_batch_to_tokens fixed)" if args.vllm_fix_expand and args.generator == "vllm" else ""
+            head = header(f"--generator {args.generator}{fixed}", trials, mode, extra)
     except AdapterUnavailable as e:
         print(f"specdec audit: {e}", file=sys.stderr)
         return 2

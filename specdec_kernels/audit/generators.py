@@ -10,12 +10,18 @@ another chain (table_d), so drafts are often rejected.  A generator passes when 
 of its N continuations fits that law (chi-square, bins pooled to expected counts >= 5, fail if
 p < 1e-4).  The mutant: speculative decoding of the same chains by the audit's own sampler with
 a wrong acceptance rule (``sampler.MUTATIONS['accept_p']``).
+
+Generators: ``ours`` (``SpeculativeDecoder``, the N prompts as one batch), ``transformers``
+(``generate(assistant_model=..., do_sample=True)``, batch 1, N times) and ``vllm`` (``vllm.LLM``
+with ``speculative_config={"method": "draft_model", ...}``, run by ``vllm_generate_worker`` in
+vLLM's environment; K = 0 runs the target alone, a control of the engine's own sampling).
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+import sys
 from typing import Optional
 
 import torch
@@ -29,7 +35,8 @@ from .sampler import reference_verify
 __all__ = ["GENERATORS", "markov_llama", "chain_tables", "continuation_law", "run_generator_audit"]
 
 GENERATORS = ("ours", "transformers", "vllm")
-VG, HIDDEN, LENGTH, PROMPT = 6, 8, 3, [2]  # vocabulary, hidden size, continuation length, prompt
+# vocabulary, hidden size (one head of 64: a size vLLM's CPU attention takes), continuation length, prompt
+VG, HIDDEN, LENGTH, PROMPT = 6, 64, 3, [2]
 
 
 def chain_tables(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,7 +52,7 @@ def markov_llama(table: torch.Tensor):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     V = table.shape[0]
-    cfg = LlamaConfig(vocab_size=V, hidden_size=HIDDEN, intermediate_size=8, num_hidden_layers=1,
+    cfg = LlamaConfig(vocab_size=V, hidden_size=HIDDEN, intermediate_size=HIDDEN, num_hidden_layers=1,
                       num_attention_heads=1, num_key_value_heads=1, max_position_embeddings=64, rms_norm_eps=1e-6,
                       bos_token_id=None, eos_token_id=None, pad_token_id=None, tie_word_embeddings=False)
     m = LlamaForCausalLM(cfg).eval()
@@ -155,23 +162,61 @@ def _transformers(target_m, draft_m, n, L, K, temperature, seed):
     return out
 
 
-def run_generator_audit(name: str, trials: int, temperature: float = 1.0, K: int = 2, mutants: bool = True) -> list:
+def _vllm(target_m, draft_m, n, L, K, temperature, seed, python=None, fix_expand=False):
+    """vLLM's engine (``vllm_generate_worker``) on the models saved to a temporary directory, run
+    by the interpreter that has vLLM (``vllm_bridge.find_vllm_python``)."""
+    import os
+    import subprocess
+    import tempfile
+
+    from .vllm_bridge import ROOT
+
+    with tempfile.TemporaryDirectory() as d:
+        paths = [os.path.join(d, "target"), os.path.join(d, "draft"), os.path.join(d, "out.pt")]
+        target_m.save_pretrained(paths[0])
+        draft_m.save_pretrained(paths[1])
+        env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        cmd = [python or sys.executable, "-m", "specdec_kernels.audit.vllm_generate_worker", paths[0], paths[1],
+               str(n), str(L), str(K), str(temperature), paths[2]] + (["fix-expand"] if fix_expand else [])
+        proc = subprocess.run(cmd, cwd=str(ROOT), env=env, capture_output=True, text=True)
+        if not os.path.exists(paths[2]):
+            tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+            raise RuntimeError(f"the vLLM engine worker exited with status {proc.returncode}: {tail}")
+        res = torch.load(paths[2], weights_only=False)
+    if "error" in res:
+        raise RuntimeError(res["error"])
+    _vllm.versions = res["versions"]
+    return res["continuations"]
+
+
+def run_generator_audit(name: str, trials: int, temperature: float = 1.0, K: int = 2, mutants: bool = True,
+                        vllm_python: Optional[str] = None, fix_expand: bool = False) -> list:
     """The generator audit's row (a list of one dict, as the verifier audit's rows) for generator
-    ``name`` (``GENERATORS``): ``trials`` continuations of length ``LENGTH`` after ``PROMPT``."""
+    ``name`` (``GENERATORS``): ``trials`` continuations of length ``LENGTH`` after ``PROMPT``.
+    ``vllm_python``, ``fix_expand``: as for the vLLM verifier (``vllm_bridge``)."""
     if name not in GENERATORS:
         raise ValueError(f"--generator must be one of {GENERATORS}, got {name!r}")
+    if K == 0 and name != "vllm":
+        raise ValueError(f"K = 0 (the target alone) is the vLLM engine's control only, got generator {name!r}")
+    python = None
     if name == "vllm":
-        raise AdapterUnavailable("--generator vllm is not implemented: vLLM's engine would need the Markov models "
-                                 "saved as model directories and an engine per run in .venv-vllm")
+        from .vllm_bridge import find_vllm_python
+
+        python = find_vllm_python(vllm_python)
     target_t, draft_t = chain_tables()
     law = continuation_law(target_t, PROMPT[-1], LENGTH, temperature)
-    row = dict(case=f"continuations_L{LENGTH}", shows=f"the law of whole continuations of length {LENGTH} (V={VG}, "
-               f"K={K}, T={temperature:g}) equals the target chain's", bound="chi-square over the V^L continuations "
+    what = f"K={K}" if K else "the target alone, no speculation: a control of the engine's own sampling"
+    row = dict(case=f"continuations_L{LENGTH}_T{temperature:g}" + ("" if K else "_target_alone"),
+               shows=f"the law of whole continuations of length {LENGTH} (V={VG}, {what}, T={temperature:g}) equals "
+                     f"the target chain's", bound="chi-square over the V^L continuations "
                "(pooled to expected >= 5), fail if p < 1e-4", mutant="accept_p",
                mutant_says="speculative decoding of the same chains, accepting a draft with probability p(x)")
     try:
-        run = _ours if name == "ours" else _transformers
-        seqs = run(markov_llama(target_t), markov_llama(draft_t), trials, LENGTH, K, temperature, 1234)
+        models = (markov_llama(target_t), markov_llama(draft_t), trials, LENGTH, K, temperature, 1234)
+        if name == "vllm":
+            seqs = _vllm(*models, python=python, fix_expand=fix_expand)
+        else:
+            seqs = (_ours if name == "ours" else _transformers)(*models)
         stat, p, dof = chi2_pvalue(torch.bincount(_index(seqs, VG, LENGTH), minlength=VG ** LENGTH), law)
         steps = f", {_transformers.steps} calls of _speculative_sampling" if name == "transformers" else ""
         row.update(verdict="pass" if p >= ALPHA else "FAIL", statistic=stat, pvalue=p,
@@ -181,7 +226,7 @@ def run_generator_audit(name: str, trials: int, temperature: float = 1.0, K: int
     except Exception as e:  # noqa: BLE001 - the generator's error, reported as the case's
         row.update(verdict="error", statistic=None, pvalue=None,
                    detail=f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}")
-    if mutants:
+    if mutants and K:  # (the control has no verification to get wrong)
         seqs = simulate(target_t, draft_t, trials, LENGTH, K, temperature, mutation="accept_p", seed=5)
         _, mp, _ = chi2_pvalue(torch.bincount(_index(seqs, VG, LENGTH), minlength=VG ** LENGTH), law)
         row.update(mutant_verdict="pass" if mp >= ALPHA else "FAIL", mutant_pvalue=mp)
