@@ -24,10 +24,10 @@ def versions(extra: dict | None = None) -> dict:
     ``extra``: vLLM's, read in its own environment)."""
     import torch
 
-    from .. import __version__
+    import specdec_kernels
 
     out = {"python": platform.python_version(), "torch": torch.__version__, "transformers": _version("transformers"),
-           "scipy": _version("scipy"), "specdec_kernels": __version__}
+           "scipy": _version("scipy"), "specdec_kernels": specdec_kernels.__version__}
     out.update(extra or {})
     return out
 
