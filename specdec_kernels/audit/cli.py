@@ -98,12 +98,13 @@ def run_audit(args, parser=None) -> int:
 
             trials = args.trials or sizes.get(args.generator, sizes["ours"])
             rows = []
-            runs = [(T, 2) for T in GENERATOR_TEMPERATURES[mode]]
-            if args.generator == "vllm":  # the engine without speculation: tells its sampling from its verification
-                runs.append((1.0, 0))
-            for T, K in runs:
+            runs = [(T, 2, False) for T in GENERATOR_TEMPERATURES[mode]]
+            if args.generator == "vllm":  # controls: the engine without speculation, and with every request in
+                runs += [(1.0, 0, False), (1.0, 2, True)]  # one batch (no prefill beside a speculative step)
+            for T, K, one_batch in runs:
                 rows += run_generator_audit(args.generator, trials, temperature=T, K=K, mutants=not args.no_mutants,
-                                            vllm_python=args.vllm_python, fix_expand=args.vllm_fix_expand)
+                                            vllm_python=args.vllm_python, fix_expand=args.vllm_fix_expand,
+                                            one_batch=one_batch)
                 if not args.json:
                     _print_row(rows[-1])
             from .generators import _vllm

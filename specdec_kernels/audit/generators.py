@@ -162,7 +162,7 @@ def _transformers(target_m, draft_m, n, L, K, temperature, seed):
     return out
 
 
-def _vllm(target_m, draft_m, n, L, K, temperature, seed, python=None, fix_expand=False):
+def _vllm(target_m, draft_m, n, L, K, temperature, seed, python=None, fix_expand=False, max_num_seqs=256):
     """vLLM's engine (``vllm_generate_worker``) on the models saved to a temporary directory, run
     by the interpreter that has vLLM (``vllm_bridge.find_vllm_python``)."""
     import os
@@ -177,7 +177,8 @@ def _vllm(target_m, draft_m, n, L, K, temperature, seed, python=None, fix_expand
         draft_m.save_pretrained(paths[1])
         env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
         cmd = [python or sys.executable, "-m", "specdec_kernels.audit.vllm_generate_worker", paths[0], paths[1],
-               str(n), str(L), str(K), str(temperature), paths[2]] + (["fix-expand"] if fix_expand else [])
+               str(n), str(L), str(K), str(temperature), str(max_num_seqs), paths[2]]
+        cmd += ["fix-expand"] if fix_expand else []
         proc = subprocess.run(cmd, cwd=str(ROOT), env=env, capture_output=True, text=True)
         if not os.path.exists(paths[2]):
             tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
@@ -190,10 +191,12 @@ def _vllm(target_m, draft_m, n, L, K, temperature, seed, python=None, fix_expand
 
 
 def run_generator_audit(name: str, trials: int, temperature: float = 1.0, K: int = 2, mutants: bool = True,
-                        vllm_python: Optional[str] = None, fix_expand: bool = False) -> list:
+                        vllm_python: Optional[str] = None, fix_expand: bool = False, one_batch: bool = False) -> list:
     """The generator audit's row (a list of one dict, as the verifier audit's rows) for generator
     ``name`` (``GENERATORS``): ``trials`` continuations of length ``LENGTH`` after ``PROMPT``.
-    ``vllm_python``, ``fix_expand``: as for the vLLM verifier (``vllm_bridge``)."""
+    ``vllm_python``, ``fix_expand``: as for the vLLM verifier (``vllm_bridge``).  ``one_batch``
+    (vLLM): every request in one step (``max_num_seqs`` >= trials; by default 256, so that new
+    requests' prefills share steps with other requests' speculative steps, as in serving)."""
     if name not in GENERATORS:
         raise ValueError(f"--generator must be one of {GENERATORS}, got {name!r}")
     if K == 0 and name != "vllm":
@@ -206,7 +209,10 @@ def run_generator_audit(name: str, trials: int, temperature: float = 1.0, K: int
     target_t, draft_t = chain_tables()
     law = continuation_law(target_t, PROMPT[-1], LENGTH, temperature)
     what = f"K={K}" if K else "the target alone, no speculation: a control of the engine's own sampling"
-    row = dict(case=f"continuations_L{LENGTH}_T{temperature:g}" + ("" if K else "_target_alone"),
+    if one_batch:
+        what += ", all requests in one batch"
+    row = dict(case=f"continuations_L{LENGTH}_T{temperature:g}" + ("" if K else "_target_alone")
+               + ("_one_batch" if one_batch else ""),
                shows=f"the law of whole continuations of length {LENGTH} (V={VG}, {what}, T={temperature:g}) equals "
                      f"the target chain's", bound="chi-square over the V^L continuations "
                "(pooled to expected >= 5), fail if p < 1e-4", mutant="accept_p",
@@ -214,7 +220,8 @@ def run_generator_audit(name: str, trials: int, temperature: float = 1.0, K: int
     try:
         models = (markov_llama(target_t), markov_llama(draft_t), trials, LENGTH, K, temperature, 1234)
         if name == "vllm":
-            seqs = _vllm(*models, python=python, fix_expand=fix_expand)
+            seqs = _vllm(*models, python=python, fix_expand=fix_expand,
+                         max_num_seqs=max(trials, 256) if one_batch else 256)
         else:
             seqs = (_ours if name == "ours" else _transformers)(*models)
         stat, p, dof = chi2_pvalue(torch.bincount(_index(seqs, VG, LENGTH), minlength=VG ** LENGTH), law)

@@ -1,12 +1,14 @@
 """Runs the generator audit's continuations through vLLM's engine (``vllm.LLM`` with a draft model,
 V1 engine, its core in this process) inside vLLM's environment:
 
-    python -m specdec_kernels.audit.vllm_generate_worker TARGET_DIR DRAFT_DIR N L K T OUT [fix-expand]
+    python -m specdec_kernels.audit.vllm_generate_worker TARGET_DIR DRAFT_DIR N L K T SEQS OUT [fix-expand]
 
 TARGET_DIR and DRAFT_DIR hold the Markov-chain models (``generators.markov_llama``, saved with
 ``save_pretrained``); N requests of the one-token prompt ``generators.PROMPT`` each generate L
 tokens at temperature T (``ignore_eos``, no tokenizer), K speculative tokens a step (K = 0: the
-target alone, no speculative decoding: a control of the engine's own sampling).  OUT
+target alone, no speculative decoding: a control of the engine's own sampling), at most SEQS requests
+in a step (``max_num_seqs``: below N, new requests' prefills share steps with others' speculative
+steps; at N or more, all are prefilled in one step and decode together).  OUT
 (``torch.save``): {"continuations": [[ids]], "versions": {...}} or {"error": ...}.
 """
 
@@ -23,15 +25,15 @@ import torch  # noqa: E402
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    target, draft, n, L, K, T, out = argv[:7]
-    n, L, K, T = int(n), int(L), int(K), float(T)
+    target, draft, n, L, K, T, seqs, out = argv[:8]
+    n, L, K, T, seqs = int(n), int(L), int(K), float(T), int(seqs)
     try:
         import vllm
         from vllm import LLM, SamplingParams
 
         from .generators import PROMPT
 
-        if argv[7:] == ["fix-expand"]:
+        if argv[8:] == ["fix-expand"]:
             import vllm.v1.sample.rejection_sampler as vrs
 
             from .vllm_worker import _expand_fixed
@@ -39,7 +41,8 @@ def main(argv=None) -> int:
             vrs.expand_batch_to_tokens = _expand_fixed
         spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": K} if K else None
         llm = LLM(model=target, skip_tokenizer_init=True, enforce_eager=True, dtype="float32", seed=0,
-                  max_model_len=32, max_num_seqs=256, gpu_memory_utilization=0.25, speculative_config=spec)
+                  max_model_len=32, max_num_seqs=seqs, max_num_batched_tokens=max(4096, 4 * seqs),
+                  gpu_memory_utilization=0.25, speculative_config=spec)
         params = SamplingParams(temperature=T, max_tokens=L, min_tokens=L, ignore_eos=True, detokenize=False)
         outs = llm.generate([{"prompt_token_ids": list(PROMPT)} for _ in range(n)], params, use_tqdm=False)
         res = {"continuations": [list(o.outputs[0].token_ids) for o in outs],
