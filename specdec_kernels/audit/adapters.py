@@ -111,8 +111,8 @@ def transformers_verifier():
                     t = torch.multinomial(torch.softmax(warped[i, 0], -1), 1)
                     tokens[b, 0] = t
                     continue
-                if draft_probs is None:
-                    q = torch.nn.functional.one_hot(draft_tokens[b, :kb], V).float()
+                if draft_probs is None:  # (an id outside [0, V) is left for transformers' own indexing)
+                    q = torch.nn.functional.one_hot(draft_tokens[b, :kb].clamp(0, V - 1), V).float()
                 else:
                     q = torch.zeros(kb, V)
                     q[:, :draft_probs.shape[-1]] = draft_probs[b, :kb].float()
