@@ -43,6 +43,7 @@ class Case:
     build: Callable[[int], list]  # n -> [Call]
     check: Callable[[list, list], Outcome]  # (calls, outputs) -> Outcome
     needs: set = field(default_factory=set)  # adapter features: {"seed"}
+    bad_input: bool = False  # its inputs are unusable: a raised error is a pass, not the verifier's error
 
 
 def _template(seed: int, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, with_q=True, Vt=V, Vd=None,
@@ -328,10 +329,10 @@ CASES = [
               "target_truncated", ("first", "num_accepted"), seed=10, Vd=6),
     Case("nan_inf_logits", "a NaN logit's index is never emitted (sampled and greedy rows, at a draft and the "
          "bonus position); +inf leaves tokens in [0, V)", "exact: 0 forbidden tokens (an error raised passes)",
-         "no_input_check", lambda n: _bad_calls(n, "nan"), _bad_check("nan")),
+         "no_input_check", lambda n: _bad_calls(n, "nan"), _bad_check("nan"), bad_input=True),
     Case("draft_ids_out_of_range", "a draft id >= V is never emitted (with and without q, greedy and sampled)",
          "exact: 0 forbidden tokens (an error raised passes)", "no_input_check",
-         lambda n: _bad_calls(n, "ids"), _bad_check("ids")),
+         lambda n: _bad_calls(n, "ids"), _bad_check("ids"), bad_input=True),
     Case("seeded_determinism", "the same seed gives the same tokens on a rerun and when other rows change",
          "exact: 0 rows differ", "shared_stream", _seed_build, _seed_check, needs={"seed"}),
 ]

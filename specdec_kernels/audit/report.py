@@ -33,9 +33,11 @@ def versions(extra: dict | None = None) -> dict:
 
 
 def header(target: str, trials: int, mode: str, extra_versions: dict | None = None) -> dict:
+    from .checks import ALPHA
+
     return {"audited": target, "mode": mode, "trials": trials,
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "versions": versions(extra_versions), "alpha": 1e-4}
+            "versions": versions(extra_versions), "alpha": ALPHA}
 
 
 def _num(x, fmt="{:.3g}") -> str:
