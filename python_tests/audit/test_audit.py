@@ -197,3 +197,22 @@ def test_cli_audit_exit_statuses(tmp_path):
         assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
     r = _cli("--verifier", "ours", "--cases", "nope")
     assert r.returncode == 2 and "--cases: unknown ['nope']" in r.stderr
+
+
+def test_audit_vllm_bridge_runs_the_worker():
+    """The vLLM adapter end to end where an interpreter with vLLM is found (else skipped): vLLM's own
+    RejectionSampler in its environment, with the CPU expand fixed, passes the first-token case and
+    emits the NaN logit's index on greedy rows (what bench/results/audit/ reports)."""
+    from specdec_kernels.audit.vllm_bridge import vllm_verifier
+
+    try:
+        v = vllm_verifier(fix_expand=True)
+    except AdapterUnavailable as e:
+        pytest.skip(str(e))
+    rows = {r["case"]: r for r in run_verifier_audit(v, 1_000, cases=["first_token", "nan_inf_logits", "min_p"],
+                                                     mutants=False)}
+    assert rows["first_token"]["verdict"] == "pass", rows
+    assert rows["min_p"]["verdict"] == "n/a", rows
+    assert rows["nan_inf_logits"]["verdict"] == "FAIL" and "NaN at draft 0, greedy: 1000 bad" in \
+        rows["nan_inf_logits"]["detail"], rows
+    assert v.versions["vllm"]
