@@ -42,10 +42,11 @@ SLOW_FILES = {
 # A test whose name or parameters hold one of these: a law, a distribution or a mutant checked by
 # sampling; a Triton kernel (a backend, the kernel against the reference, its thresholds, its work
 # items' arrival order); the CUDA kernels emulated on the CPU (a C++ build per worker); sweeps of
-# random cases; the end-to-end benchmark's runs; a tree's acceptance measured.
+# random cases; the end-to-end benchmark's runs; a tree's acceptance measured; the audit's vLLM
+# adapter (a subprocess in .venv-vllm).
 SLOW_WORDS = ("law", "distribution", "matches_target", "mutant", "caught", "sampled_means", "triton",
               "kernel_matches_reference", "kernel_threshold", "arrival_order", "emulated", "random_cases",
-              "bench_e2e_quick", "time_limit", "wider_tree")
+              "bench_e2e_quick", "time_limit", "wider_tree", "audit_vllm")
 
 
 def is_slow(nodeid: str) -> bool:

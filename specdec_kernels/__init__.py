@@ -10,7 +10,8 @@ The layers, each a folder, importing one way (``ops`` <- ``decoding`` <- the fro
 - ``cpu``: optional CPU accelerators the decoder is handed; ``models``: the embedded pair and a
   tiny random one.
 - front-ends: ``hf.generate`` (transformers' ``model.generate(custom_generate=...)``), the
-  ``specdec`` CLI (``cli``), and ``integrations`` (vLLM, FlashInfer's signature).
+  ``specdec`` CLI (``cli``), ``integrations`` (vLLM, FlashInfer's signature), and ``audit``
+  (``specdec audit``: the exactness audit of a speculative sampler or generator).
 """
 
 from . import hf  # noqa: F401  (public: specdec_kernels.hf.generate, transformers' custom_generate)

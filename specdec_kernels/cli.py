@@ -4,6 +4,7 @@
     specdec generate "def fib(n):" --target TARGET --drafter prompt_lookup -k auto --json
     python -m specdec_kernels generate "hello" --tiny-random --json
     specdec env                  # versions, extension, device, Triton: for a bug report
+    specdec audit --verifier ours --quick   # the exactness audit (docs/audit.md)
 
 ``--tiny-random`` builds a small random-weight Llama pair and a character-level tokenizer in
 memory (no download), for smoke tests; its text is gibberish by construction.
@@ -123,6 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print texts, token ids and stats as JSON")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.generate_parser = g  # its usage line goes with the errors about its arguments
+    from .audit.cli import add_audit_parser
+
+    add_audit_parser(sub)
     return parser
 
 
@@ -328,6 +332,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from .env import main as env_main
 
         return env_main(as_json=args.json, run_kernels=not args.no_kernel_check)
+    if args.command == "audit":
+        from .audit.cli import run_audit
+
+        return run_audit(args)
     _check_early(args, parser)
     if args.repeats < 1:
         parser.generate_parser.error(f"--repeats must be >= 1, got {args.repeats}")
