@@ -154,6 +154,8 @@ def _check_early(args, parser) -> None:
     if (args.draft_tokenizer is not None or args.vocabulary != "auto") and (args.tiny_random or args.target is None):
         g.error("--draft-tokenizer and --vocabulary apply to --target/--draft models; the embedded pair and "
                 "--tiny-random share one vocabulary")
+    if args.draft_tokenizer is not None and args.draft is None and args.target is not None:
+        g.error(f"--draft-tokenizer is the tokenizer of --draft, got no --draft (--drafter {args.drafter})")
     if args.tokenizer is not None and (args.tiny_random or args.target is None):
         g.error("--tokenizer applies to --target/--draft models; the embedded pair and --tiny-random bring "
                 "their own")

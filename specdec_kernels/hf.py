@@ -151,29 +151,35 @@ def _calling_generate_locals() -> dict:
 
 
 @functools.lru_cache(maxsize=8)
-def _directory_tokenizer(path: str):
+def _saved_tokenizer(path: str):
+    """The tokenizer saved with a model (a local directory, or a hub id already in the local
+    cache: nothing is downloaded), or None."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path)
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError):
+        return None
 
 
 def _pair_tokenizers(model, assistant_model, tokenizer, assistant_tokenizer) -> tuple:
-    """(tokenizer, assistant_tokenizer): as given; where neither is given and the models'
-    vocabulary sizes differ, each loaded from the local directory its model was loaded from.  A
-    draft over another vocabulary whose tokenizer is unknown is refused in one line."""
-    if tokenizer is not None or assistant_tokenizer is not None:
-        return tokenizer, assistant_tokenizer
-    if model.config.get_text_config().vocab_size == assistant_model.config.get_text_config().vocab_size:
+    """(tokenizer, assistant_tokenizer): as given; one not given is the one saved with its model
+    (``name_or_path``), looked up where the other is given or where the models' vocabulary sizes
+    differ.  Models of different vocabulary sizes whose tokenizers cannot be found are refused in
+    one line (their ids cannot be compared)."""
+    sizes = [m.config.get_text_config().vocab_size for m in (model, assistant_model)]
+    if tokenizer is None and assistant_tokenizer is None and sizes[0] == sizes[1]:
         return None, None  # one vocabulary (a padded one is told by the decoder's own checks)
-    found = []
-    for m in (model, assistant_model):
-        path = str(getattr(m, "name_or_path", "") or "")
-        found.append(_directory_tokenizer(path) if path and os.path.isdir(path) and any(
-            os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json")) else None)
-    if found[1] is not None and found[0] is None:
-        raise ValueError(f"a draft over another vocabulary needs the target's tokenizer: the target was not loaded "
-                         f"from a directory that holds one (name_or_path={getattr(model, 'name_or_path', None)!r}); "
-                         f"call specdec_kernels.hf.generate(model, input_ids, assistant_model=..., tokenizer=..., "
+    found = [t if t is not None else _saved_tokenizer(str(getattr(m, "name_or_path", "") or "")) if
+             getattr(m, "name_or_path", None) else None
+             for t, m in ((tokenizer, model), (assistant_tokenizer, assistant_model))]
+    if None in found and (sizes[0] != sizes[1] or found != [None, None]):
+        which = " and ".join(n for n, t in zip(("tokenizer=", "assistant_tokenizer="), found) if t is None)
+        raise ValueError(f"a draft over another vocabulary needs both tokenizers, got none for {which} (none is "
+                         f"saved with the model, name_or_path: target {getattr(model, 'name_or_path', None)!r}, "
+                         f"draft {getattr(assistant_model, 'name_or_path', None)!r}); transformers' generate drops "
+                         f"tokenizer= and assistant_tokenizer= before a custom_generate callable: call "
+                         f"specdec_kernels.hf.generate(model, input_ids, assistant_model=..., tokenizer=..., "
                          f"assistant_tokenizer=...) directly")
     return found[0], found[1]
 
@@ -218,9 +224,9 @@ def generate(model, input_ids: torch.Tensor, logits_processor=None, stopping_cri
     seed + p), a list of one int per row, or None (drawn from torch's global generator).
     tokenizer, assistant_tokenizer: the target's and the draft's tokenizers, for a draft over
     another vocabulary (``SpeculativeDecoder(draft_tokenizer=...)``); transformers 5.17 to 5.25
-    drop both before calling a ``custom_generate`` callable, so when they are not passed here they
-    are loaded from the directories the models were loaded from (``name_or_path``), where the
-    models' vocabulary sizes differ.
+    drop both before calling a ``custom_generate`` callable, so one not passed here is the one
+    saved with its model (``name_or_path``: a directory, or a hub id in the local cache), looked
+    up where the models' vocabulary sizes differ or the other tokenizer is given.
     Returns [B, T + N] int64 ids on ``input_ids``' device, or a ``GenerateDecoderOnlyOutput``."""
     from transformers import GenerationConfig, MaxTimeCriteria
     from transformers.generation.utils import GenerateDecoderOnlyOutput

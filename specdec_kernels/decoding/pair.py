@@ -155,6 +155,8 @@ def load_pair(draft, target, tokenizer, device: Optional[torch.device], dtype, d
         tokenizer = load_tokenizer(target, "target")
     if isinstance(draft_tokenizer, (str, os.PathLike)):
         draft_tokenizer = load_tokenizer(str(draft_tokenizer), "draft_tokenizer")
+    elif draft_tokenizer is not None and not hasattr(draft_tokenizer, "get_vocab"):
+        raise TypeError(f"draft_tokenizer must be a tokenizer or its path, got {type(draft_tokenizer).__name__}")
     if draft_tokenizer is None and isinstance(draft, str):
         draft_tokenizer = load_tokenizer(draft, "draft")
     mode = _vocabulary(vocabulary, draft_tokenizer, tokenizer, kind.draft, drafter, tree)

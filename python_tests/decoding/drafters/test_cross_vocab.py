@@ -107,11 +107,14 @@ N_DRAWS = 4000
 
 
 def _joint_counts(dec, prompt_text, tt, V, **kw):
-    res = dec.generate([prompt_text] * N_DRAWS, max_new_tokens=2, num_draft_tokens=3, seed=11, **kw)
+    """The first two tokens of N_DRAWS rows, with 3 new tokens each: the first step verifies K = 2
+    drafts (the budget leaves room for 2), so both draft positions' q reach the law."""
+    res = dec.generate([prompt_text] * N_DRAWS, max_new_tokens=3, num_draft_tokens=3, seed=11, **kw)
     assert res.stats.drafted_tokens > 0 and res.stats.accepted_tokens > 0
+    assert res.stats.history[0]["k"] == 2
     counts = torch.zeros(V * V, dtype=torch.float64)
     for t in res.token_ids:
-        if len(t) == 2:
+        if len(t) >= 2:
             counts[t[0] * V + t[1]] += 1
         else:  # an EOS first: the pair (eos, -) gets the first token's cell in the law below
             counts[t[0] * V + t[0]] += 1
@@ -180,7 +183,7 @@ def test_mutants_are_caught(xpair, vocabulary, mutant):
 # ----------------------------------------------------------------------------------------------
 # Batch invariance, the draft's cache, and its choice
 # ----------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("vocabulary", ["string", "intersection"])
+@pytest.mark.parametrize("vocabulary", ["string", "intersection", "auto"])
 def test_seeded_rows_are_batch_invariant(xpair, vocabulary):
     dec = _decoder(xpair, vocabulary)
     kw = dict(max_new_tokens=12, num_draft_tokens=3, temperature=1.0, top_p=0.9)
@@ -215,8 +218,11 @@ def test_auto_takes_the_intersection_when_it_holds_the_mass(xpair, monkeypatch):
     dec = _decoder(xpair, "auto")
     assert dec.generate(PROMPTS[:2], max_new_tokens=4).stats.vocabulary == "intersection"
     monkeypatch.setattr(cross, "AUTO_MIN_MASS", 1.01)  # no mass is enough: the string level
+    assert dec.generate(PROMPTS[:2], max_new_tokens=4).stats.vocabulary == "intersection"  # decided once
+    dec = _decoder(xpair, "auto")
     res = dec.generate(PROMPTS[:2], max_new_tokens=4)
     assert res.stats.vocabulary == "string" and res.stats.intersection_size == dec._drafter.intersection.size
+    assert dec.generate_target_only(PROMPTS[:1], max_new_tokens=2).stats.vocabulary is None
 
 
 def test_a_row_past_the_drafts_context_decodes_alone(xpair):
@@ -229,6 +235,11 @@ def test_a_row_past_the_drafts_context_decodes_alone(xpair):
         with torch.inference_mode():
             ref = target.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=8, pad_token_id=0)
         assert got == ref[0, len(ids):].tolist()[:len(got)]
+    # every row past it: the draft retires after one forward-free step, the target decodes alone
+    dec._drafter.runner.context = 3  # "ab" is one draft token: 1 + K = 4 > 3
+    res = dec.generate(prompts, max_new_tokens=8, num_draft_tokens=3)
+    assert res.stats.draft_forwards == 0 and res.stats.drafted_tokens == 0
+    assert [k for k in (h["k"] for h in res.stats.history)] == [0] * res.stats.iterations
 
 
 # ----------------------------------------------------------------------------------------------
@@ -236,6 +247,8 @@ def test_a_row_past_the_drafts_context_decodes_alone(xpair):
 # ----------------------------------------------------------------------------------------------
 def test_bad_input_is_refused_in_one_line(xpair):
     draft, target, dt, tt = xpair
+    with pytest.raises(TypeError, match="draft_tokenizer must be a tokenizer or its path, got int"):
+        SpeculativeDecoder(draft=draft, target=target, tokenizer=tt, draft_tokenizer=3)
     with pytest.raises(ValueError, match="vocabulary must be one of .*got 'union'"):
         SpeculativeDecoder(draft=draft, target=target, tokenizer=tt, draft_tokenizer=dt, vocabulary="union")
     with pytest.raises(ValueError, match="needs the draft's tokenizer"):
@@ -290,9 +303,12 @@ def test_hf_generate_with_a_foreign_assistant(xpair, tmp_path):
     for b in range(2):
         assert out[b, T:].tolist() == ref[b].tolist()[:10]
         assert direct[b, T:].tolist() == ref[b].tolist()[:10]
-    with pytest.raises(ValueError, match="needs the target's tokenizer"):
+    with pytest.raises(ValueError, match="needs both tokenizers, got none for tokenizer="):
         hf.generate(target, batch["input_ids"], generation_config=gc, attention_mask=batch["attention_mask"],
                     assistant_model=d2)
+    with pytest.raises(ValueError, match="needs both tokenizers, got none for assistant_tokenizer="):
+        hf.generate(t2, batch["input_ids"], generation_config=gc, attention_mask=batch["attention_mask"],
+                    assistant_model=draft, tokenizer=tt)
 
 
 def test_cli_drafts_across_tokenizers(xpair, tmp_path):

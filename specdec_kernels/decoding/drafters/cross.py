@@ -20,13 +20,18 @@ draft drafts K tokens, one forward each, and proposes them in one of two ways:
   when a sample is only matched.  (Its mutant, q left unnormalised over the intersection, is
   caught by the tests' chi-square.)
 
-``vocabulary="auto"`` decides at the first draft forward of each ``generate`` call: the
-intersection when the draft's next-token probability (T = 1, unwarped) on the shared tokens,
-averaged over the rows at the end of their prompts, is at least ``AUTO_MIN_MASS``, else the
-string level.  What the draft reads never changes the output's law, only how many drafts are
+``vocabulary="auto"`` decides once per drafter, from the draft alone: the intersection when the
+draft's next-token probability (T = 1, unwarped) on the shared tokens, at the start of a text
+(after its BOS, else its EOS), is at least ``AUTO_MIN_MASS``, else the string level.  (A choice
+made from a call's prompts would make a seeded row's tokens depend on the other rows.)  What the draft reads never changes the output's law, only how many drafts are
 accepted: text its tokenizer cannot write (an unknown character) costs acceptance only.
 
-A row whose text grows past the draft's context stops drafting (the target decodes it alone).
+A row whose text grows past the draft's context stops drafting (the target decodes it alone;
+when every row has, the draft retires).
+
+Costs beside the draft's forwards: each step decodes every row's whole text and encodes it
+again (O(length) on the host, batched tokenizer calls), and reads the drafts on the host (one
+more device-to-host copy a step than a draft over the target's vocabulary).
 """
 
 from __future__ import annotations
@@ -97,7 +102,8 @@ class CrossVocabDrafter(Drafter):
 
     def __init__(self, runner, draft_tokenizer, target_tokenizer, vocabulary: str, target_vocab_size: int):
         if vocabulary not in ("auto", "intersection", "string"):
-            raise ValueError(f"vocabulary must be one of {VOCABULARIES}, got {vocabulary!r}")
+            raise ValueError(f"vocabulary must be 'auto', 'intersection' or 'string' for a draft over another "
+                             f"tokenizer, got {vocabulary!r}")
         self.runner, self.draft_tokenizer, self.target_tokenizer = runner, draft_tokenizer, target_tokenizer
         self.vocabulary, self.target_vocab_size = vocabulary, target_vocab_size
         self.intersection: Optional[Intersection] = None
@@ -117,16 +123,31 @@ class CrossVocabDrafter(Drafter):
                                  "got none in common (use vocabulary='string')")
         fallback = [draft_tokenizer.bos_token_id, draft_tokenizer.eos_token_id, 0]
         self.fallback = next(i for i in fallback if i is not None)  # the context of a row with no text
+        self._chosen: Optional[str] = None if vocabulary == "auto" else vocabulary
+
+    def chosen(self, device) -> str:
+        """The way this drafter proposes: "auto" decided once, from the draft alone (module
+        docstring), so that a row's tokens never depend on the other rows of a call."""
+        if self._chosen is None:
+            if self.intersection.size == 0:
+                self._chosen = "string"
+            else:
+                ids = torch.tensor([[self.fallback]], dtype=torch.int64, device=device)
+                pos = torch.zeros((1, 1), dtype=torch.int64, device=device)
+                with torch.inference_mode():
+                    logits = self.runner.forward(new_cache(self.runner.model), ids, None, pos, 0, 1)[:, -1]
+                d_ids = self._tensors(device)[0]
+                mass = float(torch.softmax(logits.float(), -1).index_select(1, d_ids).sum())
+                self._chosen = "intersection" if mass >= AUTO_MIN_MASS else "string"
+        return self._chosen
 
     def new_state(self, st: "DecodeState", target_only: bool) -> CrossDraftState:
         return CrossDraftState(model=None if target_only else self.runner.model,
-                               vocabulary=None if self.vocabulary == "auto" else self.vocabulary)
+                               vocabulary=None if target_only else self.chosen(st.device))
 
     def describe(self, st: "DecodeState") -> dict:
-        s = st.draft
-        used = getattr(s, "vocabulary", None) or self.vocabulary
         size = None if self.intersection is None else self.intersection.size
-        return {"vocabulary": used, "intersection_size": size}
+        return {"vocabulary": getattr(st.draft, "vocabulary", None), "intersection_size": size}
 
     def _tensors(self, device):
         got = self._on.get(device)
@@ -139,7 +160,8 @@ class CrossVocabDrafter(Drafter):
         """Each active row's text (the target's ids decoded) encoded with the draft's tokenizer."""
         texts = self.target_tokenizer.batch_decode([st.seqs[p] for p in st.rows], **_TEXT)
         encs = self.draft_tokenizer(texts, add_special_tokens=True)["input_ids"]
-        return [list(e) if len(e) else [self.fallback] for e in encs]
+        V = self.runner.vocab_size  # an added token past the draft's embedding reads as the fallback
+        return [[i if i < V else self.fallback for i in e] if len(e) else [self.fallback] for e in encs]
 
     def _sync(self, st: "DecodeState", K: int) -> list:
         """Bring each row's cache to its text: keep the longest held prefix (less its last
@@ -194,20 +216,17 @@ class CrossVocabDrafter(Drafter):
         crop_cache_(s.cache, s.columns)
         return encs
 
-    def _choose(self, st: "DecodeState", logits: torch.Tensor) -> str:
-        """"auto"'s choice from the first forward's logits [B, Vd] (module docstring)."""
-        if self.intersection is None or self.intersection.size == 0:
-            return "string"
-        d_ids = self._tensors(logits.device)[0]
-        mass = torch.softmax(logits.float(), -1).index_select(1, d_ids).sum(-1)
-        return "intersection" if float(mass.mean()) >= AUTO_MIN_MASS else "string"
-
     def draft(self, st: "DecodeState", K: int) -> Drafts:
         s, dev = st.draft, st.device
         B = len(st.rows)
         if s.cache is None:
             s.cache = new_cache(self.runner.model)
         encs = self._sync(st, K)
+        if all(s.stopped):  # every row is past the draft's context: the target alone from here
+            st.target_only = True
+            s.retire()
+            zeros = torch.zeros(B, dtype=torch.int64, device=dev)
+            return Drafts(zeros[:, None][:, :0], None, zeros, 0)
         ctx = self.runner.context
         ids = torch.tensor([e[-1] for e in encs], dtype=torch.int64, device=dev)[:, None]  # [B, 1]
         pos0 = s.cache_len.clone()
@@ -224,8 +243,6 @@ class CrossVocabDrafter(Drafter):
             logits = self.runner.step(s.cache, ids, mask, pos, T, 1)[:, -1]  # [B, Vd]
             T += 1
             forwards += 1
-            if s.vocabulary is None:
-                s.vocabulary = self._choose(st, logits)
             if picks is None:
                 if s.vocabulary == "intersection":
                     d_ids, t_ids, t2d = self._tensors(dev)
@@ -265,6 +282,7 @@ class CrossVocabDrafter(Drafter):
             fulls = dt.batch_decode([t + d for t, d in zip(tails, drafts)], **_TEXT)
             texts = [f[len(a):] if f.startswith(a) else dt.decode(d, **_TEXT)
                      for a, f, d in zip(bases, fulls, drafts)]
+            texts = [x.rstrip("\ufffd") for x in texts]  # a character the drafts end inside of
             t_tails = [st.seqs[st.rows[b]][-_TAIL:] for b in live]
             t_bases = tt.batch_decode(t_tails, **_TEXT)
             encoded = tt([a + x for a, x in zip(t_bases, texts)], add_special_tokens=False)["input_ids"]
@@ -273,7 +291,9 @@ class CrossVocabDrafter(Drafter):
                 new = enc[len(t_tail):] if enc[:len(t_tail)] == t_tail else tt(text, add_special_tokens=False)["input_ids"]
                 if new and new[-1] in self.extendable:
                     new = new[:-1]  # text that follows may merge into it
-                props[b] = [t for t in new[:K] if t < self.target_vocab_size]
+                new = new[:K]
+                bad = [j for j, t in enumerate(new) if t >= self.target_vocab_size]
+                props[b] = new[:bad[0]] if bad else new  # a token past the target's rows ends them
         width = max(len(x) for x in props)
         X = torch.tensor([x + [0] * (width - len(x)) for x in props], dtype=torch.int64).reshape(len(props), width)
         n = torch.tensor([len(x) for x in props], dtype=torch.int64)
@@ -284,6 +304,8 @@ class CrossVocabDrafter(Drafter):
         last), compacted after its held prefix: the next step keeps what the accepted text
         still starts with."""
         s = st.draft
+        if s.fed is None:  # the draft retired this step (every row past its context)
+            return
         (encs, d_host), s.fed = s.fed, None
         Kd = len(d_host[0]) if d_host else 0
         fed = [0 if stop else Kd for stop in s.stopped]
