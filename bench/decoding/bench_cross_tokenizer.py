@@ -37,8 +37,9 @@ defined (accepted / reached per drafted position, as specdec_kernels.decoding.st
 a step that drafts K and accepts n reaches min(n + 1, K) positions), the acceptance rate
 (accepted / drafted), and for greedy rows whether each prompt's ids equal target_hf's.  The
 prompts are interleaved: for each prompt every batch-1 method runs once, the order rotating
-prompt by prompt, so load on the shared machine falls on all methods alike.  A method that
-raises is recorded with the exception's type and message and the run goes on.  One untimed
+prompt by prompt, so load on the shared machine falls on all methods alike.  A call that
+raises is recorded with the exception's type and message (the error column, with the prompts it
+raised on) and the run goes on: the row's figures are over the calls that returned (prompts_ok).  One untimed
 warm-up call (4 tokens) per method comes first; its time is reported as warmup_s (usd_hf builds
 its vocabulary translator there).
 
@@ -57,7 +58,7 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
@@ -83,25 +84,33 @@ class Row:
     drafted: int = 0
     has_alpha: bool = False
     greedy_equal: list = field(default_factory=list)  # per prompt, greedy rows only
-    error: Optional[str] = None
+    error: Optional[str] = None  # the row could not run at all
+    errors: list = field(default_factory=list)  # (prompt index or "warm-up", message): calls that raised
+    prompts: int = 0  # prompts it ran (the figures are over the calls that returned)
     warmup_s: Optional[float] = None
     ids: dict = field(default_factory=dict)  # prompt index -> generated ids
 
     def as_dict(self) -> dict:
-        tps = self.tokens / self.seconds if self.seconds and not self.error else None
+        tps = self.tokens / self.seconds if self.seconds and not self.error else None  # over the calls that returned
         per_call = self.tokens / self.target_calls if self.target_calls and not self.error else None
         alpha = self.accepted / self.reached if self.has_alpha and self.reached and not self.error else None
         rate = self.accepted / self.drafted if self.has_alpha and self.drafted and not self.error else None
         same = ("" if self.mode != "greedy" or self.error or self.method == "target_hf" else
                 f"{sum(self.greedy_equal)}/{len(self.greedy_equal)}")
-        return {"method": self.method, "mode": self.mode, "batch": self.batch, "tokens": self.tokens,
+        failed = {}  # message -> the prompts whose call raised it
+        for where, msg in self.errors:
+            failed.setdefault(msg, []).append(str(where))
+        error = self.error or "; ".join(f"prompts {','.join(w)}: {m}" for m, w in failed.items())
+        ok = len(self.ids)
+        return {"method": self.method, "mode": self.mode, "batch": self.batch,
+                "prompts_ok": "" if self.error else f"{ok}/{self.prompts}", "tokens": self.tokens,
                 "seconds": round(self.seconds, 2), "tokens_per_s": None if tps is None else round(tps, 3),
                 "target_calls": self.target_calls,
                 "tokens_per_target_call": None if per_call is None else round(per_call, 3),
                 "alpha": None if alpha is None else round(alpha, 3),
                 "acceptance_rate": None if rate is None else round(rate, 3),
                 "greedy_ids_equal": same, "warmup_s": None if self.warmup_s is None else round(self.warmup_s, 1),
-                "error": self.error or ""}
+                "error": error}
 
 
 class CallCounter:
@@ -291,22 +300,24 @@ def run(args) -> list:
         try:
             BATCH1_METHODS[m](ctx, 0, mode, args.seed, 4)
         except Exception as e:  # noqa: BLE001 - recorded beside the figures
-            row.error = short_error(e)
+            row.errors.append(("warm-up", short_error(e)))
             traceback.print_exc()
         row.warmup_s = time.perf_counter() - t
-        print(f"warm-up {m} {mode}: {row.warmup_s:.1f}s {row.error or ''}", flush=True)
+        print(f"warm-up {m} {mode}: {row.warmup_s:.1f}s {row.errors or ''}", flush=True)
 
     for p in range(len(prompts)):
         live = [k for k in order if rows[k].error is None]
         r = p % max(len(live), 1)
         for m, mode in live[r:] + live[:r]:
             row = rows[(m, mode)]
+            row.prompts += 1
             c0 = ctx.calls.n
             t = time.perf_counter()
             try:
                 ids, steps = BATCH1_METHODS[m](ctx, p, mode, args.seed + p, n)
-            except Exception as e:  # noqa: BLE001
-                row.error = short_error(e)
+            except Exception as e:  # noqa: BLE001 - recorded, and the other prompts still run
+                row.errors.append((p, short_error(e)))
+                print(f"prompt {p} {m} {mode}: raised {short_error(e)}", flush=True)
                 traceback.print_exc()
                 continue
             dt = time.perf_counter() - t
@@ -327,6 +338,7 @@ def run(args) -> list:
                     group = list(range(start, min(start + batch, len(prompts))))
                     c0 = ctx.calls.n
                     t = time.perf_counter()
+                    row.prompts += len(group)
                     ids, counts = fn(ctx, group, mode, args.seed, n)
                     row.seconds += time.perf_counter() - t
                     row.target_calls += ctx.calls.n - c0
@@ -348,8 +360,9 @@ def run(args) -> list:
     base = rows[("target_hf", "greedy")]
     for row in rows.values():
         if row.mode == "greedy" and row.method != "target_hf" and row.error is None:
-            row.greedy_equal = [row.ids.get(p) == base.ids.get(p) for p in range(len(prompts))]
-            for p, same in enumerate(row.greedy_equal):
+            done = [p for p in range(len(prompts)) if p in row.ids and p in base.ids]
+            row.greedy_equal = [row.ids[p] == base.ids[p] for p in done]
+            for p, same in zip(done, row.greedy_equal):
                 if not same:
                     a, b = row.ids.get(p) or [], base.ids.get(p) or []
                     at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
@@ -360,7 +373,7 @@ def run(args) -> list:
     return [r.as_dict() for r in rows.values()]
 
 
-COLUMNS = ["method", "mode", "batch", "tokens", "seconds", "tokens_per_s", "target_calls",
+COLUMNS = ["method", "mode", "batch", "prompts_ok", "tokens", "seconds", "tokens_per_s", "target_calls",
            "tokens_per_target_call", "alpha", "acceptance_rate", "greedy_ids_equal", "warmup_s", "error"]
 
 
