@@ -31,7 +31,9 @@ tokenizer=..., draft_tokenizer=..., vocabulary=...)`` at batch 1 and 4, greedy a
 SpeculativeDecoder takes no ``draft_tokenizer`` its rows read "not available".
 
 Per row: generated tokens, wall seconds, tokens/s (generated tokens / wall time, summed over the
-prompts), target forward calls (a forward hook on the target's final norm, so every forward
+prompts), speedup_same_prompts (tokens/s over target_hf's in the same mode, on the prompts both
+returned: the load of a shared machine moves during a run, so rows over different prompts are
+not comparable), target forward calls (a forward hook on the target's final norm, so every forward
 counts however it is reached; the prefill included), tokens per target call, alpha where
 defined (accepted / reached per drafted position, as specdec_kernels.decoding.stats defines it:
 a step that drafts K and accepts n reaches min(n + 1, K) positions), the acceptance rate
@@ -40,7 +42,8 @@ prompts are interleaved: for each prompt every batch-1 method runs once, the ord
 prompt by prompt, so load on the shared machine falls on all methods alike.  A call that
 raises is recorded with the exception's type and message (the error column, with the prompts it
 raised on) and the run goes on: the row's figures are over the calls that returned (prompts_ok).  One untimed
-warm-up call (4 tokens) per method comes first; its time is reported as warmup_s (usd_hf builds
+warm-up call (4 tokens) per method comes first; every timed call is also written to
+bench_cross_tokenizer_calls.csv (its prompt, tokens, seconds, target calls, drafted and accepted); its time is reported as warmup_s (usd_hf builds
 its vocabulary translator there).
 
     python bench/decoding/bench_cross_tokenizer.py                       # the whole run
@@ -89,6 +92,7 @@ class Row:
     prompts: int = 0  # prompts it ran (the figures are over the calls that returned)
     warmup_s: Optional[float] = None
     ids: dict = field(default_factory=dict)  # prompt index -> generated ids
+    speedup: Optional[float] = None  # tokens/s over target_hf's (same mode) on the prompts both returned
 
     def as_dict(self) -> dict:
         tps = self.tokens / self.seconds if self.seconds and not self.error else None  # over the calls that returned
@@ -109,6 +113,7 @@ class Row:
                 "tokens_per_target_call": None if per_call is None else round(per_call, 3),
                 "alpha": None if alpha is None else round(alpha, 3),
                 "acceptance_rate": None if rate is None else round(rate, 3),
+                "speedup_same_prompts": None if self.speedup is None else round(self.speedup, 3),
                 "greedy_ids_equal": same, "warmup_s": None if self.warmup_s is None else round(self.warmup_s, 1),
                 "error": error}
 
@@ -272,6 +277,7 @@ class Ctx:
         self.calls = CallCounter(target)
         self.drafts = DraftCounter(target)
         self.specdec = None
+        self.per_prompt = []  # one record per timed call
 
 
 def short_error(e: BaseException) -> str:
@@ -317,6 +323,7 @@ def run(args) -> list:
                 ids, steps = BATCH1_METHODS[m](ctx, p, mode, args.seed + p, n)
             except Exception as e:  # noqa: BLE001 - recorded, and the other prompts still run
                 row.errors.append((p, short_error(e)))
+                ctx.per_prompt.append({"method": m, "mode": mode, "batch": 1, "prompts": p, "error": short_error(e)})
                 print(f"prompt {p} {m} {mode}: raised {short_error(e)}", flush=True)
                 traceback.print_exc()
                 continue
@@ -325,8 +332,11 @@ def run(args) -> list:
             row.tokens += len(ids)
             row.target_calls += ctx.calls.n - c0
             row.ids[p] = ids
+            ctx.per_prompt.append({"method": m, "mode": mode, "batch": 1, "prompts": p, "tokens": len(ids),
+                                   "seconds": round(dt, 3), "target_calls": ctx.calls.n - c0})
             if steps is not None:
                 add_steps(row, steps)
+                ctx.per_prompt[-1].update(drafted=sum(k for k, _ in steps), accepted=sum(a for _, a in steps))
             print(f"prompt {p} {m} {mode}: {len(ids)} tokens {dt:.1f}s, {ctx.calls.n - c0} target calls",
                   flush=True)
 
@@ -340,8 +350,12 @@ def run(args) -> list:
                     t = time.perf_counter()
                     row.prompts += len(group)
                     ids, counts = fn(ctx, group, mode, args.seed, n)
-                    row.seconds += time.perf_counter() - t
+                    dt = time.perf_counter() - t
+                    row.seconds += dt
                     row.target_calls += ctx.calls.n - c0
+                    ctx.per_prompt.append({"method": name, "mode": mode, "batch": batch,
+                                           "prompts": " ".join(map(str, group)), "tokens": sum(map(len, ids)),
+                                           "seconds": round(dt, 3), "target_calls": ctx.calls.n - c0})
                     for p, g in zip(group, ids):
                         row.ids[p] = g
                         row.tokens += len(g)
@@ -368,12 +382,25 @@ def run(args) -> list:
                     at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
                     print(f"greedy ids differ: {row.method} prompt {p} at token {at} "
                           f"({len(a)} vs {len(b)} tokens)", flush=True)
+    # speed over the target alone on the same prompts (a prompt a row lost to an exception is left
+    # out of both): the machine's load moves during a run, so whole-row tokens/s over different
+    # prompt sets are not comparable
+    for row in rows.values():
+        ref = rows.get(("target_hf", row.mode))
+        if row.method == "target_hf" or ref is None or row.error or not row.ids or not row.seconds:
+            continue
+        ref_t = sum(s["seconds"] for s in ctx.per_prompt if s["method"] == "target_hf" and s["mode"] == row.mode
+                    and "seconds" in s and s["prompts"] in row.ids)
+        ref_n = sum(len(ref.ids[p]) for p in row.ids if p in ref.ids)
+        if ref_t and ref_n:
+            row.speedup = (row.tokens / row.seconds) / (ref_n / ref_t)
+    run.per_prompt = ctx.per_prompt
     run.load_s = load_s
     run.assistant_config = ctx.drafts.config
     return [r.as_dict() for r in rows.values()]
 
 
-COLUMNS = ["method", "mode", "batch", "prompts_ok", "tokens", "seconds", "tokens_per_s", "target_calls",
+COLUMNS = ["method", "mode", "batch", "prompts_ok", "tokens", "seconds", "tokens_per_s", "speedup_same_prompts", "target_calls",
            "tokens_per_target_call", "alpha", "acceptance_rate", "greedy_ids_equal", "warmup_s", "error"]
 
 
@@ -417,6 +444,11 @@ def main(argv=None) -> None:
         w = csv.DictWriter(f, fieldnames=COLUMNS)
         w.writeheader()
         w.writerows(rows)
+    fields = ["method", "mode", "batch", "prompts", "tokens", "seconds", "target_calls", "drafted", "accepted", "error"]
+    with open(os.path.join(args.out, "bench_cross_tokenizer_calls.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields, restval="")
+        w.writeheader()
+        w.writerows(run.per_prompt)
     text = "\n".join("# " + c for c in conditions) + "\n\n" + markdown(rows) + "\n"
     with open(os.path.join(args.out, "bench_cross_tokenizer.md"), "w") as f:
         f.write(text)
