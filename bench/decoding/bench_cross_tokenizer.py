@@ -22,8 +22,11 @@ repetition_penalty = 1: no hidden warp; seed = --seed + prompt index before each
 The assistant runs with transformers' own defaults (the draft's generation_config:
 num_assistant_tokens, its schedule and assistant_confidence_threshold, recorded in the output).
 Rows stop at the target's EOS (<|im_end|>) or max_new_tokens, whichever is first.
-max_new_tokens is 32 by default (not 64): the target alone decodes about one token per second
-in fp32 on 2 cores, and 4 transformers rows x 8 prompts x 32 tokens keep the whole run near 20 min.
+max_new_tokens is 32 by default (not 64): the target alone decodes 2.7 tokens/s in fp32 on an
+idle 2-core VM and 0.6 while other jobs load it; 8 prompts x 32 tokens took 6 min idle, 29 min
+loaded (--max-new-tokens 64: 12 min idle).  usd_hf runs on its own copy of the draft: transformers
+replaces the assistant's lm_head and input embedding in place for it, and UAG with that model
+then raises.
 
 Plus ``EXTRA_METHODS`` (method name -> callable, see below): the hook for this package's own
 cross-tokenizer drafter, ``specdec_kernels.SpeculativeDecoder(draft=..., target=...,
@@ -41,10 +44,11 @@ a step that drafts K and accepts n reaches min(n + 1, K) positions), the accepta
 prompts are interleaved: for each prompt every batch-1 method runs once, the order rotating
 prompt by prompt, so load on the shared machine falls on all methods alike.  A call that
 raises is recorded with the exception's type and message (the error column, with the prompts it
-raised on) and the run goes on: the row's figures are over the calls that returned (prompts_ok).  One untimed
-warm-up call (4 tokens) per method comes first; every timed call is also written to
-bench_cross_tokenizer_calls.csv (its prompt, tokens, seconds, target calls, drafted and accepted); its time is reported as warmup_s (usd_hf builds
-its vocabulary translator there).
+raised on) and the run goes on: the row's figures are over the calls that returned
+(prompts_ok).  One untimed
+warm-up call (4 tokens) per method comes first; its time is reported as warmup_s (usd_hf builds
+its vocabulary translator there).  Every timed call is also written to
+bench_cross_tokenizer_calls.csv (its prompts, tokens, seconds, target calls, drafted, accepted).
 
     python bench/decoding/bench_cross_tokenizer.py                       # the whole run
     python bench/decoding/bench_cross_tokenizer.py --max-new-tokens 8 --prompts 2 --out /tmp/ct   # smoke
