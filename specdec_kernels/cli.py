@@ -110,8 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "directory's own)")
     g.add_argument("--vocabulary", choices=("auto", "shared", "intersection", "string"), default="auto",
                    help="how a draft over another tokenizer proposes: 'auto' (default: 'shared' when the "
-                        "vocabularies are equal, else 'intersection' when the tokens both write hold most of the "
-                        "draft's probability, else 'string'), 'intersection' (the shared tokens, with the draft's "
+                        "vocabularies are equal, else 'string' when greedy, and when sampling 'intersection' when the "
+                        "tokens both write hold most of the draft's probability, else 'string'), 'intersection' (the shared tokens, with the draft's "
                         "renormalised distribution) or 'string' (its text, re-encoded by the target's tokenizer)")
     g.add_argument("--baseline", action="store_true",
                    help="also decode with the target alone, to report the measured speed-up (both sides warmed "

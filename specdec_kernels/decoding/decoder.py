@@ -110,8 +110,9 @@ class SpeculativeDecoder:
     (``drafters/cross.py``).  draft_tokenizer: a tokenizer or path (default: the draft's, when the
     draft is given by path).  vocabulary: ``"auto"`` (default): ``"shared"`` when the two
     tokenizers' vocabularies are equal or the draft's is not known, else a draft over another
-    tokenizer that proposes through the tokens both write the same way when they hold at least
-    half the draft's probability at the start of a text (``"intersection"``: its
+    tokenizer: greedy, its text re-encoded by the target's tokenizer; sampling, through the tokens
+    both write the same way when they hold at least half the draft's probability at the start of
+    a text (``"intersection"``: its
     distribution restricted there and renormalised is the verify's q), else its text re-encoded by
     the target's tokenizer (``"string"``: deterministic proposals).  ``"shared"``: one vocabulary
     (the target's may be padded beyond the draft's; tokenizers that differ are refused).  Every

@@ -20,10 +20,14 @@ draft drafts K tokens, one forward each, and proposes them in one of two ways:
   when a sample is only matched.  (Its mutant, q left unnormalised over the intersection, is
   caught by the tests' chi-square.)
 
-``vocabulary="auto"`` decides once per drafter, from the draft alone: the intersection when the
-draft's next-token probability (T = 1, unwarped) on the shared tokens, at the start of a text
-(after its BOS, else its EOS), is at least ``AUTO_MIN_MASS``, else the string level.  (A choice
-made from a call's prompts would make a seeded row's tokens depend on the other rows.)  What the draft reads never changes the output's law, only how many drafts are
+``vocabulary="auto"``: the string level for a greedy call (a greedy verify takes any
+proposal as one-hot, and the target's own tokens of the drafted text are what it emits: a word
+the target writes as one token, ``_prime``, is two shared tokens, ``_`` ``prime``, which the
+target rejects); when sampling, the intersection when the draft's next-token probability
+(T = 1, unwarped) on the shared tokens at the start of a text (after its BOS, else its EOS) is
+at least ``AUTO_MIN_MASS``, decided once per drafter from the draft alone (a choice made from a
+call's prompts would make a seeded row's tokens depend on the other rows), else the string
+level.  What the draft reads never changes the output's law, only how many drafts are
 accepted: text its tokenizer cannot write (an unknown character) costs acceptance only.
 
 A row whose text grows past the draft's context stops drafting (the target decodes it alone;
@@ -143,7 +147,9 @@ class CrossVocabDrafter(Drafter):
 
     def new_state(self, st: "DecodeState", target_only: bool) -> CrossDraftState:
         return CrossDraftState(model=None if target_only else self.runner.model,
-                               vocabulary=None if target_only else self.chosen(st.device))
+                               vocabulary=None if target_only else
+                               "string" if self.vocabulary == "auto" and st.temperature == 0 else
+                               self.chosen(st.device))
 
     def describe(self, st: "DecodeState") -> dict:
         size = None if self.intersection is None else self.intersection.size
