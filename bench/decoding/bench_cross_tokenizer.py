@@ -30,8 +30,12 @@ then raises.
 
 Plus ``EXTRA_METHODS`` (method name -> callable, see below): the hook for this package's own
 cross-tokenizer drafter, ``specdec_kernels.SpeculativeDecoder(draft=..., target=...,
-tokenizer=..., draft_tokenizer=..., vocabulary=...)`` at batch 1 and 4, greedy and T = 1.  While
-SpeculativeDecoder takes no ``draft_tokenizer`` its rows read "not available".
+tokenizer=..., draft_tokenizer=..., vocabulary=...)``: ``specdec_cross`` (K = 4) and
+``specdec_cross_auto`` (K chosen each step, ``num_draft_tokens="auto"``) at batch 1,
+``specdec_cross_b4`` (K = 4) at batch 4 (the prompts in groups of four), greedy and T = 1; the
+vocabulary is "auto" (the string level when greedy, the intersection when sampling on this pair)
+unless --specdec-vocabulary says otherwise.  A SpeculativeDecoder that takes no
+``draft_tokenizer`` (an older package) makes its rows read "not available".
 
 Per row: generated tokens, wall seconds, tokens/s (generated tokens / wall time, summed over the
 prompts), speedup_same_prompts (tokens/s over target_hf's in the same mode, on the prompts both
@@ -249,21 +253,29 @@ def make_specdec(ctx):
     return ctx.specdec
 
 
-def specdec_generate(ctx, prompts, mode, seed, max_new_tokens):
+def specdec_generate(ctx, prompts, mode, seed, max_new_tokens, k=None):
+    """One call of SpeculativeDecoder.generate over ``prompts`` (one batch); k: num_draft_tokens
+    (None: SPECDEC_K).  Returns the generated ids per prompt and (accepted, reached, drafted), with
+    reached = accepted / alpha (alpha is accepted / reached in DecodingStats)."""
     dec = make_specdec(ctx)
     ids = [ctx.prompt_ids[p][0].tolist() for p in prompts]
-    res = dec.generate(ids, max_new_tokens=max_new_tokens, num_draft_tokens=SPECDEC_K,
+    res = dec.generate(ids, max_new_tokens=max_new_tokens, num_draft_tokens=SPECDEC_K if k is None else k,
                        temperature=0.0 if mode == "greedy" else 1.0, seed=[seed + p for p in prompts])
     s = res.stats
-    counts = None
-    acc, reached, drafted = (getattr(s, a, None) for a in ("num_accepted", "num_reached", "num_drafted"))
-    if None not in (acc, reached, drafted):
-        counts = (acc, reached, drafted)
-    return [list(t) for t in res.token_ids], counts
+    if s.alpha:
+        reached = round(s.accepted_tokens / s.alpha)
+    else:  # nothing accepted: every row-step that drafted reached its first position
+        reached = sum(s.accepted_length_histogram)
+    return [list(t) for t in res.token_ids], (s.accepted_tokens, reached, s.drafted_tokens)
+
+
+def specdec_generate_auto(ctx, prompts, mode, seed, max_new_tokens):
+    return specdec_generate(ctx, prompts, mode, seed, max_new_tokens, k="auto")
 
 
 EXTRA_METHODS: dict = {  # name -> (fn, batch, modes)
     "specdec_cross": (specdec_generate, 1, ("greedy", "T=1")),
+    "specdec_cross_auto": (specdec_generate_auto, 1, ("greedy", "T=1")),
     "specdec_cross_b4": (specdec_generate, 4, ("greedy", "T=1")),
 }
 
@@ -348,6 +360,9 @@ def run(args) -> list:
         for mode in modes:
             row = rows[(name, mode)] = Row(name, mode, batch)
             try:
+                t = time.perf_counter()  # one untimed warm-up call (4 tokens), as for the methods above
+                fn(ctx, list(range(min(batch, len(prompts)))), mode, args.seed, 4)
+                row.warmup_s = time.perf_counter() - t
                 for start in range(0, len(prompts), batch):
                     group = list(range(start, min(start + batch, len(prompts))))
                     c0 = ctx.calls.n
@@ -364,6 +379,7 @@ def run(args) -> list:
                         row.ids[p] = g
                         row.tokens += len(g)
                     if counts is not None:
+                        ctx.per_prompt[-1].update(drafted=counts[2], accepted=counts[0])
                         row.has_alpha = True
                         row.accepted += counts[0]
                         row.reached += counts[1]
