@@ -16,7 +16,7 @@ from decoder_setup import (SIGNIFICANCE, _assert_row_cache, _chisquare_pvalue, _
 from specdec_kernels import SpeculativeDecoder
 from specdec_kernels.decoding.drafters import cross
 from specdec_kernels.decoding.drafters.base import Drafts
-from specdec_kernels.decoding.drafters.token_strings import intersect, token_keys
+from specdec_kernels.decoding.drafters.token_strings import extendable, intersect, token_keys
 
 PROMPTS = ["abc def", "g", "a. b. c. d. e", "hij klm nop", "ponm"]  # "o", "p": no draft token
 
@@ -212,6 +212,65 @@ def test_draft_cache_holds_the_draft_ids_it_says(xpair, vocabulary):
     _Checked.checked = 0
     dec.generate(PROMPTS, max_new_tokens=10, num_draft_tokens=3, temperature=1.0)
     assert _Checked.checked > len(PROMPTS)
+
+
+def _string_drafter(draft_tok, target_tok):
+    """A CrossVocabDrafter at the string level over these tokenizers, without a model (for
+    ``_string_drafts`` alone)."""
+    d = object.__new__(cross.CrossVocabDrafter)
+    d.draft_tokenizer, d.target_tokenizer, d.target_vocab_size = draft_tok, target_tok, len(target_tok)
+    d.extendable = extendable(token_keys(target_tok))
+    return d
+
+
+@pytest.mark.parametrize("drafted,proposed", [
+    ("a", ["a"]),  # the only proposal, though text that follows may merge into it: kept
+    ("ab", ["ab"]),  # one target token ("ab" begins "abcd"): kept
+    ("fa", ["f"]),  # "a" after "f" may merge: dropped, "f" stays
+    ("e fg", ["e ", "fg"]),  # neither begins a longer target token
+])
+def test_string_drafts_propose_a_lone_token_that_text_may_extend(drafted, proposed):
+    """Greedy K = 1 at the string level proposes its one target token even where later text
+    could merge into it (dropping it left num_draft_tokens="auto", which tries K = 1, a string
+    drafter that never proposed anything).  The target here is the BPE with merges, the draft
+    the character tokenizer."""
+    from types import SimpleNamespace
+
+    from cross_setup import draft_tokenizer, target_tokenizer
+
+    chars, bpe = target_tokenizer(), draft_tokenizer()
+    d = _string_drafter(chars, bpe)
+    context = "g "
+    st = SimpleNamespace(rows=[0], seqs=[bpe(context)["input_ids"]], device=torch.device("cpu"))
+    encs = [chars(context)["input_ids"]]
+    ids = chars(drafted)["input_ids"]
+    out = d._string_drafts(st, encs, [ids], [len(ids)], 4, len(ids))
+    assert bpe.convert_ids_to_tokens(out.tokens[0, :int(out.num[0])].tolist()) == proposed
+
+
+def test_the_draft_time_after_k0_steps_is_not_a_typical_one(xpair, monkeypatch):
+    """The forwards a step reports include the sync's, and the first draft after K = 0 steps
+    (whose sync feeds what they emitted) is reported as not typical, so that the recorder's time
+    per draft forward, which num_draft_tokens="auto" reads, is the typical step's."""
+    from specdec_kernels.decoding import decoder as decoder_mod
+    from specdec_kernels.decoding.stats import StatsRecorder
+
+    dec = _decoder(xpair, "string")
+    plan = iter([3, 0, 0, 3, 3, 0, 3] + [3] * 50)
+    monkeypatch.setattr(decoder_mod.SpeculativeDecoder, "_choose_k", lambda self, st: next(plan))
+    seen = []
+    real = StatsRecorder.record_times
+
+    def record(self, t_draft_total, n_draft_forwards, t_target, first_step, k=None, draft_typical=True):
+        seen.append((n_draft_forwards, draft_typical))
+        return real(self, t_draft_total, n_draft_forwards, t_target, first_step, k=k, draft_typical=draft_typical)
+
+    monkeypatch.setattr(StatsRecorder, "record_times", record)
+    dec.generate(PROMPTS[:1], max_new_tokens=12)
+    # steps: K = 3, 0, 0, 3 after waiting, 3, 0, 3 after waiting; a drafting step runs the
+    # sync's forward (4) unless the draft already holds all of the row's text but its last token (3)
+    assert [typical for _, typical in seen[:7]] == [True, True, False, False, True, True, False]
+    assert [n for n, _ in seen[:7]] in ([4, 0, 0, 4, 3, 0, 4], [4, 0, 0, 4, 4, 0, 4])
 
 
 def test_auto_takes_the_intersection_when_it_holds_the_mass(xpair, monkeypatch):

@@ -9,7 +9,9 @@ draft drafts K tokens, one forward each, and proposes them in one of two ways:
 
 - ``"string"`` (any pair): the drafts' text is appended to the row's text and encoded with the
   target's tokenizer; the new target tokens, at most K, are the drafts, less the last where text
-  that follows may merge into it (its text begins a longer target token).  They are verified as deterministic proposals
+  that follows may merge into it (its text begins a longer target token) unless it is the only
+  one (a proposal only costs acceptance; none at all would leave K = 1 steps, which
+  ``num_draft_tokens="auto"`` takes, with nothing to verify).  They are verified as deterministic proposals
   (``draft_probs=None``): whatever proposed them, the verifier accepts x with probability p(x)
   and otherwise samples norm(max(0, p - onehot(x))), so each emitted token is distributed as
   p, at every temperature and with top-k/top-p/min-p.
@@ -71,6 +73,7 @@ class CrossDraftState(CachedDraftState):
     vocabulary: Optional[str] = None  # "intersection" | "string" once chosen
     model: Any = None  # the draft model (its cache is made at the first draft)
     fed: Any = None  # (the rows' encodings, the step's draft ids [B, K'] host) until after_verify
+    waited: bool = False  # a K = 0 step since the last draft: the next sync feeds what it emitted too
 
     ROW_LISTS = CachedDraftState.ROW_LISTS + ("held", "stopped")
 
@@ -81,6 +84,9 @@ class CrossDraftState(CachedDraftState):
         self.columns = 0
         self.held = [[] for _ in range(B)]
         self.stopped = [False] * B
+
+    def holds_waiting(self) -> bool:
+        return self.waited
 
     def crop(self) -> None:
         if self.cache is not None and self.cache_len_host:
@@ -169,10 +175,11 @@ class CrossVocabDrafter(Drafter):
         V = self.runner.vocab_size  # an added token past the draft's embedding reads as the fallback
         return [[i if i < V else self.fallback for i in e] if len(e) else [self.fallback] for e in encs]
 
-    def _sync(self, st: "DecodeState", K: int) -> list:
+    def _sync(self, st: "DecodeState", K: int) -> tuple:
         """Bring each row's cache to its text: keep the longest held prefix (less its last
         token), feed the rest but the last token in one forward, compacted down; returns the
-        encodings.  A row whose text leaves no room for K drafts in the draft's context stops."""
+        encodings and the number of forwards run (0 or 1).  A row whose text leaves no room for
+        K drafts in the draft's context stops."""
         s, dev = st.draft, st.device
         B = len(st.rows)
         encs = self._encode(st)
@@ -194,7 +201,7 @@ class CrossVocabDrafter(Drafter):
         s.columns = max(keep)
         C = max(len(x) for x in new)
         if C == 0:
-            return encs
+            return encs, 0
         # The rows' new tokens left-aligned at columns T0 .. T0 + C - 1, filler after them (its
         # queries see the row's tokens: never a fully masked one, which would write NaN); a row
         # with nothing before its filler sees its first filler column for this forward only.
@@ -220,14 +227,17 @@ class CrossVocabDrafter(Drafter):
         s.held = [h + x for h, x in zip(s.held, new)]
         s.columns = max(s.cache_len_host)
         crop_cache_(s.cache, s.columns)
-        return encs
+        return encs, 1
 
     def draft(self, st: "DecodeState", K: int) -> Drafts:
         s, dev = st.draft, st.device
         B = len(st.rows)
         if s.cache is None:
             s.cache = new_cache(self.runner.model)
-        encs = self._sync(st, K)
+        s.waited = False
+        # the sync's forward counts as a draft forward: StatsRecorder's time per draft forward
+        # (num_draft_tokens="auto") is the step's draft time over all the forwards it ran
+        encs, forwards = self._sync(st, K)
         if all(s.stopped):  # every row is past the draft's context: the target alone from here
             st.target_only = True
             s.retire()
@@ -240,7 +250,6 @@ class CrossVocabDrafter(Drafter):
         d_ids = t_ids = t2d = None
         T = s.columns
         mask = torch.arange(T, device=dev)[None, :] < s.cache_len[:, None]  # [B, T]
-        forwards = 0
         for j in range(K):
             mask = torch.cat([mask, torch.ones((B, 1), dtype=torch.bool, device=dev)], 1)
             pos = (pos0 + j)[:, None]
@@ -295,8 +304,8 @@ class CrossVocabDrafter(Drafter):
             for b, t_tail, enc, text in zip(live, t_tails, encoded, texts):
                 # the tail must encode to itself, else the text alone (a rare boundary case)
                 new = enc[len(t_tail):] if enc[:len(t_tail)] == t_tail else tt(text, add_special_tokens=False)["input_ids"]
-                if new and new[-1] in self.extendable:
-                    new = new[:-1]  # text that follows may merge into it
+                if len(new) > 1 and new[-1] in self.extendable:
+                    new = new[:-1]  # text that follows may merge into it (kept when it is the only one)
                 new = new[:K]
                 bad = [j for j, t in enumerate(new) if t >= self.target_vocab_size]
                 props[b] = new[:bad[0]] if bad else new  # a token past the target's rows ends them
@@ -322,4 +331,6 @@ class CrossVocabDrafter(Drafter):
         s.held = [h if stop else h + [e[-1]] + d[:Kd - 1] for h, e, d, stop in zip(s.held, encs, d_host, s.stopped)]
 
     def wait(self, st, out, feats) -> None:
-        """A K = 0 step feeds nothing: the next step reads the row's text again."""
+        """A K = 0 step feeds nothing: the next step reads the row's text again, and its sync
+        feeds what this step emitted (``holds_waiting``: not a typical draft time)."""
+        st.draft.waited = True
