@@ -255,17 +255,15 @@ def make_specdec(ctx):
 
 def specdec_generate(ctx, prompts, mode, seed, max_new_tokens, k=None):
     """One call of SpeculativeDecoder.generate over ``prompts`` (one batch); k: num_draft_tokens
-    (None: SPECDEC_K).  Returns the generated ids per prompt and (accepted, reached, drafted), with
-    reached = accepted / alpha (alpha is accepted / reached in DecodingStats)."""
+    (None: SPECDEC_K).  Returns the generated ids per prompt and (accepted, reached, drafted), reached
+    counted from the steps' history as DecodingStats counts it for alpha (a row-step with K_b
+    drafts that accepted n reaches min(n + 1, K_b) positions; an unusable one, n = -1, none)."""
     dec = make_specdec(ctx)
     ids = [ctx.prompt_ids[p][0].tolist() for p in prompts]
     res = dec.generate(ids, max_new_tokens=max_new_tokens, num_draft_tokens=SPECDEC_K if k is None else k,
                        temperature=0.0 if mode == "greedy" else 1.0, seed=[seed + p for p in prompts])
     s = res.stats
-    if s.alpha:
-        reached = round(s.accepted_tokens / s.alpha)
-    else:  # nothing accepted: every row-step that drafted reached its first position
-        reached = sum(s.accepted_length_histogram)
+    reached = sum(min(n + 1, kb) for h in s.history for kb, n in zip(h["num_draft"], h["accepted"]) if n >= 0)
     return [list(t) for t in res.token_ids], (s.accepted_tokens, reached, s.drafted_tokens)
 
 
