@@ -18,6 +18,14 @@ repetition_penalty = 1: no hidden warp; seed = --seed + prompt index before each
               the draft's distribution is restricted to the tokens the two vocabularies share
               (the intersection: AssistantToTargetTranslator prunes the draft's LM head) and the
               target verifies with speculative sampling
+  usd_hf_reindexed  usd_hf with one change, to see what transformers' intersection method does
+              when its q is the draft's: the pruned draft logits are scattered to the target ids
+              of the pruned head's own rows (reindexed_target_logits below).  transformers 5.25's
+              get_target_logits scatters them in ascending draft-id order, which the pruned head's
+              rows (AssistantToTargetTranslator.assistant_overlap_token_ids, in the draft
+              tokenizer's get_vocab() order) are not in: on this pair all 39,237 rows land on
+              another token's id, so usd_hf verifies every draft against a permutation of the
+              draft's q (see "q check" below)
 
 The assistant runs with transformers' own defaults (the draft's generation_config:
 num_assistant_tokens, its schedule and assistant_confidence_threshold, recorded in the output).
@@ -27,6 +35,13 @@ idle 2-core VM and 0.6 while other jobs load it; 8 prompts x 32 tokens took 6 mi
 loaded (--max-new-tokens 64: 12 min idle).  usd_hf runs on its own copy of the draft: transformers
 replaces the assistant's lm_head and input embedding in place for it, and UAG with that model
 then raises.
+
+q check (usd rows): at every drafted token, the probability the verify divided by (q_verify: the
+softmax of the candidate logits the generator returned, at the drafted target id) and the
+probability the draft drew the token with (q_drawn: the softmax of the pruned head's logits at
+the token's row).  Speculative sampling is exact only if the two are the same distribution; the
+columns are their means over the row's drafted tokens, and the run's header says how many pruned
+rows transformers' scatter misplaces.
 
 Plus ``EXTRA_METHODS`` (method name -> callable, see below): the hook for this package's own
 cross-tokenizer drafter, ``specdec_kernels.SpeculativeDecoder(draft=..., target=...,
@@ -101,6 +116,7 @@ class Row:
     warmup_s: Optional[float] = None
     ids: dict = field(default_factory=dict)  # prompt index -> generated ids
     speedup: Optional[float] = None  # tokens/s over target_hf's (same mode) on the prompts both returned
+    q_sums: list = field(default_factory=lambda: [0.0, 0.0, 0])  # QCheck: q_verify, q_drawn, tokens
 
     def as_dict(self) -> dict:
         tps = self.tokens / self.seconds if self.seconds and not self.error else None  # over the calls that returned
@@ -122,7 +138,10 @@ class Row:
                 "alpha": None if alpha is None else round(alpha, 3),
                 "acceptance_rate": None if rate is None else round(rate, 3),
                 "speedup_same_prompts": None if self.speedup is None else round(self.speedup, 3),
-                "greedy_ids_equal": same, "warmup_s": None if self.warmup_s is None else round(self.warmup_s, 1),
+                "greedy_ids_equal": same,
+                "q_verify": round(self.q_sums[0] / self.q_sums[2], 4) if self.q_sums[2] else None,
+                "q_drawn": round(self.q_sums[1] / self.q_sums[2], 4) if self.q_sums[2] else None,
+                "warmup_s": None if self.warmup_s is None else round(self.warmup_s, 1),
                 "error": error}
 
 
@@ -178,6 +197,88 @@ class DraftCounter:
         return steps
 
 
+# --------------------------------------------------------------------------------------------
+# transformers' intersection method, checked: which target id each pruned draft row's logit goes to.
+
+def pruned_row_target_ids(tr) -> torch.Tensor:
+    """[V_pruned] the target id of each row of the draft's pruned LM head: row j holds draft token
+    tr.assistant_overlap_token_ids[j], whose string is the target's token of this id."""
+    return tr._assistant_to_target_input_ids[tr.assistant_overlap_token_ids]
+
+
+def scatter_target_ids(tr) -> torch.Tensor:
+    """[V_pruned] the target id that transformers' get_target_logits (pruned head) writes row j's
+    logit to: the mapped target ids in ascending draft-id order."""
+    m = tr._assistant_to_target_input_ids
+    return m[m != tr.SUPPRESS_TOKEN_ID]
+
+
+def misplaced_rows(tr) -> tuple[int, int]:
+    """(rows get_target_logits writes to another token's target id, pruned rows)."""
+    own, used = pruned_row_target_ids(tr), scatter_target_ids(tr)
+    return int((own != used).sum()), int(own.numel())
+
+
+def reindexed_target_logits(tr, assistant_logits: torch.Tensor) -> torch.Tensor:
+    """[..., V_target] the pruned head's logits [..., V_pruned] at their own rows' target ids,
+    -inf elsewhere: what get_target_logits means to return."""
+    out = torch.full((*assistant_logits.shape[:-1], tr.target_vocab_size), tr.FILTER_VALUE,
+                     dtype=assistant_logits.dtype, device=assistant_logits.device)
+    out[..., pruned_row_target_ids(tr).to(assistant_logits.device)] = assistant_logits
+    return out
+
+
+class QCheck:
+    """While a usd call runs: keeps the pruned draft logits each get_target_logits call is given
+    (and returns transformers' scatter, or reindexed_target_logits when ``reindex``), and at every
+    _speculative_sampling call adds, per drafted token, the q the verify divides by and the q the
+    draft drew the token with to ``sums`` ([q_verify, q_drawn, tokens])."""
+
+    def __init__(self):
+        import transformers.generation.utils as gen_utils
+        from transformers.generation.candidate_generator import AssistantToTargetTranslator
+
+        self._gen_utils, self._cls = gen_utils, AssistantToTargetTranslator
+        self._orig_sampling = gen_utils._speculative_sampling
+        self._orig_logits = AssistantToTargetTranslator.get_target_logits
+        self.reindex = False
+        self.sums = [0.0, 0.0, 0]
+        self.translator = None
+        self._pruned = None
+        check = self
+
+        def get_target_logits(tr, assistant_logits):
+            if not getattr(tr, "assistant_prune_lm_head", False):  # the suppress-token path: ids are draft ids
+                check._pruned = None
+                return check._orig_logits(tr, assistant_logits)
+            check.translator, check._pruned = tr, assistant_logits
+            if check.reindex:
+                return reindexed_target_logits(tr, assistant_logits)
+            return check._orig_logits(tr, assistant_logits)
+
+        def speculative_sampling(candidate_input_ids, candidate_logits, candidate_length, new_logits, *a, **k):
+            if check._pruned is not None and candidate_length > 0:
+                tr = check.translator
+                n = min(candidate_length, candidate_logits.shape[1], check._pruned.shape[1])
+                x = candidate_input_ids[0, -candidate_length:][:n]  # [n] target ids drafted
+                row = torch.full((tr.target_vocab_size,), -1, dtype=torch.long)  # target id -> pruned row
+                row[pruned_row_target_ids(tr)] = torch.arange(check._pruned.shape[-1])
+                pos = torch.arange(n)
+                q_verify = candidate_logits[0, :n].float().softmax(-1)[pos, x]
+                q_drawn = check._pruned[0, :n].float().softmax(-1)[pos, row[x].clamp(min=0)] * (row[x] >= 0)
+                check.sums[0] += float(q_verify.sum())
+                check.sums[1] += float(q_drawn.sum())
+                check.sums[2] += n
+            return check._orig_sampling(candidate_input_ids, candidate_logits, candidate_length, new_logits, *a, **k)
+
+        gen_utils._speculative_sampling = speculative_sampling
+        AssistantToTargetTranslator.get_target_logits = get_target_logits
+
+    def take(self) -> list:
+        sums, self.sums = self.sums, [0.0, 0.0, 0]
+        return sums
+
+
 def add_steps(row: Row, steps) -> None:
     row.has_alpha = True
     for k, n in steps:
@@ -196,7 +297,7 @@ def sampling_kwargs(mode: str) -> dict:
     return {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0, "repetition_penalty": 1.0}
 
 
-def hf_generate(ctx, p: int, mode: str, seed: int, assisted: bool, max_new_tokens: int):
+def hf_generate(ctx, p: int, mode: str, seed: int, assisted: bool, max_new_tokens: int, reindex: bool = False):
     ids = ctx.prompt_ids[p]
     kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                   pad_token_id=ctx.target_tok.pad_token_id or ctx.target_tok.eos_token_id, **sampling_kwargs(mode))
@@ -205,8 +306,14 @@ def hf_generate(ctx, p: int, mode: str, seed: int, assisted: bool, max_new_token
         kwargs.update(assistant_model=assistant, tokenizer=ctx.target_tok, assistant_tokenizer=ctx.draft_tok)
     torch.manual_seed(seed)
     ctx.drafts.take()
-    with torch.inference_mode():
-        out = ctx.target.generate(ids, **kwargs)
+    ctx.qcheck.take()
+    ctx.qcheck.reindex = reindex
+    try:
+        with torch.inference_mode():
+            out = ctx.target.generate(ids, **kwargs)
+    finally:
+        ctx.qcheck.reindex = False
+    ctx.qsums = ctx.qcheck.take()
     return out[0, ids.shape[1]:].tolist(), (ctx.drafts.take() if assisted else None)
 
 
@@ -214,9 +321,11 @@ BATCH1_METHODS: dict = {
     "target_hf": lambda ctx, p, mode, seed, n: hf_generate(ctx, p, mode, seed, False, n),
     "uag_hf": lambda ctx, p, mode, seed, n: hf_generate(ctx, p, mode, seed, True, n),  # greedy: UAG
     "usd_hf": lambda ctx, p, mode, seed, n: hf_generate(ctx, p, mode, seed, True, n),  # T = 1: intersection
+    "usd_hf_reindexed": lambda ctx, p, mode, seed, n: hf_generate(ctx, p, mode, seed, True, n, reindex=True),
 }
 # which modes each batch-1 method runs (uag_hf is transformers' greedy path, usd_hf its sampling one)
-METHOD_MODES = {"target_hf": ("greedy", "T=1"), "uag_hf": ("greedy",), "usd_hf": ("T=1",)}
+METHOD_MODES = {"target_hf": ("greedy", "T=1"), "uag_hf": ("greedy",), "usd_hf": ("T=1",),
+                "usd_hf_reindexed": ("T=1",)}
 
 
 # --------------------------------------------------------------------------------------------
@@ -290,6 +399,8 @@ class Ctx:
         self.prompt_ids = prompt_ids
         self.calls = CallCounter(target)
         self.drafts = DraftCounter(target)
+        self.qcheck = QCheck()
+        self.qsums = [0.0, 0.0, 0]  # the last hf_generate call's QCheck sums
         self.specdec = None
         self.per_prompt = []  # one record per timed call
 
@@ -348,6 +459,9 @@ def run(args) -> list:
             row.ids[p] = ids
             ctx.per_prompt.append({"method": m, "mode": mode, "batch": 1, "prompts": p, "tokens": len(ids),
                                    "seconds": round(dt, 3), "target_calls": ctx.calls.n - c0})
+            for i in range(3):
+                row.q_sums[i] += ctx.qsums[i]
+            ctx.qsums = [0.0, 0.0, 0]
             if steps is not None:
                 add_steps(row, steps)
                 ctx.per_prompt[-1].update(drafted=sum(k for k, _ in steps), accepted=sum(a for _, a in steps))
@@ -415,11 +529,13 @@ def run(args) -> list:
     run.per_prompt = ctx.per_prompt
     run.load_s = load_s
     run.assistant_config = ctx.drafts.config
+    run.misplaced = misplaced_rows(ctx.qcheck.translator) if ctx.qcheck.translator is not None else None
     return [r.as_dict() for r in rows.values()]
 
 
 COLUMNS = ["method", "mode", "batch", "prompts_ok", "tokens", "seconds", "tokens_per_s", "speedup_same_prompts", "target_calls",
-           "tokens_per_target_call", "alpha", "acceptance_rate", "greedy_ids_equal", "warmup_s", "error"]
+           "tokens_per_target_call", "alpha", "acceptance_rate", "greedy_ids_equal", "q_verify", "q_drawn", "warmup_s",
+           "error"]
 
 
 def markdown(rows: list) -> str:
@@ -454,6 +570,9 @@ def main(argv=None) -> None:
         f"prompts: the first {args.prompts or len(real_pair.PROMPTS)} of real_pair.PROMPTS (4 code, 4 prose), target chat template; batch 1 unless "
         f"stated; max_new_tokens {args.max_new_tokens}; stop at EOS; seed {args.seed}",
         f"assistant (transformers defaults; candidate generator: settings): {run.assistant_config}",
+        ("transformers' USD translator (pruned draft head): " +
+         ("not built" if run.misplaced is None else
+          f"get_target_logits writes {run.misplaced[0]:,} of its {run.misplaced[1]:,} rows to another token's target id")),
         f"versions: {harness.versions()}",
         f"load {run.load_s:.1f}s; whole run {total:.0f}s",
     ]
