@@ -38,6 +38,17 @@ def test_env_text_on_cpu(on_cpu, capsys):
                  "fused_verify backend (\"auto\") on this device: torch", "device: cpu ("):
         assert line in out, (line, out)
     assert ("C++ extension: loaded from" if extension.HAS_EXT else "C++ extension: NOT loaded") in out
+    if extension.HAS_EXT:  # the CPU linear layer's path for each row count, as runs over 1..24
+        from specdec_kernels.ops.linear import auto_isa
+
+        line = next(ln for ln in out.splitlines() if ln.startswith("CPU linear layer (skinny_linear) paths: portable"))
+        said = {}  # row -> the path the line names for it
+        for part in line.split("taken by rows: ", 1)[1].split(", "):
+            rows, isa = part.split(": ")
+            a, _, b = rows.partition("-")
+            for r in range(int(a), int(b or a) + 1):
+                said[r] = isa
+        assert said == {r: auto_isa(r) for r in range(1, 25)}, line
     assert "Triton interpreter (TRITON_INTERPRET=" in out and "Triton kernels run on this device: " in out
 
 

@@ -40,8 +40,19 @@ def _extension_facts() -> dict:
                 "cuda_kernels": False}
     built = sorted(glob.glob(os.path.join(os.path.dirname(extension.__file__), "_C*")))
     has = torch._C._dispatch_has_kernel_for_dispatch_key
+    from .ops.linear import auto_isa, supported_isas
+
+    runs = []  # the CPU linear op's SIMD path by row count: [first, last, path] over rows 1..24
+    for rows in range(1, 25):
+        isa = auto_isa(rows)
+        if runs and runs[-1][2] == isa:
+            runs[-1][1] = rows
+        else:
+            runs.append([rows, rows, isa])
+    paths = {(f"{a}" if a == b else f"{a}-{b}"): isa for a, b, isa in runs}
     return {"loaded": True, "path": built[0] if built else "?", "torch": torch.__version__,
-            "cuda_kernels": bool(has("specdec::compact_kv_", "CUDA"))}
+            "cuda_kernels": bool(has("specdec::compact_kv_", "CUDA")),
+            "cpu_linear": {"paths": ["portable", *supported_isas()], "auto_by_rows": paths}}
 
 
 def _cpu_name() -> str:
@@ -176,6 +187,9 @@ def format_report(info: dict) -> str:
              "",
              f"C++ extension: {ext_line}",
              f"device: {dev_line}",
+             *([f"CPU linear layer (skinny_linear) paths: {', '.join(ext['cpu_linear']['paths'])}; taken by rows: "
+                + ", ".join(f"{r}: {isa}" for r, isa in ext["cpu_linear"]["auto_by_rows"].items())]
+               if ext["loaded"] else []),
              f"fused_verify backend (\"auto\") on this device: {info['fused_verify_backend']}"]
     t = info["triton"]
     if "interpreter" in t:

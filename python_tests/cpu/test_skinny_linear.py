@@ -9,6 +9,8 @@ C++ path.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -442,3 +444,38 @@ def test_use_skinny_linear_bad_max_rows():
         use_skinny_linear(_Tiny(), int8_weights="yes")
     with pytest.raises(TypeError, match="fp16_weights must be a bool, got int"):
         use_skinny_linear(_Tiny(), fp16_weights=1)
+
+
+def _cpu_vendor() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def test_auto_takes_avx512_from_the_row_count_of_the_cpus_maker():
+    """"auto" takes the AVX-512 path from 7 rows, and from 1 on an Intel core (measured faster there
+    at every row count: csrc/skinny_linear.cpp, min_rows_avx512); the AVX2 path below that where
+    the CPU has it, else the portable one.  The vendor is read here from /proc/cpuinfo, apart from
+    the kernel's own CPUID check; and whatever path auto takes, its bits are the portable path's."""
+    from specdec_kernels.cpu.skinny_linear import auto_isa, supported_isas
+
+    if not os.path.exists("/proc/cpuinfo"):
+        pytest.skip("the CPU's vendor is read from /proc/cpuinfo (Linux)")
+    intel = _cpu_vendor() == "GenuineIntel"
+    for rows in range(1, 20):
+        if "avx512" in supported_isas() and (rows >= 7 or intel):
+            want = "avx512"
+        else:
+            want = "avx2" if "avx2" in supported_isas() else "portable"
+        assert auto_isa(rows) == want, (rows, _cpu_vendor(), supported_isas())
+        g = torch.Generator().manual_seed(rows)
+        x, w = torch.randn(rows, 45, generator=g), torch.randn(33, 45, generator=g)
+        assert torch.equal(torch.ops.specdec.skinny_linear(x, w), torch.ops.specdec.skinny_linear_portable(x, w))
+    for bad in (0, -1, 2.0, True):
+        with pytest.raises(ValueError, match=f"rows must be an int >= 1, got {bad!r}"):
+            auto_isa(bad)

@@ -30,9 +30,9 @@ from torch import Tensor, nn
 
 from ..ops.extension import HAS_EXT
 from ..ops.host import tensor_version
-from ..ops.linear import skinny_linear, supported_isas
+from ..ops.linear import auto_isa, skinny_linear, supported_isas
 
-__all__ = ["AVX512_MAX_ROWS", "DEFAULT_MAX_ROWS", "SkinnyLinearHandle", "default_max_rows", "forget_weight_copies",
+__all__ = ["AVX512_MAX_ROWS", "DEFAULT_MAX_ROWS", "SkinnyLinearHandle", "auto_isa", "default_max_rows", "forget_weight_copies",
            "revalidate_weight_copies", "skinny_linear", "supported_isas", "use_skinny_linear"]
 
 # Weights are checked and copied to fp16 in chunks of this many elements: no fp32 temporary of
@@ -44,9 +44,10 @@ _FP16_CHUNK = 1 << 20
 # linear in bench/cpu/bench_skinny_linear.py (docs/benchmarks.md, "Linear layers on CPU"); above it
 # torch's SGEMM, which wins on larger inputs, is used.
 DEFAULT_MAX_ROWS = 16
-# Where the CPU has AVX-512 the kernel takes its AVX-512 path from 7 rows, and stays ahead of
-# torch's SGEMM up to 24 rows and beyond (bench/cpu/bench_skinny_linear.py --isa on the embedded
-# target's layers: docs/benchmarks.md, "Linear layers on CPU").
+# Where the CPU has AVX-512 the kernel takes its AVX-512 path from 7 rows (from 1 on Intel cores:
+# auto_isa), and stays ahead of torch's SGEMM up to 24 rows and beyond
+# (bench/cpu/bench_skinny_linear.py --isa on the embedded target's layers: docs/benchmarks.md,
+# "Linear layers on CPU").
 AVX512_MAX_ROWS = 24
 
 

@@ -2,7 +2,7 @@
 ``csrc/skinny_linear.cpp``), and its pure-PyTorch reference (``reference``).
 """
 
-from .op import skinny_linear, supported_isas
+from .op import auto_isa, skinny_linear, supported_isas
 from .reference import skinny_linear_reference
 
-__all__ = ["skinny_linear", "supported_isas"]
+__all__ = ["auto_isa", "skinny_linear", "supported_isas"]

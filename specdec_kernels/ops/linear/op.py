@@ -23,7 +23,7 @@ from torch import Tensor
 from ..extension import HAS_EXT
 from .reference import skinny_linear_reference
 
-__all__ = ["skinny_linear", "supported_isas"]
+__all__ = ["auto_isa", "skinny_linear", "supported_isas"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -41,6 +41,19 @@ def supported_isas() -> tuple:
             continue
         out.append(isa)
     return tuple(out)
+
+
+def auto_isa(rows: int) -> str:
+    """The SIMD path ("portable", "avx2" or "avx512") the kernel takes on this CPU for ``rows``
+    rows of x: AVX-512 from 7 rows, or from 1 on Intel cores (where it streams the weights
+    faster than the AVX2 path at every row count: csrc/skinny_linear.cpp, min_rows_avx512).  The
+    paths give the same bits, so the choice changes the time only.  ``"none"`` without the C++
+    extension."""
+    if not isinstance(rows, int) or isinstance(rows, bool) or rows < 1:
+        raise ValueError(f"auto_isa: rows must be an int >= 1, got {rows!r}")
+    if not HAS_EXT:
+        return "none"
+    return torch.ops.specdec.skinny_linear_auto_isa(rows)
 
 
 def _check(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> None:
