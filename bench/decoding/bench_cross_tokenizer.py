@@ -20,12 +20,13 @@ repetition_penalty = 1: no hidden warp; seed = --seed + prompt index before each
               target verifies with speculative sampling
   usd_hf_reindexed  usd_hf with one change, to see what transformers' intersection method does
               when its q is the draft's: the pruned draft logits are scattered to the target ids
-              of the pruned head's own rows (reindexed_target_logits below).  transformers 5.25's
-              get_target_logits scatters them in ascending draft-id order, which the pruned head's
-              rows (AssistantToTargetTranslator.assistant_overlap_token_ids, in the draft
-              tokenizer's get_vocab() order) are not in: on this pair all 39,237 rows land on
-              another token's id, so usd_hf verifies every draft against a permutation of the
-              draft's q (see "q check" below)
+              of the pruned head's own rows (specdec_kernels.audit.generators.
+              reindexed_target_logits).  transformers 5.25's get_target_logits scatters them in
+              ascending draft-id order, which the pruned head's rows
+              (AssistantToTargetTranslator.assistant_overlap_token_ids, in the draft tokenizer's
+              get_vocab() order, a hash map's) are not in: on this pair all but at most a few of
+              the 39,237 rows land on another token's id, so usd_hf verifies every draft against a
+              permutation of the draft's q (see "q check" below)
 
 The assistant runs with transformers' own defaults (the draft's generation_config:
 num_assistant_tokens, its schedule and assistant_confidence_threshold, recorded in the output).
@@ -95,6 +96,7 @@ sys.path.insert(0, os.path.join(HERE, "..", ".."))  # this tree's specdec_kernel
 
 import harness  # noqa: E402
 import real_pair  # noqa: E402
+from specdec_kernels.audit.generators import reindexed_target_logits, usd_misplaced_rows, usd_row_target_ids  # noqa: E402
 
 
 @dataclass
@@ -200,32 +202,8 @@ class DraftCounter:
 # --------------------------------------------------------------------------------------------
 # transformers' intersection method, checked: which target id each pruned draft row's logit goes to.
 
-def pruned_row_target_ids(tr) -> torch.Tensor:
-    """[V_pruned] the target id of each row of the draft's pruned LM head: row j holds draft token
-    tr.assistant_overlap_token_ids[j], whose string is the target's token of this id."""
-    return tr._assistant_to_target_input_ids[tr.assistant_overlap_token_ids]
-
-
-def scatter_target_ids(tr) -> torch.Tensor:
-    """[V_pruned] the target id that transformers' get_target_logits (pruned head) writes row j's
-    logit to: the mapped target ids in ascending draft-id order."""
-    m = tr._assistant_to_target_input_ids
-    return m[m != tr.SUPPRESS_TOKEN_ID]
-
-
-def misplaced_rows(tr) -> tuple[int, int]:
-    """(rows get_target_logits writes to another token's target id, pruned rows)."""
-    own, used = pruned_row_target_ids(tr), scatter_target_ids(tr)
-    return int((own != used).sum()), int(own.numel())
-
-
-def reindexed_target_logits(tr, assistant_logits: torch.Tensor) -> torch.Tensor:
-    """[..., V_target] the pruned head's logits [..., V_pruned] at their own rows' target ids,
-    -inf elsewhere: what get_target_logits means to return."""
-    out = torch.full((*assistant_logits.shape[:-1], tr.target_vocab_size), tr.FILTER_VALUE,
-                     dtype=assistant_logits.dtype, device=assistant_logits.device)
-    out[..., pruned_row_target_ids(tr).to(assistant_logits.device)] = assistant_logits
-    return out
+# (usd_row_target_ids, usd_misplaced_rows, reindexed_target_logits: specdec_kernels/audit/generators.py,
+# where `specdec audit --generator transformers-usd` tests the same method's law on Markov chains)
 
 
 class QCheck:
@@ -262,7 +240,7 @@ class QCheck:
                 n = min(candidate_length, candidate_logits.shape[1], check._pruned.shape[1])
                 x = candidate_input_ids[0, -candidate_length:][:n]  # [n] target ids drafted
                 row = torch.full((tr.target_vocab_size,), -1, dtype=torch.long)  # target id -> pruned row
-                row[pruned_row_target_ids(tr)] = torch.arange(check._pruned.shape[-1])
+                row[usd_row_target_ids(tr)] = torch.arange(check._pruned.shape[-1])
                 pos = torch.arange(n)
                 q_verify = candidate_logits[0, :n].float().softmax(-1)[pos, x]
                 q_drawn = check._pruned[0, :n].float().softmax(-1)[pos, row[x].clamp(min=0)] * (row[x] >= 0)
@@ -529,7 +507,7 @@ def run(args) -> list:
     run.per_prompt = ctx.per_prompt
     run.load_s = load_s
     run.assistant_config = ctx.drafts.config
-    run.misplaced = misplaced_rows(ctx.qcheck.translator) if ctx.qcheck.translator is not None else None
+    run.misplaced = usd_misplaced_rows(ctx.qcheck.translator) if ctx.qcheck.translator is not None else None
     return [r.as_dict() for r in rows.values()]
 
 

@@ -1,13 +1,12 @@
 """The cross-tokenizer benchmark's check of transformers' intersection method (USD), on the tiny
 pair whose tokenizers differ (python_tests/cross_setup.py).
 
-bench/decoding/bench_cross_tokenizer.py reports, beside transformers' USD figures, whether the
-probability its verify divides by (q_verify) is the one the draft drew each token with (q_drawn),
-and runs a reindexed variant whose pruned draft logits go to their own rows' target ids.  These
-tests hold the check to the tokenizers' own strings: the reindexing puts every pruned row's logit
-at the target token of the same string, the misplaced-row count is the count of rows whose
-logit transformers' scatter puts at a token of another string, and through a real sampled
-``generate`` call the reindexed variant's q_verify equals its q_drawn token by token.
+bench/decoding/bench_cross_tokenizer.py reports, beside transformers' USD figures, the probability
+its verify divides by at each drafted token (q_verify) and the one the draft drew the token with
+(q_drawn), and runs a variant whose pruned draft logits go to their own rows' target ids
+(python_tests/audit/test_cross_generators.py tests that reindexing).  Through real sampled
+``generate`` calls: the check's sums are the per-token values recomputed here, and the reindexed
+variant's q_verify equals its q_drawn token by token, transformers' own does not.
 """
 
 from __future__ import annotations
@@ -23,8 +22,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 from transformers.generation.candidate_generator import AssistantToTargetTranslator  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import cross_setup  # noqa: E402
+from specdec_kernels.audit.generators import usd_misplaced_rows, usd_row_target_ids  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "decoding" / "bench_cross_tokenizer.py"
@@ -46,41 +45,6 @@ def pair():
     return draft, target, dt, tt
 
 
-def _translator(draft, target, dt, tt):
-    return AssistantToTargetTranslator(tt, dt, target.config.vocab_size, assistant_model=copy.deepcopy(draft),
-                                       assistant_prune_lm_head=True)
-
-
-def test_reindexed_logits_land_on_the_target_token_of_the_same_string(pair):
-    b = _bench()
-    draft, target, dt, tt = pair
-    tr = _translator(draft, target, dt, tt)
-    rows = tr.assistant_overlap_token_ids.numel()
-    assert rows > 0
-    logits = torch.arange(rows, dtype=torch.float32)[None, None]  # row j's logit is j
-    out = b.reindexed_target_logits(tr, logits)[0, 0]  # [V_target]
-    assert out.shape == (target.config.vocab_size,)
-    placed = 0
-    for j, d in enumerate(tr.assistant_overlap_token_ids.tolist()):
-        t = int((out == j).nonzero()[0])
-        assert tt.convert_ids_to_tokens(t) == dt.convert_ids_to_tokens(d), (j, d, t)
-        placed += 1
-    assert placed == rows
-    assert int(torch.isinf(out).sum()) == target.config.vocab_size - rows
-
-
-def test_misplaced_rows_count_the_rows_transformers_puts_at_another_string(pair):
-    b = _bench()
-    draft, target, dt, tt = pair
-    tr = _translator(draft, target, dt, tt)
-    rows = tr.assistant_overlap_token_ids.numel()
-    logits = torch.arange(rows, dtype=torch.float32)[None, None]
-    theirs = tr.get_target_logits(logits)[0, 0]
-    other = sum(tt.convert_ids_to_tokens(int((theirs == j).nonzero()[0])) != dt.convert_ids_to_tokens(d)
-                for j, d in enumerate(tr.assistant_overlap_token_ids.tolist()))
-    assert b.misplaced_rows(tr) == (other, rows)
-
-
 @pytest.mark.parametrize("reindex", [True, False])
 def test_q_check_through_a_sampled_generate(pair, reindex):
     b = _bench()
@@ -93,7 +57,7 @@ def test_q_check_through_a_sampled_generate(pair, reindex):
         tr, pruned = check.translator, check._pruned
         x = candidate_input_ids[0, -candidate_length:]
         for i, t in enumerate(x.tolist()):
-            row = int((b.pruned_row_target_ids(tr) == t).nonzero()[0])
+            row = int((usd_row_target_ids(tr) == t).nonzero()[0])
             seen.append((float(candidate_logits[0, i].softmax(-1)[t]), float(pruned[0, i].softmax(-1)[row])))
         return inner(candidate_input_ids, candidate_logits, candidate_length, new_logits, *a, **k)
 
@@ -117,5 +81,5 @@ def test_q_check_through_a_sampled_generate(pair, reindex):
     if reindex:  # the reindexed variant divides by the probability the draft drew each token with
         for used, drawn in seen:
             assert used == pytest.approx(drawn, rel=1e-5, abs=1e-7)
-    elif b.misplaced_rows(check.translator)[0] > 0:  # transformers' scatter: the q used is not the draft's
+    elif usd_misplaced_rows(check.translator)[0] > 0:  # transformers' scatter: the q used is not the draft's
         assert any(abs(u - d) > 1e-3 for u, d in seen)

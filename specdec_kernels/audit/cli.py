@@ -18,8 +18,10 @@ import sys
 
 __all__ = ["add_audit_parser", "run_audit"]
 
-QUICK = {"verifier": 5_000, "ours": 3_000, "transformers": 1_500, "vllm": 3_000}
-FULL = {"verifier": 30_000, "ours": 30_000, "transformers": 12_000, "vllm": 10_000}
+QUICK = {"verifier": 5_000, "ours": 3_000, "transformers": 1_500, "vllm": 3_000, "ours-cross": 3_000,
+         "transformers-usd": 1_500}
+FULL = {"verifier": 30_000, "ours": 30_000, "transformers": 12_000, "vllm": 10_000, "ours-cross": 12_000,
+        "transformers-usd": 6_000}
 GENERATOR_TEMPERATURES = {"quick": (1.0,), "full": (1.0, 0.6)}
 
 
@@ -46,6 +48,9 @@ def add_audit_parser(sub) -> None:
                                                        "$SPECDEC_VLLM_PYTHON, or .venv-vllm beside the source)")
     a.add_argument("--vllm-fix-expand", action="store_true",
                    help="replace vLLM's CPU expand_batch_to_tokens (which loses float values) by a correct one first")
+    a.add_argument("--transformers-fix-usd", action="store_true",
+                   help="--generator transformers-usd with its pruned draft logits scattered to their own rows' "
+                        "target ids (transformers 5.25 misplaces them)")
 
 
 def _print_row(row) -> None:
@@ -98,19 +103,24 @@ def run_audit(args, parser=None) -> int:
 
             trials = args.trials or sizes.get(args.generator, sizes["ours"])
             rows = []
-            runs = [(T, 2, False) for T in GENERATOR_TEMPERATURES[mode]]
+            runs = [(T, 2, False, "intersection") for T in GENERATOR_TEMPERATURES[mode]]
             if args.generator == "vllm":  # controls: the engine without speculation, and with every request in
-                runs += [(1.0, 0, False), (1.0, 2, True)]  # one batch (no prefill beside a speculative step)
-            for T, K, one_batch in runs:
+                runs += [(1.0, 0, False, "intersection"), (1.0, 2, True, "intersection")]  # one batch
+            if args.generator == "ours-cross":  # both ways of using the foreign draft
+                runs += [(T, 2, False, "string") for T in GENERATOR_TEMPERATURES[mode]]
+            for T, K, one_batch, vocabulary in runs:
                 rows += run_generator_audit(args.generator, trials, temperature=T, K=K, mutants=not args.no_mutants,
                                             vllm_python=args.vllm_python, fix_expand=args.vllm_fix_expand,
-                                            one_batch=one_batch)
+                                            one_batch=one_batch, vocabulary=vocabulary,
+                                            fix_usd=args.transformers_fix_usd)
                 if not args.json:
                     _print_row(rows[-1])
             from .generators import _vllm
 
             extra = getattr(_vllm, "versions", None) if args.generator == "vllm" else None
             fixed = " (expand_batch_to_tokens fixed)" if args.vllm_fix_expand and args.generator == "vllm" else ""
+            if args.transformers_fix_usd and args.generator == "transformers-usd":
+                fixed = " (get_target_logits reindexed)"
             head = header(f"--generator {args.generator}{fixed}", trials, mode, extra)
     except AdapterUnavailable as e:
         print(f"specdec audit: {e}", file=sys.stderr)

@@ -15,6 +15,13 @@ Generators: ``ours`` (``SpeculativeDecoder``, the N prompts as one batch), ``tra
 (``generate(assistant_model=..., do_sample=True)``, batch 1, N times) and ``vllm`` (``vllm.LLM``
 with ``speculative_config={"method": "draft_model", ...}``, run by ``vllm_generate_worker`` in
 vLLM's environment; K = 0 runs the target alone, a control of the engine's own sampling).
+
+Across tokenizers: the same chains, each token a character of ``CHARS`` (``chain_tokenizers``),
+the draft's tokenizer numbering the characters in another order (``DRAFT_IDS``) and its model the
+draft chain over its own ids.  ``ours-cross`` (``SpeculativeDecoder(..., tokenizer=,
+draft_tokenizer=, vocabulary=)``, the intersection and the string level, N prompts as one batch)
+and ``transformers-usd`` (``generate(assistant_model=, tokenizer=, assistant_tokenizer=,
+do_sample=True)``: transformers' UniversalSpeculativeDecodingGenerator, batch 1, N times).
 """
 
 from __future__ import annotations
@@ -32,11 +39,51 @@ from .laws import chi2_pvalue
 from .protocol import make_params
 from .sampler import reference_verify
 
-__all__ = ["GENERATORS", "markov_llama", "chain_tables", "continuation_law", "run_generator_audit"]
+__all__ = ["GENERATORS", "markov_llama", "chain_tables", "chain_tokenizers", "continuation_law", "reindexed_target_logits",
+           "run_generator_audit", "usd_misplaced_rows", "usd_row_target_ids"]
 
-GENERATORS = ("ours", "transformers", "vllm")
+GENERATORS = ("ours", "transformers", "vllm", "ours-cross", "transformers-usd")
 # vocabulary, hidden size (one head of 64: a size vLLM's CPU attention takes), continuation length, prompt
 VG, HIDDEN, LENGTH, PROMPT = 6, 64, 3, [2]
+
+
+# the chains' tokens as text (target id i writes CHARS[i]) and the draft tokenizer's id of each:
+# DRAFT_IDS[i] is the draft's id of CHARS[i].  The draft's vocabulary has one token more,
+# DRAFT_EXTRA (id VG), which the target cannot write and the draft chain never draws (logit
+# EXTRA_LOGIT): transformers takes two models with vocabularies of one size for one tokenizer.
+CHARS = "abcdef"
+DRAFT_IDS = (3, 5, 0, 4, 1, 2)
+DRAFT_EXTRA, EXTRA_LOGIT = "g", -40.0
+
+
+def chain_tokenizers():
+    """(target tokenizer, draft tokenizer): one token per character, no special tokens; the
+    target's are ``CHARS`` in order, the draft's ``CHARS`` numbered as ``DRAFT_IDS`` says and
+    ``DRAFT_EXTRA`` last."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    def fast(vocab: dict):
+        tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+        tok.decoder = decoders.Fuse()
+        return PreTrainedTokenizerFast(tokenizer_object=tok)
+
+    target = fast({c: i for i, c in enumerate(CHARS)})
+    draft = fast({**{c: DRAFT_IDS[i] for i, c in enumerate(CHARS)}, DRAFT_EXTRA: len(CHARS)})
+    return target, draft
+
+
+def draft_chain_in_draft_ids(table: torch.Tensor) -> torch.Tensor:
+    """[V + 1, V + 1]: the draft chain [V, V] (rows and columns in target ids) over the draft
+    tokenizer's ids, plus ``DRAFT_EXTRA``'s row (the first token's) and column (EXTRA_LOGIT)."""
+    V = len(DRAFT_IDS)
+    inv = [0] * V
+    for i, d in enumerate(DRAFT_IDS):
+        inv[d] = i
+    out = torch.full((V + 1, V + 1), EXTRA_LOGIT, dtype=table.dtype)
+    out[:V, :V] = table[inv][:, inv]
+    out[V, :V] = table[inv[0], inv]
+    return out
 
 
 def chain_tables(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -162,6 +209,100 @@ def _transformers(target_m, draft_m, n, L, K, temperature, seed):
     return out
 
 
+def _ours_cross(target_m, draft_m, n, L, K, temperature, seed, vocabulary="intersection"):
+    from ..decoding.decoder import SpeculativeDecoder
+
+    tt, dt = chain_tokenizers()
+    dec = SpeculativeDecoder(draft=draft_m, target=target_m, tokenizer=tt, draft_tokenizer=dt, vocabulary=vocabulary,
+                             device="cpu", dtype="float32")
+    res = dec.generate([list(PROMPT)] * n, max_new_tokens=L, num_draft_tokens=K, temperature=temperature,
+                       seed=seed)
+    used = res.stats.vocabulary
+    if used != vocabulary:
+        raise RuntimeError(f"SpeculativeDecoder used vocabulary {used!r}, not {vocabulary!r}")
+    if not res.stats.drafted_tokens:
+        raise RuntimeError("SpeculativeDecoder drafted no token across the tokenizers")
+    _ours_cross.counts = (res.stats.drafted_tokens, res.stats.accepted_tokens)
+    return res.token_ids
+
+
+# transformers' universal speculative decoding (USD) prunes the draft's LM head to the tokens the
+# two vocabularies share (AssistantToTargetTranslator, assistant_prune_lm_head) and scatters the
+# pruned logits to target ids (get_target_logits).  These say where each pruned row's logit goes.
+
+def usd_row_target_ids(translator) -> torch.Tensor:
+    """[V_pruned]: the target id of each row of the pruned draft head (row j holds draft token
+    ``translator.assistant_overlap_token_ids[j]``, whose string is the target's token of that id)."""
+    return translator._assistant_to_target_input_ids[translator.assistant_overlap_token_ids]
+
+
+def usd_misplaced_rows(translator) -> tuple[int, int]:
+    """(pruned rows whose logit transformers' get_target_logits writes to another token's target
+    id, pruned rows): it writes them in ascending draft-id order, which the pruned rows (in the
+    draft tokenizer's get_vocab() order) need not be in."""
+    m = translator._assistant_to_target_input_ids
+    own = usd_row_target_ids(translator)
+    return int((own != m[m != translator.SUPPRESS_TOKEN_ID]).sum()), int(own.numel())
+
+
+def reindexed_target_logits(translator, assistant_logits: torch.Tensor) -> torch.Tensor:
+    """[..., V_target]: the pruned draft head's logits [..., V_pruned] at their own rows' target
+    ids (``usd_row_target_ids``), -inf elsewhere: what get_target_logits means to return, and
+    what ``--transformers-fix-usd`` puts in its place."""
+    out = torch.full((*assistant_logits.shape[:-1], translator.target_vocab_size), translator.FILTER_VALUE,
+                     dtype=assistant_logits.dtype, device=assistant_logits.device)
+    out[..., usd_row_target_ids(translator).to(assistant_logits.device)] = assistant_logits
+    return out
+
+
+def _transformers_usd(target_m, draft_m, n, L, K, temperature, seed, fix_scatter=False):
+    """transformers' universal speculative decoding (``generate(assistant_model=,
+    tokenizer=, assistant_tokenizer=, do_sample=True)``) n times (batch 1), counting its
+    _speculative_sampling calls; ``_transformers_usd.misplaced``: how many of the draft's
+    pruned LM-head rows its get_target_logits writes to another token's target id.
+    ``fix_scatter``: with ``reindexed_target_logits`` in get_target_logits' place."""
+    import transformers.generation.utils as tgu
+    from transformers.generation.candidate_generator import AssistantToTargetTranslator, AssistantVocabTranslatorCache
+    from transformers.utils import logging as tlog
+
+    tlog.set_verbosity_error()
+    tt, dt = chain_tokenizers()
+    real, steps = tgu._speculative_sampling, []
+
+    def counting(*a, **k):
+        steps.append(1)
+        return real(*a, **k)
+
+    tgu._speculative_sampling = counting
+    theirs = AssistantToTargetTranslator.get_target_logits
+    if fix_scatter:
+        AssistantToTargetTranslator.get_target_logits = (
+            lambda tr, logits: reindexed_target_logits(tr, logits) if tr.assistant_prune_lm_head else theirs(tr, logits))
+    torch.manual_seed(seed)
+    draft_m.generation_config.num_assistant_tokens = K
+    draft_m.generation_config.num_assistant_tokens_schedule = "constant"
+    ids = torch.tensor([PROMPT])
+    out = []
+    try:
+        with torch.no_grad():
+            for _ in range(n):
+                g = target_m.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=draft_m,
+                                      tokenizer=tt, assistant_tokenizer=dt, do_sample=True, temperature=temperature,
+                                      top_k=0, top_p=1.0, max_new_tokens=L, min_new_tokens=L)
+                out.append(g[0, len(PROMPT):].tolist())
+    finally:
+        tgu._speculative_sampling = real
+        AssistantToTargetTranslator.get_target_logits = theirs
+    if not steps:
+        raise RuntimeError("transformers' universal speculative decoding never called _speculative_sampling")
+    _transformers_usd.steps = len(steps)
+    tr = AssistantVocabTranslatorCache._cache.get(tt, {}).get(dt)
+    _transformers_usd.misplaced = None
+    if tr is not None and getattr(tr, "assistant_prune_lm_head", False):
+        _transformers_usd.misplaced = usd_misplaced_rows(tr)
+    return out
+
+
 def _vllm(target_m, draft_m, n, L, K, temperature, seed, python=None, fix_expand=False, max_num_seqs=256):
     """vLLM's engine (``vllm_generate_worker``) on the models saved to a temporary directory, run
     by the interpreter that has vLLM (``vllm_bridge.find_vllm_python``)."""
@@ -191,12 +332,15 @@ def _vllm(target_m, draft_m, n, L, K, temperature, seed, python=None, fix_expand
 
 
 def run_generator_audit(name: str, trials: int, temperature: float = 1.0, K: int = 2, mutants: bool = True,
-                        vllm_python: Optional[str] = None, fix_expand: bool = False, one_batch: bool = False) -> list:
+                        vllm_python: Optional[str] = None, fix_expand: bool = False, one_batch: bool = False,
+                        vocabulary: str = "intersection", fix_usd: bool = False) -> list:
     """The generator audit's row (a list of one dict, as the verifier audit's rows) for generator
     ``name`` (``GENERATORS``): ``trials`` continuations of length ``LENGTH`` after ``PROMPT``.
     ``vllm_python``, ``fix_expand``: as for the vLLM verifier (``vllm_bridge``).  ``one_batch``
     (vLLM): every request in one step (``max_num_seqs`` >= trials; by default 256, so that new
-    requests' prefills share steps with other requests' speculative steps, as in serving)."""
+    requests' prefills share steps with other requests' speculative steps, as in serving).
+    ``vocabulary`` (``ours-cross``): "intersection" or "string"; ``fix_usd`` (``transformers-usd``):
+    its draft logits scattered by ``reindexed_target_logits``."""
     if name not in GENERATORS:
         raise ValueError(f"--generator must be one of {GENERATORS}, got {name!r}")
     if K == 0 and name != "vllm":
@@ -211,21 +355,39 @@ def run_generator_audit(name: str, trials: int, temperature: float = 1.0, K: int
     what = f"K={K}" if K else "the target alone, no speculation: a control of the engine's own sampling"
     if one_batch:
         what += ", all requests in one batch"
+    cross = name in ("ours-cross", "transformers-usd")
+    if cross:
+        what += (", the draft over another tokenizer" +
+                 (f", vocabulary={vocabulary!r}" if name == "ours-cross" else ", transformers' intersection"
+                  + (" with its scatter reindexed" if fix_usd else "")))
     row = dict(case=f"continuations_L{LENGTH}_T{temperature:g}" + ("" if K else "_target_alone")
-               + ("_one_batch" if one_batch else ""),
+               + ("_one_batch" if one_batch else "") + (f"_{vocabulary}" if name == "ours-cross" else ""),
                shows=f"the law of whole continuations of length {LENGTH} (V={VG}, {what}, T={temperature:g}) equals "
                      f"the target chain's", bound="chi-square over the V^L continuations "
                "(pooled to expected >= 5), fail if p < 1e-4", mutant="accept_p",
                mutant_says="speculative decoding of the same chains, accepting a draft with probability p(x)")
     try:
-        models = (markov_llama(target_t), markov_llama(draft_t), trials, LENGTH, K, temperature, 1234)
+        draft_m = markov_llama(draft_chain_in_draft_ids(draft_t) if cross else draft_t)
+        models = (markov_llama(target_t), draft_m, trials, LENGTH, K, temperature, 1234)
         if name == "vllm":
             seqs = _vllm(*models, python=python, fix_expand=fix_expand,
                          max_num_seqs=max(trials, 256) if one_batch else 256)
+        elif name == "ours-cross":
+            seqs = _ours_cross(*models, vocabulary=vocabulary)
+        elif name == "transformers-usd":
+            seqs = _transformers_usd(*models, fix_scatter=fix_usd)
         else:
             seqs = (_ours if name == "ours" else _transformers)(*models)
         stat, p, dof = chi2_pvalue(torch.bincount(_index(seqs, VG, LENGTH), minlength=VG ** LENGTH), law)
         steps = f", {_transformers.steps} calls of _speculative_sampling" if name == "transformers" else ""
+        if name == "ours-cross":
+            steps = f", {_ours_cross.counts[0]} tokens drafted, {_ours_cross.counts[1]} accepted"
+        if name == "transformers-usd":
+            steps = f", {_transformers_usd.steps} calls of _speculative_sampling"
+            if _transformers_usd.misplaced is not None:
+                steps += (f"; its get_target_logits {'would write' if fix_usd else 'writes'} "
+                          f"{_transformers_usd.misplaced[0]} of the draft's {_transformers_usd.misplaced[1]} pruned "
+                          f"LM-head rows to another token's id" + (" (reindexed here)" if fix_usd else ""))
         row.update(verdict="pass" if p >= ALPHA else "FAIL", statistic=stat, pvalue=p,
                    detail=f"{trials} continuations{steps}: chi2 {stat:.4g} (dof {dof}), p {p:.3g}")
     except AdapterUnavailable:
