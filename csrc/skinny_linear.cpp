@@ -423,11 +423,10 @@ std::string skinny_linear_isas() {
 //   EPYC Zen 5 VM, 1 thread, the embedded target's layers (2026-12-01): AVX-512 / AVX2 time 1.21
 //   at M = 1, 1.27 at 3, 1.20 at 5, 1.06 at 6, 0.90 at 7, 0.68 at 9, 0.58-0.59 at 12-16 (below 7
 //   rows the AVX2 path's one weight stream per tile is the faster one there).
-// - Intel: 1.  On a 2-core Intel Xeon (AVX-512) VM, 2 threads (2026-12-06), AVX-512 / AVX2 time
-//   for Qwen2.5-Coder-1.5B's shapes (4 layers and the 151,936-row output layer, 1.68 GB fp32)
-//   0.97 at M = 1, 0.79 at 2, 0.74 at 3, 0.87 at 5 (the AVX-512 path streams 28 GB/s, as fast as
-//   MKL's one-row SGEMV); for SmolLM2-135M's (538 MB fp32) 0.85, 0.76, 0.81, 0.88, 0.89 at 1, 2,
-//   3, 5, 6, and in fp16 0.99, 0.99, 0.96, 0.89, 0.85.
+// - Intel: 1.  bench_skinny_linear.py --isa on a 2-core Intel Xeon (AVX-512) VM, 2 threads, the
+//   same layers (2026-12-06, bench/results/cpu-xeon/skinny_20261206): AVX-512 / AVX2 time 0.87 at
+//   M = 1, 0.75 at 2, 0.78 at 3, 0.90 at 5, 0.87 at 9, 0.77 at 16 (the AVX-512 path streams 26-29
+//   GB/s from 1 to 3 rows, as fast as MKL's one-row SGEMV).
 constexpr int64_t kMinRowsAvx512 = 7;
 constexpr int64_t kMinRowsAvx512Intel = 1;
 

@@ -80,8 +80,8 @@ def test_generator_audit_of_ours_across_tokenizers(vocabulary):
 
 @pytest.fixture
 def vocab_order(monkeypatch):
-    """Sets the order of ``get_vocab()``'s items (a Rust hash map's, so it changes from process to
-    process): "ascending" or "descending" ids."""
+    """Sets the order of ``get_vocab()``'s items (a Rust hash map's, so it changes from one tokenizer
+    object to the next): "ascending" or "descending" ids."""
     from transformers import PreTrainedTokenizerFast
 
     real = PreTrainedTokenizerFast.get_vocab

@@ -23,7 +23,7 @@ transformers = pytest.importorskip("transformers")
 from transformers.generation.candidate_generator import AssistantToTargetTranslator  # noqa: E402
 
 import cross_setup  # noqa: E402
-from specdec_kernels.audit.generators import usd_misplaced_rows, usd_row_target_ids  # noqa: E402
+from specdec_kernels.audit.generators import usd_misplaced_rows  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "decoding" / "bench_cross_tokenizer.py"
@@ -56,8 +56,11 @@ def test_q_check_through_a_sampled_generate(pair, reindex):
     def spy(candidate_input_ids, candidate_logits, candidate_length, new_logits, *a, **k):
         tr, pruned = check.translator, check._pruned
         x = candidate_input_ids[0, -candidate_length:]
+        overlap = tr.assistant_overlap_token_ids.tolist()  # pruned row -> draft id
         for i, t in enumerate(x.tolist()):
-            row = int((usd_row_target_ids(tr) == t).nonzero()[0])
+            # the pruned row of the draft token that writes the target token's string, found from the
+            # tokenizers alone (not from usd_row_target_ids, which the check itself uses)
+            row = overlap.index(dt.convert_tokens_to_ids(tt.convert_ids_to_tokens(t)))
             seen.append((float(candidate_logits[0, i].softmax(-1)[t]), float(pruned[0, i].softmax(-1)[row])))
         return inner(candidate_input_ids, candidate_logits, candidate_length, new_logits, *a, **k)
 

@@ -53,6 +53,9 @@ def auto_isa(rows: int) -> str:
         raise ValueError(f"auto_isa: rows must be an int >= 1, got {rows!r}")
     if not HAS_EXT:
         return "none"
+    if not hasattr(torch.ops.specdec, "skinny_linear_auto_isa"):
+        raise RuntimeError("auto_isa: the loaded C++ extension has no skinny_linear_auto_isa (it was built from an "
+                           "older source): rebuild it with pip install --no-build-isolation -e .")
     return torch.ops.specdec.skinny_linear_auto_isa(rows)
 
 
