@@ -20,7 +20,7 @@ repetition_penalty = 1: no hidden warp; seed = --seed + prompt index before each
               target verifies with speculative sampling
   usd_hf_reindexed  usd_hf with one change, to see what transformers' intersection method does
               when its q is the draft's: the pruned draft logits are scattered to the target ids
-              of the pruned head's own rows (specdec_kernels.audit.generators.
+              of the pruned head's own rows (specdec_kernels.audit.hf_usd.
               reindexed_target_logits).  transformers 5.25's get_target_logits scatters them in
               ascending draft-id order, which the pruned head's rows
               (AssistantToTargetTranslator.assistant_overlap_token_ids, in the draft tokenizer's
@@ -96,7 +96,7 @@ sys.path.insert(0, os.path.join(HERE, "..", ".."))  # this tree's specdec_kernel
 
 import harness  # noqa: E402
 import real_pair  # noqa: E402
-from specdec_kernels.audit.generators import reindexed_target_logits, usd_misplaced_rows, usd_row_target_ids  # noqa: E402
+from specdec_kernels.audit.hf_usd import reindexed_target_logits, target_id_rows, usd_misplaced_rows  # noqa: E402
 
 
 @dataclass
@@ -202,8 +202,8 @@ class DraftCounter:
 # --------------------------------------------------------------------------------------------
 # transformers' intersection method, checked: which target id each pruned draft row's logit goes to.
 
-# (usd_row_target_ids, usd_misplaced_rows, reindexed_target_logits: specdec_kernels/audit/generators.py,
-# where `specdec audit --generator transformers-usd` tests the same method's law on Markov chains)
+# (target_id_rows, usd_misplaced_rows, reindexed_target_logits: specdec_kernels/audit/hf_usd.py;
+# `specdec audit --generator transformers-usd` tests the same method's law on Markov chains)
 
 
 class QCheck:
@@ -216,13 +216,14 @@ class QCheck:
         import transformers.generation.utils as gen_utils
         from transformers.generation.candidate_generator import AssistantToTargetTranslator
 
-        self._gen_utils, self._cls = gen_utils, AssistantToTargetTranslator
+        self._gen_utils = gen_utils
         self._orig_sampling = gen_utils._speculative_sampling
         self._orig_logits = AssistantToTargetTranslator.get_target_logits
         self.reindex = False
         self.sums = [0.0, 0.0, 0]
         self.translator = None
         self._pruned = None
+        self._rows = None  # (translator, target_id_rows(translator)): made once per translator
         check = self
 
         def get_target_logits(tr, assistant_logits):
@@ -239,8 +240,9 @@ class QCheck:
                 tr = check.translator
                 n = min(candidate_length, candidate_logits.shape[1], check._pruned.shape[1])
                 x = candidate_input_ids[0, -candidate_length:][:n]  # [n] target ids drafted
-                row = torch.full((tr.target_vocab_size,), -1, dtype=torch.long)  # target id -> pruned row
-                row[usd_row_target_ids(tr)] = torch.arange(check._pruned.shape[-1])
+                if check._rows is None or check._rows[0] is not tr:
+                    check._rows = (tr, target_id_rows(tr))
+                row = check._rows[1]  # [V_target] target id -> pruned row (-1: none)
                 pos = torch.arange(n)
                 q_verify = candidate_logits[0, :n].float().softmax(-1)[pos, x]
                 q_drawn = check._pruned[0, :n].float().softmax(-1)[pos, row[x].clamp(min=0)] * (row[x] >= 0)

@@ -22,8 +22,9 @@ from transformers.generation.candidate_generator import AssistantToTargetTransla
 
 import cross_setup  # noqa: E402
 from specdec_kernels.audit.generators import (  # noqa: E402
-    CHARS, DRAFT_EXTRA, DRAFT_IDS, chain_tokenizers, draft_chain_in_draft_ids, reindexed_target_logits,
-    run_generator_audit, usd_misplaced_rows, usd_row_target_ids)
+    CHARS, DRAFT_EXTRA, DRAFT_IDS, chain_tokenizers, draft_chain_in_draft_ids, run_generator_audit)
+from specdec_kernels.audit.hf_usd import (  # noqa: E402
+    reindexed_target_logits, target_id_rows, usd_misplaced_rows, usd_row_target_ids)
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +46,11 @@ def test_reindexed_logits_land_on_the_target_token_of_the_same_string(translator
         assert tt.convert_ids_to_tokens(t) == dt.convert_ids_to_tokens(d), (j, d, t)
         assert t == int(usd_row_target_ids(tr)[j])
     assert int(torch.isinf(out).sum()) == V - rows
+    inv = target_id_rows(tr)  # the inverse: the row of each target id, -1 where no draft token writes it
+    assert inv.shape == (V,) and int((inv >= 0).sum()) == rows
+    assert torch.equal(inv[usd_row_target_ids(tr)], torch.arange(rows))
+    with pytest.raises(ValueError, match=rf"assistant_logits must be \[\.\.\., {rows}\].*got shape \[1, {rows + 1}\]"):
+        reindexed_target_logits(tr, torch.zeros(1, rows + 1))
 
 
 def test_misplaced_rows_count_the_rows_transformers_puts_at_another_string(translator):
@@ -68,6 +74,11 @@ def test_the_chain_tokenizers_write_the_same_characters_under_other_ids():
         for b in range(len(CHARS)):
             assert d[DRAFT_IDS[a], DRAFT_IDS[b]] == table[a, b]
     assert (d[:, len(CHARS)] < -30).all()  # the extra token is never drawn
+
+
+def test_generator_audit_refuses_an_unknown_vocabulary():
+    with pytest.raises(ValueError, match="vocabulary must be 'intersection' or 'string', got 'shared'"):
+        run_generator_audit("ours-cross", 100, vocabulary="shared")
 
 
 @pytest.mark.parametrize("vocabulary", ["intersection", "string"])

@@ -23,7 +23,7 @@ transformers = pytest.importorskip("transformers")
 from transformers.generation.candidate_generator import AssistantToTargetTranslator  # noqa: E402
 
 import cross_setup  # noqa: E402
-from specdec_kernels.audit.generators import usd_misplaced_rows  # noqa: E402
+from specdec_kernels.audit.hf_usd import usd_misplaced_rows  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "decoding" / "bench_cross_tokenizer.py"

@@ -103,16 +103,15 @@ def run_audit(args, parser=None) -> int:
 
             trials = args.trials or sizes.get(args.generator, sizes["ours"])
             rows = []
-            runs = [(T, 2, False, "intersection") for T in GENERATOR_TEMPERATURES[mode]]
+            runs = [dict(temperature=T) for T in GENERATOR_TEMPERATURES[mode]]
             if args.generator == "vllm":  # controls: the engine without speculation, and with every request in
-                runs += [(1.0, 0, False, "intersection"), (1.0, 2, True, "intersection")]  # one batch
+                runs += [dict(temperature=1.0, K=0), dict(temperature=1.0, one_batch=True)]  # one batch
             if args.generator == "ours-cross":  # both ways of using the foreign draft
-                runs += [(T, 2, False, "string") for T in GENERATOR_TEMPERATURES[mode]]
-            for T, K, one_batch, vocabulary in runs:
-                rows += run_generator_audit(args.generator, trials, temperature=T, K=K, mutants=not args.no_mutants,
+                runs += [dict(temperature=T, vocabulary="string") for T in GENERATOR_TEMPERATURES[mode]]
+            for run in runs:
+                rows += run_generator_audit(args.generator, trials, mutants=not args.no_mutants,
                                             vllm_python=args.vllm_python, fix_expand=args.vllm_fix_expand,
-                                            one_batch=one_batch, vocabulary=vocabulary,
-                                            fix_usd=args.transformers_fix_usd)
+                                            fix_usd=args.transformers_fix_usd, **run)
                 if not args.json:
                     _print_row(rows[-1])
             from .generators import _vllm

@@ -37,10 +37,10 @@ from .adapters import AdapterUnavailable
 from .checks import ALPHA
 from .laws import chi2_pvalue
 from .protocol import make_params
+from .hf_usd import reindexed_target_logits, usd_misplaced_rows
 from .sampler import reference_verify
 
-__all__ = ["GENERATORS", "markov_llama", "chain_tables", "chain_tokenizers", "continuation_law", "reindexed_target_logits",
-           "run_generator_audit", "usd_misplaced_rows", "usd_row_target_ids"]
+__all__ = ["GENERATORS", "markov_llama", "chain_tables", "chain_tokenizers", "continuation_law", "run_generator_audit"]
 
 GENERATORS = ("ours", "transformers", "vllm", "ours-cross", "transformers-usd")
 # vocabulary, hidden size (one head of 64: a size vLLM's CPU attention takes), continuation length, prompt
@@ -77,9 +77,7 @@ def draft_chain_in_draft_ids(table: torch.Tensor) -> torch.Tensor:
     """[V + 1, V + 1]: the draft chain [V, V] (rows and columns in target ids) over the draft
     tokenizer's ids, plus ``DRAFT_EXTRA``'s row (the first token's) and column (EXTRA_LOGIT)."""
     V = len(DRAFT_IDS)
-    inv = [0] * V
-    for i, d in enumerate(DRAFT_IDS):
-        inv[d] = i
+    inv = torch.tensor(DRAFT_IDS).argsort()  # draft id -> target id
     out = torch.full((V + 1, V + 1), EXTRA_LOGIT, dtype=table.dtype)
     out[:V, :V] = table[inv][:, inv]
     out[V, :V] = table[inv[0], inv]
@@ -177,11 +175,15 @@ def _ours(target_m, draft_m, n, L, K, temperature, seed):
     return res.token_ids
 
 
-def _transformers(target_m, draft_m, n, L, K, temperature, seed):
+def _transformers(target_m, draft_m, n, L, K, temperature, seed, tokenizers=None, fix_scatter=False):
     """``target.generate(assistant_model=draft, do_sample=True)`` n times (batch 1), counting the
     calls of its speculative sampling (``transformers.generation.utils._speculative_sampling``):
-    a run that never verifies a draft would test nothing."""
+    a run that never verifies a draft would test nothing.  ``tokenizers`` (target's, draft's):
+    passed as ``tokenizer=`` and ``assistant_tokenizer=``, which makes it transformers' universal
+    speculative decoding (USD); ``fix_scatter``: USD with ``hf_usd.reindexed_target_logits`` in
+    ``get_target_logits``' place.  Returns (continuations, what the report adds to its detail)."""
     import transformers.generation.utils as tgu
+    from transformers.generation.candidate_generator import AssistantToTargetTranslator, AssistantVocabTranslatorCache
     from transformers.utils import logging as tlog
 
     tlog.set_verbosity_error()
@@ -191,25 +193,41 @@ def _transformers(target_m, draft_m, n, L, K, temperature, seed):
         steps.append(1)
         return real(*a, **k)
 
+    theirs = AssistantToTargetTranslator.get_target_logits
     tgu._speculative_sampling = counting
+    if fix_scatter:
+        AssistantToTargetTranslator.get_target_logits = (
+            lambda tr, logits: reindexed_target_logits(tr, logits) if tr.assistant_prune_lm_head else theirs(tr, logits))
     torch.manual_seed(seed)
     draft_m.generation_config.num_assistant_tokens = K
     draft_m.generation_config.num_assistant_tokens_schedule = "constant"
     ids = torch.tensor([PROMPT])
+    extra = {} if tokenizers is None else dict(tokenizer=tokenizers[0], assistant_tokenizer=tokenizers[1])
     out = []
-    with torch.no_grad():
-        for _ in range(n):
-            g = target_m.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=draft_m, do_sample=True,
-                                  temperature=temperature, top_k=0, top_p=1.0, max_new_tokens=L, min_new_tokens=L)
-            out.append(g[0, len(PROMPT):].tolist())
-    tgu._speculative_sampling = real
+    try:
+        with torch.no_grad():
+            for _ in range(n):
+                g = target_m.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=draft_m,
+                                      do_sample=True, temperature=temperature, top_k=0, top_p=1.0, max_new_tokens=L,
+                                      min_new_tokens=L, **extra)
+                out.append(g[0, len(PROMPT):].tolist())
+    finally:
+        tgu._speculative_sampling = real
+        AssistantToTargetTranslator.get_target_logits = theirs
     if not steps:
         raise RuntimeError("transformers' assisted generation never called _speculative_sampling")
-    _transformers.steps = len(steps)
-    return out
+    note = f", {len(steps)} calls of _speculative_sampling"
+    tr = None if tokenizers is None else AssistantVocabTranslatorCache._cache.get(tokenizers[0], {}).get(tokenizers[1])
+    if tr is not None and getattr(tr, "assistant_prune_lm_head", False):
+        wrong, rows = usd_misplaced_rows(tr)
+        note += (f"; its get_target_logits {'would write' if fix_scatter else 'writes'} {wrong} of the draft's {rows} "
+                 f"pruned LM-head rows to another token's id" + (" (reindexed here)" if fix_scatter else ""))
+    return out, note
 
 
 def _ours_cross(target_m, draft_m, n, L, K, temperature, seed, vocabulary="intersection"):
+    """``SpeculativeDecoder`` over the chain tokenizers, the n prompts as one batch.  Returns
+    (continuations, what the report adds to its detail)."""
     from ..decoding.decoder import SpeculativeDecoder
 
     tt, dt = chain_tokenizers()
@@ -222,85 +240,7 @@ def _ours_cross(target_m, draft_m, n, L, K, temperature, seed, vocabulary="inter
         raise RuntimeError(f"SpeculativeDecoder used vocabulary {used!r}, not {vocabulary!r}")
     if not res.stats.drafted_tokens:
         raise RuntimeError("SpeculativeDecoder drafted no token across the tokenizers")
-    _ours_cross.counts = (res.stats.drafted_tokens, res.stats.accepted_tokens)
-    return res.token_ids
-
-
-# transformers' universal speculative decoding (USD) prunes the draft's LM head to the tokens the
-# two vocabularies share (AssistantToTargetTranslator, assistant_prune_lm_head) and scatters the
-# pruned logits to target ids (get_target_logits).  These say where each pruned row's logit goes.
-
-def usd_row_target_ids(translator) -> torch.Tensor:
-    """[V_pruned]: the target id of each row of the pruned draft head (row j holds draft token
-    ``translator.assistant_overlap_token_ids[j]``, whose string is the target's token of that id)."""
-    return translator._assistant_to_target_input_ids[translator.assistant_overlap_token_ids]
-
-
-def usd_misplaced_rows(translator) -> tuple[int, int]:
-    """(pruned rows whose logit transformers' get_target_logits writes to another token's target
-    id, pruned rows): it writes them in ascending draft-id order, which the pruned rows (in the
-    draft tokenizer's get_vocab() order) need not be in."""
-    m = translator._assistant_to_target_input_ids
-    own = usd_row_target_ids(translator)
-    return int((own != m[m != translator.SUPPRESS_TOKEN_ID]).sum()), int(own.numel())
-
-
-def reindexed_target_logits(translator, assistant_logits: torch.Tensor) -> torch.Tensor:
-    """[..., V_target]: the pruned draft head's logits [..., V_pruned] at their own rows' target
-    ids (``usd_row_target_ids``), -inf elsewhere: what get_target_logits means to return, and
-    what ``--transformers-fix-usd`` puts in its place."""
-    out = torch.full((*assistant_logits.shape[:-1], translator.target_vocab_size), translator.FILTER_VALUE,
-                     dtype=assistant_logits.dtype, device=assistant_logits.device)
-    out[..., usd_row_target_ids(translator).to(assistant_logits.device)] = assistant_logits
-    return out
-
-
-def _transformers_usd(target_m, draft_m, n, L, K, temperature, seed, fix_scatter=False):
-    """transformers' universal speculative decoding (``generate(assistant_model=,
-    tokenizer=, assistant_tokenizer=, do_sample=True)``) n times (batch 1), counting its
-    _speculative_sampling calls; ``_transformers_usd.misplaced``: how many of the draft's
-    pruned LM-head rows its get_target_logits writes to another token's target id.
-    ``fix_scatter``: with ``reindexed_target_logits`` in get_target_logits' place."""
-    import transformers.generation.utils as tgu
-    from transformers.generation.candidate_generator import AssistantToTargetTranslator, AssistantVocabTranslatorCache
-    from transformers.utils import logging as tlog
-
-    tlog.set_verbosity_error()
-    tt, dt = chain_tokenizers()
-    real, steps = tgu._speculative_sampling, []
-
-    def counting(*a, **k):
-        steps.append(1)
-        return real(*a, **k)
-
-    tgu._speculative_sampling = counting
-    theirs = AssistantToTargetTranslator.get_target_logits
-    if fix_scatter:
-        AssistantToTargetTranslator.get_target_logits = (
-            lambda tr, logits: reindexed_target_logits(tr, logits) if tr.assistant_prune_lm_head else theirs(tr, logits))
-    torch.manual_seed(seed)
-    draft_m.generation_config.num_assistant_tokens = K
-    draft_m.generation_config.num_assistant_tokens_schedule = "constant"
-    ids = torch.tensor([PROMPT])
-    out = []
-    try:
-        with torch.no_grad():
-            for _ in range(n):
-                g = target_m.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=draft_m,
-                                      tokenizer=tt, assistant_tokenizer=dt, do_sample=True, temperature=temperature,
-                                      top_k=0, top_p=1.0, max_new_tokens=L, min_new_tokens=L)
-                out.append(g[0, len(PROMPT):].tolist())
-    finally:
-        tgu._speculative_sampling = real
-        AssistantToTargetTranslator.get_target_logits = theirs
-    if not steps:
-        raise RuntimeError("transformers' universal speculative decoding never called _speculative_sampling")
-    _transformers_usd.steps = len(steps)
-    tr = AssistantVocabTranslatorCache._cache.get(tt, {}).get(dt)
-    _transformers_usd.misplaced = None
-    if tr is not None and getattr(tr, "assistant_prune_lm_head", False):
-        _transformers_usd.misplaced = usd_misplaced_rows(tr)
-    return out
+    return res.token_ids, f", {res.stats.drafted_tokens} tokens drafted, {res.stats.accepted_tokens} accepted"
 
 
 def _vllm(target_m, draft_m, n, L, K, temperature, seed, python=None, fix_expand=False, max_num_seqs=256):
@@ -343,6 +283,8 @@ def run_generator_audit(name: str, trials: int, temperature: float = 1.0, K: int
     its draft logits scattered by ``reindexed_target_logits``."""
     if name not in GENERATORS:
         raise ValueError(f"--generator must be one of {GENERATORS}, got {name!r}")
+    if vocabulary not in ("intersection", "string"):
+        raise ValueError(f"vocabulary must be 'intersection' or 'string', got {vocabulary!r}")
     if K == 0 and name != "vllm":
         raise ValueError(f"K = 0 (the target alone) is the vLLM engine's control only, got generator {name!r}")
     python = None
@@ -369,25 +311,17 @@ def run_generator_audit(name: str, trials: int, temperature: float = 1.0, K: int
     try:
         draft_m = markov_llama(draft_chain_in_draft_ids(draft_t) if cross else draft_t)
         models = (markov_llama(target_t), draft_m, trials, LENGTH, K, temperature, 1234)
+        steps = ""  # what the generator adds to the detail
         if name == "vllm":
             seqs = _vllm(*models, python=python, fix_expand=fix_expand,
                          max_num_seqs=max(trials, 256) if one_batch else 256)
+        elif name == "ours":
+            seqs = _ours(*models)
         elif name == "ours-cross":
-            seqs = _ours_cross(*models, vocabulary=vocabulary)
-        elif name == "transformers-usd":
-            seqs = _transformers_usd(*models, fix_scatter=fix_usd)
+            seqs, steps = _ours_cross(*models, vocabulary=vocabulary)
         else:
-            seqs = (_ours if name == "ours" else _transformers)(*models)
+            seqs, steps = _transformers(*models, tokenizers=chain_tokenizers() if cross else None, fix_scatter=fix_usd)
         stat, p, dof = chi2_pvalue(torch.bincount(_index(seqs, VG, LENGTH), minlength=VG ** LENGTH), law)
-        steps = f", {_transformers.steps} calls of _speculative_sampling" if name == "transformers" else ""
-        if name == "ours-cross":
-            steps = f", {_ours_cross.counts[0]} tokens drafted, {_ours_cross.counts[1]} accepted"
-        if name == "transformers-usd":
-            steps = f", {_transformers_usd.steps} calls of _speculative_sampling"
-            if _transformers_usd.misplaced is not None:
-                steps += (f"; its get_target_logits {'would write' if fix_usd else 'writes'} "
-                          f"{_transformers_usd.misplaced[0]} of the draft's {_transformers_usd.misplaced[1]} pruned "
-                          f"LM-head rows to another token's id" + (" (reindexed here)" if fix_usd else ""))
         row.update(verdict="pass" if p >= ALPHA else "FAIL", statistic=stat, pvalue=p,
                    detail=f"{trials} continuations{steps}: chi2 {stat:.4g} (dof {dof}), p {p:.3g}")
     except AdapterUnavailable:
