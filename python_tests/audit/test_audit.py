@@ -20,7 +20,7 @@ import torch
 
 from specdec_kernels.audit import make_params
 from specdec_kernels.audit.adapters import AdapterUnavailable, load_verifier, ours
-from specdec_kernels.audit.cases import CASES, case_names
+from specdec_kernels.audit.run import ALL_CASES as CASES, case_names
 from specdec_kernels.audit.checks import FormatError, emitted
 from specdec_kernels.audit.generators import chain_tables, continuation_law, markov_llama, run_generator_audit
 from specdec_kernels.audit.laws import chi2_pvalue, row_laws, warp64

@@ -42,8 +42,10 @@ class Case:
     mutation: str  # the mutant that must fail it
     build: Callable[[int], list]  # n -> [Call]
     check: Callable[[list, list], Outcome]  # (calls, outputs) -> Outcome
-    needs: set = field(default_factory=set)  # adapter features: {"seed"}
+    needs: set = field(default_factory=set)  # adapter features: {"seed", "block"}: verifier.supports_<name>
     bad_input: bool = False  # its inputs are unusable: a raised error is a pass, not the verifier's error
+    mutant_verifier: Optional[Callable] = None  # its mutant, when not ``sampler.mutant(mutation)``
+    mutant_says: Optional[str] = None  # what that mutant gets wrong (default: ``sampler.MUTATIONS[mutation]``)
 
 
 def _template(seed: int, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, with_q=True, Vt=V, Vd=None,

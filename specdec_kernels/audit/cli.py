@@ -62,7 +62,7 @@ def run_audit(args, parser=None) -> int:
     import torch
 
     from .adapters import AdapterUnavailable, load_verifier
-    from .cases import case_names
+    from .run import case_names
     from .report import as_json, exit_status, format_text, header
 
     def usage(msg: str) -> int:

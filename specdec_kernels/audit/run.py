@@ -14,11 +14,26 @@ from typing import Optional
 import torch
 
 from .adapters import run_calls
+from .block_cases import BLOCK_CASES
 from .cases import CASES, Case
 from .checks import ALPHA, FormatError
 from .sampler import MUTATIONS, mutant
 
-__all__ = ["QUICK_TRIALS", "FULL_TRIALS", "run_verifier_audit", "evaluate"]
+__all__ = ["QUICK_TRIALS", "FULL_TRIALS", "ALL_CASES", "case_names", "run_verifier_audit", "evaluate"]
+
+ALL_CASES = CASES + BLOCK_CASES  # token verification's cases, then block verification's
+
+
+def case_names() -> list:
+    return [c.name for c in ALL_CASES]
+
+
+def _supports(verifier, case: Case) -> bool:
+    return all(getattr(verifier, f"supports_{need}", False) for need in case.needs)
+
+
+def _mutant_of(case: Case):
+    return case.mutant_verifier if case.mutant_verifier is not None else mutant(case.mutation)
 
 QUICK_TRIALS = 3_000  # rows per call of a law case with --quick
 FULL_TRIALS = 30_000
@@ -57,7 +72,7 @@ def run_verifier_audit(verifier, trials: int = FULL_TRIALS, cases: Optional[list
                        log=None) -> list:
     """Run ``cases`` (default: all) against ``verifier`` with ``trials`` rows per law call; returns
     the report's rows (dicts).  ``log``: a callable given one line per case as it finishes."""
-    cases = CASES if cases is None else [c for c in CASES if c.name in cases]
+    cases = ALL_CASES if cases is None else [c for c in ALL_CASES if c.name in cases]
     seeds = getattr(verifier, "supports_seed", False)
     built = []
     for i, case in enumerate(cases):
@@ -65,7 +80,7 @@ def run_verifier_audit(verifier, trials: int = FULL_TRIALS, cases: Optional[list
         if seeds:
             calls = _seeded(i, calls)
         built.append(calls)
-    runnable = [(case, calls) for case, calls in zip(cases, built) if seeds or not (case.needs & {"seed"})]
+    runnable = [(case, calls) for case, calls in zip(cases, built) if _supports(verifier, case)]
     t0 = time.perf_counter()
     if hasattr(verifier, "run_many"):  # one batch of every case's calls (a worker in another environment)
         flat = [c for _, calls in runnable for c in calls]
@@ -80,15 +95,18 @@ def run_verifier_audit(verifier, trials: int = FULL_TRIALS, cases: Optional[list
     rows = []
     for case, calls in zip(cases, built):
         row = dict(case=case.name, shows=case.shows, bound=case.bound, mutant=case.mutation,
-                   mutant_says=MUTATIONS[case.mutation])
+                   mutant_says=case.mutant_says or MUTATIONS[case.mutation])
         if case.name not in results:
+            missing = sorted(n for n in case.needs if not getattr(verifier, f"supports_{n}", False))
+            what = {"seed": "takes no per-row seeds", "block": "has no block verification"}
             row.update(verdict="n/a", statistic=None, pvalue=None,
-                       detail="the verifier takes no per-row seeds (supports_seed is not set)")
+                       detail=f"the verifier {' and '.join(what.get(n, 'lacks ' + n) for n in missing)} "
+                              f"({', '.join('supports_' + n for n in missing)} not set)")
         else:
             row.update(evaluate(case, calls, results[case.name]))
         if mutants:
             mcalls = calls if (case.needs & {"seed"}) else [c.with_seeds(None) for c in calls]
-            m = evaluate(case, mcalls, run_calls(mutant(case.mutation), mcalls, seed=7))
+            m = evaluate(case, mcalls, run_calls(_mutant_of(case), mcalls, seed=7))
             row.update(mutant_verdict=m["verdict"], mutant_pvalue=m["pvalue"])
         rows.append(row)
         if log is not None:
