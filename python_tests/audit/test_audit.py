@@ -20,6 +20,7 @@ import torch
 
 from specdec_kernels.audit import make_params
 from specdec_kernels.audit.adapters import AdapterUnavailable, load_verifier, ours
+from specdec_kernels.audit.block import MUTATIONS as BLOCK_MUTATIONS, block_verifier
 from specdec_kernels.audit.run import ALL_CASES as CASES, case_names
 from specdec_kernels.audit.checks import FormatError, emitted
 from specdec_kernels.audit.generators import chain_tables, continuation_law, markov_llama, run_generator_audit
@@ -55,7 +56,8 @@ def test_case_holds_on_ours_and_its_wrong_sampler_fails(ours_rows, name):
 
 @pytest.mark.parametrize("name", case_names())
 def test_case_holds_on_the_audits_own_sampler(name):
-    (r,) = run_verifier_audit(_reference, N, cases=[name], mutants=False)
+    needs = next(c.needs for c in CASES if c.name == name)
+    (r,) = run_verifier_audit(block_verifier() if "block" in needs else _reference, N, cases=[name], mutants=False)
     assert r["verdict"] == "pass", r
 
 
@@ -66,7 +68,8 @@ def test_packed_layout_passes_the_ragged_and_seeded_cases():
 
 
 def test_every_case_names_a_known_wrong_sampler():
-    assert {c.mutation for c in CASES} <= set(MUTATIONS)
+    assert {c.mutation for c in CASES if "block" not in c.needs} <= set(MUTATIONS)
+    assert {c.mutation for c in CASES if "block" in c.needs} <= set(BLOCK_MUTATIONS)
     assert len(set(case_names())) == len(CASES)
 
 

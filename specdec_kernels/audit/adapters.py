@@ -40,13 +40,14 @@ def _opt(t: torch.Tensor, off) -> Optional[torch.Tensor]:
 
 
 def ours(backend: str = "auto", packed: bool = False):
-    """``fused_verify`` (or ``fused_verify_packed``) as a protocol verifier."""
+    """``fused_verify`` (or ``fused_verify_packed``) as a protocol verifier, with ``method=params.method``
+    (token or block verification)."""
     from ..ops.verify import fused_verify, fused_verify_packed
 
     def verify(target_logits, draft_tokens, draft_probs, params: SamplingParams):
         kw = dict(temperature=params.temperature.float(), top_k=_opt(params.top_k, 0),
                   top_p=_opt(params.top_p.float(), 1.0), min_p=_opt(params.min_p.float(), 0.0), seed=params.seed,
-                  backend=backend)
+                  backend=backend, method=params.method)
         if not packed:
             out = fused_verify(target_logits, draft_tokens, draft_probs, num_draft_tokens=params.num_draft_tokens, **kw)
             return out.tokens, out.num_accepted
@@ -60,6 +61,7 @@ def ours(backend: str = "auto", packed: bool = False):
         return out.tokens, out.num_accepted
 
     verify.supports_seed = True
+    verify.supports_block = True  # params.method "block": fused_verify(..., method="block")
     verify.__name__ = "fused_verify_packed" if packed else "fused_verify"
     return verify
 

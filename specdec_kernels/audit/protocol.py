@@ -11,14 +11,17 @@ A verifier is a callable
 - ``draft_probs`` [B, K, Vd] float32 with Vd <= V, or None: the law each draft was sampled from
   (zero beyond Vd); None means deterministic proposals (a one-hot q);
 - ``params``: a ``SamplingParams`` of [B] tensors (temperature, top_k, top_p, min_p,
-  num_draft_tokens, seed).
+  num_draft_tokens, seed) and ``method``: "token" (token-by-token verification, Leviathan et al.
+  2023) or "block" (block verification, Sun et al. 2025), for every row of the call.
 
 It returns ``tokens`` [B, K+1] int64, row b's emitted tokens first (its accepted drafts, then the
 recovered or bonus token), -1 after them, and ``num_accepted`` [B] int64 in [0, K_b] (-1 for a row
 it refuses as unusable input).  It may raise: ``NotImplementedError`` for a parameter it does not
 support (the case is reported "n/a"), any other exception for input it refuses (reported as an
 error raised; for the bad-input cases that is a pass).  Attribute ``supports_seed`` (default
-False): whether ``params.seed`` fixes each row's random numbers.
+False): whether ``params.seed`` fixes each row's random numbers; ``supports_block`` (default
+False): whether it verifies by block verification when ``params.method`` is "block" (the block
+cases run only for verifiers that set it; the others ignore ``method``).
 """
 
 from __future__ import annotations
@@ -43,11 +46,12 @@ class SamplingParams:
     min_p: torch.Tensor
     num_draft_tokens: torch.Tensor
     seed: Optional[torch.Tensor] = None
+    method: str = "token"
 
     def select(self, rows) -> "SamplingParams":
         return SamplingParams(*(None if t is None else t[rows] for t in
                                 (self.temperature, self.top_k, self.top_p, self.min_p, self.num_draft_tokens,
-                                 self.seed)))
+                                 self.seed)), method=self.method)
 
     def uses(self) -> set:
         """The features this batch uses: 'top_k', 'top_p', 'min_p', 'greedy', 'sampled', 'seed'."""
@@ -68,15 +72,18 @@ class SamplingParams:
 
 
 def make_params(B: int, K: int, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, num_draft_tokens=None,
-                seed=None) -> SamplingParams:
-    """``SamplingParams`` of B rows from scalars or per-row sequences (num_draft_tokens None = K)."""
+                seed=None, method: str = "token") -> SamplingParams:
+    """``SamplingParams`` of B rows from scalars or per-row sequences (num_draft_tokens None = K);
+    ``method``: "token" or "block"."""
+    if method not in ("token", "block"):
+        raise ValueError(f"method must be 'token' or 'block', got {method!r}")
     def col(v, dtype):
         t = torch.as_tensor(v, dtype=dtype)
         return t.expand(B).clone() if t.dim() == 0 else t.clone()
 
     p = SamplingParams(col(temperature, torch.float64), col(top_k, torch.int64), col(top_p, torch.float64),
                        col(min_p, torch.float64), col(K if num_draft_tokens is None else num_draft_tokens, torch.int64),
-                       None if seed is None else col(seed, torch.int64))
+                       None if seed is None else col(seed, torch.int64), method)
     for name in ("temperature", "top_k", "top_p", "min_p", "num_draft_tokens"):
         if getattr(p, name).shape != (B,):
             raise ValueError(f"{name} must be a scalar or {B} values, got shape {tuple(getattr(p, name).shape)}")
