@@ -18,7 +18,7 @@ from typing import Callable, Optional
 import torch
 
 from .checks import FormatError, combine, counts, emitted
-from .laws import boundary_margin, chi2_pvalue, row_laws, warp64
+from .laws import boundary_margin, chi2_pvalue, pooled_bins, row_laws, sequence_index, sequence_law, step_weights, warp64
 from .protocol import Call, make_params
 from .sampler import _warp
 
@@ -32,6 +32,7 @@ class Outcome:
     statistic: Optional[float]  # chi-square statistic, or the number of forbidden outcomes
     pvalue: float
     detail: str = ""
+    tests: list = field(default_factory=list)  # per test: {what, n, dof} (chi-square) or {what, n, exact}
 
 
 @dataclass
@@ -46,6 +47,7 @@ class Case:
     bad_input: bool = False  # its inputs are unusable: a raised error is a pass, not the verifier's error
     mutant_verifier: Optional[Callable] = None  # its mutant, when not ``sampler.mutant(mutation)``
     mutant_says: Optional[str] = None  # what that mutant gets wrong (default: ``sampler.MUTATIONS[mutation]``)
+    reads: str = ""  # the emitted tokens and positions its tests read
 
 
 def _template(seed: int, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, with_q=True, Vt=V, Vd=None,
@@ -94,6 +96,23 @@ def _laws_of(call: Call, row: int = 0) -> dict:
                     _scalar(call, "min_p", row))
 
 
+def _sequence_law(call: Call, row: int = 0, drawn: bool = False, draft_law=None) -> torch.Tensor:
+    """The law of row ``row``'s whole emitted sequence (``laws.sequence_law``): with its drafts fixed,
+    or (``drawn``) with drafts drawn per trial from its q (or from ``draft_law`` [K, Vd] when the call
+    has no q)."""
+    q = None if call.draft_probs is None else call.draft_probs[row]
+    A, S = step_weights(call.target_logits[row], q, _scalar(call, "num_draft_tokens", row),
+                        _scalar(call, "temperature", row), _scalar(call, "top_k", row), _scalar(call, "top_p", row),
+                        _scalar(call, "min_p", row), drafts=None if drawn else call.draft_tokens[row],
+                        draft_law=draft_law)
+    return sequence_law(A, S, call.draft_tokens.shape[1])
+
+
+def _sequence_chi(tokens, num, law, V_: int, what: str, tests: list, details: list):
+    """Chi-square of the rows' emitted sequences (tokens [n, K+1], num [n]) against ``law``."""
+    _chi(counts(sequence_index(tokens, num, V_), law.shape[0]), law, what, tests, details)
+
+
 def _out(call: Call, out, allow_invalid=False):
     if isinstance(out, BaseException):
         raise out
@@ -102,14 +121,20 @@ def _out(call: Call, out, allow_invalid=False):
 
 def _chi(observed, law, what: str, tests: list, details: list):
     stat, p, dof = chi2_pvalue(observed, law)
-    tests.append((stat, p))
+    n = int(observed.sum())
+    bins = pooled_bins(law, n)
+    tests.append((stat, p, dict(what=what, n=n, dof=int(bins.max()) if n else 0)))
     details.append(f"{what}: chi2 {stat:.4g} (dof {dof}), p {p:.3g}")
+
+
+def _exact(wrong: int, n: int, what: str, tests: list):
+    tests.append((wrong, 0.0 if wrong else 1.0, dict(what=what, n=n, exact=True)))
 
 
 def _finish(tests, details) -> Outcome:
     p = combine([t[1] for t in tests])
     worst = min(tests, key=lambda t: t[1])
-    return Outcome(worst[0], p, "; ".join(details))
+    return Outcome(worst[0], p, "; ".join(details), [t[2] for t in tests if len(t) > 2])
 
 
 # -- law cases: one row repeated, statistics of the emitted tokens --------------------------------
@@ -117,7 +142,8 @@ def _finish(tests, details) -> Outcome:
 def _law_case(name, shows, mutation, stats=("first",), seed=0, **params):
     """A case of one row repeated n times: ``stats`` among 'first' (the first emitted token),
     'second' (the second given the first: the law of the pairs (first, second or none), whose
-    conditional given draft 0 accepted is the second position's), 'num_accepted'."""
+    conditional given draft 0 accepted is the second position's), 'num_accepted', 'sequence' (the
+    whole emitted sequence: the number accepted and the final token, the drafts being fixed)."""
     warp = {k: params[k] for k in ("temperature", "top_k", "top_p", "min_p") if k in params}
     with_q = params.pop("with_q", True)
     Vd = params.pop("Vd", None)
@@ -149,13 +175,19 @@ def _law_case(name, shows, mutation, stats=("first",), seed=0, **params):
                  tests, details)
         if "num_accepted" in stats:
             _chi(counts(num, K + 1), laws["num_accepted"], "number accepted", tests, details)
+        if "sequence" in stats:
+            _sequence_chi(tokens, num, _sequence_law(call), Vc, "the whole emitted sequence", tests, details)
         return _finish(tests, details)
 
     names = {"first": "the first token", "second": "the pairs (first token, second token or none)",
-             "num_accepted": "the number accepted"}
+             "num_accepted": "the number accepted", "sequence": "the whole emitted sequence"}
     bound = (f"chi-square of {' and of '.join(names[s] for s in stats)}"
              f"{' (Bonferroni over ' + str(len(stats)) + ')' if len(stats) > 1 else ''}, fail if p < 1e-4")
-    return Case(name, shows, bound, mutation, build, check)
+    reads = {"first": "token 0", "second": "tokens 0-1 (pairs)", "num_accepted": "the number accepted",
+             "sequence": "every token (fixed drafts)"}
+    kb = params.get("num_draft_tokens", K)
+    return Case(name, shows, bound, mutation, build, check,
+                reads="; ".join(reads[s] for s in stats) + f"; K_b = {kb}, positions 0..{kb}")
 
 
 # -- mixed greedy and sampled rows ---------------------------------------------------------------
@@ -169,18 +201,37 @@ def _mixed_build(n):
     return [_repeat(logits, drafts, q, n, temperature=T)]
 
 
+def _greedy_path(call: Call, rows: torch.Tensor) -> torch.Tensor:
+    """tokens [n, K+1] int64 of greedy rows ``rows`` [n]: the drafts kept while each is its
+    position's argmax, then the argmax at the first other position (at most K_b), then -1."""
+    g = call.target_logits[rows].double().argmax(-1)  # [n, K+1]
+    d = call.draft_tokens[rows]
+    kb = call.params.num_draft_tokens[rows]
+    cols = torch.arange(d.shape[1])
+    match = ((d == g[:, :-1]) & (cols[None, :] < kb[:, None])).long().cumprod(-1)  # [n, K]
+    m = match.sum(-1)
+    out = torch.full_like(g, -1)
+    out[:, :-1] = torch.where(match.bool(), d, -1)
+    out[torch.arange(len(m)), m] = g[torch.arange(len(m)), m]
+    return out
+
+
+def _greedy_wrong(call: Call, tokens: torch.Tensor, num: torch.Tensor, greedy: torch.Tensor) -> int:
+    """How many greedy rows (mask ``greedy``) emit anything but their argmax path."""
+    rows = greedy.nonzero()[:, 0]
+    want = _greedy_path(call, rows)
+    return int(((tokens[rows] != want).any(-1) | (num[rows] != (want >= 0).sum(-1) - 1)).sum())
+
+
 def _mixed_check(calls, outputs):
     call = calls[0]
     tokens, num = _out(call, outputs[0])
     T = call.params.temperature
     tests, details = [], []
     greedy = T == 0
-    want = _laws_of(call, int(greedy.nonzero()[0]))
-    g_first = int(want["first"].argmax())
-    g_num = int(want["num_accepted"].argmax())
-    wrong = int(((tokens[greedy, 0] != g_first) | (num[greedy] != g_num)).sum())
-    tests.append((wrong, 0.0 if wrong else 1.0))
-    details.append(f"greedy rows: {wrong} of {int(greedy.sum())} differ from the argmax path")
+    wrong = _greedy_wrong(call, tokens, num, greedy)
+    _exact(wrong, int(greedy.sum()), "greedy rows", tests)
+    details.append(f"greedy rows: {wrong} of {int(greedy.sum())} differ from the argmax path (every emitted token)")
     for t in sorted(set(T[~greedy].tolist())):
         rows = T == t
         law = _laws_of(call, int(rows.nonzero()[0]))["first"]
@@ -205,6 +256,8 @@ def _ragged_check(calls, outputs):
         laws = _laws_of(call, int(rows.nonzero()[0]))
         _chi(counts(num[rows], kb + 1), laws["num_accepted"], f"number accepted at K_b={kb}", tests, details)
         _chi(counts(tokens[rows, 0], V), laws["first"], f"first at K_b={kb}", tests, details)
+        _sequence_chi(tokens[rows], num[rows], _sequence_law(call, int(rows.nonzero()[0])), V,
+                      f"sequence at K_b={kb}", tests, details)
     return _finish(tests, details)
 
 
@@ -301,43 +354,163 @@ def _seed_check(calls, outputs):
     return Outcome(bad, 0.0 if bad else 1.0, detail)
 
 
+# -- whole steps with drafts drawn per trial: the law of every emitted token ------------------------
+#
+# Each trial draws its own drafts from q (or, for deterministic proposals, from a law the verifier
+# does not see), so the outcomes cover every draft prefix: (accepted drafts, final token), up to
+# sum_m V^(m+1) = 11,110 sequences for V = 10, K = 3.  q leans towards p (acceptance ~0.7 a
+# position), so that a third or more of the rows accept every draft and emit the bonus token.
+
+_WARPS = {"top_k": dict(temperature=0.8, top_k=4), "top_p": dict(top_p=0.7),
+          "top_k_top_p": dict(temperature=0.9, top_k=5, top_p=0.6), "min_p": dict(temperature=2.0, min_p=0.3)}
+
+
+def _drawn_setup(seed: int, Vd: int = V, lean: float = 0.6, **warp):
+    """(logits [K+1, V], law [K, Vd]): logits >= 1e-3 from the warp's boundaries (``_template``) and
+    the drafts' law, ``lean`` p_j (restricted to Vd) + (1 - lean) a random law; a greedy setup leans
+    towards the argmax instead."""
+    logits, _, _ = _template(seed, **warp)
+    g = torch.Generator().manual_seed(seed + 7919)
+    T = warp.get("temperature", 1.0)
+    p = warp64(logits, T if T > 0 else 0.5, warp.get("top_k", 0), warp.get("top_p", 1.0), warp.get("min_p", 0.0))
+    if T == 0:
+        p = torch.nn.functional.one_hot(logits.argmax(-1), V).double()
+    pd = p[:K, :Vd] / p[:K, :Vd].sum(-1, keepdim=True)
+    law = lean * pd + (1 - lean) * torch.softmax(torch.randn(K, Vd, generator=g, dtype=torch.float64), -1)
+    return logits, (law / law.sum(-1, keepdim=True)).float()
+
+
+def _drawn_call(seed: int, n: int, with_q: bool = True, Vd: int = V, lean: float = 0.6, **params) -> Call:
+    """n rows of one step, each with its own drafts drawn from ``_drawn_setup``'s law."""
+    warp = {k: params[k] for k in ("temperature", "top_k", "top_p", "min_p") if k in params}
+    if torch.is_tensor(warp.get("temperature")):
+        warp["temperature"] = float(warp["temperature"][warp["temperature"] > 0][0])
+    logits, law = _drawn_setup(seed, Vd, lean, **warp)
+    g = torch.Generator().manual_seed(seed + 104729)
+    drafts = torch.stack([torch.multinomial(law[j].double(), n, replacement=True, generator=g) for j in range(K)], 1)
+    return Call(logits.expand(n, -1, -1).contiguous(), drafts,
+                law.expand(n, -1, -1).contiguous() if with_q else None, make_params(n, K, **params))
+
+
+def _drawn_case(name, shows, mutation, seed, groups="one", with_q=True, Vd=V, lean=0.6, calls=None, **params):
+    """A case of whole steps with drafts drawn per trial.  ``calls``: several parameter sets (one
+    call each); ``groups``: 'one' (every row one law), 'K_b' (rows K_b = 0..K, a law each),
+    'temperature' (rows of several temperatures, 0 = greedy checked exactly against the argmax path)."""
+    sets = calls or {"": params}
+
+    def build(n):
+        out = []
+        for i, (label, ps) in enumerate(sets.items()):
+            ps = dict(ps)
+            if groups == "K_b":
+                ps["num_draft_tokens"] = torch.arange(n) % (K + 1)
+            if groups == "temperature":
+                ps["temperature"] = torch.tensor(_MIXED_T, dtype=torch.float64).repeat(n // len(_MIXED_T) + 1)[:n]
+            out.append(_drawn_call(seed + 100 * i, n, with_q, Vd, lean, **ps))
+        return out
+
+    def check(calls_, outputs):
+        tests, details = [], []
+        for i, ((label, ps), call, out) in enumerate(zip(sets.items(), calls_, outputs)):
+            tokens, num = _out(call, out)
+            warp = {k: ps[k] for k in ("temperature", "top_k", "top_p", "min_p") if k in ps}
+            law = None if with_q else _drawn_setup(seed + 100 * i, Vd, lean, **warp)[1]
+            pre = f"{label}: " if label else ""
+            if groups == "one":
+                grp = {"": torch.ones(len(num), dtype=torch.bool)}
+            elif groups == "K_b":
+                grp = {f"K_b={k}": call.params.num_draft_tokens == k for k in range(K + 1)}
+            else:
+                T = call.params.temperature
+                greedy = T == 0
+                wrong = _greedy_wrong(call, tokens, num, greedy)
+                _exact(wrong, int(greedy.sum()), f"{pre}greedy rows", tests)
+                details.append(f"{pre}greedy rows: {wrong} of {int(greedy.sum())} differ from the argmax path "
+                               f"({int((num[greedy] == K).sum())} reach the bonus)")
+                grp = {f"T={t:g}": T == t for t in sorted(set(T[~greedy].tolist()))}
+            for what, rows in grp.items():
+                r0 = int(rows.nonzero()[0])
+                seq = _sequence_law(call, r0, drawn=True, draft_law=law)
+                bonus = int((num[rows] == call.params.num_draft_tokens[rows]).sum())
+                _sequence_chi(tokens[rows], num[rows], seq, call.target_logits.shape[-1],
+                              f"{pre}sequence{' at ' + what if what else ''} ({bonus} of {int(rows.sum())} rows "
+                              f"emit the bonus)", tests, details)
+        return _finish(tests, details)
+
+    n_tests = len(sets) * {"one": 1, "K_b": K + 1, "temperature": 3}[groups]
+    bound = (f"chi-square of the whole emitted sequence over up to {sum(V ** (m + 1) for m in range(K + 1)):,} "
+             f"outcomes, drafts drawn per trial{' (Bonferroni over ' + str(n_tests) + ')' if n_tests > 1 else ''}"
+             f"{'; greedy rows exact' if groups == 'temperature' else ''}, fail if p < 1e-4")
+    reads = {"one": f"every token, every draft prefix; positions 0..{K}",
+             "K_b": f"every token per K_b = 0..{K}; positions 0..K_b",
+             "temperature": f"every token (greedy rows exactly); positions 0..{K}"}[groups]
+    return Case(name, shows, bound, mutation, build, check, reads=reads)
+
+
+STEP_CASES = [
+    _drawn_case("step_law", "every token a step emits, drafts drawn from q per trial (T=1): the law of the whole "
+                "sequence (accepted drafts, then the residual's or the bonus token)", "bonus_from_previous", 51),
+    _drawn_case("step_temperature", "the same at temperature 0.5", "bonus_unwarped", 52, temperature=0.5),
+    _drawn_case("step_warps", "the same under top-k, top-p, top-k + top-p and min-p (one call each)",
+                "bonus_unwarped", 53, calls=_WARPS),
+    _drawn_case("step_without_q", "deterministic proposals (draft_probs None) drawn per trial from a law the "
+                "verifier does not see", "residual_from_p", 54, with_q=False),
+    _drawn_case("step_padded_vocab", "drafts over Vd=6 < V=10 tokens, drawn per trial", "target_truncated", 55,
+                Vd=6),
+    _drawn_case("step_ragged_k", "rows with K_b = 0..3 in one batch, each its own law of sequences (K_b = 3 reads "
+                "the bonus position)", "bonus_from_previous", 56, groups="K_b"),
+    _drawn_case("step_greedy_sampled", "greedy rows (exact: the argmax path, bonus included) beside rows at T=0.5 "
+                "and 2, drafts drawn per trial", "greedy_bonus_sampled", 57, groups="temperature", lean=0.7),
+]
+
+
 CASES = [
     _law_case("first_token", "the first emitted token has the target's law (T=1, drafts sampled from q)",
-              "accept_p", ("first",), seed=1),
+              "accept_p", ("first", "sequence"), seed=1),
     _law_case("second_given_first", "the second token given the first (draft 0 accepted) has its exact law, "
               "tested with the first as the law of the pairs",
-              "residual_from_p_after_first", ("second",), seed=2),
+              "residual_from_p_after_first", ("second", "sequence"), seed=2),
     _law_case("num_accepted", "the number of accepted drafts has law a_0 ... a_{m-1} (1 - a_m)",
-              "accept_inverted", ("num_accepted",), seed=3),
+              "accept_inverted", ("num_accepted", "sequence"), seed=3),
     _law_case("temperature", "temperature 0.5 is applied to p", "temperature_ignored",
-              ("first", "num_accepted"), seed=4, temperature=0.5),
+              ("first", "num_accepted", "sequence"), seed=4, temperature=0.5),
     _law_case("top_k", "top-k 4 (at T=0.8) removes the other tokens from p", "top_k_ignored",
-              ("first", "num_accepted"), seed=5, temperature=0.8, top_k=4),
+              ("first", "num_accepted", "sequence"), seed=5, temperature=0.8, top_k=4),
     _law_case("top_p", "top-p 0.7 keeps the smallest set reaching 0.7", "top_p_exclusive",
-              ("first", "num_accepted"), seed=6, top_p=0.7),
+              ("first", "num_accepted", "sequence"), seed=6, top_p=0.7),
     _law_case("top_k_top_p", "top-k 5 then top-p 0.6 (top-p's mass renormalised over the top-k set)",
-              "topk_after_topp", ("first", "num_accepted"), seed=7, temperature=0.9, top_k=5, top_p=0.6),
+              "topk_after_topp", ("first", "num_accepted", "sequence"), seed=7, temperature=0.9, top_k=5, top_p=0.6),
     _law_case("min_p", "min-p 0.3 after temperature 2 (transformers' order)", "min_p_before_temperature",
-              ("first", "num_accepted"), seed=8, temperature=2.0, min_p=0.3),
+              ("first", "num_accepted", "sequence"), seed=8, temperature=2.0, min_p=0.3),
+    _law_case("bonus_token", "with K_b = 1, the bonus token after an accepted draft has p_1's law (the pairs "
+              "(number accepted, final token))", "bonus_reuses_uniform", ("sequence",), seed=12, num_draft_tokens=1),
     Case("mixed_greedy_sampled", "in one batch, greedy rows take the argmax path and sampled rows their own T "
          "(0.5 and 2.0)", "greedy rows exact; chi-square of the first token per temperature (Bonferroni), "
-         "fail if p < 1e-4", "one_temperature", _mixed_build, _mixed_check),
+         "fail if p < 1e-4", "one_temperature", _mixed_build, _mixed_check,
+         reads=f"greedy rows: every token exactly; sampled rows: token 0; positions 0..{K}"),
     Case("ragged_k", "rows with K_b = 0..3 in one batch each verify only their own K_b drafts",
          "chi-square of number accepted and first token per K_b (Bonferroni over 8), fail if p < 1e-4",
-         "ignore_num_draft_tokens", _ragged_build, _ragged_check),
+         "ignore_num_draft_tokens", _ragged_build, _ragged_check,
+         reads="per K_b = 0..3: the number accepted, token 0, every token (fixed drafts); positions 0..K_b"),
     _law_case("drafts_without_q", "deterministic proposals (draft_probs None): one-hot q, residual excludes the "
-              "rejected draft", "residual_from_p", ("first", "num_accepted"), seed=9, with_q=False),
+              "rejected draft", "residual_from_p", ("first", "num_accepted", "sequence"), seed=9, with_q=False),
     _law_case("padded_vocab", "a draft over Vd=6 < V=10 tokens: the tokens >= Vd keep their target mass",
-              "target_truncated", ("first", "num_accepted"), seed=10, Vd=6),
+              "target_truncated", ("first", "num_accepted", "sequence"), seed=10, Vd=6),
     Case("nan_inf_logits", "a NaN logit's index is never emitted (sampled and greedy rows, at a draft and the "
          "bonus position); +inf leaves tokens in [0, V)", "exact: 0 forbidden tokens (an error raised passes)",
-         "no_input_check", lambda n: _bad_calls(n, "nan"), _bad_check("nan"), bad_input=True),
+         "no_input_check", lambda n: _bad_calls(n, "nan"), _bad_check("nan"), bad_input=True,
+         reads="every emitted token against the NaN's index and [0, V); positions 0..3"),
     Case("draft_ids_out_of_range", "a draft id >= V is never emitted (with and without q, greedy and sampled)",
          "exact: 0 forbidden tokens (an error raised passes)", "no_input_check",
-         lambda n: _bad_calls(n, "ids"), _bad_check("ids"), bad_input=True),
+         lambda n: _bad_calls(n, "ids"), _bad_check("ids"), bad_input=True,
+         reads="every emitted token against [0, V); positions 0..3"),
     Case("seeded_determinism", "the same seed gives the same tokens on a rerun and when other rows change",
-         "exact: 0 rows differ", "shared_stream", _seed_build, _seed_check, needs={"seed"}),
+         "exact: 0 rows differ", "shared_stream", _seed_build, _seed_check, needs={"seed"},
+         reads="every emitted token of every row, rerun and moved"),
 ]
+
+
+CASES += STEP_CASES
 
 
 def case_names() -> list:

@@ -22,7 +22,8 @@ import math
 
 import torch
 
-__all__ = ["warp64", "row_laws", "chi2_pvalue", "boundary_margin"]
+__all__ = ["warp64", "row_laws", "step_weights", "sequence_law", "sequence_index", "sequence_space",
+           "pooled_bins", "chi2_pvalue", "detectable_tv", "boundary_margin"]
 
 
 def warp64(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0,
@@ -135,11 +136,117 @@ def row_laws(logits: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor | None,
             "accept": a}
 
 
+# -- the law of a whole step: every token it emits -------------------------------------------------
+#
+# A step emits a sequence s = (x_0, .., x_{m-1}, y): m accepted drafts, then the token drawn at
+# position m (from the residual after a rejection, or from p_{K_b} after m = K_b acceptances).  Its
+# law factorises over positions: P(s) = A_0(x_0) ... A_{m-1}(x_{m-1}) S_m(y), where A_j(x) is the
+# probability, on reaching position j, that x is emitted there as an accepted draft, and S_j(y) that
+# the step stops there emitting y (sum_x A_j(x) + sum_y S_j(y) = 1; S_{K_b} = p_{K_b}, the bonus).
+# With a fixed draft d_j: A_j = a_j [d_j], S_j = (1 - a_j) norm(max(0, p_j - q_j)).  With drafts
+# drawn per trial from q_j and q_j given to the verifier: A_j = min(p_j, q_j), S_j = max(0, p_j - q_j)
+# (summing the fixed-draft law over d_j ~ q_j).  With drafts drawn from r_j but not given (one-hot q:
+# deterministic proposals): A_j = r_j p_j, S_j = p_j (1 - r_j).  A greedy row is the last form with p
+# the point mass on the argmax (it accepts x iff x is the argmax, then emits the argmax).
+
+
+def sequence_space(V: int, K: int) -> list:
+    """offsets [K + 2]: a sequence of length m + 1 (m accepted drafts, m <= K) has index
+    offsets[m] + sum_i s_i V^(m - i) (``sequence_index``); offsets[K + 1] outcomes in all."""
+    out = [0]
+    for m in range(K + 1):
+        out.append(out[-1] + V ** (m + 1))
+    return out
+
+
+def sequence_index(tokens: torch.Tensor, num_accepted: torch.Tensor, V: int) -> torch.Tensor:
+    """[B] int64: each row's emitted sequence (tokens [B, K+1] of checked output, num_accepted [B] >= 0)
+    as an index of ``sequence_space(V, K)``."""
+    K = tokens.shape[1] - 1
+    off = torch.tensor(sequence_space(V, K), dtype=torch.int64)
+    idx = torch.zeros(tokens.shape[0], dtype=torch.int64)
+    for i in range(K + 1):
+        inside = i <= num_accepted
+        idx = torch.where(inside, idx * V + tokens[:, i].clamp(min=0), idx)
+    return idx + off[num_accepted]
+
+
+def step_weights(logits: torch.Tensor, q: torch.Tensor | None, K_b: int, temperature: float, top_k: int = 0,
+                 top_p: float = 1.0, min_p: float = 0.0, drafts: torch.Tensor | None = None,
+                 draft_law: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(A [K_b, V], S [K_b + 1, V]) float64 of one row (the block comment above): logits [K+1, V],
+    q [K, Vd] (the draft probabilities given to the verifier) or None.  Either ``drafts`` [K] (fixed
+    for every trial) or drafts drawn per trial: from q when it is given, else from ``draft_law``
+    [K, Vd] (deterministic proposals whose law the verifier does not see)."""
+    V = logits.shape[-1]
+    p = warp64(logits, temperature, top_k, top_p, min_p)  # [K+1, V]
+    if drafts is not None:
+        qf = _q_full(None if temperature == 0 else q, drafts, V)
+        A = torch.zeros(K_b, V, dtype=torch.float64)
+        S = torch.zeros(K_b + 1, V, dtype=torch.float64)
+        for j in range(K_b):
+            x = int(drafts[j])
+            if temperature == 0:
+                a = 1.0 if int(p[j].argmax()) == x else 0.0
+            else:
+                a = min(1.0, float(p[j, x]) / float(qf[j, x])) if float(qf[j, x]) > 0 else 1.0
+            A[j, x] = a
+            S[j] = (1 - a) * (p[j] if temperature == 0 else _residual(p[j], qf[j]))
+    elif q is not None and temperature > 0:
+        qf = _q_full(q, torch.zeros(q.shape[0], dtype=torch.long), V)
+        A = torch.minimum(p[:K_b], qf[:K_b])
+        S = torch.cat([(p[:K_b] - qf[:K_b]).clamp(min=0), torch.zeros(1, V, dtype=torch.float64)])
+    else:
+        law = q if draft_law is None else draft_law
+        if law is None:
+            raise ValueError("step_weights: drafts drawn per trial need q or draft_law")
+        r = _q_full(law, torch.zeros(law.shape[0], dtype=torch.long), V)
+        A = r[:K_b] * p[:K_b]
+        S = torch.cat([p[:K_b] * (1 - r[:K_b]), torch.zeros(1, V, dtype=torch.float64)])
+    S[K_b] = p[K_b]
+    return A, S
+
+
+def sequence_law(A: torch.Tensor, S: torch.Tensor, K: int) -> torch.Tensor:
+    """[sequence_space(V, K)[-1]] float64: the law of the emitted sequence from ``step_weights``'
+    (A [K_b, V], S [K_b + 1, V]); sequences longer than K_b + 1 have probability 0."""
+    V = S.shape[-1]
+    off = sequence_space(V, K)
+    law = torch.zeros(off[-1], dtype=torch.float64)
+    prefix = torch.ones(1, dtype=torch.float64)  # [V^m]: the prefixes' weights, lexicographic
+    for m in range(S.shape[0]):
+        law[off[m]:off[m + 1]] = (prefix[:, None] * S[m][None, :]).flatten()
+        if m < A.shape[0]:
+            prefix = (prefix[:, None] * A[m][None, :]).flatten()
+    return law
+
+
+def pooled_bins(law: torch.Tensor, n: float) -> torch.Tensor:
+    """[len(law)] int64: the bin of each outcome when n trials are tested against ``law`` (bins of
+    expected count < 5 pooled, from the most likely down; the remainder joins the last bin), -1 for
+    an outcome of probability <= 1e-12 (forbidden: any count there fails outright)."""
+    law = law.double().flatten()
+    exp = law * n
+    bins = torch.full(law.shape, -1, dtype=torch.int64)
+    b, acc, open_ = 0, 0.0, []
+    for i in exp.argsort(descending=True).tolist():
+        if float(law[i]) <= 1e-12:
+            continue
+        open_.append(i)
+        acc += float(exp[i])
+        if acc >= 5:
+            bins[open_] = b
+            b, acc, open_ = b + 1, 0.0, []
+    if open_:
+        bins[open_] = max(b - 1, 0)
+    return bins
+
+
 def chi2_pvalue(observed: torch.Tensor, law: torch.Tensor) -> tuple[float, float, int]:
     """(statistic, p-value, degrees of freedom) of Pearson's chi-square of counts ``observed`` [n]
-    against the probabilities ``law`` [n].  Bins of expected count < 5 are pooled (from the least
-    likely up); a count in a bin of probability <= 1e-12 fails outright (statistic inf, p-value 0):
-    the law forbids it.  Fewer than two pooled bins: (0, 1, 0)."""
+    against the probabilities ``law`` [n].  Bins of expected count < 5 are pooled (``pooled_bins``);
+    a count in a bin of probability <= 1e-12 fails outright (statistic inf, p-value 0): the law
+    forbids it.  Fewer than two pooled bins: (0, 1, 0)."""
     from scipy import stats
 
     obs = observed.double().flatten()
@@ -149,28 +256,29 @@ def chi2_pvalue(observed: torch.Tensor, law: torch.Tensor) -> tuple[float, float
         return 0.0, 1.0, 0
     if bool((obs[law <= 1e-12] > 0).any()):
         return math.inf, 0.0, 0
-    exp = law * n
-    order = exp.argsort(descending=True).tolist()
-    obs_b, exp_b, acc_o, acc_e = [], [], 0.0, 0.0
-    for i in order:
-        if float(law[i]) <= 1e-12:
-            continue
-        acc_o += float(obs[i])
-        acc_e += float(exp[i])
-        if acc_e >= 5:
-            obs_b.append(acc_o)
-            exp_b.append(acc_e)
-            acc_o = acc_e = 0.0
-    if acc_e > 0:
-        if obs_b:
-            obs_b[-1] += acc_o
-            exp_b[-1] += acc_e
-        else:
-            obs_b.append(acc_o)
-            exp_b.append(acc_e)
-    if len(obs_b) < 2:
+    bins = pooled_bins(law, n)
+    nb = int(bins.max()) + 1 if bool((bins >= 0).any()) else 0
+    if nb < 2:
         return 0.0, 1.0, 0
-    total_e = sum(exp_b)
-    exp_b = [e * sum(obs_b) / total_e for e in exp_b]
-    r = stats.chisquare(obs_b, exp_b)
-    return float(r.statistic), float(r.pvalue), len(obs_b) - 1
+    keep = bins >= 0
+    obs_b = torch.zeros(nb, dtype=torch.float64).index_add_(0, bins[keep], obs[keep])
+    exp_b = torch.zeros(nb, dtype=torch.float64).index_add_(0, bins[keep], law[keep] * n)
+    exp_b = exp_b * obs_b.sum() / exp_b.sum()
+    r = stats.chisquare(obs_b.tolist(), exp_b.tolist())
+    return float(r.statistic), float(r.pvalue), nb - 1
+
+
+def detectable_tv(dof: int, n: float, tests: int = 1, alpha: float = 1e-4, power: float = 0.5) -> float:
+    """The total-variation distance from the tested law (over its pooled bins) beyond which every
+    departure, whatever its direction, is detected with probability >= ``power`` by a chi-square of
+    ``dof`` degrees of freedom on n trials at level alpha / tests (Bonferroni), in the noncentral
+    chi-square approximation.  A departure delta of TV t has noncentrality n sum delta^2 / p >= 4 n t^2
+    (Cauchy-Schwarz, equality for delta proportional to p on two halves of the mass), so
+    t = sqrt(lambda* / (4 n)) with lambda* the noncentrality that reaches ``power``."""
+    from scipy import optimize, stats
+
+    if dof < 1 or n <= 0:
+        return math.inf
+    crit = stats.chi2.isf(alpha / tests, dof)
+    lam = optimize.brentq(lambda lm: stats.ncx2.sf(crit, dof, lm) - power, 1e-9, 1e7)
+    return math.sqrt(lam / (4 * n))

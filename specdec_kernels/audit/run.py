@@ -65,7 +65,7 @@ def evaluate(case: Case, calls: list, outputs: list) -> dict:
     except FormatError as e:
         return dict(verdict="FAIL", statistic=None, pvalue=0.0, detail=f"protocol: {e}")
     return dict(verdict="pass" if o.pvalue >= ALPHA else "FAIL", statistic=o.statistic, pvalue=o.pvalue,
-                detail=o.detail)
+                detail=o.detail, tests=o.tests)
 
 
 def run_verifier_audit(verifier, trials: int = FULL_TRIALS, cases: Optional[list] = None, mutants: bool = True,

@@ -39,6 +39,13 @@ MUTATIONS = {
     "target_truncated": "restricts the target to the draft's vocabulary (tokens >= Vd never emitted)",
     "no_input_check": "checks nothing: NaN logits win the argmax, draft ids >= V are taken as accepted",
     "shared_stream": "draws every row's numbers from one stream seeded by row 0's seed (batch-dependent)",
+    "bonus_from_previous": "draws the bonus token (after K_b acceptances) from p_{K_b - 1}, the last draft's "
+                           "position, instead of p_{K_b}",
+    "bonus_unwarped": "draws the bonus token of a sampled row from softmax(logits): no temperature or warp there",
+    "bonus_reuses_uniform": "draws the bonus token with the last acceptance's uniform (conditioned below its "
+                            "ratio) instead of a fresh one",
+    "greedy_bonus_sampled": "a greedy row that accepts every draft samples its bonus token from softmax(logits) "
+                            "instead of taking the argmax",
 }
 
 
@@ -183,7 +190,18 @@ def reference_verify(target_logits: torch.Tensor, draft_tokens: torch.Tensor, dr
         alive = acc | (alive & ~reading)
     done = alive & (n_acc == K_b)
     if bool(done.any()):
-        tokens[done, K_b[done]] = _draw(p[done, K_b[done]], u[done, K])
+        at = K_b[done]
+        if mutation == "bonus_from_previous":
+            at = (at - 1).clamp(min=0)
+        bonus_p = p[done, at]
+        if mutation in ("bonus_unwarped", "greedy_bonus_sampled"):  # softmax(logits) for the rows it hits
+            hit = ~greedy[done] if mutation == "bonus_unwarped" else greedy[done]
+            raw = torch.softmax(safe[done, K_b[done]], -1)
+            bonus_p = torch.where(hit[:, None], raw, bonus_p)
+        u_bonus = u[done, K]
+        if mutation == "bonus_reuses_uniform":  # u_{K_b - 1}: accepted, so below that draft's ratio
+            u_bonus = torch.where(K_b[done] > 0, u[done, (K_b[done] - 1).clamp(min=0)], u_bonus)
+        tokens[done, K_b[done]] = _draw(bonus_p, u_bonus)
     tokens[invalid] = -1
     n_acc[invalid] = -1
     return tokens, n_acc
