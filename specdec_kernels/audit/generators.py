@@ -8,10 +8,16 @@ makes the logits at every position table[previous token].  The target's continua
 a prompt ending in x_0 then has law prod_i softmax(table_t[x_{i-1}] / T)[x_i]; the draft is
 another chain (table_d), so drafts are often rejected.  A generator passes when the histogram
 of its N continuations fits that law (chi-square, bins pooled to expected counts >= 5, fail if
-p < 1e-4).  The mutant: speculative decoding of the same chains by the audit's own sampler with
-a wrong acceptance rule (``sampler.MUTATIONS['accept_p']``).
+p < 1e-4); at temperature 0 every continuation must be the target chain's greedy path (an exact
+case: one differing row fails).  The mutant (``MUTANTS``, one per generator): speculative
+decoding of the same chains by the audit's own code with one wrong rule: a wrong acceptance rule
+(``sampler.MUTATIONS['accept_p']``), block verification's extra token from the token method's
+residual (``block.MUTATIONS``), a tree whose siblings are tested without removing the rejected
+ones' mass (``tree.MUTATIONS``); at temperature 0, greedy decoding that accepts every draft.
 
-Generators: ``ours`` (``SpeculativeDecoder``, the N prompts as one batch), ``transformers``
+Generators: ``ours`` (``SpeculativeDecoder``, the N prompts as one batch), ``ours-block`` (the
+same with ``verification="block"``), ``ours-tree`` (``SpeculativeDecoder(tree=TREE)``, rows one
+after the other as its tree loop runs them), ``transformers``
 (``generate(assistant_model=..., do_sample=True)``, batch 1, N times) and ``vllm`` (``vllm.LLM``
 with ``speculative_config={"method": "draft_model", ...}``, run by ``vllm_generate_worker`` in
 vLLM's environment; K = 0 runs the target alone, a control of the engine's own sampling).
@@ -33,18 +39,36 @@ from typing import Optional
 
 import torch
 
+from . import block, tree
 from .adapters import AdapterUnavailable
 from .checks import ALPHA
 from .laws import chi2_pvalue
 from .protocol import make_params
 from .hf_usd import reindexed_target_logits, usd_misplaced_rows
-from .sampler import reference_verify
+from .sampler import MUTATIONS, reference_verify
 
-__all__ = ["GENERATORS", "markov_llama", "chain_tables", "chain_tokenizers", "continuation_law", "run_generator_audit"]
+__all__ = ["GENERATORS", "GREEDY_GENERATORS", "MUTANTS", "TREE", "markov_llama", "chain_tables", "chain_tokenizers",
+           "continuation_law", "greedy_path", "simulate", "run_generator_audit"]
 
-GENERATORS = ("ours", "transformers", "vllm", "ours-cross", "transformers-usd")
+GENERATORS = ("ours", "transformers", "vllm", "ours-cross", "transformers-usd", "ours-block", "ours-tree")
+GREEDY_GENERATORS = ("ours", "ours-block", "ours-tree")  # those run at temperature 0 (checked exactly)
 # vocabulary, hidden size (one head of 64: a size vLLM's CPU attention takes), continuation length, prompt
 VG, HIDDEN, LENGTH, PROMPT = 6, 64, 3, [2]
+TREE = (2, 2)  # ours-tree's static tree: 2 children of the root, 2 of each (6 nodes a step, depth 2)
+# each generator's mutant (a key of sampler.MUTATIONS, block.MUTATIONS or tree.MUTATIONS); at temperature 0
+# every generator's is GREEDY_MUTANT
+MUTANTS = {"ours": "accept_p", "transformers": "accept_p", "vllm": "accept_p", "ours-cross": "accept_p",
+           "transformers-usd": "accept_p", "ours-block": "block_residual_token", "ours-tree": "tree_siblings_unchanged"}
+GREEDY_MUTANT = "greedy_accept_all"
+MUTANT_SAYS = {
+    "accept_p": "speculative decoding of the same chains, accepting a draft with probability p(x)",
+    "block_residual_token": "block verification of the same chains (the audit's block sampler), "
+                            + block.MUTATIONS["block_residual_token"],
+    "tree_siblings_unchanged": f"tree speculative decoding of the same chains (tree {TREE}, the audit's own walk) that "
+                               + tree.MUTATIONS["tree_siblings_unchanged"],
+    GREEDY_MUTANT: "greedy speculative decoding of the same chains that accepts every draft (the draft chain's greedy "
+                   "tokens, then the target's argmax)",
+}
 
 
 # the chains' tokens as text (target id i writes CHARS[i]) and the draft tokenizer's id of each:
@@ -131,6 +155,15 @@ def continuation_law(table: torch.Tensor, last: int, L: int, temperature: float)
     return law
 
 
+def greedy_path(table: torch.Tensor, last: int, L: int) -> list:
+    """The L tokens of the chain's greedy path after token ``last`` (each the argmax of its row)."""
+    out = []
+    for _ in range(L):
+        last = int(table[last].argmax())
+        out.append(last)
+    return out
+
+
 def _index(seqs: list, V: int, L: int) -> torch.Tensor:
     bad = [s for s in seqs if len(s) != L or any(not 0 <= t < V for t in s)]
     if bad:
@@ -139,9 +172,12 @@ def _index(seqs: list, V: int, L: int) -> torch.Tensor:
 
 
 def simulate(target: torch.Tensor, draft: torch.Tensor, n: int, L: int, K: int, temperature: float,
-             mutation: Optional[str] = None, seed: int = 0) -> list:
+             mutation: Optional[str] = None, seed: int = 0, method: str = "token") -> list:
     """n continuations by speculative decoding of the chains (tables [V, V]) with the audit's own
-    sampler (``mutation``: one of its mutants), K drafts a step: the reference generator."""
+    sampler (``mutation``: one of its mutants), K drafts a step: the reference generator.
+    ``method`` "block": block verification by the audit's block sampler (``block.block_verify``,
+    ``mutation`` one of ``block.MUTATIONS``)."""
+    verify = block.block_verify if method == "block" else reference_verify
     g = torch.Generator().manual_seed(seed)
     V = target.shape[0]
     out = [[] for _ in range(n)]
@@ -157,22 +193,45 @@ def simulate(target: torch.Tensor, draft: torch.Tensor, n: int, L: int, K: int, 
         x = torch.stack(drafts, 1)  # [n, K]
         ctx = torch.cat([last[:, None], x], 1)  # [n, K+1]: the tokens whose successors are verified
         logits = target[ctx].float()  # [n, K+1, V]
-        params = make_params(n, K, temperature=temperature)
+        params = make_params(n, K, temperature=temperature, method=method)
         torch.manual_seed(int(torch.randint(0, 2 ** 31, (), generator=g)))
-        tokens, num = reference_verify(logits, x, torch.stack(probs, 1).float(), params, mutation=mutation)
+        tokens, num = verify(logits, x, torch.stack(probs, 1).float(), params, mutation=mutation)
         for b in range(n):
             out[b].extend(tokens[b, :int(num[b]) + 1].tolist())
         last = torch.tensor([o[-1] for o in out])
     return [o[:L] for o in out]
 
 
-def _ours(target_m, draft_m, n, L, K, temperature, seed):
+def _greedy_accept_all(target: torch.Tensor, draft: torch.Tensor, n: int, L: int, K: int) -> list:
+    """n continuations (all one) by greedy speculative decoding that accepts every draft: the
+    draft chain's K greedy tokens, then the target's argmax after the last, a step at a time."""
+    out, last = [], PROMPT[-1]
+    while len(out) < L:
+        for _ in range(K):
+            last = int(draft[last].argmax())
+            out.append(last)
+        last = int(target[last].argmax())
+        out.append(last)
+    return [out[:L]] * n
+
+
+def _ours(target_m, draft_m, n, L, K, temperature, seed, verification="token", tree_shape=None):
+    """``SpeculativeDecoder`` on the n prompts as one batch (``verification``: "token" or "block";
+    ``tree_shape``: tree drafting, whose loop runs the rows one after the other), row p seeded
+    seed + p.  Returns (continuations, what the report adds to its detail); a run that drafted
+    nothing, or accepted nothing, tested nothing and raises."""
     from ..decoding.decoder import SpeculativeDecoder
 
-    dec = SpeculativeDecoder(draft=draft_m, target=target_m, tokenizer=None, device="cpu", dtype="float32")
+    dec = SpeculativeDecoder(draft=draft_m, target=target_m, tokenizer=None, device="cpu", dtype="float32",
+                             verification=verification, tree=tree_shape)
     res = dec.generate([list(PROMPT)] * n, max_new_tokens=L, num_draft_tokens=K, temperature=temperature,
                        seed=seed)
-    return res.token_ids
+    drafted, accepted = res.stats.drafted_tokens, res.stats.accepted_tokens
+    what = f"tree {tree_shape}" if tree_shape is not None else f"{verification} verification"
+    if not drafted or not accepted:
+        raise RuntimeError(f"SpeculativeDecoder ({what}) drafted {drafted} tokens and accepted {accepted}: "
+                           f"nothing was verified")
+    return res.token_ids, f", {drafted} tokens drafted, {accepted} accepted"
 
 
 def _transformers(target_m, draft_m, n, L, K, temperature, seed, tokenizers=None, fix_scatter=False):
@@ -280,9 +339,15 @@ def run_generator_audit(name: str, trials: int, temperature: float = 1.0, K: int
     (vLLM): every request in one step (``max_num_seqs`` >= trials; by default 256, so that new
     requests' prefills share steps with other requests' speculative steps, as in serving).
     ``vocabulary`` (``ours-cross``): "intersection" or "string"; ``fix_usd`` (``transformers-usd``):
-    its draft logits scattered by ``reindexed_target_logits``."""
+    its draft logits scattered by ``reindexed_target_logits``.  ``temperature`` 0 (the generators
+    of ``GREEDY_GENERATORS``): an exact case, every continuation the target chain's greedy path.
+    The mutant is the generator's (``MUTANTS``; ``GREEDY_MUTANT`` at temperature 0), simulated by
+    the audit's own code on the same chains with ``trials`` continuations."""
     if name not in GENERATORS:
         raise ValueError(f"--generator must be one of {GENERATORS}, got {name!r}")
+    if temperature < 0 or (temperature == 0 and name not in GREEDY_GENERATORS):
+        raise ValueError(f"temperature must be > 0 (or 0, greedy, for {GREEDY_GENERATORS}), got {temperature} "
+                         f"for generator {name!r}")
     if vocabulary not in ("intersection", "string"):
         raise ValueError(f"vocabulary must be 'intersection' or 'string', got {vocabulary!r}")
     if K == 0 and name != "vllm":
@@ -293,8 +358,14 @@ def run_generator_audit(name: str, trials: int, temperature: float = 1.0, K: int
 
         python = find_vllm_python(vllm_python)
     target_t, draft_t = chain_tables()
-    law = continuation_law(target_t, PROMPT[-1], LENGTH, temperature)
+    greedy = temperature == 0
+    law = None if greedy else continuation_law(target_t, PROMPT[-1], LENGTH, temperature)
+    path = greedy_path(target_t, PROMPT[-1], LENGTH)
     what = f"K={K}" if K else "the target alone, no speculation: a control of the engine's own sampling"
+    if name == "ours-block":
+        what += ", block verification"
+    if name == "ours-tree":
+        what = f"tree {TREE} ({tree_nodes(TREE)} nodes a step, depth {len(TREE)})"
     if one_batch:
         what += ", all requests in one batch"
     cross = name in ("ours-cross", "transformers-usd")
@@ -302,12 +373,17 @@ def run_generator_audit(name: str, trials: int, temperature: float = 1.0, K: int
         what += (", the draft over another tokenizer" +
                  (f", vocabulary={vocabulary!r}" if name == "ours-cross" else ", transformers' intersection"
                   + (" with its scatter reindexed" if fix_usd else "")))
-    row = dict(case=f"continuations_L{LENGTH}_T{temperature:g}" + ("" if K else "_target_alone")
-               + ("_one_batch" if one_batch else "") + (f"_{vocabulary}" if name == "ours-cross" else ""),
-               shows=f"the law of whole continuations of length {LENGTH} (V={VG}, {what}, T={temperature:g}) equals "
-                     f"the target chain's", bound="chi-square over the V^L continuations "
-               "(pooled to expected >= 5), fail if p < 1e-4", mutant="accept_p",
-               mutant_says="speculative decoding of the same chains, accepting a draft with probability p(x)")
+    mutation = GREEDY_MUTANT if greedy else MUTANTS[name]
+    row = dict(case=f"continuations_L{LENGTH}_" + ("greedy" if greedy else f"T{temperature:g}")
+               + ("" if K else "_target_alone") + ("_one_batch" if one_batch else "")
+               + (f"_{vocabulary}" if name == "ours-cross" else ""),
+               shows=(f"every continuation of length {LENGTH} (V={VG}, {what}, greedy) is the target chain's greedy "
+                      f"path {path}" if greedy else
+                      f"the law of whole continuations of length {LENGTH} (V={VG}, {what}, T={temperature:g}) equals "
+                      f"the target chain's"),
+               bound="exact: 0 continuations differ" if greedy else
+               "chi-square over the V^L continuations (pooled to expected >= 5), fail if p < 1e-4",
+               mutant=mutation, mutant_says=MUTANT_SAYS[mutation])
     try:
         draft_m = markov_llama(draft_chain_in_draft_ids(draft_t) if cross else draft_t)
         models = (markov_llama(target_t), draft_m, trials, LENGTH, K, temperature, 1234)
@@ -315,22 +391,55 @@ def run_generator_audit(name: str, trials: int, temperature: float = 1.0, K: int
         if name == "vllm":
             seqs = _vllm(*models, python=python, fix_expand=fix_expand,
                          max_num_seqs=max(trials, 256) if one_batch else 256)
-        elif name == "ours":
-            seqs = _ours(*models)
+        elif name in ("ours", "ours-block", "ours-tree"):
+            seqs, steps = _ours(*models, verification="block" if name == "ours-block" else "token",
+                                tree_shape=TREE if name == "ours-tree" else None)
         elif name == "ours-cross":
             seqs, steps = _ours_cross(*models, vocabulary=vocabulary)
         else:
             seqs, steps = _transformers(*models, tokenizers=chain_tokenizers() if cross else None, fix_scatter=fix_usd)
-        stat, p, dof = chi2_pvalue(torch.bincount(_index(seqs, VG, LENGTH), minlength=VG ** LENGTH), law)
-        row.update(verdict="pass" if p >= ALPHA else "FAIL", statistic=stat, pvalue=p,
-                   detail=f"{trials} continuations{steps}: chi2 {stat:.4g} (dof {dof}), p {p:.3g}")
+        if greedy:
+            _index(seqs, VG, LENGTH)  # (ids checked)
+            wrong = sum(list(s) != path for s in seqs)
+            row.update(verdict="FAIL" if wrong else "pass", statistic=wrong, pvalue=0.0 if wrong else 1.0,
+                       detail=f"{trials} continuations{steps}: {wrong} differ from the greedy path {path}"
+                              + (f" (first: {next(list(s) for s in seqs if list(s) != path)})" if wrong else ""))
+        else:
+            stat, p, dof = chi2_pvalue(torch.bincount(_index(seqs, VG, LENGTH), minlength=VG ** LENGTH), law)
+            row.update(verdict="pass" if p >= ALPHA else "FAIL", statistic=stat, pvalue=p,
+                       detail=f"{trials} continuations{steps}: chi2 {stat:.4g} (dof {dof}), p {p:.3g}")
     except AdapterUnavailable:
         raise
     except Exception as e:  # noqa: BLE001 - the generator's error, reported as the case's
         row.update(verdict="error", statistic=None, pvalue=None,
                    detail=f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}")
     if mutants and K:  # (the control has no verification to get wrong)
-        seqs = simulate(target_t, draft_t, trials, LENGTH, K, temperature, mutation="accept_p", seed=5)
-        _, mp, _ = chi2_pvalue(torch.bincount(_index(seqs, VG, LENGTH), minlength=VG ** LENGTH), law)
+        seqs = _mutant_continuations(mutation, target_t, draft_t, trials, K, temperature)
+        if greedy:
+            mp = 0.0 if any(list(s) != path for s in seqs) else 1.0
+        else:
+            _, mp, _ = chi2_pvalue(torch.bincount(_index(seqs, VG, LENGTH), minlength=VG ** LENGTH), law)
         row.update(mutant_verdict="pass" if mp >= ALPHA else "FAIL", mutant_pvalue=mp)
     return [row]
+
+
+def tree_nodes(branching: tuple) -> int:
+    """The number of nodes of a static tree (the root not counted)."""
+    total, width = 0, 1
+    for b in branching:
+        width *= b
+        total += width
+    return total
+
+
+def _mutant_continuations(mutation: str, target_t, draft_t, n: int, K: int, temperature: float) -> list:
+    """n continuations of length LENGTH by the audit's own simulation with ``mutation``."""
+    if mutation == GREEDY_MUTANT:
+        return _greedy_accept_all(target_t, draft_t, n, LENGTH, K)
+    if mutation in tree.MUTATIONS:
+        return tree.simulate_tree(target_t, draft_t, n, LENGTH, TREE, PROMPT[-1], temperature, mutation=mutation, seed=5)
+    if mutation in block.MUTATIONS:
+        return simulate(target_t, draft_t, n, LENGTH, K, temperature, mutation=mutation, seed=5, method="block")
+    if mutation in MUTATIONS:
+        return simulate(target_t, draft_t, n, LENGTH, K, temperature, mutation=mutation, seed=5)
+    raise ValueError(f"unknown mutant {mutation!r}")
