@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from . import block
-from .cases import K, V, Case, Outcome, _chi, _finish, _out
+from .cases import K, V, Case, _chi, _finish, _out
 from .checks import counts
 from .laws import warp64
 from .protocol import Call, make_params

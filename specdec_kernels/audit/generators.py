@@ -437,7 +437,8 @@ def _mutant_continuations(mutation: str, target_t, draft_t, n: int, K: int, temp
     if mutation == GREEDY_MUTANT:
         return _greedy_accept_all(target_t, draft_t, n, LENGTH, K)
     if mutation in tree.MUTATIONS:
-        return tree.simulate_tree(target_t, draft_t, n, LENGTH, TREE, PROMPT[-1], temperature, mutation=mutation, seed=5)
+        return tree.simulate_tree(target_t, draft_t, n, LENGTH, TREE, PROMPT[-1], temperature, mutation=mutation,
+                                  seed=5)
     if mutation in block.MUTATIONS:
         return simulate(target_t, draft_t, n, LENGTH, K, temperature, mutation=mutation, seed=5, method="block")
     if mutation in MUTATIONS:
