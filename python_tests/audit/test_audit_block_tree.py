@@ -27,7 +27,7 @@ from specdec_kernels.audit.block_cases import BLOCK_CASES
 from specdec_kernels.audit.generators import (
     GREEDY_MUTANT, LENGTH, MUTANTS, PROMPT, TREE, VG, _index, chain_tables, continuation_law, greedy_path,
     run_generator_audit, simulate)
-from specdec_kernels.audit.laws import chi2_pvalue, warp64
+from specdec_kernels.audit.laws import chi2_pvalue, sequence_index, sequence_space, warp64
 from specdec_kernels.audit.protocol import make_params
 from specdec_kernels.audit.run import run_verifier_audit
 from specdec_kernels.audit.sampler import reference_verify
@@ -49,7 +49,7 @@ def _step(V=10, K=3, seed=0):
 def _completed(law, P):
     """[V^(K+1)]: the law of the emitted sequences, each continued by the target's P_{m+2}.. P_{K+1}."""
     K1, V = P.shape
-    offsets = block.sequence_offsets(V, K1 - 1)
+    offsets = sequence_space(V, K1 - 1)
     full = torch.zeros(V ** K1, dtype=torch.float64)
     for m in range(K1):
         part = law[offsets[m]:offsets[m + 1]]
@@ -87,10 +87,10 @@ def test_block_step_keeps_the_target_and_the_wrong_residual_does_not(seed):
 
 def test_sequence_index_numbers_each_emitted_sequence_once():
     V, K = 3, 2
-    assert block.sequence_offsets(V, K) == [0, 3, 12, 39]
+    assert sequence_space(V, K) == [0, 3, 12, 39]
     tokens = torch.tensor([[2, -1, -1], [0, 1, -1], [2, 2, 2], [0, 0, 0]])
     num = torch.tensor([0, 1, 2, 2])
-    assert block.sequence_index(tokens, num, V).tolist() == [2, 3 + 1, 12 + 26, 12]
+    assert sequence_index(tokens, num, V).tolist() == [2, 3 + 1, 12 + 26, 12]
 
 
 def test_block_sampler_draws_what_block_step_computes():
@@ -104,7 +104,7 @@ def test_block_sampler_draws_what_block_step_computes():
     for mutation in (None, "block_residual_token"):
         tokens, num = block.block_verify(*args, mutation=mutation)
         law = block.block_step_law(warp64(logits, 1.0), Q.float(), mutation=mutation)
-        idx = block.sequence_index(tokens, num, 10)
+        idx = sequence_index(tokens, num, 10)
         assert chi2_pvalue(torch.bincount(idx, minlength=len(law)), law)[1] > 1e-4, mutation
     token_rows = reference_verify(*args[:3], make_params(n, 3, seed=torch.arange(n)))
     assert torch.equal(block.block_verify(*args[:3], make_params(n, 3, seed=torch.arange(n)))[0], token_rows[0])

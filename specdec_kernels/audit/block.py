@@ -33,12 +33,11 @@ from typing import Optional
 
 import torch
 
-from .laws import warp64
+from .laws import sequence_index, sequence_space, warp64
 from .protocol import SamplingParams
 from .sampler import _draw, _uniforms, reference_verify
 
-__all__ = ["MUTATIONS", "block_verify", "block_step_law", "block_verifier", "mutant", "sequence_index",
-           "sequence_offsets"]
+__all__ = ["MUTATIONS", "block_verify", "block_step_law", "block_verifier", "mutant"]
 
 # name -> what the mutant gets wrong
 MUTATIONS = {
@@ -159,23 +158,6 @@ def mutant(mutation: str):
     return block_verifier(mutation)
 
 
-def sequence_offsets(V: int, K: int) -> list:
-    """[K + 2] ints: offset_m = V + V^2 + ... + V^m, the first index of the emitted sequences of
-    length m + 1 (m = 0..K accepted drafts); the last entry is the number of outcomes."""
-    return [sum(V ** j for j in range(1, m + 1)) for m in range(K + 2)]
-
-
-def sequence_index(tokens: torch.Tensor, num: torch.Tensor, V: int) -> torch.Tensor:
-    """[B] int64: the outcome index offset_m + sum_{i=0..m} t_i V^(m-i) of each row's emitted
-    sequence t_0..t_m (tokens [B, K+1] int64 in [0, V) where emitted, num [B] = m in [0, K])."""
-    B, K1 = tokens.shape
-    offsets = torch.tensor(sequence_offsets(V, K1 - 1), dtype=torch.int64)
-    idx = torch.zeros(B, dtype=torch.int64)
-    for i in range(K1):
-        idx = torch.where(i <= num, idx * V + tokens[:, i].clamp(min=0), idx)
-    return offsets[num] + idx
-
-
 def block_step_law(P: torch.Tensor, Q: torch.Tensor, drafts: Optional[torch.Tensor] = None,
                    mutation: Optional[str] = None) -> torch.Tensor:
     """[offset_{K+1}] float64 (``sequence_offsets``): the exact law of the emitted sequence
@@ -202,7 +184,7 @@ def block_step_law(P: torch.Tensor, Q: torch.Tensor, drafts: Optional[torch.Tens
     for i in range(K, -1, -1):
         tau_law[:, i] = (h[:, i] if i > 0 else 1.0) * tail
         tail = tail * (1 - h[:, i])
-    offsets = sequence_offsets(V, K)
+    offsets = sequence_space(V, K)
     law = torch.zeros(offsets[-1], dtype=torch.float64)
     for m in range(K1):
         e = _extra_weights(P[m].expand(M, -1), Q[min(m, K - 1)].expand(M, -1) if K else torch.zeros(M, V),

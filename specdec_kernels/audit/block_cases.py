@@ -27,7 +27,7 @@ import torch
 from . import block
 from .cases import K, V, Case, _chi, _finish, _out
 from .checks import counts
-from .laws import warp64
+from .laws import sequence_index, sequence_space, warp64
 from .protocol import Call, make_params
 
 __all__ = ["BLOCK_CASES"]
@@ -82,8 +82,8 @@ def _test(call: Call, out, law: torch.Tensor, what: str, tests: list, details: l
     """The chi-square of the emitted sequences of ``call``'s rows against ``law``, and the mean
     number accepted beside the law's."""
     tokens, num = _out(call, out)
-    offsets = block.sequence_offsets(V, K)
-    _chi(counts(block.sequence_index(tokens, num, V), offsets[-1]), law, what, tests, details)
+    offsets = sequence_space(V, K)
+    _chi(counts(sequence_index(tokens, num, V), offsets[-1]), law, what, tests, details)
     mean = sum(m * float(law[offsets[m]:offsets[m + 1]].sum()) for m in range(K + 1))
     details[-1] += f" (mean accepted {float(num.double().mean()):.3f}, law {mean:.3f})"
 
@@ -102,7 +102,8 @@ def _sequences_check(calls, outputs):
 
 def _fixed_check(calls, outputs):
     tests, details = [], []
-    for call, out, what in zip(calls, outputs, ("fixed drafts with q", "fixed drafts, one-hot q (draft_probs None)")):
+    for call, out, what in zip(calls, outputs, ("emitted sequences, fixed drafts with q",
+                                                  "emitted sequences, fixed drafts, one-hot q (draft_probs None)")):
         drafts = call.draft_tokens[0]
         q = call.draft_probs[0] if call.draft_probs is not None else torch.nn.functional.one_hot(drafts, V)
         _test(call, out, block.block_step_law(_P(call), q, drafts), what, tests, details)
@@ -116,9 +117,10 @@ BLOCK_CASES: list = [
          "exact law, drafts drawn per trial from q (T=1, K=3): P(tau = i) = h_i prod_{j>i} (1 - h_j), the extra "
          "token from norm(max(0, p_tau P - Q)) or the bonus", _BOUND.format(""), MUTATION, _sequences_build,
          _sequences_check, needs={"block"}, mutant_verifier=block.mutant(MUTATION),
-         mutant_says=block.MUTATIONS[MUTATION]),
+         mutant_says=block.MUTATIONS[MUTATION], reads=f"every token, every draft prefix; positions 0..{K}"),
     Case("block_fixed_drafts", "block verification's emitted sequence for one fixed draft sequence (T=0.8), with its "
          "q and with deterministic drafts (one-hot q)", _BOUND.format(" per call (Bonferroni over 2)"), MUTATION,
          _fixed_build, _fixed_check, needs={"block"}, mutant_verifier=block.mutant(MUTATION),
-         mutant_says=block.MUTATIONS[MUTATION] + " (the one-hot call cannot tell: its two residuals are one law)"),
+         mutant_says=block.MUTATIONS[MUTATION] + " (the one-hot call cannot tell: its two residuals are one law)",
+         reads=f"every token (fixed drafts, with q and one-hot); positions 0..{K}"),
 ]

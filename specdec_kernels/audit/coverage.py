@@ -22,6 +22,7 @@ import time
 import torch
 
 from .adapters import run_calls
+from .block import block_verifier
 from .checks import ALPHA
 from .laws import detectable_tv
 from .run import ALL_CASES, _seeded, evaluate
@@ -62,10 +63,8 @@ def coverage(trials: int, log=None) -> dict:
     for i, case in enumerate(ALL_CASES):
         t0 = time.perf_counter()
         calls = _seeded(i, case.build(trials))
-        ref = evaluate(case, calls, run_calls(_exact_reference, calls, seed=11))
-        if not (case.needs <= {"seed"}):  # a case of a feature the reference does not have (block)
-            ref = evaluate(case, calls, run_calls(case.mutant_verifier.reference, calls, seed=11)) \
-                if hasattr(case.mutant_verifier, "reference") else ref
+        exact = block_verifier() if "block" in case.needs else _exact_reference
+        ref = evaluate(case, calls, run_calls(exact, calls, seed=11))
         caught = []
         for name, fn in mutants.items():
             if not all(getattr(fn, f"supports_{n}", False) for n in case.needs):
@@ -85,7 +84,9 @@ def coverage(trials: int, log=None) -> dict:
 
 
 def _tv(x) -> str:
-    return "-" if x is None or math.isinf(x) else f"{x:.3f}"
+    if x is None or math.isinf(x):
+        return "-"
+    return f"{x:.3f}" if x >= 0.001 else f"{x:.1e} (exact)"
 
 
 def format_markdown(results: dict) -> str:
