@@ -147,3 +147,22 @@ def test_every_builtin_mutant_fails_its_case(size):
     rows = run_verifier_audit(_reference, n, cases=cases)
     assert all(r["verdict"] == "pass" for r in rows), [(r["case"], r["pvalue"]) for r in rows if r["verdict"] != "pass"]
     assert all(r["mutant_verdict"] == "FAIL" for r in rows), [(r["case"], r["mutant_pvalue"]) for r in rows]
+
+
+def test_a_case_of_several_calls_tests_the_ones_a_verifier_supports():
+    """step_warps runs one call per warp: a verifier without min-p is tested on the other three
+    (and a wrong sampler without min-p still fails them); min_p itself is n/a."""
+    def no_min_p(mutation=None):
+        def verify(target_logits, draft_tokens, draft_probs, params):
+            if bool((params.min_p > 0).any()):
+                raise NotImplementedError("no min-p here")
+            return reference_verify(target_logits, draft_tokens, draft_probs, params, mutation=mutation)
+        return verify
+
+    rows = {r["case"]: r for r in run_verifier_audit(no_min_p(), 2_000, cases=["step_warps", "min_p"],
+                                                     mutants=False)}
+    assert rows["min_p"]["verdict"] == "n/a", rows
+    assert rows["step_warps"]["verdict"] == "pass" and len(rows["step_warps"]["tests"]) == 3, rows
+    assert "min_p: not supported" in rows["step_warps"]["detail"]
+    (bad,) = run_verifier_audit(no_min_p("bonus_unwarped"), 2_000, cases=["step_warps"], mutants=False)
+    assert bad["verdict"] == "FAIL", bad

@@ -54,9 +54,11 @@ def evaluate(case: Case, calls: list, outputs: list) -> dict:
     """A case's outcome: verdict, statistic, p-value and detail."""
     errors = [o for o in outputs if isinstance(o, BaseException)]
     law_case = not case.bad_input
-    if law_case and errors and all(isinstance(e, NotImplementedError) for e in errors):
+    unsupported = [e for e in errors if isinstance(e, NotImplementedError)]
+    if law_case and unsupported and len(unsupported) == len(errors) and (len(errors) == len(outputs)
+                                                                        or not case.partial):
         return dict(verdict="n/a", statistic=None, pvalue=None, detail=f"not supported: {errors[0]}")
-    if law_case and errors:
+    if law_case and len(errors) > len(unsupported):
         e = errors[0]
         return dict(verdict="error", statistic=None, pvalue=None,
                     detail=f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}")
