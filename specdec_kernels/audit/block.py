@@ -33,7 +33,7 @@ from typing import Optional
 
 import torch
 
-from .laws import sequence_index, sequence_space, warp64
+from .laws import sequence_space, warp64
 from .protocol import SamplingParams
 from .sampler import _draw, _uniforms, reference_verify
 

@@ -18,7 +18,8 @@ from typing import Callable, Optional
 import torch
 
 from .checks import FormatError, combine, counts, emitted
-from .laws import boundary_margin, chi2_pvalue, pooled_bins, row_laws, sequence_index, sequence_law, step_weights, warp64
+from .laws import (boundary_margin, chi2_pvalue, pooled_bins, row_laws, sequence_index, sequence_law, step_weights,
+                   warp64)
 from .protocol import Call, make_params
 from .sampler import _warp
 

@@ -54,7 +54,6 @@ def simulate_tree(target: torch.Tensor, draft: torch.Tensor, n: int, L: int, bra
     if mutation is not None and mutation not in MUTATIONS:
         raise ValueError(f"mutation must be None or one of {sorted(MUTATIONS)}, got {mutation!r}")
     g = torch.Generator().manual_seed(seed)
-    V = target.shape[0]
     greedy = temperature == 0
     pt = torch.softmax(target / (temperature or 1.0), -1)  # [V, V]
     qt = torch.softmax(draft / (temperature or 1.0), -1)
