@@ -7,8 +7,9 @@
 # one-program-per-row kernel of bench/ops/rows_kernel.py, fused_triton_rows, side by side, each also under CUDA graph replay
 # at B <= 16; the device copy behind pct_of_copy), bench_e2e on random-weight models of the
 # embedded pair's and feature draft's shapes (the target's GGUF does not travel; acceptance
-# figures come from CPU runs). Works offline from a fresh copy of the repository. The limits of the tests and the five
-# benchmarks add up to 460 s (510 s with the grace periods); the build, random_pair.py and the
+# figures come from CPU runs), and the exactness audit of the Triton kernel (--quick). Works offline from a fresh copy
+# of the repository. The limits of the tests, the audit and the five benchmarks add up to 505 s (565 s with the grace
+# periods); the build, random_pair.py and the
 # set-up take about a minute (on the VM: 24 s to build on 2 cores, 9 s for the random pair), and
 # the embedded target's conversion up to 90 s more where its wheel is installed (not in the GPU
 # image): inside one 10-minute device call. bench_verify and bench_e2e write what they measured
@@ -18,7 +19,7 @@
 #   SPECDEC_COMMIT=$(git rev-parse --short=12 HEAD) ...   # where the copy has no .git (a copied
 #                                          # working tree): the commit every result row records
 #
-# Leaves in OUT_DIR: env.txt, build.log, tests.log, bench_verify_knobs.{csv,txt}, bench_verify.{csv,txt,png},
+# Leaves in OUT_DIR: env.txt, build.log, tests.log, audit.log, audit-verifier-ours-triton.{txt,json}, bench_verify_knobs.{csv,txt}, bench_verify.{csv,txt,png},
 # bench_e2e.{csv,txt,png}, trees/bench_e2e.{csv,txt,png} and gpu_check.log (everything printed). With $OUT set and
 # no OUT_DIR given (a remote runner that returns a few files from $OUT), they are written elsewhere and packed
 # into $OUT/gpu_check.tgz after every stage (and on exit), gpu_check.log copied beside it.
@@ -107,6 +108,13 @@ OMP_NUM_THREADS=2 timeout -s INT -k 10 140 $PY -m pytest $CUDA_TESTS -q -n 8 -rf
     >"$OUT_DIR/tests.log" 2>&1
 tests_rc=$?
 tail -n 40 "$OUT_DIR/tests.log"
+# The exactness audit of the Triton kernel itself (under the interpreter on a CPU it takes minutes
+# for a few hundred rows, so its report comes from here): every case at --quick size, 5,000 rows a call.
+stamp "specdec audit --verifier ours --backend triton --quick"
+timeout -s INT -k 10 45 $PY -m specdec_kernels audit --verifier ours --backend triton --quick \
+    --save "$OUT_DIR/audit-verifier-ours-triton" >"$OUT_DIR/audit.log" 2>&1
+audit_rc=$?
+tail -n 32 "$OUT_DIR/audit.log"
 # (the files without CUDA cases run on CPU in CI: their time here goes to the split kernel's
 # settings, the figures that decide its defaults; bench_verify_knobs writes each row as it is measured)
 stamp "bench_verify_knobs (the split kernel's launch settings side by side)"
@@ -139,5 +147,5 @@ timeout -s INT -k 10 30 $PY bench/decoding/bench_e2e.py --draft "$PAIR/draft" --
     --repeats 1 --max-new-tokens 32
 trees_rc=$?
 
-stamp "done: build=$build_rc tests=$tests_rc knobs=$knobs_rc bench_verify=$verify_rc bench_e2e=$e2e_rc trees=$trees_rc"
-[ $build_rc -eq 0 ] && [ $tests_rc -eq 0 ] && [ $knobs_rc -eq 0 ] && [ $verify_rc -eq 0 ] && [ $e2e_rc -eq 0 ]
+stamp "done: build=$build_rc tests=$tests_rc audit=$audit_rc knobs=$knobs_rc bench_verify=$verify_rc bench_e2e=$e2e_rc trees=$trees_rc"
+[ $build_rc -eq 0 ] && [ $tests_rc -eq 0 ] && [ $audit_rc -eq 0 ] && [ $knobs_rc -eq 0 ] && [ $verify_rc -eq 0 ] && [ $e2e_rc -eq 0 ]
