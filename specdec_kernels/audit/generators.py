@@ -179,7 +179,6 @@ def simulate(target: torch.Tensor, draft: torch.Tensor, n: int, L: int, K: int, 
     ``mutation`` one of ``block.MUTATIONS``)."""
     verify = block.block_verify if method == "block" else reference_verify
     g = torch.Generator().manual_seed(seed)
-    V = target.shape[0]
     out = [[] for _ in range(n)]
     last = torch.full((n,), PROMPT[-1], dtype=torch.int64)
     qt = torch.softmax(draft / temperature, -1)
