@@ -148,6 +148,60 @@ MACHINES = [
 ]
 
 
+QUICK_SCHEDULES = 3  # a case's schedules in the quick set
+
+
+def quick_schedules(k: int) -> list:
+    """The quick set's schedules of case k: [(form, machine, schedule seed)], the forms and machines
+    rotating across cases."""
+    return [(FORMS[(k + j) % len(FORMS)], MACHINES[(k * QUICK_SCHEDULES + j) % len(MACHINES)], 1000 * k + j)
+            for j in range(QUICK_SCHEDULES)]
+
+
+# Mutants of the protocol, each assuming that items finish in ticket order: (old, new) source
+# replacements in ``split_kernel.py``, applied to a copy of the module (``mutant_kernel``).
+_ARRIVE = "arrived = tl.atomic_add(pos_cnt_ptr + pid_bi, 1, sem=\"acq_rel\")"
+_RELEASE = "tl.atomic_xchg(ready_ptr + b, 1, sem=\"release\")"
+MUTANTS = {
+    # the combine done by the item of a position's last chunk, not by the position's last arrival
+    "combine_by_last_chunk_item": [("if arrived == NI - 1:", "if g == NI - 1:")],
+    # the final draw done by a row's last-numbered stage-2 item, not by its last arrival
+    "draw_by_last_numbered_item": [("if arrived == NI * (K1 if BLOCK else 1) - 1:",
+                                    "if pos * NI + g == NI * (K1 if BLOCK else 1) - 1:")],
+    # stage 2 reads the row's records without waiting for its ready flag
+    "stage2_without_ready_flag": [("_wait_ready(ready_ptr + b, POLL, SLEEP_NS)", "pass")],
+    # the ready flag released before the acceptance chain stores the row's records
+    "flag_before_chain_records": [
+        ("if rows_done == K1 - 1:\n", f"if rows_done == K1 - 1:\n                    {_RELEASE}\n"),
+        (f"tl.debug_barrier()\n                    {_RELEASE}\n", "tl.debug_barrier()\n")],
+    # a stage-1 item counted at its position before it stores its chunk records
+    "arrival_before_records": [
+        (f"tl.debug_barrier()\n            {_ARRIVE}\n", "tl.debug_barrier()\n"),
+        ("stage1_item(logits_ptr + l_off,", f"{_ARRIVE}\n            stage1_item(logits_ptr + l_off,")],
+}
+
+
+def mutant_kernel(name: str, folder) -> object:
+    """The split kernel with mutant ``name``'s replacements (each must match once): a copy of
+    ``split_kernel.py`` written to ``folder`` and imported beside it (its relative imports resolve
+    to the real stage functions)."""
+    import importlib.util
+    import pathlib
+
+    from specdec_kernels.ops.verify.triton import split_kernel
+
+    src = pathlib.Path(split_kernel.__file__).read_text()
+    for old, new in MUTANTS[name]:
+        assert src.count(old) == 1, (name, old)
+        src = src.replace(old, new)
+    path = pathlib.Path(folder) / f"split_kernel_{name}.py"
+    path.write_text(src)
+    spec = importlib.util.spec_from_file_location(f"specdec_kernels.ops.verify.triton._{name}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.verify_split_kernel
+
+
 def counter_names(B: int, K1: int):
     """``describe`` for ``interleaved``: what an element of the split kernel's counters is."""
     lay = counter_layout(B, K1)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from interleave_cases import (CASES, FORMS, MACHINES, assert_same, assert_torch_backend, check_claims, outputs, plain,
+from interleave_cases import (CASES, assert_same, assert_torch_backend, check_claims, outputs, plain, quick_schedules,
                               run_interleaved)
 from specdec_kernels.ops.verify import workspace as workspace_mod
 
@@ -20,9 +20,6 @@ def _own_workspaces(monkeypatch):
     monkeypatch.setattr(workspace_mod, "_WORKSPACES", {})
 
 
-QUICK_SCHEDULES = 3
-
-
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_interleaved_schedules_give_the_torch_backends_outputs(case):
     """Three schedules a case (the forms and machines rotate across cases, a handful of schedules
@@ -31,10 +28,7 @@ def test_interleaved_schedules_give_the_torch_backends_outputs(case):
     want = outputs(case.call("torch", seed=k))
     base = plain(case, k, {})
     assert_torch_backend(base, want)
-    for j in range(QUICK_SCHEDULES):
-        form = FORMS[(k + j) % len(FORMS)]
-        machine = MACHINES[(k * QUICK_SCHEDULES + j) % len(MACHINES)]
-        got, launch = run_interleaved(case, k, form, machine, schedule_seed=1000 * k + j)
-        what = (case.name, form, machine, 1000 * k + j)
-        assert_same(got, base, what)
+    for form, machine, seed in quick_schedules(k):
+        got, launch = run_interleaved(case, k, form, machine, seed)
+        assert_same(got, base, (case.name, form, machine, seed))
         check_claims(launch, case, form)

@@ -11,10 +11,14 @@ holder runs, and it hands the baton on
 - and, with ``Schedule.every_access``, before every other global load and store,
 
 to a program drawn by ``random.Random(schedule.seed)``: a seed is a reproducible schedule.  The
-interpreter's per-program state, the program id of ``tl.program_id``, is restored at each switch.
-``Schedule.resident`` = R < G starts programs R + 1.. only when an earlier one exits (a grid larger
-than the machine); ``Schedule.starve`` keeps one program off the baton until
-``Schedule.starve_stretch`` switches have passed since it last held it (a slow multiprocessor).
+draw is weighted by speeds that the scheduler redraws every few switches (``Schedule.phase``), so
+programs run at varied relative speeds and now and then one nearly stops for a while: the orders
+in which one program overtakes another by many steps (a later item finishing first) come up, not
+only the near-lockstep of a uniform draw.  The interpreter's per-program state, the program id of
+``tl.program_id``, is restored at each switch.  ``Schedule.resident`` = R < G starts programs
+R + 1.. only when an earlier one exits (a grid larger than the machine); ``Schedule.starve`` keeps
+one program off the baton for every other stretch of ``Schedule.starve_stretch`` switches (a slow
+multiprocessor, stopped at whatever point of its work the stretch begins).
 
 A run fails, naming each program, the tickets it claimed (``ticket=``: the counter the kernel
 claims work from) and what it was doing:
@@ -89,8 +93,10 @@ class Schedule:
     seed: the scheduler's ``random.Random`` seed.  resident: R, the programs that run at once
     (None: all of the grid); program R + k starts when the k-th one exits.  every_access: also
     switch before every global load and store (not only before atomics and volatile loads).
-    starve: a program id kept off the baton until ``starve_stretch`` switches have passed since it
-    last held it (it still runs when no other program can).  deadlock_switches, deadlock_polls:
+    phase: the mean number of switches between redraws of the programs' speeds (each program's
+    weight in the draw is 2^-e, e uniform in 0..6; 0: a uniform draw throughout).  starve: a
+    program id kept off the baton for every other stretch of ``starve_stretch`` switches, the
+    first from a random point (it still runs when no other program can).  deadlock_switches, deadlock_polls:
     a launch fails as a deadlock after that many switches without a store, once every live
     program's last ``deadlock_polls`` operations or more were polls.  max_switches: a launch
     that takes more fails."""
@@ -98,6 +104,7 @@ class Schedule:
     seed: int = 0
     resident: Optional[int] = None
     every_access: bool = False
+    phase: int = 24
     starve: Optional[int] = None
     starve_stretch: int = 64
     deadlock_switches: int = 400
@@ -105,7 +112,7 @@ class Schedule:
     max_switches: int = 1_000_000
 
     def __post_init__(self):
-        for name, lo in (("resident", 1), ("starve", 0), ("starve_stretch", 1), ("deadlock_switches", 1),
+        for name, lo in (("resident", 1), ("phase", 0), ("starve", 0), ("starve_stretch", 1), ("deadlock_switches", 1),
                          ("deadlock_polls", 1), ("max_switches", 1)):
             v = getattr(self, name)
             if (v is not None or name not in ("resident", "starve")) and not (isinstance(v, int) and v >= lo):
@@ -144,42 +151,49 @@ class _Program:
         self.polling = False  # its last operation was a poll
         self.last_poll = ""  # what it polled last, and what it read
         self.doing: tuple = ("not started",)  # (what, address, element size) of its next operation
-        self.last_ran = 0  # the switch at which it last took the baton
         self.thread: Optional[threading.Thread] = None
 
 
-def _extents(named: dict) -> list:
-    """[(lo, hi, name)] byte ranges of the tensor arguments, sorted; aliases keep the first name."""
+def _extents(named: dict) -> tuple:
+    """([(lo, hi, name)] byte ranges of the tensor arguments, sorted, aliases under the first name;
+    {name: (lo, hi)} of every tensor argument, aliases included)."""
     import torch
 
-    out, seen = [], set()
+    out, by_name, seen = [], {}, set()
     for name, t in named.items():
-        if not isinstance(t, torch.Tensor) or t.numel() == 0:
+        if not isinstance(t, torch.Tensor):
             continue
         el = t.element_size()
+        if t.numel() == 0:
+            by_name[name] = (t.data_ptr(), t.data_ptr())
+            continue
         lo = t.data_ptr() + el * sum(min(0, (n - 1) * s) for n, s in zip(t.shape, t.stride()))
         hi = t.data_ptr() + el * (sum(max(0, (n - 1) * s) for n, s in zip(t.shape, t.stride())) + 1)
+        by_name[name] = (lo, hi)
         if (lo, hi) not in seen:
             seen.add((lo, hi))
             out.append((lo, hi, name))
-    return sorted(out)
+    return sorted(out), by_name
 
 
 class _Run:
     """The baton, the scheduler and the checks of one launch."""
 
-    def __init__(self, schedule: Schedule, grid: int, extents: list, ticket_addr: Optional[int], describe,
+    def __init__(self, schedule: Schedule, grid: int, extents: tuple, ticket_addr: Optional[int], describe,
                  launch: Launch, builder):
         self.s = schedule
         self.grid = grid
-        self.extents = extents
-        self.los = np.array([e[0] for e in extents], dtype=np.uint64)
-        self.his = np.array([e[1] for e in extents], dtype=np.uint64)
+        self.extents, self.by_name = extents
+        self.los = np.array([e[0] for e in self.extents], dtype=np.uint64)
+        self.his = np.array([e[1] for e in self.extents], dtype=np.uint64)
         self.ticket_addr = ticket_addr
         self.describe = describe
         self.launch = launch
         self.builder = builder
         self.rng = random.Random(schedule.seed)
+        self.weights = [1.0] * grid
+        self.next_phase = 0
+        self.starve_offset = self.rng.randrange(schedule.starve_stretch)
         self.cond = threading.Condition()
         self.programs = [_Program(p) for p in range(grid)]
         self.pending = list(range(grid))
@@ -236,11 +250,14 @@ class _Run:
         if not live:
             return None
         s = self.s
-        if s.starve is not None and len(live) > 1:
-            starved = [p for p in live if p.pid == s.starve and self.switches - p.last_ran < s.starve_stretch]
-            if starved:
-                live = [p for p in live if p.pid != s.starve]
-        return self.rng.choice(live).pid
+        if s.starve is not None and len(live) > 1 and (self.switches + self.starve_offset) // s.starve_stretch % 2:
+            live = [p for p in live if p.pid != s.starve] or live
+        if s.phase and self.switches >= self.next_phase:
+            self.weights = [2.0 ** -self.rng.randint(0, 6) for _ in range(self.grid)]
+            self.next_phase = self.switches + self.rng.randint(1, 2 * s.phase)
+        if len(live) == 1:
+            return live[0].pid
+        return self.rng.choices(live, weights=[self.weights[p.pid] for p in live])[0].pid
 
     def _stuck(self) -> bool:
         s = self.s
@@ -274,7 +291,6 @@ class _Run:
             self.cond.wait_for(lambda: self.holder == prog.pid or self.failure is not None)
             if self.failure is not None:
                 raise _Abort()
-        prog.last_ran = self.switches
         self.builder.set_grid_idx(prog.pid, 0, 0)
 
     def switch(self, what: str, addr: int, el: int) -> None:
@@ -317,7 +333,6 @@ class _Run:
                 self.cond.wait_for(lambda: self.holder == prog.pid or self.failure is not None)
                 if self.failure is not None:
                     raise _Abort()
-                prog.last_ran = self.switches
             prog.doing = ("running",)
             self.builder.set_grid_idx(prog.pid, 0, 0)
             fn(**args)
@@ -364,26 +379,35 @@ class _Run:
         if self.failure is not None:
             raise self.failure
 
-    def check(self, what: str, addrs: np.ndarray, el: int) -> None:
-        """Fail the run if an address of ``addrs`` (the unmasked lanes) lies outside every argument."""
+    def check(self, what: str, ptrs, addrs: np.ndarray, el: int) -> None:
+        """Fail the run if an address of ``addrs`` (the unmasked lanes of ``ptrs``) lies outside the
+        argument the pointer was derived from (outside every argument, where that is not known)."""
         if addrs.size == 0:
             return
-        k = np.searchsorted(self.los, addrs, side="right").astype(np.int64) - 1
-        ok = k >= 0
-        kk = np.maximum(k, 0)
-        ok &= addrs + np.uint64(el) <= self.his[kk] if self.his.size else False
+        base = ptrs.attr.get(_ARG)
+        if base is not None:
+            lo, hi = self.by_name[base]
+            ok = (addrs >= np.uint64(lo)) & (addrs + np.uint64(el) <= np.uint64(hi))
+        elif self.his.size:
+            k = np.searchsorted(self.los, addrs, side="right").astype(np.int64) - 1
+            ok = (k >= 0) & (addrs + np.uint64(el) <= self.his[np.maximum(k, 0)])
+        else:
+            ok = np.zeros(addrs.shape, dtype=bool)
         if not np.all(ok):
             bad = int(addrs[~ok][0])
-            k0 = int(np.searchsorted(self.los, np.uint64(bad), side="right")) - 1
-            near = ""
-            if k0 >= 0:
-                lo, hi, name = self.extents[k0]
-                near = f"; {name} holds {(hi - lo) // el} elements, this is element {(bad - lo) // el}"
+            if base is not None:
+                lo, hi = self.by_name[base]
+                near = f"; {base} holds {(hi - lo) // el} elements, this is element {(bad - lo) // el}"
+            else:
+                near = f"; no argument holds it ({self.name(bad, el)})"
             prog = self.current()
             with self.cond:
                 self.fail(OutOfBounds(f"{self.who(prog)}: {what} out of bounds at {bad:#x} "
                                       f"({int((~ok).sum())} of {addrs.size} lanes){near}"))
             raise _Abort()
+
+
+_ARG = "interleave.arg"  # a pointer handle's attribute: the kernel argument it was derived from
 
 
 def _masked(ptrs, mask) -> np.ndarray:
@@ -422,6 +446,11 @@ class _State:
         self.run: Optional[_Run] = None
 
 
+# The builder's operations whose result points into the same argument as their pointer operand.
+_DERIVING = ("create_addptr", "create_splat", "create_broadcast", "create_expand_dims", "create_unsplat",
+             "create_trans")
+
+
 def _wrap_builder(builder, state: _State) -> dict:
     """The builder's memory operations, each a switch point (atomics and volatile loads always,
     plain loads and stores with ``every_access``) with the bounds check; returns the originals."""
@@ -437,7 +466,7 @@ def _wrap_builder(builder, state: _State) -> dict:
         addrs = _masked(ptrs, mask)
         if is_volatile or state.schedule.every_access:
             run.switch("volatile load of" if is_volatile else "load of", int(ptrs.data.reshape(-1)[0]), el)
-        run.check("load", addrs, el)
+        run.check("load", ptrs, addrs, el)
         ret = cls.create_masked_load(builder, ptrs, mask, other, cache_policy, is_volatile)
         if is_volatile and addrs.size:
             run.after(False, poll=f"volatile load of {run.name(int(addrs[0]), el)} reads "
@@ -454,7 +483,7 @@ def _wrap_builder(builder, state: _State) -> dict:
         addrs = _masked(ptrs, mask)
         if state.schedule.every_access:
             run.switch("store to", int(ptrs.data.reshape(-1)[0]), el)
-        run.check("store", addrs, el)
+        run.check("store", ptrs, addrs, el)
         ret = cls.create_masked_store(builder, ptrs, value, mask, cache_policy)
         run.after(addrs.size > 0)
         return ret
@@ -467,7 +496,7 @@ def _wrap_builder(builder, state: _State) -> dict:
         addrs = _masked(ptr, mask)
         first = int(ptr.data.reshape(-1)[0])
         run.switch(f"atomic {kind} on", first, el)
-        run.check(f"atomic {kind}", addrs, el)
+        run.check(f"atomic {kind}", ptr, addrs, el)
         np_dtype = _get_np_dtype(ptr.get_element_ty())
         before = _values(ptr, mask, np_dtype)
         ret = do()
@@ -491,8 +520,22 @@ def _wrap_builder(builder, state: _State) -> dict:
     def atomic_cas(ptr, cmp, val, sem, scope):
         return atomic("cas", ptr, None, lambda: cls.create_atomic_cas(builder, ptr, cmp, val, sem, scope))
 
+    def derived(name):
+        """The builder's ``name`` with the result's pointer provenance taken from its first operand."""
+        op = getattr(cls, name)
+
+        def derive(*args):
+            out = op(builder, *args)
+            src = next((a for a in args if hasattr(a, "attr")), None)
+            if state.run is not None and src is not None and _ARG in src.attr:
+                out.attr[_ARG] = src.attr[_ARG]
+            return out
+
+        return derive
+
     wrappers = dict(create_masked_load=masked_load, create_masked_store=masked_store,
-                    create_atomic_rmw=atomic_rmw, create_atomic_cas=atomic_cas)
+                    create_atomic_rmw=atomic_rmw, create_atomic_cas=atomic_cas,
+                    **{name: derived(name) for name in _DERIVING})
     saved = {name: builder.__dict__.get(name) for name in wrappers}
     for name, w in wrappers.items():
         setattr(builder, name, w)
@@ -517,6 +560,9 @@ def _executor_class(base, state: _State):
             try:
                 named = inspect.getcallargs(self.fn, *args_hst, **kwargs_hst)
                 args = {name: arg if name in self.constexprs else ti._implicit_cvt(arg) for name, arg in named.items()}
+                for name, arg in args.items():
+                    if hasattr(named[name], "data_ptr") and hasattr(arg, "handle"):
+                        arg.handle.attr[_ARG] = name  # where its pointers may go
                 grid = self.grid(args) if callable(self.grid) else self.grid
                 grid = tuple(grid) + (1,) * (3 - len(grid))
                 if grid[1] != 1 or grid[2] != 1:
