@@ -3,19 +3,23 @@
 program, switches at every access or at atomics only, under every launch-settings form.  Each
 launch gives the torch backend's tokens and counts (log-probabilities within the fp32 tolerance),
 the plain interpreter's outputs bit for bit, no deadlock, no access out of bounds, and the items
-``_ticket_item`` numbers, ticket by ticket."""
+``_ticket_item`` numbers, ticket by ticket.  A quick set (42 schedules), a slow set (816), the
+protocol's mutants (each caught within the quick set's schedules), and the tree kernel."""
 
 from __future__ import annotations
 
-import pytest
-
 import random
 
+import pytest
+
+from helpers import HAS_CUDA
 from interleave_cases import (CASES, MACHINES, MUTANTS, SLOW_CASES, assert_same, assert_torch_backend, check_claims,
                               full_form, mutant_kernel, outputs, plain, quick_schedules, run_interleaved)
 from specdec_kernels.ops.interleave import InterleaveError
 from specdec_kernels.ops.verify.triton import split_kernel
 from specdec_kernels.ops.verify import workspace as workspace_mod
+
+pytestmark = pytest.mark.skipif(HAS_CUDA, reason="the interleaving runs Triton's interpreter (CPU tensors)")
 
 
 @pytest.fixture(autouse=True)
