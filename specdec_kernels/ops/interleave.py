@@ -57,6 +57,9 @@ against all of them.
 Use it for tests only: it replaces the interpreter's grid executor and wraps its builder's memory
 operations for the duration of the block (both restored on exit).  A launch costs a little more
 than under the plain interpreter (the split kernel's: 5-50% more, the most with ``every_access``).
+
+This module is long for one reason: the baton, the scheduler, the checks and the interpreter's
+hooks all act on one launch's state (``_Run``), and apart they would share it across modules.
 """
 
 from __future__ import annotations
