@@ -74,6 +74,24 @@ VARIANTS = [
     ("fp32 V = 100", "fp32", "i64", 100, 3, True, True, True, False),
 ]
 
+# The split kernel's memory-ordering instructions as Triton lowers them for sm_90: the ticket's
+# and the arrivals' atomic adds (acq_rel or relaxed), the ready flag's release exchange, the
+# polls' acquire (an atomic add of 0 with acquire order becomes an acquire load) and the relaxed
+# poll's volatile loads.
+_ORDERING = re.compile(r"\b(?:atom\.global\.gpu\.\w+\.\w+\.\w+|ld\.global\.gpu\.acquire\.\w+"
+                       r"|ld\.volatile\.global\.\w+)")
+
+
+def split_kernel_atomics(ptx: str) -> dict:
+    """{instruction: count} of the memory-ordering instructions in a kernel's PTX (``_ORDERING``),
+    with ``bar.sync``'s count (the barrier before each arrival and before the flag's release)."""
+    out: dict = {}
+    for m in _ORDERING.findall(ptx):
+        out[m] = out.get(m, 0) + 1
+    out["bar.sync"] = ptx.count("bar.sync")
+    return out
+
+
 _USAGE = re.compile(r"Function (\S+):\s*\n\s*REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
 
 
@@ -385,6 +403,8 @@ def _compile_one(kernel, meta: dict, signature: dict, name: str, arch: int, show
         row.update(ok=True, enable_fp_fusion=options["enable_fp_fusion"],
                    fma_f32=ptx.count("fma.rn.f32"), fma_f64=ptx.count("fma.rn.f64"),
                    **resource_usage(path).get(kname, {}), **_spills(log.getvalue()))
+        if kname == "verify_split_kernel":
+            row["ordering"] = split_kernel_atomics(ptx)
     except Exception as e:  # noqa: BLE001  (reported, and the exit status says it)
         row.update(ok=False, error=f"{type(e).__name__}: {e}"[-2000:])
     row["seconds"] = round(time.time() - t0, 2)

@@ -77,6 +77,22 @@ def _spill_bound(kernel: str, variant: str) -> int:
     return 256 if heavy else 16
 
 
+def _split_ordering(ticket: int, poll: int) -> dict:
+    """The split kernel's memory-ordering instructions in its PTX (Triton 3.9, sm_90), what the
+    interleaving tests (``ops.interleave``, sequentially consistent) cannot see: the three
+    arrivals (position, row, stage 2) as acq_rel adds; the two ticket claims (the first, and the
+    loop's or the prefetch's) acq_rel (TICKET 0) or relaxed; the ready flag's release exchange;
+    the poll's acquire, an acquire load (two with POLL 0: the first poll and the loop's; one with
+    POLL 1, after the loop's two volatile loads)."""
+    want = {"atom.global.gpu.acq_rel.add.u32": 3 + (2 if ticket == 0 else 0),
+            "atom.global.gpu.release.exch.b32": 1, "ld.global.gpu.acquire.b32": 2 if poll == 0 else 1}
+    if ticket:
+        want["atom.global.gpu.relaxed.add.u32"] = 2
+    if poll:
+        want["ld.volatile.global.b32"] = 2
+    return want
+
+
 def test_verify_kernels_compile_for_sm90(tmp_path):
     sys.path.insert(0, os.path.dirname(SCRIPT))
     # the lists only: the check runs in a subprocess
@@ -113,6 +129,11 @@ def test_verify_kernels_compile_for_sm90(tmp_path):
         # reference's roundings, whatever Triton's default)
         assert r["enable_fp_fusion"] is False, what
         assert r["fma_f32"] == 0 and r["fma_f64"] == 0, (what, r["fma_f32"], r["fma_f64"])
+        if r["kernel"] == "verify_split_kernel":
+            order = dict(r["ordering"])
+            # a bar.sync before each of the three arrivals and before the flag's release, at least
+            assert order.pop("bar.sync") >= 4, (what, r["ordering"])
+            assert order == _split_ordering(r["TICKET"], r["POLL"]), (what, r["ordering"])
 
 
 @pytest.mark.skipif(not _nvcc_available(), reason="nvcc not found: the CUDA source compile check needs a CUDA "

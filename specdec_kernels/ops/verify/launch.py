@@ -134,6 +134,26 @@ _TICKETS = ("acq_rel", "relaxed", "prefetch")
 _POLLS = ("acquire", "relaxed")
 # The settings every launch uses; ``ops.kernels.launch_settings`` changes them within a block.
 SETTINGS = SplitSettings()
+# The grid of a launch on CPU tensors (Triton's interpreter, which runs a grid's programs one after
+# another: the first claims every ticket); ``interpreter_grid`` changes it within a block.
+_INTERPRETER_GRID = 1
+
+
+@contextlib.contextmanager
+def interpreter_grid(programs: int):
+    """Within the block, a launch on CPU tensors (Triton's interpreter) runs ``programs`` programs
+    instead of 1, restored on exit.  For ``ops.interleave``, which runs them as interleaved
+    threads; under the plain interpreter the first program claims every ticket and the others
+    find none left.  CUDA launches keep their grid."""
+    global _INTERPRETER_GRID
+    if isinstance(programs, bool) or not isinstance(programs, int) or programs < 1:
+        raise ValueError(f"interpreter_grid: programs must be an int >= 1, got {programs!r}")
+    old = _INTERPRETER_GRID
+    _INTERPRETER_GRID = programs
+    try:
+        yield programs
+    finally:
+        _INTERPRETER_GRID = old
 
 
 @functools.lru_cache(maxsize=None)
@@ -265,7 +285,7 @@ def _launch(a: _Args, lay: _Layout, order: Optional[torch.Tensor] = None,
     ni = -(-nc // meta["TILES"])  # work items per position
     n1 = B * K1 * ni
     n_items = n1 + B * ni * (K1 if lay.block else 1)  # stage 2: per row (block: per row and position)
-    grid = 1 if dev.type != "cuda" else min(n_items, _sm_count(dev.index) * SETTINGS.programs_per_sm)
+    grid = _INTERPRETER_GRID if dev.type != "cuda" else min(n_items, _sm_count(dev.index) * SETTINGS.programs_per_sm)
     if n_items + 2 * grid >= 2**31:  # the kernel's int32 ticket (a prefetching program claims two)
         raise ValueError(f"fused_verify: {n_items} work items (B = {B}, K + 1 = {K1}, {ni} a position) must stay "
                          f"below 2^31 - {2 * grid}")
