@@ -211,7 +211,8 @@ def main(argv=None):
     if prep is not None:
         s_, b_ = prep["seconds"], prep["bytes"]
         summary.append(f"# preparation: {prep['weights']} weights, {prep['elements'] / 1e6:.0f}M elements, "
-                       f"{prep['exact_weights']} fp16-exact; {b_['prepare'] / s_['prepare'] / 1e9:.1f} GB/s against a plain "
+                       f"{prep['exact_weights']} fp16-exact; {b_['prepare'] / s_['prepare'] / 1e9:.1f} GB/s "
+                       f"against a plain "
                        f"fp16 copy's {b_['copy_fp16'] / s_['copy_fp16'] / 1e9:.1f} GB/s "
                        f"({b_['prepare'] / s_['prepare'] / (b_['copy_fp16'] / s_['copy_fp16']):.0%}) and a clone's "
                        f"{b_['clone'] / s_['clone'] / 1e9:.1f} GB/s; seconds {s_['prepare']:.3f} / "

@@ -124,7 +124,8 @@ def test_wrappers():
     w16 = fp16_exact_copy(w)
     assert w16 is not None and torch.equal(w16, w.half()) and fp16_copy_matches(w, w16)
     assert fp16_exact_copy(w + 1e-3) is None
-    with pytest.raises(ValueError, match=r"^fp16_exact_copy: w must be a float32 CPU tensor, got torch.float16 on cpu$"):
+    with pytest.raises(ValueError,
+                       match=r"^fp16_exact_copy: w must be a float32 CPU tensor, got torch.float16 on cpu$"):
         fp16_exact_copy(w16)
     with pytest.raises(TypeError, match=r"^fp16_exact_copy: w must be a tensor, got list$"):
         fp16_exact_copy([1.0])
