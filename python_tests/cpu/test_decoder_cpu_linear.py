@@ -170,6 +170,45 @@ def test_weight_copies_are_made_once_per_model():
             assert now is cached[id(m)]  # kept
 
 
+def test_a_weight_changed_in_place_between_calls_is_caught():
+    """The same decoder, one fp16-exact weight changed in place between two calls, through the
+    parameter (its version moves) and then through ``.data`` (it does not; a new decoder's
+    revalidation reads the copies): each change gives the tokens of the target as changed, the
+    copy is made again from the new values, and the other layers keep theirs."""
+    _, t = _pair()
+    with torch.no_grad():
+        for p in t.parameters():
+            p.copy_(p.half().float())
+    draft = copy.deepcopy(t)
+
+    def refs():
+        with torch.inference_mode():
+            return [t.generate(torch.tensor([p]), do_sample=False, max_new_tokens=8,
+                               pad_token_id=0)[0, len(p):].tolist() for p in PROMPTS[:3]]
+
+    dec = SpeculativeDecoder(draft, t)
+    before = refs()
+    assert dec.generate(PROMPTS[:3], max_new_tokens=8).token_ids == before
+    head = t.lm_head if t.lm_head.weight is not t.model.embed_tokens.weight else t.model.layers[0].mlp.down_proj
+    copies = {id(m): m.__dict__["_specdec_fp16"] for m in t.modules() if "_specdec_fp16" in m.__dict__}
+    assert copies[id(head)][3] is not None
+    with torch.no_grad():
+        head.weight.neg_()  # in place, exact in fp16 still: only a new copy gives these tokens
+    after = refs()
+    assert after != before  # the change moves the target's tokens, so a stale copy would be seen
+    assert dec.generate(PROMPTS[:3], max_new_tokens=8).token_ids == after
+    assert torch.equal(head.__dict__["_specdec_fp16"][3].float(), head.weight)
+    with torch.no_grad():
+        head.weight.data.neg_()  # through .data: no version bump
+    assert refs() == before
+    dec = SpeculativeDecoder(draft, t)
+    assert dec.generate(PROMPTS[:3], max_new_tokens=8).token_ids == before
+    assert torch.equal(head.__dict__["_specdec_fp16"][3].float(), head.weight)
+    for m in t.modules():
+        if m is not head and id(m) in copies:
+            assert m.__dict__["_specdec_fp16"] is copies[id(m)]  # kept
+
+
 class _Spy(CpuAccelerator):
     """A CpuAccelerator that records what the decoder asks of it."""
 

@@ -30,15 +30,10 @@ from torch import Tensor, nn
 
 from ..ops.extension import HAS_EXT
 from ..ops.host import tensor_version
-from ..ops.linear import auto_isa, skinny_linear, supported_isas
+from ..ops.linear import auto_isa, fp16_copy_matches, fp16_exact_copy, skinny_linear, supported_isas
 
 __all__ = ["AVX512_MAX_ROWS", "DEFAULT_MAX_ROWS", "SkinnyLinearHandle", "auto_isa", "default_max_rows", "forget_weight_copies",
            "revalidate_weight_copies", "skinny_linear", "supported_isas", "use_skinny_linear"]
-
-# Weights are checked and copied to fp16 in chunks of this many elements: no fp32 temporary of
-# a whole weight, and a weight fp16 does not hold exactly is given up at its first inexact chunk
-# (a trained fp32 or bf16 weight almost always has one in its first chunk).
-_FP16_CHUNK = 1 << 20
 
 # Up to this many rows (the product of x's leading dims) the kernel's AVX2 path beats torch's
 # linear in bench/cpu/bench_skinny_linear.py (docs/benchmarks.md, "Linear layers on CPU"); above it
@@ -103,26 +98,17 @@ def _exact_fp16_copy(m: nn.Linear) -> Optional[Tensor]:
 
 
 def _fp16_if_exact(w: Tensor) -> Optional[Tensor]:
-    """w as fp16 if fp16 holds every value exactly, else None; chunk by chunk (``_FP16_CHUNK``),
-    stopping at the first chunk that is not exact."""
-    flat = w.reshape(-1)
-    out = torch.empty(flat.shape, dtype=torch.float16, device=w.device)
-    for start in range(0, flat.numel(), _FP16_CHUNK):
-        c = flat[start:start + _FP16_CHUNK]
-        h = out[start:start + _FP16_CHUNK]
-        h.copy_(c)
-        if not torch.equal(h.float(), c):
-            return None
-    return out.view(w.shape)
+    """w as fp16 if fp16 holds every value exactly, else None: one pass over w
+    (``ops.linear.fp16_exact_copy``: each value read once, converted, written once and checked in
+    registers; stops at the first inexact block, which a trained fp32 or bf16 weight almost always
+    has at its start)."""
+    return fp16_exact_copy(w)
 
 
 def _copy_is_current(w: Tensor, w16: Tensor) -> bool:
-    """Whether an fp16 copy still equals its fp32 weight, chunk by chunk (early exit)."""
-    if w16.shape != w.shape:
-        return False
-    a, b = w.detach().reshape(-1), w16.reshape(-1)
-    return all(torch.equal(b[s:s + _FP16_CHUNK].float(), a[s:s + _FP16_CHUNK])
-               for s in range(0, a.numel(), _FP16_CHUNK))
+    """Whether an fp16 copy still holds its fp32 weight's bits (one read of both,
+    ``ops.linear.fp16_copy_matches``)."""
+    return fp16_copy_matches(w, w16)
 
 
 def revalidate_weight_copies(model: nn.Module) -> int:

@@ -21,9 +21,9 @@ import torch
 from torch import Tensor
 
 from ..extension import HAS_EXT
-from .reference import skinny_linear_reference
+from .reference import fp16_copy_matches_reference, fp16_exact_copy_reference, skinny_linear_reference
 
-__all__ = ["auto_isa", "skinny_linear", "supported_isas"]
+__all__ = ["auto_isa", "fp16_copy_matches", "fp16_exact_copy", "skinny_linear", "supported_isas"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -123,3 +123,45 @@ if HAS_EXT:
     def _skinny_linear_isa_fake(x: Tensor, weight: Tensor, bias: Optional[Tensor], isa: str) -> Tensor:
         _check(x, weight, bias)
         return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def _check_fp32_cpu(name: str, w: Tensor) -> None:
+    if not isinstance(w, Tensor):
+        raise TypeError(f"{name}: w must be a tensor, got {type(w).__name__}")
+    if w.dtype != torch.float32 or w.device.type != "cpu":
+        raise ValueError(f"{name}: w must be a float32 CPU tensor, got {w.dtype} on {w.device}")
+
+
+def fp16_exact_copy(w: Tensor) -> Optional[Tensor]:
+    """``w`` (fp32, CPU) as fp16 if fp16 holds every value exactly (each comes back with its bits,
+    none is NaN), else None: ``skinny_linear`` then gives the same bits from the copy, half the
+    bytes.  One pass over ``w`` (``torch.ops.specdec.fp16_exact_copy``, csrc/fp16_copy.cpp: read
+    once, the copy written once, stopping at the first inexact block); without the C++ extension,
+    ``reference.fp16_exact_copy_reference``."""
+    _check_fp32_cpu("fp16_exact_copy", w)
+    w = w.detach()
+    w16, exact = torch.ops.specdec.fp16_exact_copy(w) if HAS_EXT else fp16_exact_copy_reference(w)
+    return w16 if bool(exact) else None
+
+
+def fp16_copy_matches(w: Tensor, w16: Tensor) -> bool:
+    """Whether the fp16 copy ``w16`` still widens to ``w``'s bits (same shape, no NaN): the check
+    that a copy made by ``fp16_exact_copy`` is current, in one read of both."""
+    _check_fp32_cpu("fp16_copy_matches", w)
+    if not isinstance(w16, Tensor) or w16.dtype != torch.float16 or w16.device.type != "cpu":
+        raise ValueError("fp16_copy_matches: w16 must be a float16 CPU tensor")
+    w = w.detach()
+    return bool(torch.ops.specdec.fp16_copy_matches(w, w16) if HAS_EXT else fp16_copy_matches_reference(w, w16))
+
+
+if HAS_EXT:
+
+    def _exact_copy_fake(w: Tensor):
+        return w.new_empty(w.shape, dtype=torch.float16), w.new_empty((), dtype=torch.bool)
+
+    torch.library.register_fake("specdec::fp16_exact_copy")(_exact_copy_fake)
+    torch.library.register_fake("specdec::fp16_exact_copy_portable")(_exact_copy_fake)
+
+    @torch.library.register_fake("specdec::fp16_copy_matches")
+    def _copy_matches_fake(w: Tensor, w16: Tensor) -> Tensor:
+        return w.new_empty((), dtype=torch.bool)
