@@ -16,6 +16,8 @@
 # when stopped at their limit (timeout then exits 124).
 #
 #   bash bench/gpu_check.sh [OUT_DIR]      # default: $OUT, else bench/results/gpu-<date>
+#   GPU_CHECK_DRY_RUN=1 bash bench/gpu_check.sh /tmp/out   # anywhere: the files exist, the tests collect,
+#                                          # every command printed, not run
 #   SPECDEC_COMMIT=$(git rev-parse --short=12 HEAD) ...   # where the copy has no .git (a copied
 #                                          # working tree): the commit every result row records
 #
@@ -42,6 +44,13 @@ TEE_PID=$!
 # on exit: close our ends of the pipe and wait for tee to write the last lines, then pack
 trap 'exec >&- 2>&-; wait $TEE_PID 2>/dev/null; pack' EXIT
 PY=${PYTHON:-python3}
+# GPU_CHECK_DRY_RUN=1: on any machine, print every command instead of running it, after checking that
+# the files it names exist and that its test files collect (pytest --collect-only): the run prepared.
+DRY_PY=$PY
+if [ "${GPU_CHECK_DRY_RUN:-0}" = 1 ]; then
+    PY="echo [dry-run] $PY"
+    nvidia-smi() { echo "[dry-run] nvidia-smi $*"; }
+fi
 export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16}
 start=$(date +%s)
 stamp() { pack; echo "[gpu_check +$(( $(date +%s) - start ))s] $*"; }
@@ -103,6 +112,16 @@ CUDA_TESTS="python_tests/ops/test_kv_cache.py python_tests/ops/test_verify_exact
  python_tests/ops/test_cpp_ops_layouts.py python_tests/integrations/test_integration_flashinfer.py
  python_tests/ops/test_verify_draft_logits.py python_tests/ops/test_verify_min_p.py python_tests/ops/test_block_verify_kernel.py
  python_tests/ops/test_tree_verify_kernel.py python_tests/ops/test_gather_kv.py"
+missing=0
+for f in $CUDA_TESTS bench/ops/bench_verify_knobs.py bench/ops/bench_verify.py bench/decoding/random_pair.py \
+         bench/decoding/bench_e2e.py; do
+    [ -f "$f" ] || { echo "gpu_check: missing $f"; missing=1; }
+done
+[ $missing -eq 0 ] || exit 1
+if [ "${GPU_CHECK_DRY_RUN:-0}" = 1 ]; then
+    $DRY_PY -m pytest --collect-only -q $CUDA_TESTS 2>&1 | tail -n 1
+    [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "gpu_check: the CUDA test files do not collect"; exit 1; }
+fi
 stamp "tests on CUDA"
 OMP_NUM_THREADS=2 timeout -s INT -k 10 140 $PY -m pytest $CUDA_TESTS -q -n 8 -rfEs --durations=15 -p no:cacheprovider \
     >"$OUT_DIR/tests.log" 2>&1
