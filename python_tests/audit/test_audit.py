@@ -23,7 +23,8 @@ from specdec_kernels.audit.adapters import AdapterUnavailable, load_verifier, ou
 from specdec_kernels.audit.block import MUTATIONS as BLOCK_MUTATIONS, block_verifier
 from specdec_kernels.audit.run import ALL_CASES as CASES, case_names
 from specdec_kernels.audit.checks import FormatError, emitted
-from specdec_kernels.audit.generators import chain_tables, continuation_law, markov_llama, run_generator_audit
+from specdec_kernels.audit.chains import chain_tables, continuation_law, markov_llama
+from specdec_kernels.audit.generators import run_generator_audit
 from specdec_kernels.audit.laws import chi2_pvalue, row_laws, warp64
 from specdec_kernels.audit.run import run_verifier_audit
 from specdec_kernels.audit.sampler import MUTATIONS, reference_verify

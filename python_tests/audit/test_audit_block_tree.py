@@ -24,9 +24,8 @@ import torch
 from specdec_kernels.audit import block, tree
 from specdec_kernels.audit.adapters import ours
 from specdec_kernels.audit.block_cases import BLOCK_CASES
-from specdec_kernels.audit.generators import (
-    GREEDY_MUTANT, LENGTH, MUTANTS, PROMPT, TREE, VG, _index, chain_tables, continuation_law, greedy_path,
-    run_generator_audit, simulate)
+from specdec_kernels.audit.chains import LENGTH, PROMPT, VG, chain_tables, continuation_law, greedy_path
+from specdec_kernels.audit.generators import GREEDY_MUTANT, MUTANTS, TREE, _index, run_generator_audit, simulate
 from specdec_kernels.audit.laws import chi2_pvalue, sequence_index, sequence_space, warp64
 from specdec_kernels.audit.protocol import make_params
 from specdec_kernels.audit.run import run_verifier_audit

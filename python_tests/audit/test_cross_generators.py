@@ -21,8 +21,9 @@ pytest.importorskip("transformers")
 from transformers.generation.candidate_generator import AssistantToTargetTranslator  # noqa: E402
 
 import cross_setup  # noqa: E402
-from specdec_kernels.audit.generators import (  # noqa: E402
-    CHARS, DRAFT_EXTRA, DRAFT_IDS, chain_tokenizers, draft_chain_in_draft_ids, run_generator_audit)
+from specdec_kernels.audit.chains import (  # noqa: E402
+    CHARS, DRAFT_EXTRA, DRAFT_IDS, chain_tokenizers, draft_chain_in_draft_ids)
+from specdec_kernels.audit.generators import run_generator_audit  # noqa: E402
 from specdec_kernels.audit.hf_usd import (  # noqa: E402
     reindexed_target_logits, target_id_rows, usd_misplaced_rows, usd_row_target_ids)
 

@@ -16,12 +16,13 @@ import torch
 from .adapters import run_calls
 from .block_cases import BLOCK_CASES
 from .cases import CASES, Case
+from .step_cases import STEP_CASES
 from .checks import ALPHA, FormatError
 from .sampler import MUTATIONS, mutant
 
 __all__ = ["QUICK_TRIALS", "FULL_TRIALS", "ALL_CASES", "case_names", "run_verifier_audit", "evaluate"]
 
-ALL_CASES = CASES + BLOCK_CASES  # token verification's cases, then block verification's
+ALL_CASES = CASES + STEP_CASES + BLOCK_CASES  # token verification's cases (marginal, whole-step), then block's
 
 
 def case_names() -> list:

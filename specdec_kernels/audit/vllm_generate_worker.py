@@ -3,8 +3,8 @@ V1 engine, its core in this process) inside vLLM's environment:
 
     python -m specdec_kernels.audit.vllm_generate_worker TARGET_DIR DRAFT_DIR N L K T SEQS OUT [fix-expand]
 
-TARGET_DIR and DRAFT_DIR hold the Markov-chain models (``generators.markov_llama``, saved with
-``save_pretrained``); N requests of the one-token prompt ``generators.PROMPT`` each generate L
+TARGET_DIR and DRAFT_DIR hold the Markov-chain models (``chains.markov_llama``, saved with
+``save_pretrained``); N requests of the one-token prompt ``chains.PROMPT`` each generate L
 tokens at temperature T (``ignore_eos``, no tokenizer), K speculative tokens a step (K = 0: the
 target alone, no speculative decoding: a control of the engine's own sampling), at most SEQS requests
 in a step (``max_num_seqs``: below N, new requests' prefills share steps with others' speculative
@@ -31,7 +31,7 @@ def main(argv=None) -> int:
         import vllm
         from vllm import LLM, SamplingParams
 
-        from .generators import PROMPT
+        from .chains import PROMPT
 
         if argv[8:] == ["fix-expand"]:
             import vllm.v1.sample.rejection_sampler as vrs
