@@ -24,8 +24,9 @@ import torch
 from specdec_kernels.audit import block, tree
 from specdec_kernels.audit.adapters import ours
 from specdec_kernels.audit.block_cases import BLOCK_CASES
-from specdec_kernels.audit.chains import LENGTH, PROMPT, VG, chain_tables, continuation_law, greedy_path
-from specdec_kernels.audit.generators import GREEDY_MUTANT, MUTANTS, TREE, _index, run_generator_audit, simulate
+from specdec_kernels.audit.chains import (LENGTH, PROMPT, VG, chain_tables, continuation_counts, continuation_law,
+                                          greedy_path)
+from specdec_kernels.audit.generators import GREEDY_MUTANT, MUTANTS, TREE, greedy_outcome, run_generator_audit, simulate
 from specdec_kernels.audit.laws import chi2_pvalue, sequence_index, sequence_space, warp64
 from specdec_kernels.audit.protocol import make_params
 from specdec_kernels.audit.run import run_verifier_audit
@@ -177,7 +178,7 @@ def test_audits_own_simulations_pass_unmutated(temperature):
     runs = [simulate(target, draft, 60_000, LENGTH, 2, temperature, seed=7, method="block"),
             tree.simulate_tree(target, draft, 20_000, LENGTH, TREE, PROMPT[-1], temperature, seed=7)]
     for seqs in runs:
-        p = chi2_pvalue(torch.bincount(_index(seqs, VG, LENGTH), minlength=VG ** LENGTH), law)[1]
+        p = chi2_pvalue(continuation_counts(seqs, VG, LENGTH), law)[1]
         assert p > 1e-4
     assert tree.simulate_tree(target, draft, 3, LENGTH, TREE, PROMPT[-1], 0.0) == [greedy_path(target, 2, LENGTH)] * 3
 
@@ -203,20 +204,18 @@ def test_generator_greedy_is_the_targets_path(name):
     assert r["mutant"] == GREEDY_MUTANT and r["mutant_verdict"] == "FAIL", r
 
 
-def test_generator_greedy_counts_a_wrong_row(monkeypatch):
-    """A generator whose continuation differs from the greedy path in one row fails exactly."""
-    from specdec_kernels.audit import generators
-
-    real = generators._ours
-
-    def one_off(*a, **k):
-        seqs, note = real(*a, **k)
-        seqs[7] = [(seqs[7][0] + 1) % VG] + list(seqs[7][1:])
-        return seqs, note
-
-    monkeypatch.setattr(generators, "_ours", one_off)
-    (r,) = run_generator_audit("ours-block", 50, temperature=0.0, mutants=False)
-    assert r["verdict"] == "FAIL" and r["statistic"] == 1 and "1 differ from the greedy path" in r["detail"], r
+def test_generator_greedy_counts_a_wrong_row():
+    """The exact greedy case fails on one row that differs from the greedy path, and refuses an id
+    outside the vocabulary."""
+    path = greedy_path(chain_tables()[0], PROMPT[-1], LENGTH)
+    seqs = [list(path) for _ in range(50)]
+    assert greedy_outcome(seqs, path)["verdict"] == "pass"
+    seqs[7] = [(path[0] + 1) % VG] + path[1:]
+    r = greedy_outcome(seqs, path, ", a note")
+    assert r["verdict"] == "FAIL" and r["statistic"] == 1 and r["pvalue"] == 0.0, r
+    assert "50 continuations, a note: 1 differ from the greedy path" in r["detail"], r
+    with pytest.raises(ValueError, match=r"a continuation must be 3 ids in \[0, 6\)"):
+        greedy_outcome([path[:-1] + [VG]], path)
 
 
 def test_a_generator_run_that_verified_nothing_is_an_error(monkeypatch):

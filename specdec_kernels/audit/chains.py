@@ -18,7 +18,8 @@ import math
 import torch
 
 __all__ = ["VG", "HIDDEN", "LENGTH", "PROMPT", "CHARS", "DRAFT_IDS", "DRAFT_EXTRA", "EXTRA_LOGIT", "chain_tokenizers",
-           "draft_chain_in_draft_ids", "chain_tables", "markov_llama", "continuation_law", "greedy_path"]
+           "draft_chain_in_draft_ids", "chain_tables", "markov_llama", "continuation_law", "continuation_counts",
+           "greedy_path"]
 
 # vocabulary, hidden size (one head of 64: a size vLLM's CPU attention takes), continuation length, prompt
 VG, HIDDEN, LENGTH, PROMPT = 6, 64, 3, [2]
@@ -115,3 +116,14 @@ def greedy_path(table: torch.Tensor, last: int, L: int) -> list:
         last = int(table[last].argmax())
         out.append(last)
     return out
+
+
+def continuation_counts(seqs: list, V: int, L: int) -> torch.Tensor:
+    """[V ** L] int64: how many of ``seqs`` (continuations of L ids in [0, V)) are each sequence, at
+    ``continuation_law``'s index sum_i x_i V^(L-i); a continuation of another length or with an id
+    outside [0, V) raises ValueError naming it."""
+    bad = [s for s in seqs if len(s) != L or any(not 0 <= t < V for t in s)]
+    if bad:
+        raise ValueError(f"a continuation must be {L} ids in [0, {V}), got {bad[0]!r} ({len(bad)} of {len(seqs)})")
+    idx = torch.tensor([sum(t * V ** (L - 1 - i) for i, t in enumerate(s)) for s in seqs], dtype=torch.int64)
+    return torch.bincount(idx, minlength=V ** L)

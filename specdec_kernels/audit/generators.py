@@ -39,15 +39,15 @@ import torch
 
 from . import block, tree
 from .adapters import AdapterUnavailable
-from .chains import (LENGTH, PROMPT, VG, chain_tables, chain_tokenizers, continuation_law, draft_chain_in_draft_ids,
-                     greedy_path, markov_llama)
+from .chains import (LENGTH, PROMPT, VG, chain_tables, chain_tokenizers, continuation_counts, continuation_law,
+                     draft_chain_in_draft_ids, greedy_path, markov_llama)
 from .checks import ALPHA
 from .laws import chi2_pvalue
 from .protocol import make_params
 from .hf_usd import reindexed_target_logits, usd_misplaced_rows
 from .sampler import MUTATIONS, reference_verify
 
-__all__ = ["GENERATORS", "GREEDY_GENERATORS", "MUTANTS", "TREE", "simulate", "run_generator_audit"]
+__all__ = ["GENERATORS", "GREEDY_GENERATORS", "MUTANTS", "TREE", "simulate", "greedy_outcome", "run_generator_audit"]
 
 GENERATORS = ("ours", "transformers", "vllm", "ours-cross", "transformers-usd", "ours-block", "ours-tree")
 GREEDY_GENERATORS = ("ours", "ours-block", "ours-tree")  # those run at temperature 0 (checked exactly)
@@ -66,13 +66,6 @@ MUTANT_SAYS = {
     GREEDY_MUTANT: "greedy speculative decoding of the same chains that accepts every draft (the draft chain's greedy "
                    "tokens, then the target's argmax)",
 }
-
-
-def _index(seqs: list, V: int, L: int) -> torch.Tensor:
-    bad = [s for s in seqs if len(s) != L or any(not 0 <= t < V for t in s)]
-    if bad:
-        raise ValueError(f"a continuation must be {L} ids in [0, {V}), got {bad[0]!r} ({len(bad)} of {len(seqs)})")
-    return torch.tensor([sum(t * V ** (L - 1 - i) for i, t in enumerate(s)) for s in seqs], dtype=torch.int64)
 
 
 def simulate(target: torch.Tensor, draft: torch.Tensor, n: int, L: int, K: int, temperature: float,
@@ -159,7 +152,8 @@ def _transformers(target_m, draft_m, n, L, K, temperature, seed, tokenizers=None
     tgu._speculative_sampling = counting
     if fix_scatter:
         AssistantToTargetTranslator.get_target_logits = (
-            lambda tr, logits: reindexed_target_logits(tr, logits) if tr.assistant_prune_lm_head else theirs(tr, logits))
+            lambda tr, logits: reindexed_target_logits(tr, logits) if tr.assistant_prune_lm_head
+            else theirs(tr, logits))
     torch.manual_seed(seed)
     draft_m.generation_config.num_assistant_tokens = K
     draft_m.generation_config.num_assistant_tokens_schedule = "constant"
@@ -302,13 +296,9 @@ def run_generator_audit(name: str, trials: int, temperature: float = 1.0, K: int
         else:
             seqs, steps = _transformers(*models, tokenizers=chain_tokenizers() if cross else None, fix_scatter=fix_usd)
         if greedy:
-            _index(seqs, VG, LENGTH)  # (ids checked)
-            wrong = sum(list(s) != path for s in seqs)
-            row.update(verdict="FAIL" if wrong else "pass", statistic=wrong, pvalue=0.0 if wrong else 1.0,
-                       detail=f"{trials} continuations{steps}: {wrong} differ from the greedy path {path}"
-                              + (f" (first: {next(list(s) for s in seqs if list(s) != path)})" if wrong else ""))
+            row.update(greedy_outcome(seqs, path, steps))
         else:
-            stat, p, dof = chi2_pvalue(torch.bincount(_index(seqs, VG, LENGTH), minlength=VG ** LENGTH), law)
+            stat, p, dof = chi2_pvalue(continuation_counts(seqs, VG, LENGTH), law)
             row.update(verdict="pass" if p >= ALPHA else "FAIL", statistic=stat, pvalue=p,
                        detail=f"{trials} continuations{steps}: chi2 {stat:.4g} (dof {dof}), p {p:.3g}")
     except AdapterUnavailable:
@@ -319,11 +309,23 @@ def run_generator_audit(name: str, trials: int, temperature: float = 1.0, K: int
     if mutants and K:  # (the control has no verification to get wrong)
         seqs = _mutant_continuations(mutation, target_t, draft_t, trials, K, temperature)
         if greedy:
-            mp = 0.0 if any(list(s) != path for s in seqs) else 1.0
+            mp = greedy_outcome(seqs, path)["pvalue"]
         else:
-            _, mp, _ = chi2_pvalue(torch.bincount(_index(seqs, VG, LENGTH), minlength=VG ** LENGTH), law)
+            _, mp, _ = chi2_pvalue(continuation_counts(seqs, VG, LENGTH), law)
         row.update(mutant_verdict="pass" if mp >= ALPHA else "FAIL", mutant_pvalue=mp)
     return [row]
+
+
+def greedy_outcome(seqs: list, path: list, note: str = "") -> dict:
+    """The exact greedy case's verdict, statistic (rows that differ), p-value (0 or 1) and detail
+    for continuations ``seqs`` against the target chain's greedy ``path`` (ids checked as
+    ``continuation_counts`` checks them)."""
+    continuation_counts(seqs, VG, len(path))
+    wrong = sum(list(s) != path for s in seqs)
+    first = next((list(s) for s in seqs if list(s) != path), None)
+    return dict(verdict="FAIL" if wrong else "pass", statistic=wrong, pvalue=0.0 if wrong else 1.0,
+                detail=f"{len(seqs)} continuations{note}: {wrong} differ from the greedy path {path}"
+                       + (f" (first: {first})" if wrong else ""))
 
 
 def tree_nodes(branching: tuple) -> int:
