@@ -17,10 +17,14 @@
 // When exact is false w16's contents are unspecified: the blocks stop at the first inexact one
 // (early exit across threads: a trained fp32 weight fails in its first block).
 //
+// fp16_exact_copy_into(w, out) -> 0-dim bool: the same conversion and verdict written into
+// out, a contiguous fp16 tensor of w's shape the caller allocated (a file mapping for the copies
+// kept on disk: specdec_kernels/cpu/weight_cache.py).
+//
 // fp16_copy_matches(w, w16) -> 0-dim bool: whether the fp16 tensor w16 widens to w's bits, no
 // value NaN (one read of both; the check that a copy is still current).
 //
-// Memory traffic: reads 4 bytes and writes 2 per element; fp16_copy_matches reads 6.  Blocks of
+// Memory traffic: reads 4 bytes and writes 2 per element (either form); fp16_copy_matches reads 6.  Blocks of
 // kBlock elements are split over torch's intra-op threads.
 //
 // The copy is new memory, and the kernel's first write to each page of it is a page fault (the
@@ -170,13 +174,9 @@ at::Tensor new_copy(const at::Tensor& w) {
   return out;
 }
 
-std::tuple<at::Tensor, at::Tensor> fp16_exact_copy(const at::Tensor& w) {
-  check_weight(w, "fp16_exact_copy");
-  const at::Tensor src = w.contiguous();
-  at::Tensor out = new_copy(w);
-  const float* s = src.const_data_ptr<float>();
-  c10::Half* d = out.mutable_data_ptr<c10::Half>();
-  const bool ok = all_blocks(src.numel(), [&](int64_t start, int64_t count) {
+// Converts src (contiguous fp32) into d, n values; whether every one round-trips.
+bool convert(const float* s, c10::Half* d, int64_t n) {
+  return all_blocks(n, [&](int64_t start, int64_t count) {
 #if SPECDEC_X86
     if (cpu_has_f16c()) {
       return convert_avx2(s + start, d + start, count);
@@ -184,7 +184,26 @@ std::tuple<at::Tensor, at::Tensor> fp16_exact_copy(const at::Tensor& w) {
 #endif
     return convert_portable(s + start, d + start, count);
   });
+}
+
+std::tuple<at::Tensor, at::Tensor> fp16_exact_copy(const at::Tensor& w) {
+  check_weight(w, "fp16_exact_copy");
+  const at::Tensor src = w.contiguous();
+  at::Tensor out = new_copy(w);
+  const bool ok = convert(src.const_data_ptr<float>(), out.mutable_data_ptr<c10::Half>(), src.numel());
   return {out, at::scalar_tensor(ok, w.options().dtype(at::kBool))};
+}
+
+at::Tensor fp16_exact_copy_into(const at::Tensor& w, at::Tensor& out) {
+  check_weight(w, "fp16_exact_copy_into");
+  TORCH_CHECK(out.scalar_type() == at::kHalf, "fp16_exact_copy_into: out must be float16, got ", out.scalar_type());
+  TORCH_CHECK(out.device().is_cpu(), "fp16_exact_copy_into: out must be a CPU tensor, got ", out.device());
+  TORCH_CHECK(out.sizes() == w.sizes(), "fp16_exact_copy_into: out must have w's shape ", w.sizes(), ", got ",
+              out.sizes());
+  TORCH_CHECK(out.is_contiguous(), "fp16_exact_copy_into: out must be contiguous");
+  const at::Tensor src = w.contiguous();
+  const bool ok = convert(src.const_data_ptr<float>(), out.mutable_data_ptr<c10::Half>(), src.numel());
+  return at::scalar_tensor(ok, w.options().dtype(at::kBool));
 }
 
 at::Tensor fp16_copy_matches(const at::Tensor& w, const at::Tensor& w16) {
@@ -225,12 +244,14 @@ std::tuple<at::Tensor, at::Tensor> fp16_exact_copy_portable(const at::Tensor& w)
 TORCH_LIBRARY_FRAGMENT(specdec, m) {
   m.def("fp16_exact_copy(Tensor w) -> (Tensor, Tensor)");
   m.def("fp16_exact_copy_portable(Tensor w) -> (Tensor, Tensor)");
+  m.def("fp16_exact_copy_into(Tensor w, Tensor(a!) out) -> Tensor");
   m.def("fp16_copy_matches(Tensor w, Tensor w16) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(specdec, CPU, m) {
   m.impl("fp16_exact_copy", &fp16_exact_copy);
   m.impl("fp16_exact_copy_portable", &fp16_exact_copy_portable);
+  m.impl("fp16_exact_copy_into", &fp16_exact_copy_into);
   m.impl("fp16_copy_matches", &fp16_copy_matches);
 }
 
@@ -238,6 +259,7 @@ TORCH_LIBRARY_IMPL(specdec, CPU, m) {
 TORCH_LIBRARY_IMPL(specdec, Autograd, m) {
   m.impl("fp16_exact_copy", torch::autograd::autogradNotImplementedFallback());
   m.impl("fp16_exact_copy_portable", torch::autograd::autogradNotImplementedFallback());
+  m.impl("fp16_exact_copy_into", torch::autograd::autogradNotImplementedFallback());
   m.impl("fp16_copy_matches", torch::autograd::autogradNotImplementedFallback());
 }
 

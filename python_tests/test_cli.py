@@ -56,6 +56,8 @@ def test_cli_requires_models(capsys):
     (["--tiny-random", "--draft-confidence", "1.5"], "error: --draft-confidence must be in [0, 1)"),
     (["--tiny-random", "--seed", str(2**70)], "error: --seed must fit in int64 [-2**63, 2**63), got"),
     (["--tiny-random", "--stop", ""], "error: --stop must not be empty"),
+    (["--tiny-random", "--weight-cache", "d", "--no-weight-cache"],
+     "error: --weight-cache and --no-weight-cache exclude each other"),
     (["--target", "some/model", "--draft-confidence", "0.5"],
      "error: --draft is required with --target (or --drafter prompt_lookup to draft without a model)"),
     (["--tiny-random", "--drafter", "prompt_lookup", "--draft-vocab", "BAD"],

@@ -99,6 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--cpu-linear", choices=["auto", "skinny", "torch"], default="auto",
                    help="fp32 CPU linear layers: skinny_linear (auto: when the models are fp32 on the "
                         "CPU) or torch's own")
+    g.add_argument("--weight-cache", default=None, metavar="DIR",
+                   help="where the fp16 copies of fp16-exact fp32 weights are kept for the next run, each "
+                        "checked in full before use (default: $SPECDEC_WEIGHT_CACHE, else "
+                        "~/.cache/specdec-kernels/fp16-weights)")
+    g.add_argument("--no-weight-cache", action="store_true",
+                   help="keep the fp16 weight copies in memory only (made again by every run)")
     g.add_argument("--no-lean-forward", action="store_true",
                    help="run every decode step through the models' own forward (default: a Llama on the "
                         "CPU takes the lean step, the same logits with less Python per call)")
@@ -220,7 +226,11 @@ def _make_decoder(args, parser):
     from .decoding.pair import embedded_pair
 
     # how the models run, and what the draft may propose
-    paths = dict(cpu_linear=args.cpu_linear, lean_forward=not args.no_lean_forward,
+    if args.no_weight_cache and args.weight_cache is not None:
+        parser.error("--weight-cache and --no-weight-cache exclude each other")
+    weight_cache = False if args.no_weight_cache else args.weight_cache if args.weight_cache is not None else (
+        None if os.environ.get("SPECDEC_WEIGHT_CACHE") else True)
+    paths = dict(cpu_linear=args.cpu_linear, lean_forward=not args.no_lean_forward, weight_cache=weight_cache,
                  draft_vocab=None if args.draft_vocab == "full" else args.draft_vocab, verification=args.verification,
                  tree=args.tree)
     if args.tiny_random:

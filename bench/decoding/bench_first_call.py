@@ -20,6 +20,12 @@ the same tokens, and the preparation's GB/s (bytes read + written) against the p
     python bench/decoding/bench_first_call.py --threads 2 --pair qwen-shapes --fp16-exact  # weights rounded
                                                                     # through fp16 (every copy made)
 
+--weight-cache DIR keeps the fp16 copies in DIR (``cpu.weight_cache``): run it twice to see the
+first run write them (the cache cold) and a later process map them (warm); the header says how
+many copies DIR held before the run.
+
+    python bench/decoding/bench_first_call.py --threads 2 --pair qwen-shapes --fp16-exact --weight-cache /tmp/wc
+
 --profile also writes the first call's cProfile (construction + first generate, the 40 costliest
 functions by cumulative time) to bench_first_call_profile.txt.  Writes bench_first_call.{csv,txt}
 under --out.
@@ -147,8 +153,12 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--prep-repeats", type=int, default=3, help="rounds of the preparation's throughput (0: skip)")
     ap.add_argument("--profile", action="store_true", help="cProfile the first call (construction + first generate)")
+    ap.add_argument("--weight-cache", default=None, metavar="DIR",
+                    help="keep the fp16 weight copies in DIR between runs (default: memory only)")
     ap.add_argument("--out", default="bench/results/local")
     args = ap.parse_args(argv)
+    cached_before = (sum(f.endswith(".f16") for f in os.listdir(args.weight_cache))
+                     if args.weight_cache and os.path.isdir(args.weight_cache) else 0)
     if args.threads:
         torch.set_num_threads(args.threads)
     t_import = time.perf_counter()
@@ -159,13 +169,14 @@ def main(argv=None):
     if args.pair == "readme":
         tokens = args.tokens or 64
         prompt = ["The capital of France is", "def fibonacci(n):"]
-        make = dict(draft=draft, target=target, tokenizer=args.tokenizer, drafter="feature")
+        make = dict(draft=draft, target=target, tokenizer=args.tokenizer, drafter="feature",
+                    weight_cache=args.weight_cache or False)
         gen = dict(max_new_tokens=tokens, num_draft_tokens="auto")
         job = f"the prompts {prompt}, drafter feature, K = auto, greedy, {tokens} new tokens"
     else:
         tokens = args.tokens or 40
         prompt = [[1, 2, 3, 4, 5, 6, 7, 8]]
-        make = dict(draft=draft, target=target)
+        make = dict(draft=draft, target=target, weight_cache=args.weight_cache or False)
         gen = dict(max_new_tokens=tokens)
         job = f"greedy, batch 1, {tokens} new tokens, prompt of 8 tokens; K = 4"
     rows = [dict(step="import specdec_kernels", seconds=t_import), dict(step="load", seconds=t_load)]
@@ -222,6 +233,8 @@ def main(argv=None):
               f"# device: CPU {harness.cpu_model()} x{torch.get_num_threads()} threads; load average at the end "
               f"{load_avg[0]:.2f} / {load_avg[1]:.2f} / {load_avg[2]:.2f} on {os.cpu_count()} cores",
               f"# pair: {name}; fp32; cpu_linear {dec.cpu_linear}; {job}",
+              "# weight cache: " + (f"{args.weight_cache}, {cached_before} copies in it before the run "
+                                    f"({'warm' if cached_before else 'cold'})" if args.weight_cache else "none (memory only)"),
               f"# versions: {harness.versions()}; commit {harness.commit()}"]
     print("\n".join(header))
     text = harness.print_table(rows, ["step", "seconds", "gb_per_s"])

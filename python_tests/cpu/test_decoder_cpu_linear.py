@@ -243,8 +243,9 @@ def test_a_handed_accelerator_is_the_one_used(pair, refs, linear, lean):
 
 def test_accelerator_arguments_are_checked(pair):
     draft, target = pair
-    with pytest.raises(ValueError, match="pass either accelerator= or cpu_linear/lean_forward, got accelerator="
-                                         "CpuAccelerator with cpu_linear='torch', lean_forward=True"):
+    with pytest.raises(ValueError, match="pass either accelerator= or cpu_linear/lean_forward/weight_cache, got "
+                                         "accelerator=CpuAccelerator with cpu_linear='torch', lean_forward=True, "
+                                         "weight_cache=None"):
         SpeculativeDecoder(draft=draft, target=target, accelerator=CpuAccelerator(), cpu_linear="torch")
     with pytest.raises(ValueError, match="cpu_linear must be 'auto', 'skinny' or 'torch', got 'fast'"):
         CpuAccelerator("fast")

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from specdec_kernels.ops.extension import HAS_EXT
-from specdec_kernels.ops.linear import fp16_copy_matches, fp16_exact_copy
+from specdec_kernels.ops.linear import fp16_copy_matches, fp16_exact_copy, fp16_exact_copy_into
 from specdec_kernels.ops.linear.reference import fp16_copy_matches_reference, fp16_exact_copy_reference
 
 needs_ext = pytest.mark.skipif(not HAS_EXT, reason="needs the C++ extension: pip install --no-build-isolation -e .")
@@ -28,10 +28,19 @@ EXACT = [0.0, -0.0, 1.0, -2.5, float("inf"), float("-inf"), 65504.0, -65504.0, 2
 INEXACT = [float("nan"), 65520.0, 65505.0, -65520.0, 1 / 3, 1e-40, -1e-45, 2.0**-25, 2049.0, 1 + 2.0**-11]
 
 
+def _into(op):
+    """An ``*_into`` form as (w16, exact) like the others; ``out`` starts as garbage (NaN bits)."""
+    def run(w):
+        out = torch.full(w.shape, float("nan"), dtype=torch.float16)
+        return out, torch.tensor(op(w, out))
+    return run
+
+
 def _ops():
-    out = [("reference", fp16_exact_copy_reference)]
+    out = [("reference", fp16_exact_copy_reference), ("wrapper_into", _into(fp16_exact_copy_into))]
     if HAS_EXT:
-        out += [("native", torch.ops.specdec.fp16_exact_copy), ("portable", torch.ops.specdec.fp16_exact_copy_portable)]
+        out += [("native", torch.ops.specdec.fp16_exact_copy), ("portable", torch.ops.specdec.fp16_exact_copy_portable),
+                ("native_into", _into(lambda w, o: bool(torch.ops.specdec.fp16_exact_copy_into(w, o))))]
     return out
 
 
@@ -131,6 +140,12 @@ def test_wrappers():
         fp16_exact_copy([1.0])
     with pytest.raises(ValueError, match=r"^fp16_copy_matches: w16 must be a float16 CPU tensor$"):
         fp16_copy_matches(w, w)
+    with pytest.raises(ValueError, match=r"^fp16_exact_copy_into: out must be a float16 CPU tensor, got torch.float32 on cpu$"):
+        fp16_exact_copy_into(w, w)
+    with pytest.raises(ValueError, match=r"out must be contiguous with w's shape \(5, 9\), got \(9, 5\)"):
+        fp16_exact_copy_into(w, w16.T.contiguous())
+    with pytest.raises(ValueError, match=r"out must be contiguous with w's shape \(5, 9\), got \(5, 9\) \(contiguous: False\)"):
+        fp16_exact_copy_into(w, w16.T.contiguous().T)
 
 
 @needs_ext
@@ -139,6 +154,10 @@ def test_cpp_checks_too():
         torch.ops.specdec.fp16_exact_copy(torch.zeros(3, dtype=torch.float16))
     with pytest.raises(RuntimeError, match="fp16_copy_matches: w16 must be float16, got Float"):
         torch.ops.specdec.fp16_copy_matches(torch.zeros(3), torch.zeros(3))
+    with pytest.raises(RuntimeError, match="fp16_exact_copy_into: out must have w's shape"):
+        torch.ops.specdec.fp16_exact_copy_into(torch.zeros(3), torch.zeros(4, dtype=torch.float16))
+    with pytest.raises(RuntimeError, match="fp16_exact_copy_into: out must be contiguous"):
+        torch.ops.specdec.fp16_exact_copy_into(torch.zeros(3, 2), torch.zeros(2, 3, dtype=torch.float16).T)
 
 
 @needs_ext
@@ -147,3 +166,4 @@ def test_opcheck(op):
     w = torch.randn(33, 17).half().float()
     torch.library.opcheck(getattr(torch.ops.specdec, op).default, (w,))
     torch.library.opcheck(torch.ops.specdec.fp16_copy_matches.default, (w, w.half()))
+    torch.library.opcheck(torch.ops.specdec.fp16_exact_copy_into.default, (w, torch.empty(33, 17, dtype=torch.float16)))

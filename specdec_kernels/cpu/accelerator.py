@@ -25,15 +25,20 @@ class CpuAccelerator:
     ``skinny_linear.default_max_rows()`` rows through ``torch.ops.specdec.skinny_linear``;
     ``"torch"`` leaves torch's ``linear``; ``"auto"`` is ``"skinny"`` when the models are fp32 on
     the CPU and the C++ extension is built.  lean_forward: run a qualifying Llama's decode steps
-    through ``LeanLlamaStep``."""
+    through ``LeanLlamaStep``.  weight_cache: where ``"skinny"`` keeps its fp16 weight copies
+    between processes (``weight_cache.resolve``: a directory, True, False, or None for
+    ``$SPECDEC_WEIGHT_CACHE``); ``self.weight_cache`` is the directory chosen, or None."""
 
-    def __init__(self, linear: str = "auto", lean_forward: bool = True):
+    def __init__(self, linear: str = "auto", lean_forward: bool = True, weight_cache=None):
         if linear not in LINEAR_MODES:
             raise ValueError(f"cpu_linear must be 'auto', 'skinny' or 'torch', got {linear!r}")
         if not isinstance(lean_forward, bool):
             raise TypeError(f"lean_forward must be a bool, got {type(lean_forward).__name__}")
+        from .weight_cache import resolve
+
         self.linear = linear
         self.lean_forward = lean_forward
+        self.weight_cache = resolve(weight_cache)
 
     def check_device(self, device: torch.device) -> None:
         """Refuse ``"skinny"`` where it cannot run (before the models are moved)."""
@@ -74,8 +79,7 @@ class CpuAccelerator:
             return None, why
         return (current if current is not None else LeanLlamaStep(model)), None
 
-    @staticmethod
-    def linear_layers(mode: str, models: Sequence[Optional[torch.nn.Module]],
+    def linear_layers(self, mode: str, models: Sequence[Optional[torch.nn.Module]],
                       int8_models: Sequence[Optional[torch.nn.Module]] = ()) -> contextlib.ExitStack:
         """A context in which ``models``' linear layers run as ``mode`` says (``int8_models``:
         streamed as int8 with row scales, for layers that only propose)."""
@@ -85,7 +89,7 @@ class CpuAccelerator:
 
             for m in models:
                 if m is not None:
-                    stack.enter_context(use_skinny_linear(m))
+                    stack.enter_context(use_skinny_linear(m, weight_cache=getattr(self, "weight_cache", None)))
             for m in int8_models:
                 if m is not None:
                     stack.enter_context(use_skinny_linear(m, int8_weights=True))

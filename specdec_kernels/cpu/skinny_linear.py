@@ -81,17 +81,23 @@ def forget_weight_copies(model: nn.Module) -> int:
     return n
 
 
-def _exact_fp16_copy(m: nn.Linear) -> Optional[Tensor]:
+def _exact_fp16_copy(m: nn.Linear, cache_dir=None) -> Optional[Tensor]:
     """``m.weight`` as fp16 if fp16 holds every value exactly (then the kernel's products are the
     same bits, from half the bytes), else None.  Cached on the module (``_specdec_fp16``) while
     the weight is the same tensor at the same version, so a model patched for every
-    ``generate`` pays the check once."""
+    ``generate`` pays the check once; ``cache_dir``: made or mapped through
+    ``weight_cache.fp16_copy`` there, for the next process."""
     w = m.weight
     version = tensor_version(w)
     cached = _cached_copy(m, "_specdec_fp16", w, version)
     if cached is not _MISSING:
         return cached
-    w16 = _fp16_if_exact(w.detach())
+    if cache_dir is not None:
+        from .weight_cache import fp16_copy
+
+        w16 = fp16_copy(w.detach(), cache_dir)
+    else:
+        w16 = _fp16_if_exact(w.detach())
     if version is not None:  # an inference tensor has no version counter: checked on every call
         m.__dict__["_specdec_fp16"] = (weakref.ref(w), version, w.data_ptr(), w16)
     return w16
@@ -195,7 +201,8 @@ class SkinnyLinearHandle:
     ``calls`` counts the forwards that went through the kernel (for tests and statistics).
     """
 
-    def __init__(self, modules: list, max_rows: int, fp16_weights: bool, int8_weights: bool = False):
+    def __init__(self, modules: list, max_rows: int, fp16_weights: bool, int8_weights: bool = False,
+                 weight_cache=None):
         self.modules = modules
         self.max_rows = max_rows
         self._calls = [0]
@@ -205,7 +212,7 @@ class SkinnyLinearHandle:
         self._copies = {}
         for m in _progress(modules, "preparing the linear layers' weights"):
             q8 = int8_copy(m) if int8_weights else None
-            w16 = _exact_fp16_copy(m) if fp16_weights and q8 is None else None
+            w16 = _exact_fp16_copy(m, weight_cache) if fp16_weights and q8 is None else None
             if q8 is not None or w16 is not None:
                 self._copies[id(m)] = (w16, q8)
         # the layers whose weights stream as int8 copies with row scales (int8_weights)
@@ -236,7 +243,7 @@ class SkinnyLinearHandle:
 
 
 def use_skinny_linear(model: nn.Module, max_rows: Optional[int] = None,
-                      fp16_weights: bool = True, int8_weights: bool = False) -> SkinnyLinearHandle:
+                      fp16_weights: bool = True, int8_weights: bool = False, weight_cache=None) -> SkinnyLinearHandle:
     """Route ``model``'s fp32 CPU ``nn.Linear`` layers through ``skinny_linear`` for inputs of at
     most ``max_rows`` rows (inference only: with grad enabled they keep ``F.linear``); None:
     ``default_max_rows()``, where the kernel beats torch's linear on this CPU.
@@ -244,7 +251,9 @@ def use_skinny_linear(model: nn.Module, max_rows: Optional[int] = None,
     fp16_weights: a layer whose fp32 weights fp16 represents exactly (a model saved in fp16 and
     loaded as fp32, like the embedded draft) streams an fp16 copy instead: half the bytes and
     bit-identical results.  Other layers keep fp32.  The copy is taken when the handle is made;
-    do not change the weights while it is installed.
+    do not change the weights while it is installed.  weight_cache: a directory in which the
+    copies are kept for the next process over the same weights (``cpu.weight_cache``: mapped from
+    there when a file holds the weight's values bit for bit, else written there); None: memory only.
 
     int8_weights: every layer streams an int8 copy of its weights instead, rounded per output row
     (``scale = max |w| / 127``), a quarter of the fp32 bytes, and its outputs are the kernel's
@@ -279,6 +288,10 @@ def use_skinny_linear(model: nn.Module, max_rows: Optional[int] = None,
         and m.weight.dtype == torch.float32
         and m.weight.device.type == "cpu"
     ]
-    handle = SkinnyLinearHandle(mods, max_rows, fp16_weights, int8_weights)
+    if weight_cache is not None:
+        from .weight_cache import resolve
+
+        weight_cache = resolve(weight_cache)
+    handle = SkinnyLinearHandle(mods, max_rows, fp16_weights, int8_weights, weight_cache)
     handle._install()
     return handle

@@ -137,9 +137,14 @@ class SpeculativeDecoder:
     other models, devices or attention implementations keep their forward
     (``lean_status()`` says which path each model takes and why).
 
+    weight_cache: where ``"skinny"`` keeps its fp16 weight copies for the next process over the
+    same weights (``specdec_kernels.cpu.weight_cache``: each copy checked in full before use): a
+    directory, ``True`` (``~/.cache/specdec-kernels/fp16-weights``), ``False`` (memory only) or
+    None (default: ``$SPECDEC_WEIGHT_CACHE``, unset meaning memory only).
+
     accelerator: the CPU accelerators as one object (``specdec_kernels.cpu.CpuAccelerator``, or
-    one with its methods and ``lean_forward`` attribute) instead of ``cpu_linear`` and
-    ``lean_forward`` (None, default: built from those two; passing both is refused).
+    one with its methods and ``lean_forward`` attribute) instead of ``cpu_linear``,
+    ``lean_forward`` and ``weight_cache`` (None, default: built from those; passing both is refused).
 
     draft_vocab: the tokens the draft may propose (``specdec_kernels.decoding.drafters.vocab``): its logits
     are computed for those rows of its output layer only and its distribution is zero elsewhere
@@ -164,12 +169,13 @@ class SpeculativeDecoder:
                  drafter: Union[str, Drafter, None] = None, max_ngram: Optional[int] = None, cpu_linear: str = "auto",
                  lean_forward: bool = True, draft_vocab: Any = "auto", verify_backend: str = "auto",
                  verification: str = "token", tree: Any = None, accelerator: Any = None,
-                 draft_tokenizer: Any = None, vocabulary: str = "auto"):
+                 draft_tokenizer: Any = None, vocabulary: str = "auto", weight_cache: Any = None):
         if cpu_linear not in ("auto", "skinny", "torch"):
             raise ValueError(f"cpu_linear must be 'auto', 'skinny' or 'torch', got {cpu_linear!r}")
-        if accelerator is not None and (cpu_linear != "auto" or lean_forward is not True):
-            raise ValueError(f"pass either accelerator= or cpu_linear/lean_forward, got accelerator="
-                             f"{type(accelerator).__name__} with cpu_linear={cpu_linear!r}, lean_forward={lean_forward!r}")
+        if accelerator is not None and (cpu_linear != "auto" or lean_forward is not True or weight_cache is not None):
+            raise ValueError(f"pass either accelerator= or cpu_linear/lean_forward/weight_cache, got accelerator="
+                             f"{type(accelerator).__name__} with cpu_linear={cpu_linear!r}, lean_forward={lean_forward!r}, "
+                             f"weight_cache={weight_cache!r}")
         if verify_backend not in ("auto", "triton", "torch"):
             raise ValueError(f"verify_backend must be 'auto', 'triton' or 'torch', got {verify_backend!r}")
         if verification not in ("token", "block"):
@@ -232,7 +238,7 @@ class SpeculativeDecoder:
         if accelerator is None:  # the one place the decoder names the CPU layer: its default accelerator
             from ..cpu.accelerator import CpuAccelerator
 
-            accelerator = CpuAccelerator(cpu_linear, lean_forward)
+            accelerator = CpuAccelerator(cpu_linear, lean_forward, weight_cache)
         self.accelerator = accelerator
         self.draft = draft
         self.draft_vocab = None if cross else resolve_draft_vocab(draft_vocab, self._d, self.drafter, self.draft,

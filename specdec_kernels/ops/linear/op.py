@@ -23,7 +23,8 @@ from torch import Tensor
 from ..extension import HAS_EXT
 from .reference import fp16_copy_matches_reference, fp16_exact_copy_reference, skinny_linear_reference
 
-__all__ = ["auto_isa", "fp16_copy_matches", "fp16_exact_copy", "skinny_linear", "supported_isas"]
+__all__ = ["auto_isa", "fp16_copy_matches", "fp16_exact_copy", "fp16_exact_copy_into", "skinny_linear",
+           "supported_isas"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -144,6 +145,26 @@ def fp16_exact_copy(w: Tensor) -> Optional[Tensor]:
     return w16 if bool(exact) else None
 
 
+def fp16_exact_copy_into(w: Tensor, out: Tensor) -> bool:
+    """``fp16_exact_copy`` written into ``out``, a contiguous fp16 CPU tensor of ``w``'s shape the
+    caller allocated (a file mapping, for the copies kept on disk: ``cpu.weight_cache``); returns
+    whether fp16 holds every value of ``w`` exactly (``out``'s contents are unspecified if not).
+    One pass (``torch.ops.specdec.fp16_exact_copy_into``); without the C++ extension, the reference."""
+    _check_fp32_cpu("fp16_exact_copy_into", w)
+    if not isinstance(out, Tensor) or out.dtype != torch.float16 or out.device.type != "cpu":
+        got = f"{out.dtype} on {out.device}" if isinstance(out, Tensor) else type(out).__name__
+        raise ValueError(f"fp16_exact_copy_into: out must be a float16 CPU tensor, got {got}")
+    if out.shape != w.shape or not out.is_contiguous():
+        raise ValueError(f"fp16_exact_copy_into: out must be contiguous with w's shape {tuple(w.shape)}, got "
+                         f"{tuple(out.shape)} (contiguous: {out.is_contiguous()})")
+    w = w.detach()
+    if HAS_EXT:
+        return bool(torch.ops.specdec.fp16_exact_copy_into(w, out))
+    w16, exact = fp16_exact_copy_reference(w)
+    out.copy_(w16)
+    return bool(exact)
+
+
 def fp16_copy_matches(w: Tensor, w16: Tensor) -> bool:
     """Whether the fp16 copy ``w16`` still widens to ``w``'s bits (same shape, no NaN): the check
     that a copy made by ``fp16_exact_copy`` is current, in one read of both."""
@@ -161,6 +182,10 @@ if HAS_EXT:
 
     torch.library.register_fake("specdec::fp16_exact_copy")(_exact_copy_fake)
     torch.library.register_fake("specdec::fp16_exact_copy_portable")(_exact_copy_fake)
+
+    @torch.library.register_fake("specdec::fp16_exact_copy_into")
+    def _exact_copy_into_fake(w: Tensor, out: Tensor) -> Tensor:
+        return w.new_empty((), dtype=torch.bool)
 
     @torch.library.register_fake("specdec::fp16_copy_matches")
     def _copy_matches_fake(w: Tensor, w16: Tensor) -> Tensor:
