@@ -24,15 +24,11 @@ from typing import Optional
 
 import torch
 
-from .protocol import SamplingParams
+from .protocol import AdapterUnavailable, SamplingParams
 
 __all__ = ["AdapterUnavailable", "VERIFIERS", "load_verifier", "run_calls"]
 
 VERIFIERS = ("ours", "ours-packed", "vllm", "flashinfer", "transformers")
-
-
-class AdapterUnavailable(RuntimeError):
-    """The adapter's package is not installed (or cannot run here): one line, for the CLI's exit 2."""
 
 
 def _opt(t: torch.Tensor, off) -> Optional[torch.Tensor]:

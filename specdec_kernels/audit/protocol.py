@@ -31,7 +31,11 @@ from typing import Callable, Optional
 
 import torch
 
-__all__ = ["SamplingParams", "Call", "Verifier", "make_params"]
+__all__ = ["AdapterUnavailable", "SamplingParams", "Call", "Verifier", "make_params"]
+
+
+class AdapterUnavailable(RuntimeError):
+    """A verifier's package is not installed (or cannot run here): one line, for the CLI's exit 2."""
 
 
 @dataclass

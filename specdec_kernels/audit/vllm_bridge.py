@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from .adapters import AdapterUnavailable
+from .protocol import AdapterUnavailable
 
 __all__ = ["vllm_verifier", "find_vllm_python"]
 

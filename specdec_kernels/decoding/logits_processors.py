@@ -20,9 +20,10 @@ sampled from, so the output is exact either way.
 
 Calls: one per verify position (and per draft model position) and per group of rows of equal
 length (``input_ids`` [G, L + i], no padding added: a processor sees exactly the rows ``generate``
-would show it), rows whose K_b is below i left out (their position i is not read).  A ``PrefixConstrainedLogitsProcessor`` gets each
-row's index in the batch as ``batch_id`` (as in ``generate``), and a repetition penalty's per-row
-``prompt_ignore_length`` (transformers' left-padding lengths) is taken for the rows of the call.
+would show it), rows whose K_b is below i left out (their position i is not read).  A
+``PrefixConstrainedLogitsProcessor`` gets each row's index in the batch as ``batch_id`` (as in
+``generate``), and a repetition penalty's per-row ``prompt_ignore_length`` (transformers'
+left-padding lengths) is taken for the rows of the call.
 
 Which processors: the four transformers classes above (exact classes, not subclasses), and a
 processor whose class or instance has ``specdec_stateless = True``: its owner vouches that it keeps
@@ -34,12 +35,13 @@ Anything else is refused by its class name (it may count its calls, or read the 
 from __future__ import annotations
 
 import copy
+import math
 from typing import Optional, Sequence
 
 import torch
 
 __all__ = ["STATELESS_ATTR", "VerifyProcessors", "check_sequence_processor", "processors_from_arguments",
-           "split_processors"]
+           "sampling_from_processors", "split_processors"]
 
 STATELESS_ATTR = "specdec_stateless"  # set True on a LogitsProcessor class or instance to opt in
 
@@ -57,6 +59,50 @@ def _warpers() -> tuple:
                               TopPLogitsWarper)
 
     return (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper, LogitNormalization)
+
+
+def sampling_from_processors(processors, do_sample: bool) -> tuple:
+    """(temperature, top_k, top_p, min_p) from the logits processors ``generate`` prepared (from
+    the config and the caller's ``logits_processor``): temperature, top-k, top-p and min-p warpers,
+    in that order, and a final ``LogitNormalization`` (it changes no token).  Any other processor
+    is refused by its class name.  Without sampling the warpers change no argmax: (0.0, None,
+    None, None)."""
+    order = _warpers()
+    TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper, _ = order
+    t, top_k, top_p, min_p, last = 1.0, None, None, None, -1
+    for proc in processors or ():
+        kind = type(proc)
+        if kind not in order:
+            raise ValueError(f"logits_processor {kind.__name__} is not supported by specdec_kernels (it applies "
+                             f"temperature, top-k, top-p and min-p only): remove it, or the generate argument that "
+                             f"made it")
+        pos = order.index(kind)
+        if pos <= last:
+            seen = ", ".join(type(p).__name__ for p in processors)
+            raise ValueError(f"logits_processor must apply at most one of each warper, in the order temperature, "
+                             f"top-k, top-p, min-p, got {seen}")
+        last = pos
+        if (kind in (TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper)
+                and getattr(proc, "filter_value", -math.inf) != -math.inf):
+            raise ValueError(f"logits_processor {kind.__name__} must have filter_value=-inf, got {proc.filter_value}")
+        if kind is TemperatureLogitsWarper:
+            t = float(proc.temperature)
+        elif kind is TopKLogitsWarper:
+            top_k = int(proc.top_k) or None
+        elif kind is TopPLogitsWarper:
+            if getattr(proc, "min_tokens_to_keep", 1) != 1:
+                raise ValueError(f"logits_processor TopPLogitsWarper must have min_tokens_to_keep=1, got "
+                                 f"{proc.min_tokens_to_keep}")
+            top_p = float(proc.top_p) if proc.top_p < 1 else None
+        elif kind is MinPLogitsWarper:
+            # the verifier keeps at least the maximum (and its ties) only
+            if getattr(proc, "min_tokens_to_keep", 1) != 1:
+                raise ValueError(f"logits_processor MinPLogitsWarper must have min_tokens_to_keep=1, got "
+                                 f"{proc.min_tokens_to_keep}")
+            min_p = float(proc.min_p) or None
+    if not do_sample:
+        return 0.0, None, None, None
+    return t, top_k, top_p, min_p
 
 
 def check_sequence_processor(proc) -> None:
@@ -96,10 +142,8 @@ def _never_fires(proc, input_length: Optional[int]) -> bool:
 def split_processors(processors, do_sample: bool, input_length: Optional[int] = None) -> tuple:
     """(the sequence processors, in order; (temperature, top_k, top_p, min_p)) from the processors
     ``generate`` prepared: the sequence processors first, then the temperature / top-k / top-p / min-p
-    warpers and a final ``LogitNormalization`` (``transformers_args.sampling_from_processors``).  Minimum
+    warpers and a final ``LogitNormalization`` (``sampling_from_processors``).  Minimum
     lengths already reached by inputs of width ``input_length`` are dropped (they mask nothing)."""
-    from .transformers_args import sampling_from_processors
-
     warpers, seq, rest = _warpers(), [], []
     for proc in processors or ():
         if _never_fires(proc, input_length):

@@ -19,7 +19,6 @@ import torch
 from ..ops.kv.cache import new_cache
 from .arguments import (as_float, as_int, check_context, check_generate_args, encode_prompts, eos_ids, row_seeds,
                         verbose_stream)
-from .drafters.base import DraftState
 from .drafters.sampling import draft_key
 from .stats import TARGET_SLOPE_PRIOR, DecodingStats, StatsRecorder, cpu_slope_prior
 
@@ -116,7 +115,7 @@ class DecodeState:
     criteria: Any = None  # transformers_rows.RowCriteria: (prompt, generated, new) -> new tokens kept, or None
     procs: Any = None  # logits_processors.VerifyProcessors: the verify logits' sequence processors, or None
     min_p: Optional[float] = None  # min-p after top-k/top-p (None: off, or a greedy run)
-    draft: DraftState = field(default_factory=DraftState)  # what the drafter keeps between steps
+    draft: Any = None  # what the drafter keeps between steps (a drafters.base.DraftState): set by start_state
 
 
 def start_state(dec, prompts, max_new_tokens, num_draft_tokens, temperature, top_k, top_p, seed, stop,

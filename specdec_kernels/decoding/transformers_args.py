@@ -5,11 +5,11 @@ refused by name.  ``hf.py`` (the
 ``custom_generate`` entry point) and ``SpeculativeDecoder.generate`` call these; the table of
 ``GenerationConfig`` fields is in ``hf.py``'s docstring.
 
-Only what transformers 5.17 to 5.24 all have is used (the tests pass on 5.17.0, 5.19.0 and 5.24.0): ``GenerationConfig`` fields are read with
-``getattr`` (a field one version lacks reads as unset), the warpers' and criteria's public
-attributes (``TopKLogitsWarper.top_k``, ``MaxLengthCriteria.max_length``,
-``EosTokenCriteria.eos_token_id``, ...), ``StoppingCriteriaList``, ``StopStringCriteria``,
-``MaxTimeCriteria`` and ``apply_chat_template(..., tokenize=True, return_dict=False)``.
+Only what transformers 5.17 to 5.24 all have is used (the tests pass on 5.17.0, 5.19.0 and 5.24.0):
+``GenerationConfig`` fields are read with ``getattr`` (a field one version lacks reads as unset), the warpers'
+and criteria's public attributes (``TopKLogitsWarper.top_k``, ``MaxLengthCriteria.max_length``,
+``EosTokenCriteria.eos_token_id``, ...), ``StoppingCriteriaList``, ``StopStringCriteria``, ``MaxTimeCriteria``
+and ``apply_chat_template(..., tokenize=True, return_dict=False)``.
 Transformers is imported inside the functions: ``import specdec_kernels`` does not import it.
 """
 
@@ -22,6 +22,7 @@ from typing import Optional
 
 import torch
 
+from .logits_processors import sampling_from_processors
 from .transformers_rows import RowCriteria, chat_prompts
 
 __all__ = ["check_generation_config", "decoder_arguments", "draft_settings", "resolve_generation_config",
@@ -169,52 +170,6 @@ def sampling_from_config(gc) -> tuple:
         raise ValueError(f"generation_config.min_p must be in [0, 1] (0 = off), got {min_p!r}")
     return (float(t), int(top_k) if top_k else None,
             float(top_p) if top_p is not None and top_p < 1 else None, float(min_p) if min_p else None)
-
-
-def sampling_from_processors(processors, do_sample: bool) -> tuple:
-    """(temperature, top_k, top_p, min_p) from the logits processors ``generate`` prepared (from
-    the config and the caller's ``logits_processor``): temperature, top-k, top-p and min-p warpers,
-    in that order, and a final ``LogitNormalization`` (it changes no token).  Any other processor
-    is refused by its class name.  Without sampling the warpers change no argmax: (0.0, None,
-    None, None)."""
-    from transformers import (LogitNormalization, MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper,
-                              TopPLogitsWarper)
-
-    order = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper, LogitNormalization)
-    t, top_k, top_p, min_p, last = 1.0, None, None, None, -1
-    for proc in processors or ():
-        kind = type(proc)
-        if kind not in order:
-            raise ValueError(f"logits_processor {kind.__name__} is not supported by specdec_kernels (it applies "
-                             f"temperature, top-k, top-p and min-p only): remove it, or the generate argument that "
-                             f"made it")
-        pos = order.index(kind)
-        if pos <= last:
-            seen = ", ".join(type(p).__name__ for p in processors)
-            raise ValueError(f"logits_processor must apply at most one of each warper, in the order temperature, "
-                             f"top-k, top-p, min-p, got {seen}")
-        last = pos
-        if (kind in (TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper)
-                and getattr(proc, "filter_value", -math.inf) != -math.inf):
-            raise ValueError(f"logits_processor {kind.__name__} must have filter_value=-inf, got {proc.filter_value}")
-        if kind is TemperatureLogitsWarper:
-            t = float(proc.temperature)
-        elif kind is TopKLogitsWarper:
-            top_k = int(proc.top_k) or None
-        elif kind is TopPLogitsWarper:
-            if getattr(proc, "min_tokens_to_keep", 1) != 1:
-                raise ValueError(f"logits_processor TopPLogitsWarper must have min_tokens_to_keep=1, got "
-                                 f"{proc.min_tokens_to_keep}")
-            top_p = float(proc.top_p) if proc.top_p < 1 else None
-        elif kind is MinPLogitsWarper:
-            # the verifier keeps at least the maximum (and its ties) only
-            if getattr(proc, "min_tokens_to_keep", 1) != 1:
-                raise ValueError(f"logits_processor MinPLogitsWarper must have min_tokens_to_keep=1, got "
-                                 f"{proc.min_tokens_to_keep}")
-            min_p = float(proc.min_p) or None
-    if not do_sample:
-        return 0.0, None, None, None
-    return t, top_k, top_p, min_p
 
 
 def draft_settings(gc, drafter: str, has_draft_probs: bool) -> dict:
