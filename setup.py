@@ -167,9 +167,9 @@ setup(
     extras_require={
         "hf": ["transformers>=5.17,<6"],
         "bench": ["matplotlib>=3.8", "scipy>=1.11"],
-        "test": ["transformers>=5.17,<6", "pytest>=8", "pytest-xdist>=3.5", "scipy>=1.11", "build>=1.2"],
+        "test": ["transformers>=5.17,<6", "pytest>=8", "pytest-xdist>=3.5", "scipy>=1.11", "build>=1.2", "ruff>=0.6"],
         "all": ["transformers>=5.17,<6", "matplotlib>=3.8", "scipy>=1.11", "pytest>=8", "pytest-xdist>=3.5",
-                "build>=1.2"],
+                "build>=1.2", "ruff>=0.6"],
     },
     entry_points={
         "console_scripts": ["specdec = specdec_kernels.cli:main"],

@@ -77,9 +77,11 @@ def plot_speedup(out: Path) -> None:
     ax.set_title("End to end on CPU, batch 1: speed-up over the target alone (HF generate)", fontsize=10)
     ax.legend(fontsize=7.5, ncol=2, loc="upper right", frameon=False)
     r0 = data[0]
-    base = {t: float(r["tokens_per_s"]) for r in data for t in temps if r["method"] == "target_hf" and r["temperature"] == t}
-    _caption(fig, f"{r0['pair']}; {r0['device']}, {r0['dtype']}, torch {r0['torch']}, transformers {r0['transformers']}; "
-                  f"batch 1, 5 prompts x {r0['max_new_tokens']} tokens, median of {r0['repeats']}, methods interleaved; "
+    base = {t: float(r["tokens_per_s"]) for r in data for t in temps
+            if r["method"] == "target_hf" and r["temperature"] == t}
+    _caption(fig, f"{r0['pair']}; {r0['device']}, {r0['dtype']}, torch {r0['torch']}, "
+                  f"transformers {r0['transformers']}; batch 1, 5 prompts x {r0['max_new_tokens']} tokens, "
+                  f"median of {r0['repeats']}, methods interleaved; "
                   f"target alone {', '.join(f'{v:.1f}' for v in base.values())} tokens/s; {r0['date'][:10]}.\n"
                   f"From bench/results/{rel}")
     fig.subplots_adjust(bottom=0.2, top=0.9, left=0.09, right=0.98)
@@ -110,7 +112,8 @@ def plot_tokens_per_call(out: Path) -> None:
               ("T = 1", [("token (chain)", series(b1, "specdec")), ("block", series(b1, "specdec_block")),
                          ("tree, static shapes", series(t1, "specdec_tree", static=True)),
                          ("tree, dynamic", series(t1, "specdec_tree", static=False))]),
-              ("T = 0.7, top-p 0.9", [("token (chain)", series(b07, "specdec")), ("block", series(b07, "specdec_block"))])]
+              ("T = 0.7, top-p 0.9", [("token (chain)", series(b07, "specdec")),
+                                      ("block", series(b07, "specdec_block"))])]
     style = {"token (chain)": ("#1f77b4", "o"), "block": ("#2ca02c", "s"), "tree, static shapes": ("#d62728", "^"),
              "tree, dynamic": ("#ff7f0e", "v")}
     fig, axes = plt.subplots(1, 3, figsize=(10, 4.0), sharey=True)
@@ -127,8 +130,8 @@ def plot_tokens_per_call(out: Path) -> None:
     fig.supxlabel("drafted tokens verified per step (K for a chain; a tree's nodes)", fontsize=9, y=0.17)
     handles = {}
     for ax in axes:
-        for h, l in zip(*ax.get_legend_handles_labels()):
-            handles.setdefault(l, h)
+        for h, label in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(label, h)
     fig.legend(handles.values(), handles.keys(), loc="upper center", ncol=4, fontsize=8, frameon=False,
                bbox_to_anchor=(0.5, 0.99))
     r0 = t1[0]
@@ -179,7 +182,8 @@ def plot_verify_op(out: Path) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "img", help="folder for the PNGs (default docs/img)")
+    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "img",
+                        help="folder for the PNGs (default docs/img)")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     plot_speedup(args.out)

@@ -41,8 +41,8 @@ def test_cli_requires_models(capsys):
     (["--target", "/nonexistent/model", "--draft", "/nonexistent/draft"], "/nonexistent"),
     (["--tiny-random", "--tokenizer", "/nonexistent"],
      "--tokenizer applies to --target/--draft models; the embedded pair and --tiny-random bring their own"),
-    (["--tiny-random", "--dtype", "complex64"], "dtype must be float32, float16 or bfloat16 (a torch.dtype or its name), "
-                                               "got 'complex64'"),
+    (["--tiny-random", "--dtype", "complex64"], "dtype must be float32, float16 or bfloat16 "
+                                               "(a torch.dtype or its name), got 'complex64'"),
     (["--tiny-random", "--device", "meta"], "device 'meta' holds no data: models cannot run there"),
     (["--tiny-random", "--draft-vocab", "BAD"], "header"),  # a file that is not safetensors
     # (before: hub-id and tokenizer messages for paths, API names for flags, and
@@ -162,7 +162,8 @@ def test_cli_chat(capsys):
         chat_ids(tok, "hi")
     with pytest.raises(ValueError, match="--chat needs a tokenizer with a chat template, got no tokenizer"):
         chat_ids(None, "hi")
-    tok.chat_template = "{% for m in messages %}[{{ m['content'] }}]{% endfor %}{% if add_generation_prompt %}>{% endif %}"
+    tok.chat_template = ("{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
+                         "{% if add_generation_prompt %}>{% endif %}")
     assert chat_ids(tok, "ab") == tok("[ab]>", add_special_tokens=False)["input_ids"]
     with pytest.raises(SystemExit) as e:  # the tiny random pair's tokenizer has no template
         cli_main(["generate", "hello", "--tiny-random", "--chat"])

@@ -67,7 +67,8 @@ def test_env_interpreter_verdict(on_cpu, monkeypatch, interpret):
     problem = "Triton 3.6.0's interpreter (TRITON_INTERPRET=1) cannot run with NumPy 2.4.6: ..."
     monkeypatch.setattr("specdec_kernels.ops.kernels.interpreter_problem", lambda: problem)
     t = env.collect(run_kernels=False)["triton"]
-    assert t["interpreter"] == f"cannot run here: {problem}" and t["kernels"].startswith("no: CPU tensors take the torch")
+    assert (t["interpreter"] == f"cannot run here: {problem}"
+            and t["kernels"].startswith("no: CPU tensors take the torch"))
     monkeypatch.setattr("specdec_kernels.ops.kernels.interpreter_problem", lambda: None)
     t = env.collect(run_kernels=False)["triton"]
     assert t["interpreter"] == "can run here"

@@ -448,8 +448,8 @@ _REFUSED_FIELDS = [
     ("begin_suppress_tokens", [4]), ("exponential_decay_length_penalty", (2, 1.1)), ("remove_invalid_values", True),
     ("guidance_scale", 1.5), ("output_scores", True), ("output_logits", True), ("output_attentions", True),
     ("output_hidden_states", True), ("cache_implementation", "static"), ("prefill_chunk_size", 4),
-    ("assistant_early_exit", 1), ("assistant_ensemble_weight", 0.5), ("use_mtp", True), ("top_h", 0.5), ("typical_p", 0.5),
-    ("epsilon_cutoff", 0.01), ("eta_cutoff", 0.01), ("max_cache_len", 64),
+    ("assistant_early_exit", 1), ("assistant_ensemble_weight", 0.5), ("use_mtp", True), ("top_h", 0.5),
+    ("typical_p", 0.5), ("epsilon_cutoff", 0.01), ("eta_cutoff", 0.01), ("max_cache_len", 64),
 ]
 _SAMPLING_ONLY = ("top_h", "typical_p", "epsilon_cutoff", "eta_cutoff")
 

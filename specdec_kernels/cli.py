@@ -117,8 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--vocabulary", choices=("auto", "shared", "intersection", "string"), default="auto",
                    help="how a draft over another tokenizer proposes: 'auto' (default: 'shared' when the "
                         "vocabularies are equal, else 'string' when greedy, and when sampling 'intersection' when the "
-                        "tokens both write hold most of the draft's probability, else 'string'), 'intersection' (the shared tokens, with the draft's "
-                        "renormalised distribution) or 'string' (its text, re-encoded by the target's tokenizer)")
+                        "tokens both write hold most of the draft's probability, else 'string'), 'intersection' (the "
+                        "shared tokens, with the draft's renormalised distribution) or 'string' (its text, re-encoded "
+                        "by the target's tokenizer)")
     g.add_argument("--baseline", action="store_true",
                    help="also decode with the target alone, to report the measured speed-up (both sides warmed "
                         "up untimed first, the side timed first alternating; greedy: the token ids compared)")
@@ -139,9 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
 # generate()'s argument names as the flags that set them, for the errors it raises
 _FLAGS = {"max_new_tokens": "--max-new-tokens", "num_draft_tokens": "-k", "max_draft_tokens": "--max-draft-tokens",
           "draft_confidence": "--draft-confidence", "temperature": "--temperature", "top_k": "--top-k",
-          "top_p": "--top-p", "min_p": "--min-p", "seed": "--seed", "stop strings": "--stop", "dtype": "--dtype", "device": "--device",
-          "draft_vocab": "--draft-vocab", "tokenizer directory": "--tokenizer directory", "target directory": "--target directory",
-          "draft directory": "--draft directory", "tree must": "--tree must",
+          "top_p": "--top-p", "min_p": "--min-p", "seed": "--seed", "stop strings": "--stop", "dtype": "--dtype",
+          "device": "--device", "draft_vocab": "--draft-vocab", "tokenizer directory": "--tokenizer directory",
+          "target directory": "--target directory", "draft directory": "--draft directory", "tree must": "--tree must",
           "draft_tokenizer directory": "--draft-tokenizer directory"}
 
 
@@ -309,7 +310,8 @@ def _decode(dec, inputs, args, common, progress) -> tuple:
 
     def speculative():
         trace = io.StringIO() if buffered else (trace_to if trace_to is not None else False)
-        results.append(dec.generate(inputs, verbose=trace, target_step_s=statistics.median_low(steps) if steps else None,
+        results.append(dec.generate(inputs, verbose=trace,
+                                    target_step_s=statistics.median_low(steps) if steps else None,
                                     progress=progress, **spec, **common))
         traces.append(trace)
 

@@ -98,8 +98,8 @@ def _triton_launch(device: str) -> str:
     u = torch.rand(B, K + 1, generator=gen, dtype=torch.float64)
     kw = dict(temperature=1.0, top_p=0.9, uniforms=u)
     start = time.perf_counter()
-    out = fused_verify(logits.to(device), x.to(device), q.to(device), backend="triton", **{k: (v.to(device) if isinstance(
-        v, torch.Tensor) else v) for k, v in kw.items()})
+    out = fused_verify(logits.to(device), x.to(device), q.to(device), backend="triton",
+                       **{k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()})
     if device.startswith("cuda"):
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - start

@@ -120,7 +120,6 @@ valid ones, where transformers would continue a right-padded row from its pad co
 from __future__ import annotations
 
 import functools
-import os
 import sys
 from typing import Any, Optional
 

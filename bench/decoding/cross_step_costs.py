@@ -55,7 +55,8 @@ def main(argv=None) -> None:
     n = args.max_new_tokens
     lines = [f"# cross_step_costs {harness.now()}: python " + " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:]),
              f"# device: {harness.device_name(torch.device('cpu'))}; versions: {harness.versions()}",
-             f"# prompts {sel}, batch 1, T = 1 (top_k 0, top_p 1), {n} new tokens, stop at EOS; seconds summed over the prompts"]
+             f"# prompts {sel}, batch 1, T = 1 (top_k 0, top_p 1), {n} new tokens, stop at EOS; "
+             "seconds summed over the prompts"]
     t0 = time.perf_counter()
     tokens = 0
     for p in sel:

@@ -89,8 +89,8 @@ def main(argv=None) -> dict:
 
             decs[name] = SpeculativeDecoder(draft=args.feature_draft or default_feature_draft_path(), target=target,
                                             tokenizer=tok, drafter="feature")
-    out = {"conditions": _conditions(), "max_new_tokens": args.max_new_tokens, "threads": args.threads, "draft_confidence": args.draft_confidence,
-           "sets": [], "prompts": []}
+    out = {"conditions": _conditions(), "max_new_tokens": args.max_new_tokens, "threads": args.threads,
+           "draft_confidence": args.draft_confidence, "sets": [], "prompts": []}
     print(f"# alpha = drafts accepted / drafts reached; batch 1, greedy, {args.max_new_tokens} new tokens, "
           f"draft_confidence {args.draft_confidence}")
     for kind in kinds:
@@ -108,9 +108,10 @@ def main(argv=None) -> dict:
                 alpha = acc / reached if reached else None
                 out["sets"].append(dict(kind=kind, drafter=name, k=k, alpha=alpha, accepted=acc, reached=reached,
                                         tokens_per_call=toks / steps))
-                print(f"{kind:5s} {name:7s} K={k}: alpha " + ("-" if alpha is None else f"{alpha:.3f}") + f" ({acc}/{reached}), "
-                      f"{toks / steps:.2f} tokens per target call; per prompt: "
-                      + ", ".join("-" if r["alpha"] is None else f"{r['alpha']:.2f}" for r in out["prompts"][-len(prompts):]))
+                print(f"{kind:5s} {name:7s} K={k}: alpha " + ("-" if alpha is None else f"{alpha:.3f}")
+                      + f" ({acc}/{reached}), {toks / steps:.2f} tokens per target call; per prompt: "
+                      + ", ".join("-" if r["alpha"] is None else f"{r['alpha']:.2f}"
+                                  for r in out["prompts"][-len(prompts):]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

@@ -100,8 +100,9 @@ def main(argv=None) -> dict:
             speeds[m].append(tps)
         print(f"round {r + 1}: " + ", ".join(f"{m} {v[-1]:.1f}" for m, v in speeds.items()) + " tokens/s", flush=True)
     base = statistics.median(speeds["target"])
-    out = {"conditions": _conditions(), "drafter": args.drafter, "threads": args.threads, "max_new_tokens": args.max_new_tokens,
-           "rounds": args.rounds, "prompts": len(prompts), "tokens_per_s": speeds,
+    out = {"conditions": _conditions(), "drafter": args.drafter, "threads": args.threads,
+           "max_new_tokens": args.max_new_tokens, "rounds": args.rounds, "prompts": len(prompts),
+           "tokens_per_s": speeds,
            "speedup": {m: statistics.median(v) / base for m, v in speeds.items()}}
     print(f"# ten demo prompts one at a time, batch 1, greedy, {args.max_new_tokens} new tokens, {args.threads} "
           f"thread(s), {args.drafter} drafter; median of {args.rounds} interleaved rounds; same token ids")

@@ -11,11 +11,11 @@ same tokens (checked: a difference is printed and the row is marked), so the two
 same work.  Each request generates ``--max-tokens`` tokens (``ignore_eos``).
 
 Columns: tokens_per_s (all requests' generated tokens over the call's wall time, median over the
-rounds; rounds_s: every round's seconds), speedup_plugin (the plugin's tokens/s over vLLM's own in the same rounds), and the
-share of steps that went through the fused op (``fused_steps``; the rest fell back to vLLM's
-sampler, see ``fallback_reason``).  The verification step is a small part of an engine step on a
-CPU (the target's forward dominates): the ratio says what the plugin costs or saves end to end
-there, not what the kernel does on a GPU.
+rounds; rounds_s: every round's seconds), speedup_plugin (the plugin's tokens/s over vLLM's own in
+the same rounds), and the share of steps that went through the fused op (``fused_steps``; the rest
+fell back to vLLM's sampler, see ``fallback_reason``).  The verification step is a small part of an
+engine step on a CPU (the target's forward dominates): the ratio says what the plugin costs or
+saves end to end there, not what the kernel does on a GPU.
 
     .venv-vllm/bin/python bench/integrations/bench_vllm_engine.py                 # draft_model and ngram, B = 1 and 8
     .venv-vllm/bin/python bench/integrations/bench_vllm_engine.py --methods ngram --batches 1 --rounds 2
@@ -155,7 +155,8 @@ def main(argv=None):
     try:
         import vllm
     except ImportError:
-        sys.exit("bench_vllm_engine needs vLLM: run it with .venv-vllm/bin/python (scripts/bootstrap_vllm.sh builds it)")
+        sys.exit("bench_vllm_engine needs vLLM: run it with .venv-vllm/bin/python "
+                 "(scripts/bootstrap_vllm.sh builds it)")
     ver = dict(versions(), vllm=vllm.__version__)
     stamp = now()
     print(f"# bench_vllm_engine on CPU {cpu_model()}; {ver}; {stamp}", flush=True)

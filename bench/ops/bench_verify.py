@@ -87,8 +87,8 @@ GRIDS = {
     "smoke": dict(B=[1, 4], K=[2], V=[1000], dtype=["fp32"], temperature=[1.0], warp=[False, True]),
 }
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-PROVIDERS = ["fused_triton", "fused_triton_rows", "fused_packed", "fused_block", "fused_cpu", "torch_batched", "reference_eager",
-             "reference_compiled", "hf_style", "vllm_sampler", "vllm_plugin"]
+PROVIDERS = ["fused_triton", "fused_triton_rows", "fused_packed", "fused_block", "fused_cpu", "torch_batched",
+             "reference_eager", "reference_compiled", "hf_style", "vllm_sampler", "vllm_plugin"]
 # The fused kernels, timed also under CUDA graph replay where a call takes microseconds (B <= 16).
 GRAPHED = ("fused_triton", "fused_triton_rows", "fused_packed", "fused_block")
 _VLLM: dict = {}  # vLLM's sampler, built once (None: vLLM does not import here)
@@ -343,8 +343,8 @@ def write_results(rows, out, dev_name, ver, stamp):
             r.setdefault(f"graph_speedup_vs_{p}", None)
     os.makedirs(out, exist_ok=True)
     csv_path = os.path.join(out, "bench_verify.csv")
-    cols = ["provider", "B", "K", "V", "dtype", "temperature", "warp", "drafts", "mean_accepted", "median_ms", "q20_ms", "q80_ms",
-            "cuda_graph_median_ms", "gbps", "pct_peak", "pct_of_copy"]
+    cols = ["provider", "B", "K", "V", "dtype", "temperature", "warp", "drafts", "mean_accepted", "median_ms", "q20_ms",
+            "q80_ms", "cuda_graph_median_ms", "gbps", "pct_peak", "pct_of_copy"]
     cols += [f"speedup_vs_{p}" for p in PROVIDERS]
     if any(r["cuda_graph_median_ms"] is not None for r in rows):
         cols += [f"graph_speedup_vs_{p}" for p in PROVIDERS]

@@ -30,7 +30,8 @@ Randomness is counter-based: the numbers of row b come from Philox at counter
 draft i, and 53 bits of ``tl.randint4x`` with c = 0 for the final draw, whose inverse CDF sums
 in float64: a token is drawn with its probability to within ~2^-53 of the total (a total
 variation of at most ~V * 2^-54), not only to within fp32's 2^-24.  A row's numbers never
-depend on the other rows, on B or on K, and the kernel can be captured in a CUDA graph.  ``reference.philox_uniforms`` reproduces them.
+depend on the other rows, on B or on K, and the kernel can be captured in a CUDA graph.
+``reference.philox_uniforms`` reproduces them.
 
 Not part of the package: the benchmarks' provider ``fused_triton_rows`` (``bench_verify.py``) and
 kernel ``rows`` (``bench_verify_interpreter.py``), the split kernel's comparison on a GPU

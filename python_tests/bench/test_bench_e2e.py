@@ -271,7 +271,8 @@ def test_demo_alpha_counts_as_generate_does(tmp_path):
     for p in ("The capital of France is", "Once upon a time"):
         s = dec.generate([tok(p)["input_ids"]], max_new_tokens=16, num_draft_tokens=3).stats
         if s.alpha:
-            assert mod._reached(s) == round(s.accepted_tokens / s.alpha) and s.accepted_tokens / mod._reached(s) == s.alpha
+            assert (mod._reached(s) == round(s.accepted_tokens / s.alpha)
+                    and s.accepted_tokens / mod._reached(s) == s.alpha)
             checked += 1
     assert checked
     with pytest.raises(SystemExit):

@@ -140,11 +140,13 @@ def test_wrappers():
         fp16_exact_copy([1.0])
     with pytest.raises(ValueError, match=r"^fp16_copy_matches: w16 must be a float16 CPU tensor$"):
         fp16_copy_matches(w, w)
-    with pytest.raises(ValueError, match=r"^fp16_exact_copy_into: out must be a float16 CPU tensor, got torch.float32 on cpu$"):
+    with pytest.raises(ValueError, match=r"^fp16_exact_copy_into: out must be a float16 CPU tensor, "
+                                         r"got torch.float32 on cpu$"):
         fp16_exact_copy_into(w, w)
     with pytest.raises(ValueError, match=r"out must be contiguous with w's shape \(5, 9\), got \(9, 5\)"):
         fp16_exact_copy_into(w, w16.T.contiguous())
-    with pytest.raises(ValueError, match=r"out must be contiguous with w's shape \(5, 9\), got \(5, 9\) \(contiguous: False\)"):
+    with pytest.raises(ValueError, match=r"out must be contiguous with w's shape \(5, 9\), "
+                                         r"got \(5, 9\) \(contiguous: False\)"):
         fp16_exact_copy_into(w, w16.T.contiguous().T)
 
 

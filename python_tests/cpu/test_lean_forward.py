@@ -210,7 +210,8 @@ def test_lean_step_with_an_all_valid_mask_over_one_token():
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(ids=torch.zeros(3, dtype=torch.long)), r"ids must be a \[B, q >= 1\] tensor, got \(3,\)"),
-    (dict(positions=torch.zeros(2, 2, dtype=torch.long)), r"positions must have the shape of ids \(1, 2\), got \(2, 2\)"),
+    (dict(positions=torch.zeros(2, 2, dtype=torch.long)), r"positions must have the shape of ids \(1, 2\), "
+                                                          r"got \(2, 2\)"),
     (dict(mask=torch.ones(1, 2)), r"mask must be None or a bool \[B=1, T \+ q = 2\] tensor \(T = 0 cached columns\), "
                                   r"got torch.float32 \(1, 2\)"),
     (dict(mask=torch.ones(2, 2, dtype=torch.bool)), r"mask must be None or a bool \[B=1, T \+ q = 2\] tensor"),

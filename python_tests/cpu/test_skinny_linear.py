@@ -139,7 +139,8 @@ def test_every_simd_path_gives_the_portable_bits(isa):
 
 def test_isa_names_are_checked():
     x, w, b = _case(2, 3, 8, bias=False)
-    with pytest.raises(RuntimeError, match="isa must be 'auto', 'portable', 'avx2', 'avx2_1row' or 'avx512', got 'sse'"):
+    with pytest.raises(RuntimeError, match="isa must be 'auto', 'portable', 'avx2', 'avx2_1row' or 'avx512', "
+                                           "got 'sse'"):
         torch.ops.specdec.skinny_linear_isa(x, w, b, "sse")
     assert torch.equal(torch.ops.specdec.skinny_linear_isa(x, w, b, "portable"),
                        torch.ops.specdec.skinny_linear_portable(x, w, b))

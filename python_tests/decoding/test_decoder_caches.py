@@ -42,7 +42,8 @@ def test_caches_equal_fresh_forward_after_each_step(pair, temperature):
                 assert st.draft.cache_len_host[b] == len(seq) - 1 - int(st.draft.catch_up_host[b])
                 caught_up += int(st.draft.catch_up_host[b])
                 _assert_row_cache(st.target_cache, b, st.target_len_host[b], target, seq[: st.target_len_host[b]])
-                _assert_row_cache(st.draft.cache, b, st.draft.cache_len_host[b], draft, seq[: st.draft.cache_len_host[b]])
+                _assert_row_cache(st.draft.cache, b, st.draft.cache_len_host[b], draft,
+                                  seq[: st.draft.cache_len_host[b]])
     assert caught_up > 0  # the catch-up path was exercised
 
 
@@ -168,13 +169,17 @@ def test_grouped_prefill_caches_and_outputs(pair, temperature):
     with torch.inference_mode():
         for b, p in enumerate(st.rows):
             if st.target_len_host[b]:
-                _assert_row_cache(st.target_cache, b, st.target_len_host[b], target, st.seqs[p][: st.target_len_host[b]])
-                _assert_row_cache(st.draft.cache, b, st.draft.cache_len_host[b], draft, st.seqs[p][: st.draft.cache_len_host[b]])
+                _assert_row_cache(st.target_cache, b, st.target_len_host[b], target,
+                                  st.seqs[p][: st.target_len_host[b]])
+                _assert_row_cache(st.draft.cache, b, st.draft.cache_len_host[b], draft,
+                                  st.seqs[p][: st.draft.cache_len_host[b]])
         for _ in range(4):
             dec._step(st)
             for b, p in enumerate(st.rows):
-                _assert_row_cache(st.target_cache, b, st.target_len_host[b], target, st.seqs[p][: st.target_len_host[b]])
-                _assert_row_cache(st.draft.cache, b, st.draft.cache_len_host[b], draft, st.seqs[p][: st.draft.cache_len_host[b]])
+                _assert_row_cache(st.target_cache, b, st.target_len_host[b], target,
+                                  st.seqs[p][: st.target_len_host[b]])
+                _assert_row_cache(st.draft.cache, b, st.draft.cache_len_host[b], draft,
+                                  st.seqs[p][: st.draft.cache_len_host[b]])
     kw = dict(max_new_tokens=12, num_draft_tokens=3, temperature=temperature)
     batch = dec.generate(SKEWED, seed=7, **kw)
     for i, p in enumerate(SKEWED):
@@ -301,7 +306,8 @@ def test_a_ragged_catch_up_block_over_a_dense_draft_cache(pair):
             hit += min(st.draft.cache_len_host) == st.draft.columns and len(set(st.draft.catch_up_host)) > 1
             dec._step(st)
             for b, p in enumerate(st.rows):
-                _assert_row_cache(st.draft.cache, b, st.draft.cache_len_host[b], draft, st.seqs[p][: st.draft.cache_len_host[b]])
+                _assert_row_cache(st.draft.cache, b, st.draft.cache_len_host[b], draft,
+                                  st.seqs[p][: st.draft.cache_len_host[b]])
     assert hit > 0  # the case this is about was reached
     kw = dict(max_new_tokens=16, num_draft_tokens=1, temperature=1.0)
     prompts = prompts + [[10, 11, 12]]

@@ -104,8 +104,9 @@ def test_longrope_is_capped_at_its_original_context():
         initializer_range=0.2, **COMMON)))
     dec = SpeculativeDecoder(target=target, drafter="prompt_lookup")
     assert dec._t.context == 16
-    with pytest.raises(ValueError, match=r"prompts\[1\] must fit the target's context \(original_max_position_embeddings "
-                                         r"of its longrope scaling = 16\), got 20 tokens"):
+    with pytest.raises(ValueError, match=r"prompts\[1\] must fit the target's context "
+                                         r"\(original_max_position_embeddings of its longrope scaling = 16\), "
+                                         r"got 20 tokens"):
         dec.generate([[1, 2, 3], list(range(14, 34))], max_new_tokens=4)
     prompts = [[1, 2, 3], list(range(14, 26)), [5]]
     res = dec.generate(prompts, max_new_tokens=20, num_draft_tokens=3)
@@ -134,7 +135,8 @@ def test_lean_step_steps_aside_for_patched_classes(monkeypatch):
     try:
         ALL_ATTENTION_FUNCTIONS["sdpa"] = lambda *a, **k: sdpa(*a, **k)
         dec = SpeculativeDecoder(target=target, drafter="prompt_lookup")
-        assert dec.lean_status()["target"] == "the 'sdpa' attention function was re-registered (ALL_ATTENTION_FUNCTIONS)"
+        assert dec.lean_status()["target"] == ("the 'sdpa' attention function was re-registered "
+                                               "(ALL_ATTENTION_FUNCTIONS)")
     finally:
         ALL_ATTENTION_FUNCTIONS["sdpa"] = sdpa
     assert SpeculativeDecoder(target=target, drafter="prompt_lookup").lean_status() == {"target": None}

@@ -1,8 +1,8 @@
 """Seeded random cases of the whole decoder, for combinations the targeted tests do not list.
 
 Each case draws a drafter (draft model, feature draft, prompt lookup; the two drafts also with a
-context of 24 positions, shorter than the target's 48: a row past it goes on with the target alone), a batch of 1-6 prompts of
-1-40 tokens (token 0 included: no padding id exists here), max_new_tokens 1-20 under a 48-token
+context of 24 positions, shorter than the target's 48: a row past it goes on with the target alone), a batch of
+1-6 prompts of 1-40 tokens (token 0 included: no padding id exists here), max_new_tokens 1-20 under a 48-token
 context (so that some rows end on the context, some before their first draft), K in
 {1, 2, 3, 5, 8, auto}, max_draft_tokens, an EOS id or none, temperature 0 / 0.7 / 1 with or
 without top-k, and draft_confidence.  Every case must: emit ids in the vocabulary, never more

@@ -23,7 +23,8 @@ from decoder_setup import PROMPTS, _one_thread, _synthetic_times, greedy_refs, p
 from feature_setup import fgreedy_refs, fpair  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.skipif(not interpreting() and not torch.cuda.is_available(),
-                                reason="the Triton kernel on CPU tensors needs TRITON_INTERPRET=1 (conftest.py sets it)")
+                                reason="the Triton kernel on CPU tensors needs TRITON_INTERPRET=1 "
+                                       "(conftest.py sets it)")
 # Where the models run: the CPU with the interpreted kernel (no GPU: conftest.py sets
 # TRITON_INTERPRET=1), else the GPU with the compiled one (the greedy references, made on the
 # CPU, are then left to test_decoder_devices.py: the GPU's logits round differently).
@@ -72,7 +73,8 @@ def test_model_drafter_through_the_kernel(pair, greedy_refs, k, temperature, top
 def test_draft_vocabulary_through_the_kernel(pair):
     # the draft proposes 22 of 32 tokens: its q is zero on the others, which the residual covers
     draft, target = _on(*pair)
-    got = _both(lambda b: SpeculativeDecoder(draft=draft, target=target, draft_vocab=list(range(0, 32, 3)) + list(range(1, 32, 3)),
+    got = _both(lambda b: SpeculativeDecoder(draft=draft, target=target,
+                                             draft_vocab=list(range(0, 32, 3)) + list(range(1, 32, 3)),
                                              verify_backend=b), num_draft_tokens=3, temperature=1.0)
     assert got["triton"] == got["torch"]
 

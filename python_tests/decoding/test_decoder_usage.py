@@ -214,9 +214,12 @@ def test_verbose_tells_a_step_without_drafts(tiny, monkeypatch):
     (dict(prompts=[[1]] , max_new_tokens=0), ValueError, "max_new_tokens must be > 0, got 0"),
     (dict(prompts=[[1]], max_new_tokens=2.0), TypeError, "max_new_tokens must be an int, got float"),
     (dict(prompts=[[1]], num_draft_tokens=0), ValueError, "num_draft_tokens must be a positive int or 'auto', got 0"),
-    (dict(prompts=[[1]], num_draft_tokens="fast"), ValueError, "num_draft_tokens must be a positive int or 'auto', got 'fast'"),
-    (dict(prompts=[[1]], temperature=-0.5), ValueError, r"temperature must be finite and >= 0 \(0 = greedy\), got -0.5"),
-    (dict(prompts=[[1]], temperature=1e-39), ValueError, r"temperature must be 0 \(greedy\) or >= 1.1754944e-38 \(the smallest normal fp32\), got 1e-39"),
+    (dict(prompts=[[1]], num_draft_tokens="fast"), ValueError,
+     "num_draft_tokens must be a positive int or 'auto', got 'fast'"),
+    (dict(prompts=[[1]], temperature=-0.5), ValueError,
+     r"temperature must be finite and >= 0 \(0 = greedy\), got -0.5"),
+    (dict(prompts=[[1]], temperature=1e-39), ValueError,
+     r"temperature must be 0 \(greedy\) or >= 1.1754944e-38 \(the smallest normal fp32\), got 1e-39"),
     (dict(prompts=[[1]], top_k=-1), ValueError, r"top_k must be >= 0 \(0 = off\), got -1"),
     (dict(prompts=[[1]], top_p=0.0), ValueError, r"top_p must be in \(0, 1\] \(1 = off\), got 0.0"),
     (dict(prompts=[[1]], stop="x"), ValueError, "stop strings need a tokenizer"),
@@ -230,27 +233,33 @@ def test_verbose_tells_a_step_without_drafts(tiny, monkeypatch):
     (dict(prompts=[torch.tensor([True, False])]), TypeError, r"got dtype bool shape \[2\]"),
     (dict(prompts=[[3], torch.tensor([[1, 2], [3, 4]])]), TypeError,
      r"prompts\[1\] as a tensor must be 1-D integer token ids, got dtype int64 shape \[2, 2\]"),
-    (dict(prompts=[[1]], eos_token_id="19"), TypeError, r"eos_token_id must be an int, a list of ints or None, got str"),
+    (dict(prompts=[[1]], eos_token_id="19"), TypeError,
+     r"eos_token_id must be an int, a list of ints or None, got str"),
     (dict(prompts=[[1]], eos_token_id=True), TypeError, r"eos_token_id must be .*, got bool"),
     (dict(prompts=[[1]], eos_token_id=[5, 2.0]), TypeError, r"eos_token_id must be .*, got list"),
     (dict(prompts=[[1]], verbose=1), TypeError, r"verbose must be a bool or a text stream \(with .write\), got int"),
     # (accepted before: EOS ids that can never match, a mask that is not 0/1
     # or has a gap; a seed overflow that did not say which)
-    (dict(prompts=[[1]], eos_token_id=1000), ValueError, r"eos_token_id must be in \[0, 32\) \(the target's vocabulary\), got 1000"),
+    (dict(prompts=[[1]], eos_token_id=1000), ValueError,
+     r"eos_token_id must be in \[0, 32\) \(the target's vocabulary\), got 1000"),
     (dict(prompts=[[1]], eos_token_id=[3, -1]), ValueError, r"eos_token_id must be in \[0, 32\) .*, got -1"),
     (dict(prompts=torch.tensor([[1, 2, 3]]), attention_mask=torch.tensor([[1, 0, 7]])), ValueError,
      "attention_mask must hold only 0 and 1, got 7"),
     (dict(prompts=torch.tensor([[1, 2, 3]]), attention_mask=torch.tensor([[1, 0, 1]])), ValueError,
-     r"attention_mask\[0\] must mark one contiguous run of tokens \(left or right padding\), got a gap between columns 0 and 2"),
+     r"attention_mask\[0\] must mark one contiguous run of tokens \(left or right padding\), "
+     r"got a gap between columns 0 and 2"),
     (dict(prompts=torch.tensor([[1, 2]]), attention_mask=torch.tensor([[1.0, 0.5]])), ValueError,
      "attention_mask must hold only 0 and 1, got 0.5"),
     (dict(prompts=[[1], [2]], seed=2**63 - 1), ValueError,
      r"seed \+ 1 \(row 1's seed\) must fit in int64 \[-2\*\*63, 2\*\*63\), got 9223372036854775808"),
-    (dict(prompts=[[1], [2]], seed=[0, -2**63 - 1]), ValueError, r"seed\[1\] must fit in int64 .*, got -9223372036854775809"),
+    (dict(prompts=[[1], [2]], seed=[0, -2**63 - 1]), ValueError,
+     r"seed\[1\] must fit in int64 .*, got -9223372036854775809"),
     (dict(prompts=[[1]], seed=True), TypeError, r"seed must be an int, a list of ints or None, got a bool \(True\)"),
     (dict(prompts=[[1], [2]], seed=[1, False]), TypeError, r"seed must be .*, got a bool \(\[1, False\]\)"),
-    (dict(prompts=[[1]], baseline_tokens_per_s="fast"), TypeError, "baseline_tokens_per_s must be None or a number, got str"),
-    (dict(prompts=[[1]], baseline_tokens_per_s=-5.0), ValueError, r"baseline_tokens_per_s must be finite and > 0, got -5.0"),
+    (dict(prompts=[[1]], baseline_tokens_per_s="fast"), TypeError,
+     "baseline_tokens_per_s must be None or a number, got str"),
+    (dict(prompts=[[1]], baseline_tokens_per_s=-5.0), ValueError,
+     r"baseline_tokens_per_s must be finite and > 0, got -5.0"),
     (dict(prompts=[[1]], target_step_s="1 ms"), TypeError, "target_step_s must be None or a number, got str"),
     (dict(prompts=[[1]], target_step_s=float("nan")), ValueError, r"target_step_s must be finite and > 0, got nan"),
 ])
@@ -302,7 +311,8 @@ def test_bad_constructor_arguments(pair, tmp_path):
     draft, target = pair
     with pytest.raises(TypeError, match=r"^max_ngram must be an int, got float \(2.5\)"):
         SpeculativeDecoder(target=target, drafter="prompt_lookup", max_ngram=2.5)
-    with pytest.raises(TypeError, match=r"target must be a model name/path or a PreTrainedModel, got None \(pass neither"):
+    with pytest.raises(TypeError, match=r"target must be a model name/path or a PreTrainedModel, "
+                                        r"got None \(pass neither"):
         SpeculativeDecoder(draft=draft)
     with pytest.raises(ValueError, match="drafter must be one of"):
         SpeculativeDecoder(draft=draft, target=target, drafter="medusa")

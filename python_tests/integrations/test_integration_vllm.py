@@ -37,8 +37,8 @@ def vllm_python() -> Path:
         return py
     if os.environ.get("SPECDEC_SKIP_VLLM") == "1":
         pytest.skip("SPECDEC_SKIP_VLLM=1: the vLLM plugin's tests are skipped on purpose")
-    pytest.fail(f"vLLM's environment {VENV} is missing (no {py}): run scripts/bootstrap_vllm.sh, which builds it, or set "
-                f"SPECDEC_SKIP_VLLM=1 to skip the vLLM plugin's tests on purpose", pytrace=False)
+    pytest.fail(f"vLLM's environment {VENV} is missing (no {py}): run scripts/bootstrap_vllm.sh, which builds it, "
+                f"or set SPECDEC_SKIP_VLLM=1 to skip the vLLM plugin's tests on purpose", pytrace=False)
 
 
 @pytest.mark.parametrize("part", list(PARTS))

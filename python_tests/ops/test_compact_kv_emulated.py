@@ -101,7 +101,8 @@ def test_emulated_alignments_and_many_layers(emulated, dtype, D):
 def test_emulated_empty_caches_are_not_launched(emulated):
     # a cache with H = 0 or D = 0 has no elements: it takes no slot in a launch group
     B = 3
-    caches = _make_caches(B, torch.float32, "cpu", "contiguous", shapes=[(2, 12, 8), (0, 12, 8), (2, 12, 0), (1, 12, 4)])
+    caches = _make_caches(B, torch.float32, "cpu", "contiguous",
+                          shapes=[(2, 12, 8), (0, 12, 8), (2, 12, 0), (1, 12, 4)])
     src_start, dst, cnt = _indices("overlap", B)
     expected = [c.clone() for c in caches]
     compact_kv_reference(expected, src_start, _idx(dst), _idx(cnt))

@@ -309,7 +309,8 @@ ALIAS_ERRORS = [
      r"caches\[0\] must not have internally overlapping memory"),
     # non-dense views torch cannot judge, and two storages over one memory (accepted and moved
     # twice before; the decoder's caches are cropped views of one buffer each)
-    ("cropped_views_of_one_buffer", lambda b=_c(2, 1, 14, 4): ([b[:, :, :12], b[:, :, :12]], 6, _idx([3, 4]), _idx([4, 4])),
+    ("cropped_views_of_one_buffer",
+     lambda b=_c(2, 1, 14, 4): ([b[:, :, :12], b[:, :, :12]], 6, _idx([3, 4]), _idx([4, 4])),
      r"caches\[0\] and caches\[1\] must not share memory, got views whose memory ranges meet \(not both dense\)"),
     ("shifted_cropped_views", lambda b=_c(2, 1, 14, 4): ([b[:, :, :12], b[:, :, 1:13]], 6, _idx([3, 4]), _idx([4, 4])),
      r"caches\[0\] and caches\[1\] must not share memory, got views whose memory ranges meet"),
@@ -471,8 +472,8 @@ def _tiny_llama_cache(B=3, prompt=7, step=4):
 def test_compact_dynamic_cache_matches_reference(monkeypatch):
     cache = _tiny_llama_cache()  # keys/values [3, 1, 11, 16] per layer, positions 7..10 new
     layers = cache.layers
-    assert len(layers) == 2 and all(l.keys.shape == (3, 1, 11, 16) for l in layers)
-    expected = [t.clone() for l in layers for t in (l.keys, l.values)]
+    assert len(layers) == 2 and all(layer.keys.shape == (3, 1, 11, 16) for layer in layers)
+    expected = [t.clone() for layer in layers for t in (layer.keys, layer.values)]
     src_start, dst, cnt = 7, [5, 7, 6], [3, 2, 4]
     compact_kv_reference(expected, src_start, _idx(dst), _idx(cnt))
 
@@ -487,8 +488,8 @@ def test_compact_dynamic_cache_matches_reference(monkeypatch):
     compact_dynamic_cache_(cache, src_start, _idx(dst), _idx(cnt))
     # one op call, with every layer's own keys and values, in layer order
     assert len(calls) == 1
-    assert all(a is b for a, b in zip(calls[0], [t for l in layers for t in (l.keys, l.values)]))
-    got = [t for l in layers for t in (l.keys, l.values)]
+    assert all(a is b for a, b in zip(calls[0], [t for layer in layers for t in (layer.keys, layer.values)]))
+    got = [t for layer in layers for t in (layer.keys, layer.values)]
     assert all(torch.equal(a, b) for a, b in zip(got, expected))
 
 
@@ -573,7 +574,8 @@ def test_cuda_device_mismatch_errors():
     c = torch.zeros(2, 1, 12, 4, device="cuda")
     with pytest.raises(RuntimeError, match=r"^compact_kv_: dst_start must be on the caches' device cuda:0, got cpu"):
         _run_op([c], 0, _idx([0, 0]), _idx([0, 0], "cuda"))
-    with pytest.raises(RuntimeError, match=r"^compact_kv_: caches\[1\] must be on caches\[0\]'s device cuda:0, got cpu"):
+    with pytest.raises(RuntimeError, match=r"^compact_kv_: caches\[1\] must be on caches\[0\]'s device cuda:0, "
+                                           r"got cpu"):
         _run_op([c, torch.zeros(2, 1, 12, 4)], 0, _idx([0, 0], "cuda"), _idx([0, 0], "cuda"))
     with pytest.raises(ValueError, match=r"^compact_kv_: count must be on the caches' device cuda:0, got cpu"):
         compact_kv_([c], 0, _idx([0, 0], "cuda"), _idx([0, 0]))

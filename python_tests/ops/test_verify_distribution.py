@@ -9,8 +9,9 @@ step with K = 2 drafts sampled from q, and checks:
   4. the acceptance rate of x_1 matches sum_v min(p_1(v), q_1(v)).
 1-3 are chi-square goodness-of-fit tests that must not reject at significance 1e-4 (bins
 with expected count < 5 merged; any draw of a token with p = 0 fails outright); 3 is a z-test
-with bound |z| < 5 (two-sided p ~ 6e-7); 2 and 3 are tested where at least 50 rows reach them.  The seeds are fixed, so each run is deterministic:
-the bounds state how unlikely a correct implementation is to fail with a fresh seed.
+with bound |z| < 5 (two-sided p ~ 6e-7); 2 and 3 are tested where at least 50 rows reach them.  The
+seeds are fixed, so each run is deterministic: the bounds state how unlikely a correct
+implementation is to fail with a fresh seed.
 
 The expected distributions are computed here, independently of the package (float64, sorting,
 written from the definitions).  On CPU the torch path runs these 100,000-row batches; the Triton
@@ -42,7 +43,8 @@ NEG_INF = float("-inf")
 from helpers import chi_square_pvalue, expected_probs  # noqa: E402  (shared with other law tests)
 
 BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(
-    not HAS_CUDA, reason="100,000-row kernel runs need a GPU; on CPU the kernel is checked exactly against the torch path"))]
+    not HAS_CUDA, reason="100,000-row kernel runs need a GPU; on CPU the kernel is checked exactly "
+                         "against the torch path"))]
 
 
 def run_case(backend, logits, q, x=None, temperature=1.0, top_k=None, top_p=None, seed0=0):
@@ -112,7 +114,8 @@ CASES = {
     # name: (logits, q or None, x or None, temperature, top_k, top_p)
     "generic": lambda: (_logits(1), _probs(_logits(2)), None, 1.0, None, None),
     "q_equals_p": lambda: (_logits(3), _probs(_logits(3)), None, 1.0, None, None),
-    "disjoint_supports": lambda: (_logits(4, support=range(0, 6)), _probs(_logits(5, support=range(6, 12))), None, 1.0, None, None),
+    "disjoint_supports": lambda: (_logits(4, support=range(0, 6)), _probs(_logits(5, support=range(6, 12))),
+                                  None, 1.0, None, None),
     "q_zero_where_p_positive": lambda: (_logits(6), _probs(_logits(7, support=range(0, 4))), None, 1.0, None, None),
     "one_hot_p": lambda: (_logits(8, support=[3]), _probs(_logits(9)), None, 1.0, None, None),
     "one_hot_q": lambda: (_logits(10), _probs(_logits(11, support=[2])), None, 1.0, None, None),
@@ -156,7 +159,8 @@ def test_greedy_rows_emit_the_argmax(backend):
     g = torch.Generator().manual_seed(7)
     x = torch.stack([torch.multinomial(q[i], N, replacement=True, generator=g) for i in range(K)], dim=1)
     dev = torch.device("cuda" if backend == "triton" else "cpu")
-    out = fused_verify(logits.float()[None].expand(N, -1, -1).to(dev), x.to(dev), q.float()[None].expand(N, -1, -1).to(dev),
+    out = fused_verify(logits.float()[None].expand(N, -1, -1).to(dev), x.to(dev),
+                       q.float()[None].expand(N, -1, -1).to(dev),
                        temperature=0.0, seed=0, backend=backend)
     tokens, n_acc = out.tokens.cpu(), out.num_accepted.cpu()
     argmax = logits.argmax(-1)

@@ -384,7 +384,7 @@ def test_mutant_q_at_temperature_1_is_caught(monkeypatch):
     statistic rejects the first token's law (its total variation from p_1 is ~0.09 here), and
     the mutant's tokens follow the law predicted for it (so the test sees what it should)."""
     orig = chain_reference.draft_softmax
-    monkeypatch.setattr(chain_reference, "draft_softmax", lambda l, inv_t: orig(l, torch.ones_like(inv_t)))
+    monkeypatch.setattr(chain_reference, "draft_softmax", lambda logits, inv_t: orig(logits, torch.ones_like(inv_t)))
     logits, L, T = _dist_case()
     p1 = expected_probs(logits[0], T, None, None)
     q1 = torch.softmax(L[0] / T, -1).numpy()

@@ -125,7 +125,7 @@ def test_subnormal_temperature_marks_the_row_invalid(backend, dev, monkeypatch):
     """A temperature in (0, 2^-126) whose reciprocal is still finite (here 2^-127: 1/T = 2^127)
     leaves finite scaled logits for small logits, yet the row is invalid (not a sampled token)."""
     monkeypatch.setattr(_verify_args, "_check_values", lambda t: False)
-    B, K, V = 2, 1, 4
+    B, K = 2, 1
     logits = torch.tensor([[[0.5, 0.25, 0.125, 0.0625]] * (K + 1)] * B)
     x = torch.zeros(B, K, dtype=torch.int64)
     temp = torch.tensor([2.0 ** -127, 1.0])
@@ -155,10 +155,10 @@ def test_top_p_one_is_off_even_for_negligible_tokens(backend, dev):
 def test_draft_past_the_draft_vocabulary_has_q_zero(backend, dev):
     """A draft id in [Vd, V) has q(x) = 0, so it is accepted whenever p(x) > 0 (not tested
     against q[Vd - 1])."""
-    V, Vd = 6, 3
+    V = 6
     logits = torch.zeros(1, 2, V)
     logits[0, :, 4] = -2.0  # p(4) ~ 0.03
-    q = torch.tensor([[[0.2, 0.3, 0.5]]])
+    q = torch.tensor([[[0.2, 0.3, 0.5]]])  # Vd = 3
     x = torch.tensor([[4]])
     u = torch.full((1, 2), 0.5)
     tokens, n = _verify(backend, dev, logits, x, q, uniforms=u)

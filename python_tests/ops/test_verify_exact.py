@@ -96,7 +96,8 @@ def test_no_drafts_gives_the_bonus_token(backend, device):
     out = fused_verify(logits.to(dev), x.to(dev), q.to(dev), temperature=torch.tensor([1.0, 0.0, 0.5]).to(dev),
                        seed=seed.to(dev), backend=backend)
     ref_tokens, ref_num = verify_reference(logits, x, q, torch.zeros(3, dtype=torch.int64),
-                                           torch.tensor([1.0, 0.0, 0.5]), None, None, philox_uniforms(seed, torch.zeros(3, dtype=torch.int64), 0))
+                                           torch.tensor([1.0, 0.0, 0.5]), None, None,
+                                           philox_uniforms(seed, torch.zeros(3, dtype=torch.int64), 0))
     assert torch.equal(out.tokens.cpu(), ref_tokens) and torch.equal(out.num_accepted.cpu(), ref_num)
     assert out.tokens.shape == (3, 1) and (out.num_accepted == 0).all()
     assert int(out.tokens[1, 0]) == int(logits[1, 0].argmax())

@@ -57,7 +57,8 @@ CONFIGS = [  # (B, K, V, logits dtype, warp, draft_probs kind)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"B{c[0]}K{c[1]}V{c[2]}-{str(c[3])[6:]}-{'warp' if c[4] else 'plain'}-q{c[5]}")
+@pytest.mark.parametrize("cfg", CONFIGS,
+                         ids=lambda c: f"B{c[0]}K{c[1]}V{c[2]}-{str(c[3])[6:]}-{'warp' if c[4] else 'plain'}-q{c[5]}")
 def test_packed_equals_padded_and_reference(cfg, backend, split_settings):
     B, K, V, dtype, warp, qkind = cfg
     if V == 1271:
@@ -112,7 +113,8 @@ def test_packed_argument_errors_name_the_argument():
     pl, px, cu, pq = _pack(logits, x, q, torch.tensor([2, 1]))
     with pytest.raises(ValueError, match=r"logits must have sum_b \(K_b \+ 1\) = 3 \+ 2 = 5 rows .* got 6"):
         fused_verify_packed(torch.cat([pl, pl[:1]]), px, cu, pq)
-    with pytest.raises(ValueError, match=r"cu_num_draft_tokens must rise from 0 to the number of drafts 3 .* got \[1, 2, 3\]"):
+    with pytest.raises(ValueError, match=r"cu_num_draft_tokens must rise from 0 to the number of drafts 3 .* "
+                                         r"got \[1, 2, 3\]"):
         fused_verify_packed(pl, px, cu + torch.tensor([1, 0, 0]), pq)
     with pytest.raises(ValueError, match="max_num_draft_tokens must be >= max_b K_b = 2, got 1"):
         fused_verify_packed(pl, px, cu, pq, max_num_draft_tokens=1)
@@ -232,7 +234,8 @@ def test_out_is_written_in_place(odtype, backend):
     num = torch.full((3,), 7, dtype=odtype, device=DEV)
     got = fused_verify(_dev(logits), _dev(x), _dev(q), seed=4, backend=backend, out=(buf[:3], num))
     assert got.tokens.data_ptr() == buf.data_ptr() and got.num_accepted is num
-    assert torch.equal(buf[:3].long().cpu(), want.tokens.cpu()) and torch.equal(num.long().cpu(), want.num_accepted.cpu())
+    assert (torch.equal(buf[:3].long().cpu(), want.tokens.cpu())
+            and torch.equal(num.long().cpu(), want.num_accepted.cpu()))
     assert (buf[3:] == 7).all()
     lp = torch.empty((3, 4), device=DEV)
     got = fused_verify(_dev(logits), _dev(x), _dev(q), seed=4, backend=backend, out=(buf[:3], num, lp),

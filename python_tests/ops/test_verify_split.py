@@ -153,11 +153,11 @@ class _CountLaunches:
 
 @pytest.mark.parametrize("case", ["scalars", "tensors", "seed_none"])
 def test_one_launch_and_no_other_device_op(case, monkeypatch):
-    """A call is one kernel launch, and the only aten ops it dispatches are the outputs'
-    allocations (``empty``) and the memset of the workspace's counters (``zero_``): no fill for a scalar temperature, top-k, top-p, offset or
-    num_draft_tokens=None, no dtype conversion of [B] parameters (int32 / float64 ones included),
-    no copy of strided ones, no softmax, sort or cumsum.  With seed=None, one more op: the host
-    draw of one base seed from torch's default generator (a one-element CPU tensor)."""
+    """A call is one kernel launch, and the only aten ops it dispatches are the outputs' allocations
+    (``empty``) and the memset of the workspace's counters (``zero_``): no fill for a scalar temperature,
+    top-k, top-p, offset or num_draft_tokens=None, no dtype conversion of [B] parameters (int32 / float64
+    ones included), no copy of strided ones, no softmax, sort or cumsum.  With seed=None, one more op:
+    the host draw of one base seed from torch's default generator (a one-element CPU tensor)."""
     import specdec_kernels.ops.verify.triton.split_kernel as kmod
 
     monkeypatch.setattr(_verify_args, "_check_values", lambda t: False)  # a device's tensors: not read on the host
@@ -388,7 +388,8 @@ def test_grown_workspace_keeps_the_old_tensors_and_the_op_path_uses_its_own():
     if ws.counters is not before:
         assert any(t is before for t in ws.retired)
     fields = ws.tensors()
-    a = _verify_args._materialize(verify_mod.normalize_arguments(*(t.to(DEV) for t in big), None, 1.0, 5, None, 1, 0, None))
+    a = _verify_args._materialize(
+        verify_mod.normalize_arguments(*(t.to(DEV) for t in big), None, 1.0, 5, None, 1, 0, None))
     out = torch.ops.specdec.fused_verify(*a, "triton")
     assert all(ws.tensors()[k] is t for k, t in fields.items())
     assert (out[1] >= 0).all()
@@ -592,9 +593,9 @@ def _rows_kernel():
 
 @needs_cuda
 def test_split_kernel_equals_the_row_kernel_on_a_large_batch():
-    """B = 64, V = 128,256, bf16, every path at once (greedy, sampled, top-k, top-p rows): the
-    split kernel and the one-program-per-row kernel (bench/ops/rows_kernel.py) give the same tokens (the GPU run's check that
-    the two measured side by side compute the same step)."""
+    """B = 64, V = 128,256, bf16, every path at once (greedy, sampled, top-k, top-p rows): the split
+    kernel and the one-program-per-row kernel (bench/ops/rows_kernel.py) give the same tokens (the GPU
+    run's check that the two measured side by side compute the same step)."""
     B, K, V = 64, 4, 128256
     lg, x, q = make_step(B, K, V, dtype=torch.bfloat16, seed=7)
     lg, x, q = lg.cuda(), x.cuda(), q.cuda()

@@ -143,7 +143,8 @@ class LeanLlamaStep:
         if embeds is not None:
             if ids is not None or not isinstance(embeds, Tensor) or embeds.dim() != 3 or embeds.shape[1] < 1:
                 raise ValueError(f"LeanLlamaStep.step: embeds must be a [B, q >= 1, H] tensor given instead of ids, "
-                                 f"got embeds {tuple(embeds.shape) if isinstance(embeds, Tensor) else type(embeds).__name__}"
+                                 "got embeds "
+                                 f"{tuple(embeds.shape) if isinstance(embeds, Tensor) else type(embeds).__name__}"
                                  f" and ids {None if ids is None else tuple(ids.shape)}")
             ids = embeds[..., 0]  # [B, q]: the shape checks below
         if not isinstance(ids, Tensor) or ids.dim() != 2 or ids.shape[1] < 1:

@@ -32,8 +32,8 @@ from ..ops.extension import HAS_EXT
 from ..ops.host import tensor_version
 from ..ops.linear import auto_isa, fp16_copy_matches, fp16_exact_copy, skinny_linear, supported_isas
 
-__all__ = ["AVX512_MAX_ROWS", "DEFAULT_MAX_ROWS", "SkinnyLinearHandle", "auto_isa", "default_max_rows", "forget_weight_copies",
-           "revalidate_weight_copies", "skinny_linear", "supported_isas", "use_skinny_linear"]
+__all__ = ["AVX512_MAX_ROWS", "DEFAULT_MAX_ROWS", "SkinnyLinearHandle", "auto_isa", "default_max_rows",
+           "forget_weight_copies", "revalidate_weight_copies", "skinny_linear", "supported_isas", "use_skinny_linear"]
 
 # Up to this many rows (the product of x's leading dims) the kernel's AVX2 path beats torch's
 # linear in bench/cpu/bench_skinny_linear.py (docs/benchmarks.md, "Linear layers on CPU"); above it

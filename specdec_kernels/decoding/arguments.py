@@ -13,8 +13,8 @@ import torch
 
 from ..ops.verify import check_sampling_scalars
 
-__all__ = ["MODEL_DTYPES", "as_float", "as_int", "check_context", "check_generate_args", "encode_prompts", "eos_ids", "load_tokenizer", "resolve_dtype",
-           "row_seeds", "verbose_stream", "vocab_mismatch"]
+__all__ = ["MODEL_DTYPES", "as_float", "as_int", "check_context", "check_generate_args", "encode_prompts", "eos_ids",
+           "load_tokenizer", "resolve_dtype", "row_seeds", "verbose_stream", "vocab_mismatch"]
 
 MODEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _INT64_MAX = 2**63 - 1
@@ -174,7 +174,8 @@ def encode_prompts(prompts, attention_mask, tokenizer, vocab_size: int) -> list:
             raise ValueError("prompts must hold at least one prompt, got a [0, T] tensor")
         if attention_mask is not None:
             if not isinstance(attention_mask, torch.Tensor) or list(attention_mask.shape) != list(prompts.shape):
-                got = list(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask).__name__
+                got = (list(attention_mask.shape) if isinstance(attention_mask, torch.Tensor)
+                       else type(attention_mask).__name__)
                 raise ValueError(f"attention_mask must be [B, T] = {list(prompts.shape)} like prompts, got {got}")
             m = attention_mask.cpu()
             if m.dtype != torch.bool:

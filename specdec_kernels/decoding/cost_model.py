@@ -56,9 +56,9 @@ ZERO_REFRESH = 16
 
 def cpu_slope_prior(batch: int) -> float:
     """The prior r for a CPU step over ``batch`` rows: 0.03 * batch^1.5, at least
-    TARGET_SLOPE_PRIOR.  Through the slopes measured for the embedded target on a CPU
-    (1 thread, skinny_linear; docs/history/measurements.md): 0.03 at batch 1, 0.65 at batch 8 (so 0.1 up to batch 2, 0.24 at
-    4, 0.68 at 8)."""
+    TARGET_SLOPE_PRIOR.  Through the slopes measured for the embedded target on a CPU (1 thread,
+    skinny_linear; docs/history/measurements.md): 0.03 at batch 1, 0.65 at batch 8 (so 0.1 up to
+    batch 2, 0.24 at 4, 0.68 at 8)."""
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
         raise ValueError(f"cpu_slope_prior: batch must be an int >= 1, got {batch!r}")
     return max(TARGET_SLOPE_PRIOR, 0.03 * batch ** 1.5)

@@ -150,9 +150,9 @@ class SpeculativeDecoder:
     are computed for those rows of its output layer only and its distribution is zero elsewhere
     (exactness does not depend on the set; the residual covers the rest).  ``"auto"`` (default):
     the ``draft_vocab.json`` (or an older directory's ``draft_vocab.safetensors``) of the local
-    directory the draft was loaded from, if it has one (the embedded draft ships 12,288 tokens), else the whole vocabulary; None: the whole
-    vocabulary; a path (a directory or the file); or the token ids (a 1-D tensor or a list).
-    ``self.draft_vocab`` is what was chosen (sorted int64 ids, or None).
+    directory the draft was loaded from, if it has one (the embedded draft ships 12,288 tokens), else the whole
+    vocabulary; None: the whole vocabulary; a path (a directory or the file); or the token ids (a 1-D tensor or a
+    list).  ``self.draft_vocab`` is what was chosen (sorted int64 ids, or None).
 
     verify_backend: ``fused_verify``'s backend for every step: ``"auto"`` (default: the Triton
     kernel on CUDA, the torch path on the CPU), ``"triton"`` (the kernel; on CPU tensors only
@@ -174,8 +174,8 @@ class SpeculativeDecoder:
             raise ValueError(f"cpu_linear must be 'auto', 'skinny' or 'torch', got {cpu_linear!r}")
         if accelerator is not None and (cpu_linear != "auto" or lean_forward is not True or weight_cache is not None):
             raise ValueError(f"pass either accelerator= or cpu_linear/lean_forward/weight_cache, got accelerator="
-                             f"{type(accelerator).__name__} with cpu_linear={cpu_linear!r}, lean_forward={lean_forward!r}, "
-                             f"weight_cache={weight_cache!r}")
+                             f"{type(accelerator).__name__} with cpu_linear={cpu_linear!r}, "
+                             f"lean_forward={lean_forward!r}, weight_cache={weight_cache!r}")
         if verify_backend not in ("auto", "triton", "torch"):
             raise ValueError(f"verify_backend must be 'auto', 'triton' or 'torch', got {verify_backend!r}")
         if verification not in ("token", "block"):
@@ -546,7 +546,8 @@ class SpeculativeDecoder:
         None) for ``fused_verify``, made once per batch size (rows drop out as they finish)."""
         got = st.row_params.get(B)
         if got is None:
-            full = lambda v, dt: None if v is None else torch.full((B,), v, dtype=dt, device=st.device)
+            def full(v, dt):
+                return None if v is None else torch.full((B,), v, dtype=dt, device=st.device)
             got = st.row_params[B] = (full(st.temperature, torch.float32), full(st.top_k, torch.int64),
                                       full(st.top_p, torch.float32), full(st.min_p, torch.float32))
         return got
@@ -614,8 +615,8 @@ class SpeculativeDecoder:
         return d.tokens, d.probs, kb if d.num is None else torch.minimum(kb, d.num)
 
     def _verify(self, st: DecodeState, drafter, X: torch.Tensor, Q, kb: torch.Tensor) -> tuple:
-        """The target scores [last, x_1 .. x_K] at cache columns target_columns .. target_columns + K and ``fused_verify``
-        keeps a prefix of the drafts and adds one token.  Returns (VerifyOutput, the target's
+        """The target scores [last, x_1 .. x_K] at cache columns target_columns .. target_columns + K and
+        ``fused_verify`` keeps a prefix of the drafts and adds one token.  Returns (VerifyOutput, the target's
         features at those columns [B, K + 1, H] for a drafter that reads them, else None)."""
         from ..ops.verify import fused_verify, verify_prechecked
 
@@ -630,7 +631,8 @@ class SpeculativeDecoder:
                               torch.ones((B, K + 1), dtype=torch.bool, device=dev)], 1)  # [B, target_columns + K + 1]
         feats = None
         if drafter is not None and drafter.reads_features:
-            logits, feats = self._t.step_hidden(st.target_cache, ids, mask, pos, st.target_columns, K + 1)  # + [B, K+1, H]
+            # logits [B, K+1, V] and feats [B, K+1, H]
+            logits, feats = self._t.step_hidden(st.target_cache, ids, mask, pos, st.target_columns, K + 1)
         else:
             logits = self._t.step(st.target_cache, ids, mask, pos, st.target_columns, K + 1)  # [B, K+1, V]
         if st.procs is not None:  # sequence processors: position i sees the row's ids, then x_1 .. x_i

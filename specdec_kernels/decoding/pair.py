@@ -26,7 +26,8 @@ DRAFTERS = ("model", "prompt_lookup", "feature")  # the built-in ones; drafters.
 class Pair(NamedTuple):
     """What ``load_pair`` resolved: the models (not yet converted or moved), the drafter's name,
     the tokenizer (or None), the device the models will run on, the dtype asked for (or None),
-    and for a feature draft its saved draft vocabulary whether the caller passed the module, and the prompt-lookup drafter."""
+    and for a feature draft its saved draft vocabulary whether the caller passed the module, and the
+    prompt-lookup drafter."""
 
     target: torch.nn.Module
     draft: Optional[torch.nn.Module]

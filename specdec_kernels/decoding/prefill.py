@@ -24,8 +24,9 @@ if TYPE_CHECKING:  # pragma: no cover
 # The prefill's fixed cost of one more forward, in padded prompt tokens: what a forward over a
 # [rows, P] block costs is about this + rows * P tokens.  On the CPU a forward's fixed part (the
 # Python of the layers, one pass over the weights) weighs about as much as 12 tokens of
-# arithmetic (SmolLM2-135M, fp32, 1 thread: docs/history/measurements.md); on a GPU the arithmetic of a few thousand tokens hides behind the launch overhead, so
-# rows are split only when the lengths differ by thousands.
+# arithmetic (SmolLM2-135M, fp32, 1 thread: docs/history/measurements.md); on a GPU the arithmetic
+# of a few thousand tokens hides behind the launch overhead, so rows are split only when the lengths
+# differ by thousands.
 _PREFILL_GROUP_COST = {"cpu": 12, "other": 4096}
 
 
@@ -149,7 +150,8 @@ def _prefill_rows(st: "DecodeState", t, d, feature, rows: list, P: int, target_c
         idx = torch.tensor(rows, dtype=torch.int64, device=dev)
         last_col = (lens - 1)[:, None, None].expand(n, 1, h.shape[-1])
         has = torch.tensor([st.target_len_host[i] > 0 for i in rows], device=dev)[:, None]  # else f = 0
-        st.draft.pending_features[idx, 0] = torch.where(has, h.gather(1, last_col)[:, 0], 0).to(st.draft.pending_features.dtype)
+        st.draft.pending_features[idx, 0] = torch.where(
+            has, h.gather(1, last_col)[:, 0], 0).to(st.draft.pending_features.dtype)
         return
     t.forward(target_cache, ids, mask, pos, 0, 1)
     if draft_cache is not None:

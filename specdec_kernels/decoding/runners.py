@@ -92,7 +92,8 @@ def model_context(cfg) -> tuple:
     source = "max_position_embeddings"
     for rope in _rope_dicts(cfg):
         if rope.get("rope_type", rope.get("type")) == "longrope":
-            orig = rope.get("original_max_position_embeddings") or getattr(cfg, "original_max_position_embeddings", None)
+            orig = (rope.get("original_max_position_embeddings")
+                    or getattr(cfg, "original_max_position_embeddings", None))
             if isinstance(orig, int) and orig > 0 and (ctx is None or orig < ctx):
                 ctx, source = orig, "original_max_position_embeddings of its longrope scaling"
     return ctx, source

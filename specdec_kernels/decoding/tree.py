@@ -130,8 +130,8 @@ def check_tree_model(model, name: str) -> None:
     """Refuse, by name, a model whose attention cannot take a 4D tree mask."""
     model_type = getattr(model.config, "model_type", None)
     if model_type not in _TREE_MODEL_TYPES:
-        raise ValueError(f"tree drafting takes {name} of model type {' / '.join(_TREE_MODEL_TYPES)} (rotary positions and "
-                         f"a 4D mask taken as given); {type(model).__name__} is {model_type!r}")
+        raise ValueError(f"tree drafting takes {name} of model type {' / '.join(_TREE_MODEL_TYPES)} "
+                         f"(rotary positions and a 4D mask taken as given); {type(model).__name__} is {model_type!r}")
     impl = getattr(model.config, "_attn_implementation", None) or "eager"
     if impl not in _ATTENTION:
         raise ValueError(f"tree drafting needs {name}'s attention to take a 4D mask ({' or '.join(_ATTENTION)}); "

@@ -53,9 +53,10 @@ How it maps onto ``fused_verify``:
     computed as the op's torch path computes it (``reference.verify_reference``: p_i(x_i) =
     target_probs[b, i, x_i] / the fp32 sum of target_probs[b, i], the product and comparison in
     float64).  Cost: that sum reads target_probs once more ([B, K+1, V]; bf16/fp16 through a
-    temporary fp32 copy, as the torch path makes one), plus a few gathers of B * K values.  The Triton kernel sums target_probs in its own order: its p_i(x_i) may differ
-    from this one in the last bit, which could change a decision after the first rejection only
-    when u_i * q_i(x_i) lies within ~1e-7 (relative) of p_i(x_i).
+    temporary fp32 copy, as the torch path makes one), plus a few gathers of B * K values.  The
+    Triton kernel sums target_probs in its own order: its p_i(x_i) may differ from this one in the
+    last bit, which could change a decision after the first rejection only when u_i * q_i(x_i) lies
+    within ~1e-7 (relative) of p_i(x_i).
 - ``deterministic`` is accepted and has no effect: ``fused_verify`` is deterministic (the same
   inputs and random numbers give the same tokens, on either backend, in any batch).
 - ``backend`` (keyword only, not in FlashInfer): ``fused_verify``'s "auto" | "triton" | "torch".

@@ -170,7 +170,8 @@ def train_draft(draft, corpus, pad: int, epochs: float, batch_size: int, lr: flo
         if eval_corpus is not None and (step % steps_per_epoch == 0 or step == total):
             draft.eval()
             hits = torch.cat(match_vectors(draft, eval_corpus, pad))
-            print(f"  after {step / steps_per_epoch:.1f} epochs: eval alpha (demo + held-out) {hits.float().mean():.3f}", flush=True)
+            print(f"  after {step / steps_per_epoch:.1f} epochs: eval alpha (demo + held-out) "
+                  f"{hits.float().mean():.3f}", flush=True)
             draft.train()
     draft.eval()
     return draft

@@ -39,12 +39,13 @@ FUNCTIONS = ["factorial(n)", "is_prime(n)", "reverse_string(s)", "bubble_sort(ar
              "parse_date(s)", "hanoi(n, source, target, aux)", "caesar_cipher(text, shift)",
              "count_words(filename)", "linear_search(lst, x)", "triangle_area(base, height)",
              "to_binary(n)", "unique_chars(s)", "matrix_multiply(a, b)", "validate_email(email)"]
-STORY_OPENINGS = ["Once upon a time, in a small village", "Once upon a time there was a", "Long ago, in a kingdom far away,",
-                  "It was a dark and stormy night", "There once lived a", "In a land far, far away",
-                  "The old man looked at the sea and", "Every morning, the little girl", "Once upon a time, a young dragon",
-                  "The year was 2150, and", "Deep in the forest, there lived", "Once upon a time, a curious cat",
-                  "On the first day of school,", "The last train left the station", "Once, a brave knight",
-                  "Many years ago, a fisherman", "In the middle of the desert,", "The robot opened its eyes and"]
+STORY_OPENINGS = ["Once upon a time, in a small village", "Once upon a time there was a",
+                  "Long ago, in a kingdom far away,", "It was a dark and stormy night", "There once lived a",
+                  "In a land far, far away", "The old man looked at the sea and", "Every morning, the little girl",
+                  "Once upon a time, a young dragon", "The year was 2150, and", "Deep in the forest, there lived",
+                  "Once upon a time, a curious cat", "On the first day of school,", "The last train left the station",
+                  "Once, a brave knight", "Many years ago, a fisherman", "In the middle of the desert,",
+                  "The robot opened its eyes and"]
 GROUPS = ["four seasons", "seven continents", "three states of matter", "five senses", "four oceans",
           "three branches of the United States government", "eight planets of the solar system",
           "main types of rocks", "four basic food groups", "three types of muscle tissue",
@@ -178,14 +179,15 @@ PLACES = ["a faraway kingdom", "a quiet little town", "a deep dark forest", "the
           "an enchanted castle", "a tiny village by the sea", "the middle of the desert", "a magical land",
           "outer space", "a hidden valley", "an old lighthouse", "a snowy village", "a small island",
           "the bottom of the ocean", "a colorful garden", "a haunted house", "a busy school", "a jungle", "a farm"]
-GROUPS_C = ["longest rivers in the world", "largest animals on Earth", "phases of the moon", "stages of the water cycle",
-            "layers of the Earth", "types of renewable energy", "main parts of a plant", "vitamins the body needs",
-            "organs of the digestive system", "Great Lakes", "seven wonders of the ancient world",
-            "main gases in the air", "parts of speech", "steps of the scientific method", "main branches of science",
-            "largest cities in Europe", "main types of triangles", "four directions of a compass",
-            "days of the week", "months of the year", "main musical instruments of an orchestra",
-            "types of galaxies", "members of the cat family", "main types of government", "parts of a flower",
-            "main human blood vessels", "largest deserts in the world", "tallest mountains on Earth"]
+GROUPS_C = ["longest rivers in the world", "largest animals on Earth", "phases of the moon",
+            "stages of the water cycle", "layers of the Earth", "types of renewable energy", "main parts of a plant",
+            "vitamins the body needs", "organs of the digestive system", "Great Lakes",
+            "seven wonders of the ancient world", "main gases in the air", "parts of speech",
+            "steps of the scientific method", "main branches of science", "largest cities in Europe",
+            "main types of triangles", "four directions of a compass", "days of the week", "months of the year",
+            "main musical instruments of an orchestra", "types of galaxies", "members of the cat family",
+            "main types of government", "parts of a flower", "main human blood vessels", "largest deserts in the world",
+            "tallest mountains on Earth"]
 PHENOMENA_C = ["ice melts", "iron rusts", "popcorn pops", "salt melts ice", "hair turns gray", "bread goes stale",
                "the wind blows", "soap removes dirt", "a boat floats", "a kettle whistles", "we get goosebumps",
                "cats land on their feet", "bees make honey", "the heart beats faster during exercise",

@@ -131,7 +131,10 @@ def _eval_texts():
 
     train_a, train_b, held, train_c = build_prompts(0)
     ev = DEMO_PROMPTS + [t for _, t in held]
-    words = lambda texts: {w for t in texts for w in _words(t) if len(w) >= 4}
+
+    def words(texts):
+        return {w for t in texts for w in _words(t) if len(w) >= 4}
+
     banned = words(ev) - words(t for _, t in train_a + train_b + train_c)
     return [" ".join(_words(t)) for t in ev], banned
 

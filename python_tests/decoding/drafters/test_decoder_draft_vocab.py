@@ -166,7 +166,8 @@ def test_draft_vocab_choices_and_errors(pair, tmp_path):
     with pytest.raises(ValueError, match=r"must be a draft vocabulary for vocab_size 32 \(the draft's\), got one "
                                          r"saved for vocab_size 50000"):
         mk(draft_vocab=str(tmp_path / "other"))
-    with pytest.raises(ValueError, match=r"counts must be a 1-D integer tensor \[V\], got shape \(2,\), dtype torch.bool"):
+    with pytest.raises(ValueError, match=r"counts must be a 1-D integer tensor \[V\], "
+                                         r"got shape \(2,\), dtype torch.bool"):
         dv.frequent_tokens(torch.tensor([True, False]), 1)
     # "auto": the file in the directory the draft was loaded from, if any
     d = copy.deepcopy(draft)

@@ -430,7 +430,8 @@ def test_feature_draft_refusals(fpair, tmp_path):
         FeatureDraft(fd.config, {"hidden_size": 32})
     with pytest.raises(TypeError, match="config must be a LlamaConfig, got dict"):
         FeatureDraft({}, target_identity(target))
-    with pytest.raises(ValueError, match=r"embeds and feats must both be \[B, q, H=32\], got \(1, 2, 32\) and \(1, 3, 32\)"):
+    with pytest.raises(ValueError, match=r"embeds and feats must both be \[B, q, H=32\], "
+                                         r"got \(1, 2, 32\) and \(1, 3, 32\)"):
         fd.inputs(torch.zeros(1, 2, 32), torch.zeros(1, 3, 32))
     with pytest.raises(TypeError, match="save_feature_draft: draft must be a FeatureDraft, got LlamaForCausalLM"):
         save_feature_draft(target, tmp_path / "x")

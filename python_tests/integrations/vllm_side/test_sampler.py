@@ -104,7 +104,8 @@ def test_no_copy_of_the_logits(sampler, monkeypatch):
 
     def spy(logits, draft_tokens, cu, draft_probs=None, **kw):
         seen.update(ptr=logits.data_ptr(), shape=tuple(logits.shape), drafts=draft_tokens.data_ptr(),
-                    q=None if draft_probs is None else draft_probs.data_ptr(), cu=cu.tolist(), K=kw["max_num_draft_tokens"])
+                    q=None if draft_probs is None else draft_probs.data_ptr(), cu=cu.tolist(),
+                    K=kw["max_num_draft_tokens"])
         return real(logits, draft_tokens, cu, draft_probs, **kw)
 
     monkeypatch.setattr(sv, "fused_verify_packed", spy)

@@ -28,7 +28,8 @@ import torch
 from ...ops.kv.cache import crop_cache_
 from .sampling import _draft_uniforms_k, _sample_inverse_cdf, warp_probs
 
-__all__ = ["CachedDraftState", "DraftPicker", "DraftState", "Drafter", "Drafts", "append_right", "draft_cap", "position_limit"]
+__all__ = ["CachedDraftState", "DraftPicker", "DraftState", "Drafter", "Drafts", "append_right", "draft_cap",
+           "position_limit"]
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..state import DecodeState

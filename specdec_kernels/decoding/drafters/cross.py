@@ -303,7 +303,8 @@ class CrossVocabDrafter(Drafter):
             encoded = tt([a + x for a, x in zip(t_bases, texts)], add_special_tokens=False)["input_ids"]
             for b, t_tail, enc, text in zip(live, t_tails, encoded, texts):
                 # the tail must encode to itself, else the text alone (a rare boundary case)
-                new = enc[len(t_tail):] if enc[:len(t_tail)] == t_tail else tt(text, add_special_tokens=False)["input_ids"]
+                new = (enc[len(t_tail):] if enc[:len(t_tail)] == t_tail
+                       else tt(text, add_special_tokens=False)["input_ids"])
                 if len(new) > 1 and new[-1] in self.extendable:
                     new = new[:-1]  # text that follows may merge into it (kept when it is the only one)
                 new = new[:K]

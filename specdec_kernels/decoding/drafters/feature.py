@@ -111,7 +111,8 @@ def draft_with_features(f, st: "DecodeState", K: int):
         mask = torch.cat([torch.arange(st.draft.columns, device=dev)[None, :] < st.draft.cache_len[:, None],
                           torch.arange(C, device=dev)[None, :] < cnt[:, None]], 1)  # [B, Td + C]
     st.draft.block_start = st.draft.columns
-    h = f.step(st.draft.cache, st.draft.pending_tokens[:, :C], st.draft.pending_features[:, :C], mask, pos, C)  # [B, C, H]
+    # h: [B, C, H]
+    h = f.step(st.draft.cache, st.draft.pending_tokens[:, :C], st.draft.pending_features[:, :C], mask, pos, C)
     fh = h.gather(1, (cnt - 1)[:, None, None].expand(B, 1, h.shape[-1]))[:, 0]  # [B, H]: each row's last
     T = st.draft.columns + C
     picks = DraftPicker(st, K, rows, Vd)
@@ -143,7 +144,8 @@ def feature_wait_(st: "DecodeState", out: "VerifyOutput", feats: torch.Tensor) -
     at = st.draft.pending_count[:, None]  # [B, 1]: each row's first free pending slot
     tok = torch.cat([st.draft.pending_tokens[:, :C], st.draft.pending_tokens.new_zeros((B, 1))], 1)
     st.draft.pending_tokens = tok.scatter_(1, at, out.tokens[:, :1].clamp(min=0))
-    fe = torch.cat([st.draft.pending_features[:, :C], st.draft.pending_features.new_zeros((B, 1, st.draft.pending_features.shape[2]))], 1)
+    fe = torch.cat([st.draft.pending_features[:, :C],
+                    st.draft.pending_features.new_zeros((B, 1, st.draft.pending_features.shape[2]))], 1)
     st.draft.pending_features = fe.scatter_(1, at[:, :, None].expand(B, 1, fe.shape[2]), feats[:, :1].to(fe.dtype))
     st.draft.pending_count = st.draft.pending_count + 1
     st.draft.pending_count_host = [c + 1 for c in st.draft.pending_count_host]

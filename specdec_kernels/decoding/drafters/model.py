@@ -104,8 +104,8 @@ def model_block(st: "DecodeState") -> tuple:
 
 
 def draft_with_model(d, st: "DecodeState", K: int):
-    """The draft model ``d`` (a ``ModelRunner``) drafts: up to K forwards, the first over the block of ``model_block`` (usually
-    [last], or [catch-up, last]), then one per draft.  Returns (X [B, K'] int64, Q [B, K', Vd]
+    """The draft model ``d`` (a ``ModelRunner``) drafts: up to K forwards, the first over the block of ``model_block``
+    (usually [last], or [catch-up, last]), then one per draft.  Returns (X [B, K'] int64, Q [B, K', Vd]
     fp32 or None, the block (block, cnt, cnt host list), K_b [B] int64 or None): K' = K
     unless ``DraftPicker`` cut every row sooner (CPU only); a row's K_b is where its confidence
     stopped it or before its first position without a distribution (None when greedy without
@@ -182,6 +182,7 @@ def model_after_verify_(st: "DecodeState", block: tuple, Xd: torch.Tensor, n: to
     for v in sorted(set(cnt_host)):
         compact_dynamic_cache_(st.draft.cache, T0 + C - v, st.draft.cache_len, torch.where(cnt == v, total, 0))
     st.draft.cache_len = st.draft.cache_len + total
-    st.draft.cache_len_host = [a + c + min(max(m, 0), Kd - 1) for a, c, m in zip(st.draft.cache_len_host, cnt_host, n_host)]
+    st.draft.cache_len_host = [a + c + min(max(m, 0), Kd - 1)
+                               for a, c, m in zip(st.draft.cache_len_host, cnt_host, n_host)]
     st.draft.catch_up = torch.where(n == Kd, Xd[:, Kd - 1], -1)  # x_K was drafted, never fed
     st.draft.catch_up_host = [m == Kd for m in n_host]

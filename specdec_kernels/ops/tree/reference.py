@@ -128,7 +128,8 @@ def tree_verify_reference(
     target_logits: torch.Tensor,  # [B, N+1, V] fp32/bf16/fp16: position 0 = root, n+1 = node n
     node_tokens: torch.Tensor,  # [B, N] int
     parents: torch.Tensor,  # [B, N] int: -1 = the root, else an earlier node
-    draft_probs: torch.Tensor | None,  # [B, N+1, Vd] fp32, Vd <= V: children sampled w/o replacement; None = deterministic
+    # draft_probs [B, N+1, Vd] fp32, Vd <= V: children sampled w/o replacement; None = deterministic
+    draft_probs: torch.Tensor | None,
     num_nodes: torch.Tensor,  # [B] int64 in [0, N]
     temperature: torch.Tensor,  # [B] fp32, 0 = greedy
     top_k: torch.Tensor | None,  # [B] int, 0 = off

@@ -195,7 +195,8 @@ def fused_verify(
     temperature: FloatArg = 1.0,  # float or [B]: 0 = greedy verification for that row, else >= 2^-126
     top_k: Optional[IntArg] = None,  # None, int or [B] int (0 = off)
     top_p: Optional[FloatArg] = None,  # None, float or [B] (1.0 = off)
-    min_p: Optional[FloatArg] = None,  # None, float or [B] in [0, 1] (0 = off): keep p(v) >= min_p * max p, after top-k/top-p
+    # min_p: None, float or [B] in [0, 1] (0 = off): keep p(v) >= min_p * max p, after top-k/top-p
+    min_p: Optional[FloatArg] = None,
     seed: Optional[IntArg] = None,  # None (torch's default generator), int, or [B] int64
     offset: IntArg = 0,  # int or [B] int64: a step counter (its low 32 bits enter Philox's counter)
     uniforms: Optional[torch.Tensor] = None,  # [B, K+1] float64 (or fp32) in [0, 1): explicit random numbers

@@ -84,15 +84,16 @@ def per_row_spec(name: str, value, B: int, dtype: torch.dtype, device: torch.dev
         out = _fp32_value(float(value))
         if math.isfinite(value) and not math.isfinite(out):
             info = torch.finfo(dtype)
-            raise ValueError(f"{name} must fit in {str(dtype).replace('torch.', '')} ([{info.min:.6g}, {info.max:.6g}]), "
-                             f"got {value!r}")
+            raise ValueError(f"{name} must fit in {str(dtype).replace('torch.', '')} "
+                             f"([{info.min:.6g}, {info.max:.6g}]), got {value!r}")
         if value != 0 and out == 0:
             raise ValueError(f"{name} must be representable in float32 (a value that rounds to 0 or to inf there is "
                              f"refused), got {value!r}")
         return out
     info = torch.iinfo(dtype)
     if not info.min <= value <= info.max:
-        raise ValueError(f"{name} must fit in {str(dtype).replace('torch.', '')} ([{info.min}, {info.max}]), got {value!r}")
+        raise ValueError(f"{name} must fit in {str(dtype).replace('torch.', '')} ([{info.min}, {info.max}]), "
+                         f"got {value!r}")
     return int(value)
 
 
@@ -172,7 +173,8 @@ def normalize_arguments(target_logits, draft_tokens, draft_probs, num_draft_toke
     if target_logits.dim() != 3:
         raise ValueError(f"{name} must have 3 dims [B, K+1, V], got {target_logits.dim()}: {shape_of(target_logits)}")
     if target_logits.dtype not in LOGIT_DTYPES:
-        raise TypeError(f"{name} must have dtype float32, bfloat16 or float16, got {str(target_logits.dtype).replace('torch.', '')}")
+        raise TypeError(f"{name} must have dtype float32, bfloat16 or float16, "
+                        f"got {str(target_logits.dtype).replace('torch.', '')}")
     B, K1, V = target_logits.shape
     K = K1 - 1
     if K1 < 1:
@@ -348,7 +350,8 @@ def _normalize_packed(logits, draft_tokens, cu, draft_probs, max_num_draft_token
     if logits.dim() != 2:
         raise ValueError(f"{name} must have 2 dims [sum_b (K_b + 1), V], got {logits.dim()}: {shape_of(logits)}")
     if logits.dtype not in LOGIT_DTYPES:
-        raise TypeError(f"{name} must have dtype float32, bfloat16 or float16, got {str(logits.dtype).replace('torch.', '')}")
+        raise TypeError(f"{name} must have dtype float32, bfloat16 or float16, "
+                        f"got {str(logits.dtype).replace('torch.', '')}")
     N, V = logits.shape
     if V < 1:
         raise ValueError(f"{name} must have a vocabulary V >= 1, got shape {shape_of(logits)}")

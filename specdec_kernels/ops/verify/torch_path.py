@@ -227,9 +227,9 @@ def _final_token_rows(p_j, x_safe, draft_probs, j, rejected, bad_row, greedy, ar
     """``verify.reference.chain.final_token`` (same arguments, the same tokens and bad_row) on the CPU, one row
     at a time (few rows, or a large vocabulary), so that a row pays only for what it uses: a greedy row nothing, a
     bonus row one cumulative sum, a rejected row its residual and one cumulative sum, where the
-    batched reference makes about fifteen passes over [B, V] for every row.  The inverse CDF is the reference's: the first v with cumsum(w)[v] > u *
-    sum(w), found by binary search in the float64 cumsum (a sequential sum of non-negative
-    weights, so non-decreasing, and flat exactly where w[v] = 0: the first index past the target
+    batched reference makes about fifteen passes over [B, V] for every row.  The inverse CDF is the reference's: the
+    first v with cumsum(w)[v] > u * sum(w), found by binary search in the float64 cumsum (a sequential sum of
+    non-negative weights, so non-decreasing, and flat exactly where w[v] = 0: the first index past the target
     has w > 0, as the reference requires); the last positive weight if none."""
     B, V = p_j.shape
     if (B > _ROW_DRAW_MAX and V < _ROW_DRAW_MIN_V) or not host_readable(p_j):  # it reads values on the host

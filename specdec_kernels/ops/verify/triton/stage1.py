@@ -241,7 +241,8 @@ def combine_position(row_logits, stride_lk, cand_ptr, part_f_ptr, part_i_ptr, B,
 def acceptance_chain(row_logits, row_tokens, row_q, stride_lk, stride_tk, stride_qk, uniforms_ptr, stride_ub, stride_uk,
                      param_flags, seed_ptr, seed_stride, seed_scalar,
                      seed_row_step, off_ptr, off_stride, off_scalar,
-                     tokens_ptr, stride_ob, stride_oc, num_accepted_ptr, stride_on, logprobs_ptr, stride_pb, stride_pc, part_f_ptr, part_i_ptr, mass_ptr, b, B, K, V, Vd, NC, kb, greedy, bad_param, inv_t,
+                     tokens_ptr, stride_ob, stride_oc, num_accepted_ptr, stride_on, logprobs_ptr, stride_pb, stride_pc,
+                     part_f_ptr, part_i_ptr, mass_ptr, b, B, K, V, Vd, NC, kb, greedy, bad_param, inv_t,
                      HAS_DRAFT_PROBS: tl.constexpr, HAS_UNIFORMS: tl.constexpr, PROBS: tl.constexpr,
                      LOGPROBS: tl.constexpr, DRAFT_LOGITS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr):
     """Row b's K_b acceptance tests at once (float64, the Philox counters of
