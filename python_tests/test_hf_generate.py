@@ -212,6 +212,7 @@ def _hf_joint(model, prompt, temperature, top_k, top_p) -> torch.Tensor:
     return p1[:, None] * p2
 
 
+@pytest.mark.slow
 def test_sampling_law_of_the_first_two_tokens(pair):
     """20,000 rows of one prompt in one call: the counts of (t1, t2) against the target's law as
     transformers warps it (chi-square, p > SIGNIFICANCE = 1e-3, fixed seed); the same counts

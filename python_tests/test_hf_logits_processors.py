@@ -151,6 +151,7 @@ def _sample_counts(target, draft, prompt, n, t, k, penalty, grammar=True) -> tor
     return torch.bincount(out[:, T] * V + out[:, T + 1], minlength=V * V).reshape(V, V)
 
 
+@pytest.mark.slow
 def test_sampling_law_of_the_first_two_tokens_with_processors(pair, monkeypatch):
     """20,000 rows of one prompt: the counts of (t1, t2) against the target's law with the
     processors (chi-square, p > SIGNIFICANCE = 1e-3, fixed seed; nothing outside the support).  The
@@ -173,6 +174,7 @@ def test_sampling_law_of_the_first_two_tokens_with_processors(pair, monkeypatch)
     assert outside > 0 or _chisquare_pvalue(bad, law) < SIGNIFICANCE
 
 
+@pytest.mark.slow
 def test_sampling_law_with_a_repetition_penalty_alone(pair, monkeypatch):
     """As above with repetition_penalty=3.0 only (no token is masked): the chi-square accepts the
     counts (p > 1e-3) and rejects those of the accepted-prefix-only mutant (p < 1e-3)."""
@@ -192,6 +194,7 @@ _MASKS = {  # generate's keyword -> the processor transformers builds for it
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", list(_MASKS))
 def test_sampling_law_with_a_sequence_mask(pair, monkeypatch, kind):
     """n-gram blocking and bad words, each alone: 20,000 rows of a prompt ending in tokens they

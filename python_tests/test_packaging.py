@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # builds an sdist and a wheel from it
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

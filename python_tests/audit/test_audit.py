@@ -87,6 +87,7 @@ def test_warp64_keeps_the_packages_sets():
         assert torch.equal(mine, keep), (T, k, p, mp)
 
 
+@pytest.mark.slow
 def test_row_laws_sum_to_one_and_match_a_hand_case():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.2], [0.1, 0.1, 0.8]]))
     q = torch.tensor([[0.2, 0.6, 0.2]])
@@ -203,6 +204,7 @@ def test_cli_audit_exit_statuses(tmp_path):
     assert r.returncode == 2 and "--cases: unknown ['nope']" in r.stderr
 
 
+@pytest.mark.slow
 def test_audit_vllm_bridge_runs_the_worker():
     """The vLLM adapter end to end where an interpreter with vLLM is found (else skipped): vLLM's own
     RejectionSampler in its environment, with the CPU expand fixed, passes the first-token case and

@@ -58,6 +58,7 @@ def test_drawn_draft_forms_sum_the_fixed_draft_forms(T, K_b):
     assert torch.allclose(sequence_law(A, S, K), _enumerated(logits, q, K_b, T, False), atol=1e-12)
 
 
+@pytest.mark.slow
 def test_sequence_law_marginals_are_row_laws():
     logits, q = _setup(3)
     drafts = torch.tensor([1, 4])
@@ -83,6 +84,7 @@ def test_sequence_index_numbers_every_sequence_once():
     assert sorted(idx.tolist()) == list(range(sequence_space(V, K)[-1]))
 
 
+@pytest.mark.slow
 def test_reference_sampler_fits_the_whole_step_law():
     """The audit's exact sampler against the closed form with drafts drawn per trial (and the
     form catches a sampler whose bonus is drawn from the previous position's law)."""

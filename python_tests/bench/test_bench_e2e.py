@@ -36,6 +36,7 @@ def _restore_threads_and_rng():
     torch.set_num_threads(threads)
 
 
+@pytest.mark.slow
 def test_bench_e2e_quick(tmp_path):
     # --ks 1,auto@0.3 and one thread keep the run short on a shared 2-core machine (about 30 s).
     cmd = [sys.executable, str(SCRIPT), "--quick", "--out", str(tmp_path), "--threads", "1", "--ks", "1,auto@0.3"]
@@ -180,6 +181,7 @@ def test_k_entries_with_a_confidence():
             mod._k_list(bad)
 
 
+@pytest.mark.slow
 def test_bench_e2e_quick_feature_draft(tmp_path):
     """--feature-ks times the feature drafter beside the others (here an untrained feature draft
     for the tiny pair's target: rarely accepted, still exact, so the greedy check passes)."""
@@ -325,6 +327,7 @@ def test_assisted_generation_uses_the_draft(k):
     assert len(calls) > 0 and all(len(t) == 12 for t in out.token_ids)
 
 
+@pytest.mark.slow
 def test_a_run_stopped_at_its_time_limit_writes_the_configurations_done(tmp_path, monkeypatch):
     """bench/gpu_check.sh stops bench_e2e with SIGINT at its limit: the configurations measured
     by then are written (CSV, table, plot), with a note, and the exit status says it was cut."""
@@ -438,6 +441,7 @@ def test_time_interleaved_calls_providers_in_rounds():
         harness.time_fn(lambda: 1 / 0, torch.device("cpu"), min_time_s=0.0)
 
 
+@pytest.mark.slow
 def test_bench_e2e_quick_tree_shapes(tmp_path):
     """--tree-shapes times SpeculativeDecoder(tree=...) as method specdec_tree (K = the shape),
     greedy-checked against the target alone like every method."""

@@ -144,6 +144,7 @@ def test_both_fused_kernels_are_timed_eagerly_and_under_cuda_graph_replay(bench_
     assert by["reference_eager"]["cuda_graph_median_ms"] is None
 
 
+@pytest.mark.slow
 def test_a_run_stopped_at_its_time_limit_keeps_the_cases_measured(bench_verify, tmp_path, monkeypatch):
     real, calls = bench_verify.measure_case, []
 

@@ -170,6 +170,7 @@ def test_weight_copies_are_made_once_per_model():
             assert now is cached[id(m)]  # kept
 
 
+@pytest.mark.slow
 def test_a_weight_changed_in_place_between_calls_is_caught():
     """The same decoder, one fp16-exact weight changed in place between two calls, through the
     parameter (its version moves) and then through ``.data`` (it does not; a new decoder's

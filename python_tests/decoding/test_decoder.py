@@ -138,6 +138,7 @@ def test_padded_target_vocabulary(pair):
 # 2. Sampling is exact: chi-square against the target's closed-form distribution
 # ----------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("temperature,top_k,top_p,k,vocab", [
     (1.0, None, None, 2, None),
     (0.7, 4, None, 1, None),
@@ -235,6 +236,7 @@ def test_sampling_matches_target_distribution(temperature, top_k, top_p, k, voca
     assert _chisquare_pvalue(pseudo, joint) < SIGNIFICANCE
 
 
+@pytest.mark.slow
 def test_prompt_lookup_sampling_first_token_distribution():
     """Deterministic drafts (draft_probs=None) with sampling: the first token is still p.
     (max_new_tokens=2, so K=2 is capped to 1 and a draft is verified: with max_new_tokens=1 the

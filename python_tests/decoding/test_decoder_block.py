@@ -23,6 +23,7 @@ def test_block_greedy_matches_generate(pair, greedy_refs, k):
     assert res.token_ids == greedy_refs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("temperature, top_p", [(1.0, None), (0.7, 0.9)])
 def test_block_sampling_matches_target_distribution(temperature, top_p):
     V, N = 8, 4000

@@ -139,6 +139,7 @@ def _hf_joint(model, prompt, temperature, min_p) -> torch.Tensor:
     return p1[:, None] * p2
 
 
+@pytest.mark.slow
 def test_sampling_law_of_the_first_two_tokens_with_min_p(pair):
     """20,000 rows of one prompt through the hook (do_sample, temperature 0.7, min_p 0.2): the
     counts of (t1, t2) against transformers' law (chi-square, p > SIGNIFICANCE = 1e-3, fixed
@@ -178,6 +179,7 @@ def test_cli_min_p_reaches_generate(capsys, monkeypatch):
     assert e.value.code == 2 and "error: --min-p must be in [0, 1] (0 = off), got 1.5" in err, err
 
 
+@pytest.mark.slow
 def test_triton_verify_backend_gives_the_torch_tokens_with_min_p(pair):
     """The loop through the split kernel (Triton's interpreter on the CPU: conftest.py sets
     TRITON_INTERPRET=1) draws the torch path's tokens with min_p, seeded."""

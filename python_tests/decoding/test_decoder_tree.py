@@ -47,6 +47,7 @@ def _tree_law(shape, temperature, top_p, N=6000, noise=0.3):
         _first_two_joint(draft, prompt, temperature, None, top_p)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape,temperature,top_p", [((2, 2), 1.0, None), ((3, 2), 1.3, 0.9),
                                                      ("dynamic:4,2,3", 1.0, None)])
 def test_tree_sampling_matches_target_distribution(shape, temperature, top_p):
@@ -59,6 +60,7 @@ def test_tree_sampling_matches_target_distribution(shape, temperature, top_p):
     assert _chisquare_pvalue(pseudo, joint) < SIGNIFICANCE
 
 
+@pytest.mark.slow
 def test_pruning_drawn_children_is_caught(monkeypatch):
     """The mutant the tree loop must not be: draw one child more than the shape asks for and keep
     the most probable ones (pruning by the children's own probability). The law test rejects it."""
@@ -109,6 +111,7 @@ def test_caches_after_every_step_equal_a_fresh_forward(pair, monkeypatch, temper
     assert len(seen) >= 6
 
 
+@pytest.mark.slow
 def test_a_wider_tree_accepts_more_per_call():
     """Same pair and seeds at T = 1: a tree of 3 children per depth gives more tokens per target
     call than the chain of the same depth (by more than 3 standard errors of the difference)."""

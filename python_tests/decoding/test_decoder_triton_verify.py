@@ -22,9 +22,10 @@ from specdec_kernels.ops.verify import interpreting
 from decoder_setup import PROMPTS, _one_thread, _synthetic_times, greedy_refs, pair  # noqa: F401  (fixtures)
 from feature_setup import fgreedy_refs, fpair  # noqa: F401  (fixtures)
 
-pytestmark = pytest.mark.skipif(not interpreting() and not torch.cuda.is_available(),
-                                reason="the Triton kernel on CPU tensors needs TRITON_INTERPRET=1 "
-                                       "(conftest.py sets it)")
+pytestmark = [pytest.mark.slow,  # the decoder's loop through the interpreted kernel
+              pytest.mark.skipif(not interpreting() and not torch.cuda.is_available(),
+                                 reason="the Triton kernel on CPU tensors needs TRITON_INTERPRET=1 "
+                                        "(conftest.py sets it)")]
 # Where the models run: the CPU with the interpreted kernel (no GPU: conftest.py sets
 # TRITON_INTERPRET=1), else the GPU with the compiled one (the greedy references, made on the
 # CPU, are then left to test_decoder_devices.py: the GPU's logits round differently).

@@ -34,7 +34,7 @@ from specdec_kernels.ops.reference import philox_uniforms, verify_reference
 from helpers import chi_square_pvalue
 
 DEV = "cuda" if HAS_CUDA else "cpu"
-BACKENDS = ["torch", "triton"]
+BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.slow)]  # the kernel, interpreted on a CPU: slow
 SIGNIFICANCE = 1e-4
 N = 100_000
 
@@ -294,6 +294,7 @@ def _first_tokens(p, q, x, mode):
     return tokens[:, 0].numpy()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["seed", "generator"])
 def test_first_token_follows_the_speculative_law_and_a_mutant_fails(mode, monkeypatch):
     """One call of N = 100,000 rows with the same inputs (one int seed: the rows differ by their
@@ -368,6 +369,7 @@ def test_a_generator_gives_reproducible_output():
 HAS_FLASHINFER = importlib.util.find_spec("flashinfer") is not None
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not (HAS_FLASHINFER and HAS_CUDA),
                     reason="needs the flashinfer package and a CUDA GPU (FlashInfer's sampling kernels are CUDA-only)")
 def test_same_law_as_flashinfer():

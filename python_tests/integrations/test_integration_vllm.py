@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # vLLM's CPU engine, in .venv-vllm
+
 ROOT = Path(__file__).resolve().parents[2]
 SIDE = Path(__file__).resolve().parent / "vllm_side"
 VENV = Path(os.environ.get("SPECDEC_VLLM_VENV") or ROOT / ".venv-vllm")

@@ -132,6 +132,7 @@ CASES = {  # name -> (P, Q), the same at every position
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("K", [1, 2, 3])
 @pytest.mark.parametrize("case", list(CASES))
 def test_exact_law_repeated_iterations(case, K):
@@ -141,6 +142,7 @@ def test_exact_law_repeated_iterations(case, K):
         assert torch.allclose(law, _outer([P] * n), rtol=0, atol=1e-12), (case, K, n)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("K", [1, 2, 3])
 @pytest.mark.parametrize("seed", range(4))
 def test_exact_law_per_position(K, seed):
@@ -235,12 +237,14 @@ def _stats(Ps, Qs, N=100_000, seed=0):
     return pv_first, pv_two, pv_tau
 
 
+@pytest.mark.slow
 def test_sampled_matches_exact_laws():
     Ps, Qs = SAMPLED["random"]
     pv_first, pv_two, pv_tau = _stats(Ps, Qs)
     assert min(pv_first, pv_two, pv_tau) > 1e-4, (pv_first, pv_two, pv_tau)
 
 
+@pytest.mark.slow
 def test_sampled_rejects_stop_weight_mutant(monkeypatch):
     # h_i = r_i / r_i: the 1 - p_i term left out
     monkeypatch.setattr(block_reference, "_block_stop_weights", lambda pp, r: (r > 0).double())
@@ -249,6 +253,7 @@ def test_sampled_rejects_stop_weight_mutant(monkeypatch):
     assert pv_two < 1e-4 and pv_tau < 1e-4, (pv_first, pv_two, pv_tau)
 
 
+@pytest.mark.slow
 def test_sampled_rejects_token_residual_mutant(monkeypatch):
     # the extra token from the token rule's residual max(0, P - Q)
     monkeypatch.setattr(block_reference, "_block_residual", lambda p_tau, P, Q: (P - Q).clamp(min=0.0))
@@ -444,6 +449,7 @@ def _joint_pvalues(first3, P):
     return chi_square_pvalue(two, p2), chi_square_pvalue(three, p3)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(OP_CASES))
 def test_op_joint_law_of_two_and_three_tokens(name):
     """The joint law of the first two and of the first three tokens equals the warped target's:
@@ -455,6 +461,7 @@ def test_op_joint_law_of_two_and_three_tokens(name):
 
 
 # The cases where each mutant changes the law (where p_i = 1 or the residuals agree it does not)
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["q_zero_where_p_positive", "top_p_temperature", "padded_vocabulary",
                                   "one_hot_drafts"])
 def test_op_law_rejects_stop_weight_mutant(name, monkeypatch):
@@ -464,6 +471,7 @@ def test_op_law_rejects_stop_weight_mutant(name, monkeypatch):
     assert min(_joint_pvalues(first3, P)) < 1e-4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["padded_vocabulary"])
 def test_op_law_rejects_token_residual_mutant(name, monkeypatch):
     # the extra token from the token rule's residual max(0, P - Q)
@@ -472,6 +480,7 @@ def test_op_law_rejects_token_residual_mutant(name, monkeypatch):
     assert min(_joint_pvalues(first3, P)) < 1e-4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chain", range(4))
 def test_sampled_means_agree_with_exact_expectations(chain):
     """On random (p, q) chains (K = 3), the op's mean number accepted, block and token, lies

@@ -21,6 +21,8 @@ from specdec_kernels.ops.reference import (block_verify_reference, emitted_logpr
                                        verify_reference)
 from test_verify_packed import _pack
 
+pytestmark = pytest.mark.slow  # the block kernel, interpreted on a CPU
+
 DEV = "cuda" if HAS_CUDA else "cpu"
 BACKENDS = ["triton", "torch"]
 

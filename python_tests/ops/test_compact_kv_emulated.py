@@ -133,6 +133,8 @@ def test_emulated_out_of_range_values_are_skipped_or_clamped(emulated, block_dim
 from decoder_setup import PROMPTS, _one_thread, greedy_refs, pair  # noqa: E402,F401  (fixtures)
 from feature_setup import fgreedy_refs, fpair  # noqa: E402,F401  (fixtures)
 
+pytestmark = pytest.mark.slow  # the CUDA kernels emulated on the CPU (a C++ build per worker)
+
 
 def _route_through_emulation(monkeypatch, emulated, calls: list):
     """Every compact_kv_ the decoder makes (both caches, every step) runs the CUDA kernel's code."""

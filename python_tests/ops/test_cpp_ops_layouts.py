@@ -35,6 +35,7 @@ def _layouts(dtype, device="cpu"):
     return {"row24": [eight], "base_offset": [shifted], "cropped_last_dim": [cropped_d]}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["row24", "base_offset", "cropped_last_dim"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("block_dim", [GPU_THREADS, 3])

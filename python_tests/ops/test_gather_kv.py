@@ -125,6 +125,7 @@ def test_reference_reads_before_it_writes():
 # ------------------------------------------------------------------------------------------
 # Exactness against the reference
 # ------------------------------------------------------------------------------------------
+@pytest.mark.slow
 @needs_ext
 @pytest.mark.parametrize("seed", range(40))
 def test_op_matches_reference_random_cases(seed):
@@ -138,6 +139,7 @@ def test_op_matches_reference_random_cases(seed):
     _check_untouched(before, caches, cnt, dst)
 
 
+@pytest.mark.slow
 def test_random_cases_cover_what_they_claim():
     """The random cases include every dtype, layout-independent H/D per layer, counts 0 and M
     on some row, and sources that overlap their destinations without being in place."""
@@ -571,6 +573,7 @@ def _expected_access(caches) -> int:
     return g
 
 
+@pytest.mark.slow
 @needs_ext
 @pytest.mark.parametrize("reverse", [False, True])
 @pytest.mark.parametrize("block_dim", [GPU_THREADS, 3])
@@ -588,6 +591,7 @@ def test_emulated_kernel_matches_reference_and_cpu_op(emulated, seed, block_dim,
         assert torch.equal(got, op)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("D", [1, 3, 6, 64])
 def test_emulated_alignments_and_many_layers(emulated, dtype, D):
@@ -604,6 +608,7 @@ def test_emulated_alignments_and_many_layers(emulated, dtype, D):
         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("block_dim", [GPU_THREADS, 1])
 def test_emulated_rows_with_bad_values_are_left_unchanged(emulated, block_dim):
     # The CPU op refuses these values; the kernel cannot read them on the host, so a row that
@@ -635,6 +640,7 @@ def test_emulated_rows_with_bad_values_are_left_unchanged(emulated, block_dim):
     assert all(torch.equal(g, w) for g, w in zip(caches, expected))
 
 
+@pytest.mark.slow
 def test_emulated_empty_caches_are_not_launched(emulated):
     caches = _make_caches(2, 12, [(2, 8), (0, 8), (2, 0), (1, 4)], torch.float32, "contiguous")
     src, cnt, dst = _idx([[5, 7, 8], [3, 4, -1]]), _idx([3, 2]), _idx([5, 1])

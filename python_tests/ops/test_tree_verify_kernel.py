@@ -23,6 +23,8 @@ from specdec_kernels.ops.tree.reference import tree_verify_reference
 from specdec_kernels.ops.tree.api import _launch_tree, fused_verify_tree
 from test_tree_verify import _case
 
+pytestmark = pytest.mark.slow  # the tree kernel, interpreted on a CPU
+
 DEV = "cuda" if HAS_CUDA else "cpu"
 D64 = torch.float64
 

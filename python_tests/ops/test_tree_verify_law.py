@@ -25,6 +25,8 @@ from specdec_kernels.ops.tree import reference as tree_reference
 from specdec_kernels.ops.verify.reference import warp as warp_reference
 from specdec_kernels.ops.tree.api import fused_verify_tree
 
+pytestmark = pytest.mark.slow  # the tree verify law by sampling
+
 N_TRIALS = 100_000
 SIGNIFICANCE = 1e-4
 

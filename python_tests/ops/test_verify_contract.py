@@ -17,7 +17,8 @@ from specdec_kernels.ops.verify import launch as _verify_launch, torch_path as _
 from specdec_kernels.ops.reference import verify_reference
 
 KERNEL_DEVICE = "cuda" if HAS_CUDA else "cpu"
-BACKENDS = [("triton", KERNEL_DEVICE), ("torch", "cpu")]
+# the kernel, interpreted on a CPU: slow
+BACKENDS = [pytest.param("triton", KERNEL_DEVICE, marks=pytest.mark.slow), ("torch", "cpu")]
 
 
 def _args(B=2, K=2, V=10):

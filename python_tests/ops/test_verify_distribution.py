@@ -42,6 +42,8 @@ NEG_INF = float("-inf")
 
 from helpers import chi_square_pvalue, expected_probs  # noqa: E402  (shared with other law tests)
 
+pytestmark = pytest.mark.slow  # chi-square over 1e5 draws per case
+
 BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(
     not HAS_CUDA, reason="100,000-row kernel runs need a GPU; on CPU the kernel is checked exactly "
                          "against the torch path"))]

@@ -31,7 +31,7 @@ from test_verify_distribution import Z_BOUND
 from test_verify_packed import _pack
 
 DEV = "cuda" if HAS_CUDA else "cpu"
-BACKENDS = ["triton", "torch"]
+BACKENDS = [pytest.param("triton", marks=pytest.mark.slow), "torch"]  # the kernel, interpreted on a CPU: slow
 
 
 def _dev(t):
@@ -272,6 +272,7 @@ def test_probabilities_in_logprobs_and_out_take_draft_logits(backend):
         torch.testing.assert_close(buf[2].cpu()[fin], want[fin], atol=1e-5, rtol=1.3e-6)
 
 
+@pytest.mark.slow
 def test_arrival_order_does_not_change_the_draft_records(split_settings):
     """Work items claimed in three random orders: the draft's position records (m_d, S_d, bad_d)
     and the tokens are bit-identical to the in-order launch's (the combine sums in chunk order)."""
@@ -361,6 +362,7 @@ def _first_tokens(backend, logits, L, T):
     return out.tokens[:, 0].cpu().numpy(), x[:, 0].numpy(), n
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", DIST_BACKENDS)
 def test_first_token_follows_its_exact_law(backend):
     """Chi-square (significance 1e-4, 100,000 trials, bins of expected count < 5 merged) of the
@@ -379,6 +381,7 @@ def test_first_token_follows_its_exact_law(backend):
     assert abs(z) < Z_BOUND, f"acceptance rate of x_1 is off sum min(p, q): z = {z:.2f}"
 
 
+@pytest.mark.slow
 def test_mutant_q_at_temperature_1_is_caught(monkeypatch):
     """q computed at T = 1 instead of the row's T (the drafts still sampled at T): the same
     statistic rejects the first token's law (its total variation from p_1 is ~0.09 here), and

@@ -20,7 +20,8 @@ from specdec_kernels.ops.verify import args as _verify_args
 from specdec_kernels.ops.reference import verify_reference
 
 KERNEL_DEVICE = "cuda" if HAS_CUDA else "cpu"
-BACKENDS = [("triton", KERNEL_DEVICE), ("torch", "cpu")]
+# the kernel, interpreted on a CPU: slow
+BACKENDS = [pytest.param("triton", KERNEL_DEVICE, marks=pytest.mark.slow), ("torch", "cpu")]
 
 U_GRID = [0.0, 0.1, 0.25, 0.4999, 0.5, 0.6, 0.75, 0.9, 1 - 2**-24]
 

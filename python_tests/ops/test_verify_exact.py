@@ -47,6 +47,7 @@ def _run_both(logits, x, q, kb, temperature, top_k, top_p, seed, offset, device)
     return out, ref_tokens, ref_num
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("warp", [False, True], ids=["plain", "topk_topp"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("V", [1, 2, 111, 1271, 32001])
@@ -87,7 +88,7 @@ def test_deterministic_drafter_matches_reference(K, device):
     assert torch.equal(out.tokens.cpu(), ref_tokens) and torch.equal(out.num_accepted.cpu(), ref_num)
 
 
-@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("backend", [pytest.param("triton", marks=pytest.mark.slow), "torch"])
 def test_no_drafts_gives_the_bonus_token(backend, device):
     """K = 0 (and K_b = 0 rows): the step only samples the bonus token from p_0."""
     logits, x, q = make_step(3, 0, 50, seed=4)
@@ -148,6 +149,7 @@ def test_seeded_torch_path_equals_explicit_uniforms(B, monkeypatch):
     assert len(calls) == (1 if B * 5 <= _verify_torch._HOST_PHILOX_MAX else 0)
 
 
+@pytest.mark.slow
 def test_philox_uniforms_match_triton_rand(device):
     """The reference's Philox reproduces Triton's bit for bit: the acceptance tests' numbers are
     ``tl.rand`` (fp32), the final draw's are 53 bits of ``tl.randint4x``'s first two words."""

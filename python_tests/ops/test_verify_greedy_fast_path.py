@@ -108,6 +108,7 @@ def _assert_identical(a, b, msg=""):
         assert torch.equal(x, y), (name, msg, x, y)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("host", [True, False], ids=["host", "tensors"])
 def test_fast_path_equals_full_path_on_random_cases(counted, monkeypatch, host):
     """host: small batches finish on the host (``_greedy_host``); tensors: the same cases with

@@ -88,6 +88,7 @@ MUTANT_SCHEDULES = {"combine_by_last_chunk_item": 3, "draw_by_last_numbered_item
                     "flag_before_chain_records": 1, "arrival_before_records": 35}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", MUTANTS)
 def test_protocol_mutant_passes_the_plain_interpreter_and_fails_interleaved(name, monkeypatch, tmp_path):
     """Each mutant assumes that items finish in ticket order: the plain interpreter (one program,

@@ -43,7 +43,7 @@ from test_verify_draft_logits import first_token_law
 from test_verify_packed import _pack
 
 DEV = "cuda" if HAS_CUDA else "cpu"
-BACKENDS = ["triton", "torch"]
+BACKENDS = [pytest.param("triton", marks=pytest.mark.slow), "torch"]  # the kernel, interpreted on a CPU: slow
 
 
 def _dev(t):
@@ -316,6 +316,7 @@ def _records(B, K1, V):
     return {k: v.cpu().clone() for k, v in ws.records(B, K1, -(-V // chunk)).items()}
 
 
+@pytest.mark.slow
 def test_kernel_threshold_key_is_the_reference_bit_for_bit():
     """64 rows of one position, min_p spread over (0, 1] (log-uniform down to 1e-30, powers of two,
     1, the smallest fp32 values), logits of several scales, T in {0.5, 1, 1.7}: the kernel's
@@ -334,6 +335,7 @@ def test_kernel_threshold_key_is_the_reference_bit_for_bit():
     assert torch.equal(rec["thr"][:, 0], want.to(rec["thr"].dtype))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kept,scans", [("few", 0), ("most", 1)])
 def test_kernel_threshold_from_the_lists_or_one_pass(kept, scans, split_settings):
     """Eight chunks of 16 tokens, 4 candidates a chunk: a min-p set of a few tokens (far above the
@@ -551,6 +553,7 @@ def _first_tokens(backend, logits, q, top_p=None):
     return out.tokens[:, 0].cpu().numpy()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", DIST_BACKENDS)
 @pytest.mark.parametrize("top_p", [None, 0.7], ids=["min_p", "top_p_then_min_p"])
 def test_first_token_follows_its_exact_law(backend, top_p):
@@ -566,6 +569,7 @@ def test_first_token_follows_its_exact_law(backend, top_p):
     assert pv > SIGNIFICANCE, f"first token does not follow its law: chi-square p = {pv:.3g}"
 
 
+@pytest.mark.slow
 def test_mutant_min_p_before_temperature_is_caught(monkeypatch):
     """min-p applied to the logits before the temperature (threshold m + ln(min_p) / T on s = l / T):
     the same statistic rejects the first token's law (total variation from p_1 > 0.05 here), and

@@ -21,7 +21,7 @@ from specdec_kernels.ops.reference import emitted_logprobs, philox_uniforms, ver
 from helpers import chi_square_pvalue
 
 DEV = "cuda" if HAS_CUDA else "cpu"
-BACKENDS = ["triton", "torch"]
+BACKENDS = [pytest.param("triton", marks=pytest.mark.slow), "torch"]  # the kernel, interpreted on a CPU: slow
 
 
 def _pack(logits, x, q, kb):
@@ -179,6 +179,7 @@ def test_target_probs_refuse_a_warp_and_other_temperatures():
         fused_verify(p[0], x, q, target_is_probs=True)
 
 
+@pytest.mark.slow
 def test_target_probs_emit_their_distribution():
     """Chi-square (significance 1e-4, 100,000 trials, bins of expected count < 5 merged) of the
     first emitted token against p_1 (normalised), with q far from p, on the torch path (the
@@ -300,7 +301,7 @@ def test_packed_logprobs_equal_padded(monkeypatch):
     logits, x, q = make_step(B, K, V, seed=17)
     kb = torch.tensor([3, 0, 2])
     pl, px, cu, pq = _pack(logits, x, q, kb)
-    for backend in BACKENDS:
+    for backend in ("triton", "torch"):
         a = fused_verify(_dev(logits), _dev(x), _dev(q), num_draft_tokens=_dev(kb), temperature=0.9, top_k=20,
                          seed=5, backend=backend, return_logprobs=True)
         b = fused_verify_packed(_dev(pl), _dev(px), _dev(cu), _dev(pq), temperature=0.9, top_k=20, seed=5,

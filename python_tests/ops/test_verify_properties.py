@@ -14,7 +14,8 @@ from specdec_kernels.ops.verify import args as _verify_args, launch as _verify_l
 
 # The kernel runs for real on a GPU and interpreted on CPU tensors; the torch path runs on CPU.
 KERNEL_DEVICE = "cuda" if HAS_CUDA else "cpu"
-BACKENDS = [("triton", KERNEL_DEVICE), ("torch", "cpu")]
+# the kernel, interpreted on a CPU: slow
+BACKENDS = [pytest.param("triton", KERNEL_DEVICE, marks=pytest.mark.slow), ("torch", "cpu")]
 
 
 def _call(backend, dev, logits, x, q, **kw):
@@ -376,6 +377,7 @@ def test_draft_probs_sums_are_checked_only_where_read():
         fused_verify(lg, x, bad, seed=0, backend="torch")
 
 
+@pytest.mark.slow
 def test_triton_backend_on_cpu_without_interpreter_is_refused(monkeypatch):
     monkeypatch.setattr(_verify_launch, "interpreting", lambda: False)
     lg, x, q = make_step(1, 2, 10)
@@ -397,6 +399,7 @@ def test_interpreter_version_problem(triton_v, numpy_v, refused):
         assert problem is None
 
 
+@pytest.mark.slow
 def test_triton_backend_on_cpu_with_a_broken_interpreter_is_refused(monkeypatch):
     monkeypatch.setattr(_verify_launch, "interpreting", lambda: True)
     monkeypatch.setattr(_verify_launch, "interpreter_problem", lambda: "Triton 3.6.0's interpreter ... NumPy 2.4.6")

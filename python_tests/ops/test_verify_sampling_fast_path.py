@@ -124,6 +124,7 @@ def _reference(kw) -> tuple[torch.Tensor, torch.Tensor]:
                             per_row(kw.get("top_k"), torch.int64), per_row(kw.get("top_p"), torch.float32), u)
 
 
+@pytest.mark.slow
 def test_untruncated_route_equals_reference_on_random_cases(counted, monkeypatch):
     rng = random.Random(4321)
     g = torch.Generator().manual_seed(4321)
@@ -334,6 +335,7 @@ def test_sort_descending_cpu_equals_torchs_sort():
     assert torch.equal(sort_descending_cpu(s), torch.sort(s, -1, descending=True).values)
 
 
+@pytest.mark.slow
 def test_warped_rows_equal_the_reference_on_random_cases(counted, counted_warped, monkeypatch):
     """fused_verify's torch path with top-k / top-p (``_verify_torch._verify_warped``: the reference's
     warp through NumPy's sort, the unmasked maximum, in place, the row-by-row or batched draw)

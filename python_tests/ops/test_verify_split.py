@@ -23,6 +23,8 @@ from specdec_kernels.ops.kernels import launch_settings, split_workspace
 from specdec_kernels.ops.verify.triton.split_kernel import _ticket_item
 from specdec_kernels.ops.reference import philox_uniforms, verify_reference
 
+pytestmark = pytest.mark.slow  # the split kernel, interpreted on a CPU
+
 DEV = "cuda" if HAS_CUDA else "cpu"
 
 

@@ -171,6 +171,7 @@ class _DraftQForStrings(cross.CrossVocabDrafter):
         return Drafts(d.tokens, Qt, d.num, d.forwards)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("vocabulary,mutant", [("intersection", _UnnormalisedQ), ("string", _DraftQForStrings)])
 def test_mutants_are_caught(xpair, vocabulary, mutant):
     _, target, _, tt = xpair

@@ -86,6 +86,7 @@ def test_an_untrained_feature_draft_is_still_exact(fpair, fgreedy_refs):
 # ----------------------------------------------------------------------------------------------
 # Sampling is exact
 # ----------------------------------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("temperature,top_k,k,vocab", [
     (1.0, None, 2, None),
     (0.7, 4, 3, None),
