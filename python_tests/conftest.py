@@ -19,6 +19,16 @@ def device():
     return DEVICE
 
 
+@pytest.fixture
+def device_value_checks():
+    """``fused_verify`` as on a device: no host range checks of tensor values, a bad value makes its
+    row invalid in the op (``specdec_kernels.ops.verify.host_value_checks(False)``)."""
+    from specdec_kernels.ops.verify import host_value_checks
+
+    with host_value_checks(False):
+        yield
+
+
 # The `slow` marker (registered in pyproject.toml) is set in the test files themselves: a
 # module's `pytestmark`, a test's `@pytest.mark.slow`, a parameter's `pytest.param(..., marks=...)`.
 # `pytest python_tests -m "not slow" -n 2` is the quick subset for someone changing code; CI

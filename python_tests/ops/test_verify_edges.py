@@ -16,7 +16,6 @@ import torch
 
 from helpers import HAS_CUDA
 from specdec_kernels import fused_verify
-from specdec_kernels.ops.verify import args as _verify_args
 from specdec_kernels.ops.reference import verify_reference
 
 KERNEL_DEVICE = "cuda" if HAS_CUDA else "cpu"
@@ -104,11 +103,10 @@ def test_unusable_q_at_an_unread_position_is_ignored(backend, dev):
 
 
 @pytest.mark.parametrize("backend,dev", BACKENDS)
-def test_greedy_route_keeps_a_negative_temperature_row_invalid(backend, dev, monkeypatch):
+def test_greedy_route_keeps_a_negative_temperature_row_invalid(backend, dev, device_value_checks):
     """Where tensor values are not range-checked on the host (torch.compile, CUDA; emulated), a
     row with temperature < 0 beside greedy rows is invalid, as in the reference: the all-greedy
     route must not take it for a greedy row."""
-    monkeypatch.setattr(_verify_args, "_check_values", lambda t: False)
     g = torch.Generator().manual_seed(3)
     B, K, V = 3, 2, 10
     logits = torch.randn(B, K + 1, V, generator=g)
@@ -122,10 +120,9 @@ def test_greedy_route_keeps_a_negative_temperature_row_invalid(backend, dev, mon
 
 
 @pytest.mark.parametrize("backend,dev", BACKENDS)
-def test_subnormal_temperature_marks_the_row_invalid(backend, dev, monkeypatch):
+def test_subnormal_temperature_marks_the_row_invalid(backend, dev, device_value_checks):
     """A temperature in (0, 2^-126) whose reciprocal is still finite (here 2^-127: 1/T = 2^127)
     leaves finite scaled logits for small logits, yet the row is invalid (not a sampled token)."""
-    monkeypatch.setattr(_verify_args, "_check_values", lambda t: False)
     B, K = 2, 1
     logits = torch.tensor([[[0.5, 0.25, 0.125, 0.0625]] * (K + 1)] * B)
     x = torch.zeros(B, K, dtype=torch.int64)
@@ -267,3 +264,25 @@ def test_bonus_draw_resolves_the_tail_of_a_large_vocabulary():
                           temperature=1.0, uniforms=u)
     assert num.tolist() == [1] * n
     assert tokens[:, 1].tolist() == picked.tolist()
+
+
+def test_host_value_checks_leaves_bad_values_to_the_op_within_its_block():
+    """The public seam of the tests above: CPU values are checked on the host (an error) except
+    within ``host_value_checks(False)``, where the row is made invalid as on a device; the setting
+    is restored on leaving the block, nested or after an error."""
+    from specdec_kernels.ops.verify import host_value_checks
+
+    logits = torch.randn(2, 2, 8, generator=torch.Generator().manual_seed(0))
+    x, temp = logits[:, :1].argmax(-1), torch.tensor([0.0, -1.0])
+    with pytest.raises(ValueError, match=r"temperature must be finite and >= 0"):
+        fused_verify(logits, x, temperature=temp)
+    with host_value_checks(False):
+        assert fused_verify(logits, x, temperature=temp).num_accepted.tolist() == [1, -1]
+        with host_value_checks(True), pytest.raises(ValueError, match="temperature"):
+            fused_verify(logits, x, temperature=temp)
+        assert fused_verify(logits, x, temperature=temp).num_accepted.tolist() == [1, -1]
+    with pytest.raises(ValueError, match="temperature"):
+        fused_verify(logits, x, temperature=temp)
+    with pytest.raises(TypeError, match="host_value_checks: enabled must be a bool, got int"):
+        with host_value_checks(0):
+            pass

@@ -34,7 +34,6 @@ from specdec_kernels import fused_verify, fused_verify_packed
 from specdec_kernels.ops.verify.reference import chain as chain_reference, warp as warp_reference
 from specdec_kernels.ops import reference as ref
 from specdec_kernels.ops import verify as verify_mod
-from specdec_kernels.ops.verify import args as _verify_args
 from specdec_kernels.ops.kernels import split_workspace
 from specdec_kernels.ops.reference import (emitted_logprobs, min_p_log, min_p_threshold, order_key, philox_uniforms,
                                        verify_reference, warp_logits)
@@ -442,7 +441,7 @@ def test_logprobs_are_under_the_min_p_warp(backend):
 
 
 @pytest.mark.parametrize("B", [3, 40], ids=["host_route", "tensor_route"])
-def test_all_greedy_rows_ignore_min_p_but_not_its_range(B, monkeypatch):
+def test_all_greedy_rows_ignore_min_p_but_not_its_range(B, device_value_checks):
     """The torch path's all-greedy route (row by row on the host for small batches, tensors for
     larger ones): min_p changes nothing, and a bad value not read on the host makes its row invalid."""
     K, V = 2, 25
@@ -453,7 +452,6 @@ def test_all_greedy_rows_ignore_min_p_but_not_its_range(B, monkeypatch):
     mp = torch.rand(B, generator=torch.Generator().manual_seed(B))
     got = fused_verify(logits, x, q, min_p=mp, **kw)
     assert torch.equal(got.tokens, base.tokens) and torch.equal(got.num_accepted, base.num_accepted)
-    monkeypatch.setattr(_verify_args, "_check_values", lambda t: False)
     mp[1] = 1.5
     got = fused_verify(logits, x, q, min_p=mp, **kw)
     assert int(got.num_accepted[1]) == -1 and (got.tokens[1] == -1).all()
@@ -462,14 +460,13 @@ def test_all_greedy_rows_ignore_min_p_but_not_its_range(B, monkeypatch):
 
 
 @pytest.mark.parametrize("case", ["scalar", "tensor"])
-def test_min_p_adds_no_device_op(case, monkeypatch):
+def test_min_p_adds_no_device_op(case, monkeypatch, device_value_checks):
     """min_p as a scalar goes to the kernel by value and as a [B] tensor (float64 and strided here)
     is read in place: the call is still one launch whose only other ops are the outputs' two
     allocations and the memset of the workspace's counters."""
     import specdec_kernels.ops.verify.triton.split_kernel as kmod
     from test_verify_split import _CountLaunches, _memset_op, _RecordOps
 
-    monkeypatch.setattr(_verify_args, "_check_values", lambda t: False)
     lg, x, q = make_step(3, 4, 64, seed=1)
     lg, x, q = lg.to(DEV), x.to(DEV), q.to(DEV)
     mp = 0.1 if case == "scalar" else torch.tensor([0.1, 0.0, 0.2, 0.4, 0.3, 0.6], dtype=torch.float64,
@@ -636,11 +633,10 @@ def test_the_row_kernel_is_not_a_backend():
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_bad_per_row_value_on_a_device_makes_its_row_invalid(backend, monkeypatch):
+def test_bad_per_row_value_on_a_device_makes_its_row_invalid(backend, device_value_checks):
     """Where tensor values are not read on the host (a GPU's: simulated here), a min_p outside [0, 1]
     or NaN makes its row invalid (num_accepted -1, tokens -1), greedy rows included (as a bad
     top_p does); the other rows are what they are without the bad rows."""
-    monkeypatch.setattr(_verify_args, "_check_values", lambda t: False)
     B, K, V = 5, 2, 30
     logits, x, q = make_step(B, K, V, seed=2)
     temperature = torch.tensor([1.0, 1.0, 0.0, 0.8, 1.0])

@@ -311,7 +311,7 @@ def test_packed_logprobs_equal_padded(monkeypatch):
 
 
 @pytest.mark.parametrize("with_out", [False, True], ids=["allocates", "out"])
-def test_packed_call_is_one_launch_and_copies_nothing(with_out, monkeypatch):
+def test_packed_call_is_one_launch_and_copies_nothing(with_out, monkeypatch, device_value_checks):
     """fused_verify_packed with max_num_draft_tokens and [B] parameters on the device: one kernel
     launch, and no other aten op than the outputs' allocation (``empty``; none with ``out=``) and
     the memset of the workspace's counters: no copy of the logits, no padding, no conversion of
@@ -319,7 +319,6 @@ def test_packed_call_is_one_launch_and_copies_nothing(with_out, monkeypatch):
     import specdec_kernels.ops.verify.triton.split_kernel as kmod
     from test_verify_split import _CountLaunches, _memset_op, _RecordOps
 
-    monkeypatch.setattr(_verify_args, "_check_values", lambda t: False)  # a device's tensors: not read on the host
     monkeypatch.setattr(_verify_args, "host_readable", lambda t: False)
     logits, x, q = make_step(3, 3, 64, torch.bfloat16, seed=18)
     pl, px, cu, pq = _pack(logits, x, q.half(), torch.tensor([3, 0, 2]))

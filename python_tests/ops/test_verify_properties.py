@@ -10,7 +10,7 @@ from helpers import HAS_CUDA
 from helpers import make_step
 from specdec_kernels import fused_verify
 from specdec_kernels.ops import verify as verify_mod
-from specdec_kernels.ops.verify import args as _verify_args, launch as _verify_launch
+from specdec_kernels.ops.verify import launch as _verify_launch
 
 # The kernel runs for real on a GPU and interpreted on CPU tensors; the torch path runs on CPU.
 KERNEL_DEVICE = "cuda" if HAS_CUDA else "cpu"
@@ -243,10 +243,9 @@ def test_both_backends_agree_on_unusable_input():
 
 
 @pytest.mark.parametrize("backend,dev", BACKENDS)
-def test_bad_tensor_values_mark_rows_invalid_where_not_checked_on_host(backend, dev, monkeypatch):
+def test_bad_tensor_values_mark_rows_invalid_where_not_checked_on_host(backend, dev, device_value_checks):
     """On CUDA tensor-valued parameters are not read on the host (no sync): a bad value marks
     its row invalid in-kernel. Emulated here by switching the host check off."""
-    monkeypatch.setattr(_verify_args, "_check_values", lambda t: False)
     logits, x, q = make_step(5, 3, 40, seed=2)
     tokens, n = _call(backend, dev, logits, x, q,
                       num_draft_tokens=torch.tensor([3, 4, -1, 3, 3]),

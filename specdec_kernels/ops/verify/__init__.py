@@ -10,7 +10,8 @@ Everything the old single module exported is importable from here: ``specdec_ker
 
 from .api import (METHODS, VerifyOutput, VerifyOutputWithLogprobs, check_sampling_scalars, check_temperature,
                   fused_verify, fused_verify_packed, verify_normalized, verify_prechecked)
-from .args import DRAFT_PROBS_SUM_TOL, FloatArg, IntArg, normalize_arguments
+from .args import DRAFT_PROBS_SUM_TOL, FloatArg, IntArg, host_value_checks, normalize_arguments
 from .launch import interpreter_problem, interpreting, split_kernel_meta
 
-__all__ = ["VerifyOutput", "VerifyOutputWithLogprobs", "check_sampling_scalars", "fused_verify", "fused_verify_packed"]
+__all__ = ["VerifyOutput", "VerifyOutputWithLogprobs", "check_sampling_scalars", "fused_verify", "fused_verify_packed",
+           "host_value_checks"]

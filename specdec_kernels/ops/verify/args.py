@@ -5,13 +5,15 @@ error names the argument, the expected and the actual value) and normalised.
 ``_Args``: the tensors checked for shape, dtype and device, each per-row parameter kept as given
 (a Python scalar, a float one rounded to float32, or a [B] tensor of an accepted dtype, read by
 the split kernel as it is) or, with ``materialize`` (``_materialize``), as a [B] tensor of the
-op's dtype.  Values are range-checked only where reading them is free (``_check_values``: CPU
-tensors, not while tracing); on CUDA an out-of-range value makes its row invalid in-kernel instead
-of a host sync.  ``tree.api`` checks its arguments with the same functions.
+op's dtype.  Values are range-checked only where reading them is free (CPU tensors, not tracing,
+unless ``host_value_checks(False)``); elsewhere a bad value makes its row invalid in-kernel, no
+sync.  ``tree.api`` checks its arguments with the same functions.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 import struct
 from typing import NamedTuple, Optional, Union
@@ -136,10 +138,27 @@ def listed(value):
     return value.tolist() if isinstance(value, torch.Tensor) else value
 
 
+_HOST_VALUE_CHECKS = contextvars.ContextVar("specdec_host_value_checks", default=True)
+
+
+@contextlib.contextmanager
+def host_value_checks(enabled: bool):
+    """Within the block, whether ``fused_verify(_packed)`` range-checks tensor values on the host where
+    reading is free (True, the default: CPU tensors, not tracing; a bad value raises) or leaves them to
+    the op (False: its row is made invalid, as on a GPU or under ``torch.compile``).  Per thread."""
+    if not isinstance(enabled, bool):
+        raise TypeError(f"host_value_checks: enabled must be a bool, got {type(enabled).__name__}")
+    token = _HOST_VALUE_CHECKS.set(enabled)
+    try:
+        yield
+    finally:
+        _HOST_VALUE_CHECKS.reset(token)
+
+
 def _check_values(t: torch.Tensor) -> bool:
-    """Whether a tensor's values may be read for validation: only where reading is free (CPU,
-    not while tracing). On CUDA a bad value makes its row invalid in-kernel instead of a sync."""
-    return host_readable(t)
+    """Whether a tensor's values may be read for validation: where reading is free (CPU, not
+    tracing) unless ``host_value_checks(False)``; else a bad value makes its row invalid in-op."""
+    return _HOST_VALUE_CHECKS.get() and host_readable(t)
 
 
 class _Args(NamedTuple):
