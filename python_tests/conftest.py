@@ -20,6 +20,18 @@ def device():
 
 
 @pytest.fixture
+def torch_routes():
+    """``set(**changes)``: the CPU torch path's routes (``ops.verify.torch_path.routes``: the argmax
+    chunk, the host greedy route, the row-by-row final draw) changed for the rest of the test."""
+    import contextlib
+
+    from specdec_kernels.ops.verify.torch_path import routes
+
+    with contextlib.ExitStack() as stack:
+        yield lambda **changes: stack.enter_context(routes(**changes))
+
+
+@pytest.fixture
 def device_value_checks():
     """``fused_verify`` as on a device: no host range checks of tensor values, a bad value makes its
     row invalid in the op (``specdec_kernels.ops.verify.host_value_checks(False)``)."""

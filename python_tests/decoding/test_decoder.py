@@ -158,7 +158,7 @@ def test_padded_target_vocabulary(pair):
     (1.0, None, None, "rows", None),
     (0.7, None, None, "rows", [0, 2, 3, 5, 6]),
 ])
-def test_sampling_matches_target_distribution(temperature, top_k, top_p, k, vocab, monkeypatch):
+def test_sampling_matches_target_distribution(temperature, top_k, top_p, k, vocab, monkeypatch, torch_routes):
     V, N = 8, 4000
     target = _llama(V, 16, 2, 0.3, seed=0, max_pos=64)
     draft = _perturbed(target, 0.05, seed=1)  # alpha ~ 0.5: rejections, recoveries and bonuses
@@ -170,7 +170,7 @@ def test_sampling_matches_target_distribution(temperature, top_k, top_p, k, voca
     if k == "rows":
         from specdec_kernels.ops.verify import torch_path as verify_mod
 
-        monkeypatch.setattr(verify_mod, "_ROW_DRAW_MAX", 10**6)
+        torch_routes(row_draw_max=10**6)
         row_draws = []
         orig_rows = verify_mod._final_token_rows
         monkeypatch.setattr(verify_mod, "_final_token_rows",

@@ -141,10 +141,10 @@ def test_draft_probs_sum_tolerance_is_one_percent(scale, refused):
 
 @pytest.mark.parametrize("row_draw", [False, True], ids=["batched_draw", "row_draw"])
 @pytest.mark.parametrize("backend,dev", BACKENDS)
-def test_negative_q_off_the_draft_makes_a_rejected_row_invalid(backend, dev, row_draw, monkeypatch):
+def test_negative_q_off_the_draft_makes_a_rejected_row_invalid(backend, dev, row_draw, torch_routes):
     """A negative q entry at a token other than the draft is read by the residual after a
     rejection: the row is invalid (num_accepted -1), on every route."""
-    monkeypatch.setattr(_verify_torch, "_ROW_DRAW_MAX", 8 if row_draw else 0)
+    torch_routes(row_draw_max=8 if row_draw else 0)
     B, K, V = 2, 1, 5
     logits = torch.zeros(B, K + 1, V)
     q = torch.tensor([0.25, 0.25, 0.25, 0.25, 0.0]).expand(B, K, V).contiguous()

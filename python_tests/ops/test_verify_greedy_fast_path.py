@@ -110,11 +110,11 @@ def _assert_identical(a, b, msg=""):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("host", [True, False], ids=["host", "tensors"])
-def test_fast_path_equals_full_path_on_random_cases(counted, monkeypatch, host):
+def test_fast_path_equals_full_path_on_random_cases(counted, monkeypatch, host, torch_routes):
     """host: small batches finish on the host (``_greedy_host``); tensors: the same cases with
     that switched off, through the tensor ops larger batches take."""
     if not host:
-        monkeypatch.setattr(_verify_torch, "_HOST_GREEDY_MAX", 0)
+        torch_routes(host_greedy_max=0)
     host_calls = []
     orig_host = _verify_torch._greedy_host
     monkeypatch.setattr(_verify_torch, "_greedy_host", lambda *args: host_calls.append(1) or orig_host(*args))
@@ -125,7 +125,7 @@ def test_fast_path_equals_full_path_on_random_cases(counted, monkeypatch, host):
     for case in range(N):
         kw = _random_case(rng, g)
         # Chunks of the first-argmax search down to single tokens: ties across chunk borders.
-        monkeypatch.setattr(_verify_torch, "_ARGMAX_CHUNK", rng.choice([1, 2, 3, 4, 16, 256]))
+        torch_routes(argmax_chunk=rng.choice([1, 2, 3, 4, 16, 256]))
         fast = fused_verify(**kw)
         full = _full_path(monkeypatch, **kw)
         _assert_identical(fast, full, f"case {case}")
@@ -228,8 +228,8 @@ def test_unusable_positions_with_top_p_mark_rows_invalid(temperature, device):
 
 @pytest.mark.parametrize("chunk", [1, 3, 256])
 @pytest.mark.parametrize("V", [1, 5, 256, 257, 1000])
-def test_max_and_first_argmax_equal_torch(V, chunk, monkeypatch):
-    monkeypatch.setattr(_verify_torch, "_ARGMAX_CHUNK", chunk)
+def test_max_and_first_argmax_equal_torch(V, chunk, torch_routes):
+    torch_routes(argmax_chunk=chunk)
     g = torch.Generator().manual_seed(V + chunk)
     s = torch.randint(-3, 2, (40, V), generator=g).float()  # many ties
     s[0] = float("-inf")
@@ -242,3 +242,21 @@ def test_max_and_first_argmax_equal_torch(V, chunk, monkeypatch):
         for view in (x, x.t().contiguous().t()):  # dense rows, and a last dim with stride 40
             m, idx = _verify_torch._max_and_first_argmax(view)
             assert torch.equal(m, x.amax(-1)) and torch.equal(idx, x.float().argmax(-1)), (dtype, view.stride())
+
+
+def test_routes_are_checked_and_restored():
+    """``torch_path.routes``: the public seam the route tests use; settings named and checked, the
+    previous ones back on leaving the block."""
+    before = _verify_torch.current_routes()
+    with _verify_torch.routes(argmax_chunk=3, row_draw_max=0):
+        assert (_verify_torch.current_routes().argmax_chunk, _verify_torch.current_routes().row_draw_max) == (3, 0)
+        with _verify_torch.routes(argmax_chunk=1):
+            assert _verify_torch.current_routes().argmax_chunk == 1 and _verify_torch.current_routes().row_draw_max == 0
+        assert _verify_torch.current_routes().argmax_chunk == 3
+    assert _verify_torch.current_routes() == before == _verify_torch.Routes()
+    with pytest.raises(TypeError, match=r"routes: unknown setting 'chunk', expected one of \['argmax_chunk'"):
+        with _verify_torch.routes(chunk=2):
+            pass
+    with pytest.raises(ValueError, match=r"routes: argmax_chunk must be an int >= 1, got 0"):
+        with _verify_torch.routes(argmax_chunk=0):
+            pass

@@ -125,16 +125,16 @@ def _reference(kw) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @pytest.mark.slow
-def test_untruncated_route_equals_reference_on_random_cases(counted, monkeypatch):
+def test_untruncated_route_equals_reference_on_random_cases(counted, torch_routes):
     rng = random.Random(4321)
     g = torch.Generator().manual_seed(4321)
     n_invalid = n_rejected = n_all = n_greedy_rows = 0
     N = 700
     for case in range(N):
         kw = _random_case(rng, g)
-        monkeypatch.setattr(_verify_torch, "_ARGMAX_CHUNK", rng.choice([1, 3, 16, 256]))
+        torch_routes(argmax_chunk=rng.choice([1, 3, 16, 256]))
         # the final draw row by row (up to 8 rows) or batched (0: never row by row)
-        monkeypatch.setattr(_verify_torch, "_ROW_DRAW_MAX", rng.choice([0, 8]))
+        torch_routes(row_draw_max=rng.choice([0, 8]))
         out = fused_verify(**kw)
         tokens, n_acc = _reference(kw)
         assert out.tokens.dtype == tokens.dtype and out.tokens.shape == tokens.shape, case
@@ -199,14 +199,14 @@ def _ref_probs(logits: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("row_draw", [False, True], ids=["batched_draw", "row_draw"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16", "fp16"])
-def test_knife_edge_acceptance_and_draw(dtype, row_draw, counted, monkeypatch):
+def test_knife_edge_acceptance_and_draw(dtype, row_draw, counted, torch_routes):
     """Uniforms placed exactly on the reference's decision boundaries, so that a p(x) or a p_j one
     ulp away from the reference's flips an outcome: with q one-hot, x is accepted iff u < p(x), so
     u = p(x) rejects and the next float below accepts; the bonus draw returns the first v with
     cdf(v) > u * cdf(V-1), so a u for which u * cdf(V-1) equals cdf(v) exactly lands on v + 1 and
     the float below lands at or before v (the first index whose cdf exceeds it: a flat cdf ties).
     The uniforms, the test u * q(x) < p(x) and the cdf are float64 (the reference's)."""
-    monkeypatch.setattr(_verify_torch, "_ROW_DRAW_MAX", 64 if row_draw else 0)
+    torch_routes(row_draw_max=64 if row_draw else 0)
     g = torch.Generator().manual_seed(21)
     B, K, V = 64, 1, 3000
     logits = (torch.randn(B, K + 1, V, generator=g) * 2.5).to(dtype)
@@ -247,13 +247,13 @@ def test_knife_edge_acceptance_and_draw(dtype, row_draw, counted, monkeypatch):
 
 
 @pytest.mark.parametrize("row_draw", [False, True], ids=["batched_draw", "row_draw"])
-def test_final_draw_edges_equal_the_reference(row_draw, counted, monkeypatch):
+def test_final_draw_edges_equal_the_reference(row_draw, counted, torch_routes):
     """The final draw's edges on the untruncated route, row by row and batched, against the
     reference: a residual that sums to zero (q >= p everywhere: q = p * (1 + 2^-20), a draft
     rejected by u = 1 - 2^-53) falls back to p; a rejected one-hot draft; a rejected draft past
     a draft vocabulary Vd < V; a NaN q at the rejected position (the row is invalid); final
     uniforms 0 and 1 - 2^-53; K_b = 0 (the bonus from position 0)."""
-    monkeypatch.setattr(_verify_torch, "_ROW_DRAW_MAX", 64 if row_draw else 0)
+    torch_routes(row_draw_max=64 if row_draw else 0)
     g = torch.Generator().manual_seed(5)
     V, B = 37, 6
     logits = torch.randn(B, 2, V, generator=g) * 2
@@ -285,7 +285,7 @@ def test_final_draw_edges_equal_the_reference(row_draw, counted, monkeypatch):
 
 @pytest.mark.parametrize("V", [4095, 4096])
 def test_row_draw_takes_large_vocabularies_at_any_batch(V, counted, monkeypatch):
-    """B = 12 rows (above _ROW_DRAW_MAX): row by row from V = 4,096 on (_ROW_DRAW_MIN_V), batched
+    """B = 12 rows (above Routes.row_draw_max): row by row from V = 4,096 on (Routes.row_draw_min_v), batched
     below it; either way the reference's tokens, rejections and an invalid row included."""
     rows = []
     orig = _verify_torch.final_token
@@ -302,7 +302,7 @@ def test_row_draw_takes_large_vocabularies_at_any_batch(V, counted, monkeypatch)
     ref = verify_reference(logits, x, q, torch.full((B,), K), torch.full((B,), 0.9), None, None,
                            philox_uniforms(seed, torch.full((B,), 3), K))
     assert torch.equal(out.tokens, ref[0]) and torch.equal(out.num_accepted, ref[1])
-    assert rows == ([] if V >= _verify_torch._ROW_DRAW_MIN_V else ["batched"])
+    assert rows == ([] if V >= _verify_torch.Routes().row_draw_min_v else ["batched"])
     assert len(counted) == 1 and (out.num_accepted < K).any()
 
 
@@ -336,7 +336,7 @@ def test_sort_descending_cpu_equals_torchs_sort():
 
 
 @pytest.mark.slow
-def test_warped_rows_equal_the_reference_on_random_cases(counted, counted_warped, monkeypatch):
+def test_warped_rows_equal_the_reference_on_random_cases(counted, counted_warped, torch_routes):
     """fused_verify's torch path with top-k / top-p (``_verify_torch._verify_warped``: the reference's
     warp through NumPy's sort, the unmasked maximum, in place, the row-by-row or batched draw)
     against verify_reference with torch's sort: the same tokens and counts on 600 random batches
@@ -348,8 +348,8 @@ def test_warped_rows_equal_the_reference_on_random_cases(counted, counted_warped
     N = 600
     for case in range(N):
         kw = _random_case(rng, g)
-        monkeypatch.setattr(_verify_torch, "_ARGMAX_CHUNK", rng.choice([1, 3, 16, 256]))
-        monkeypatch.setattr(_verify_torch, "_ROW_DRAW_MAX", rng.choice([0, 8]))
+        torch_routes(argmax_chunk=rng.choice([1, 3, 16, 256]))
+        torch_routes(row_draw_max=rng.choice([0, 8]))
         logits = kw["target_logits"]
         B, K1, V = logits.shape
         top_k = top_p = None

@@ -13,6 +13,10 @@ verification) go through ``_run_torch_layout``.  Values are read on the host onl
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from dataclasses import dataclass, replace
+
 import torch
 
 from ..host import host_readable, sort_descending_cpu
@@ -34,21 +38,59 @@ def _all_greedy(a: _Args) -> bool:
     return host_readable(t) and t.numel() > 0 and bool((t == 0).all())
 
 
-# The chunk of _max_and_first_argmax: small enough that argmax over one chunk per row is cheap.
-_ARGMAX_CHUNK = 256
+@dataclass(frozen=True)
+class Routes:
+    """Where the torch path changes method; the outputs are the same bits on either side of each
+    threshold (the tests move them with ``routes``).  argmax_chunk: the chunk of
+    ``_max_and_first_argmax``, small enough that argmax over one chunk per row is cheap.
+    host_greedy_max: up to this many verified positions (B * (K+1)) the greedy route finishes on
+    the host, in Python ints, instead of some forty small tensor ops (about half the call at B = 1:
+    docs/history/measurements.md).  row_draw_max, row_draw_min_v: the untruncated route's final
+    draw goes row by row for up to row_draw_max rows, or any number over a vocabulary of at least
+    row_draw_min_v tokens, rather than through the reference's batched passes (faster for a few rows
+    or a large vocabulary, slower for many rows of a small one)."""
+
+    argmax_chunk: int = 256
+    host_greedy_max: int = 64
+    row_draw_max: int = 8
+    row_draw_min_v: int = 4096
+
+
+_ROUTES = contextvars.ContextVar("specdec_torch_path_routes", default=Routes())
+
+
+def current_routes() -> Routes:
+    """The ``Routes`` in force (``routes`` changes them within a block)."""
+    return _ROUTES.get()
+
+
+@contextlib.contextmanager
+def routes(**changes):
+    """Within the block, the torch path's ``Routes`` with ``changes`` (e.g. ``row_draw_max=0``: every
+    final draw batched): to exercise each method on the same inputs.  Per thread."""
+    for k, v in changes.items():
+        if k not in Routes.__dataclass_fields__:
+            raise TypeError(f"routes: unknown setting {k!r}, expected one of {sorted(Routes.__dataclass_fields__)}")
+        if isinstance(v, bool) or not isinstance(v, int) or v < (1 if k == "argmax_chunk" else 0):
+            raise ValueError(f"routes: {k} must be an int >= {1 if k == 'argmax_chunk' else 0}, got {v!r}")
+    token = _ROUTES.set(replace(_ROUTES.get(), **changes))
+    try:
+        yield
+    finally:
+        _ROUTES.reset(token)
 
 
 def _max_and_first_argmax(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(s.amax(-1), s.argmax(-1)) of s [N, V], the argmax exact wherever the maximum is a
     number (rows holding a NaN get some index).  torch's argmax is a scalar loop on CPU, about
-    ten times slower than its vectorised amax; so: the maximum of each chunk of _ARGMAX_CHUNK
+    ten times slower than its vectorised amax; so: the maximum of each chunk of Routes.argmax_chunk
     tokens (vectorised), the first chunk whose maximum is the row's, and argmax within that
     chunk only.  The first index of the maximum overall lies in the first chunk holding it, so
     this is the first index of the maximum, as argmax (and -0.0 == +0.0 in both)."""
     N, V = s.shape
     if s.stride(-1) != 1:
         s = s.contiguous()
-    C = _ARGMAX_CHUNK
+    C = _ROUTES.get().argmax_chunk
     nc = V // C
     Vm = nc * C
     chunks = s[:, :Vm].view(N, nc, C) if nc else None  # a view: the rows' last dim is dense
@@ -87,7 +129,7 @@ def _verify_greedy(a: _Args) -> tuple[torch.Tensor, torch.Tensor]:
     # Maxima and their first indices in the logits' own dtype: a bf16/fp16 -> fp32 conversion
     # is exact and monotone, so both are those of the reference's s = logits.float().
     m, argmax = _max_and_first_argmax(logits.reshape(B * K1, V))
-    if B * K1 <= _HOST_GREEDY_MAX and host_readable(logits):
+    if B * K1 <= _ROUTES.get().host_greedy_max and host_readable(logits):
         # (CPU only: reading device tensors on the host would be a sync per call)
         return _greedy_host(a, m, argmax, B, K, V)
     _, bad_param, _ = row_parameters(kb, a.temperature, a.top_k, a.top_p, K, a.min_p)
@@ -100,12 +142,6 @@ def _verify_greedy(a: _Args) -> tuple[torch.Tensor, torch.Tensor]:
     j, _, bad_row = stop_position(accept, bad_x, bad_pos, bad_param, kb)
     final = argmax.gather(1, j[:, None])[:, 0]
     return verify_outputs(x, j, final, bad_row)
-
-
-# Up to this many verified positions (B * (K+1)) the greedy route finishes on the host, in
-# Python ints, after the maxima, instead of the reference's some forty small tensor ops for the
-# stop position and outputs (about half the call at B = 1: docs/history/measurements.md).
-_HOST_GREEDY_MAX = 64
 
 
 def _greedy_host(a: _Args, m: torch.Tensor, argmax: torch.Tensor, B: int, K: int, V: int):
@@ -215,13 +251,6 @@ def _verify_sampled(a: _Args, u: torch.Tensor, warped: bool) -> tuple[torch.Tens
     return verify_outputs(x, j, final, bad_row)
 
 
-# The untruncated route makes its final draw row by row (below) for up to this many rows, or for
-# any number of rows over a vocabulary of at least _ROW_DRAW_MIN_V tokens, rather than through the
-# reference's batched passes: faster for a few rows or a large vocabulary, slower for many rows
-# of a small one, where the per-row Python costs more than the passes (docs/history/measurements.md).
-_ROW_DRAW_MAX = 8
-_ROW_DRAW_MIN_V = 4096
-
 
 def _final_token_rows(p_j, x_safe, draft_probs, j, rejected, bad_row, greedy, argmax, u_final):
     """``verify.reference.chain.final_token`` (same arguments, the same tokens and bad_row) on the CPU, one row
@@ -232,7 +261,8 @@ def _final_token_rows(p_j, x_safe, draft_probs, j, rejected, bad_row, greedy, ar
     non-negative weights, so non-decreasing, and flat exactly where w[v] = 0: the first index past the target
     has w > 0, as the reference requires); the last positive weight if none."""
     B, V = p_j.shape
-    if (B > _ROW_DRAW_MAX and V < _ROW_DRAW_MIN_V) or not host_readable(p_j):  # it reads values on the host
+    r = _ROUTES.get()
+    if (B > r.row_draw_max and V < r.row_draw_min_v) or not host_readable(p_j):  # it reads values on the host
         return final_token(p_j, x_safe, draft_probs, j, rejected, bad_row, greedy, argmax, u_final)
     K = x_safe.shape[1]
     j_h, rej, gr, u = j.tolist(), rejected.tolist(), greedy.tolist(), u_final.tolist()
