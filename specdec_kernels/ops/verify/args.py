@@ -13,7 +13,6 @@ sync.  ``tree.api`` checks its arguments with the same functions.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import math
 import struct
 from typing import NamedTuple, Optional, Union
@@ -138,27 +137,27 @@ def listed(value):
     return value.tolist() if isinstance(value, torch.Tensor) else value
 
 
-_HOST_VALUE_CHECKS = contextvars.ContextVar("specdec_host_value_checks", default=True)
+_HOST_VALUE_CHECKS = [True]  # a module global, not a ContextVar: torch.compile traces fused_verify
 
 
 @contextlib.contextmanager
 def host_value_checks(enabled: bool):
     """Within the block, whether ``fused_verify(_packed)`` range-checks tensor values on the host where
     reading is free (True, the default: CPU tensors, not tracing; a bad value raises) or leaves them to
-    the op (False: its row is made invalid, as on a GPU or under ``torch.compile``).  Per thread."""
+    the op (False: its row is made invalid, as on a GPU or under ``torch.compile``).  Process-wide."""
     if not isinstance(enabled, bool):
         raise TypeError(f"host_value_checks: enabled must be a bool, got {type(enabled).__name__}")
-    token = _HOST_VALUE_CHECKS.set(enabled)
+    before, _HOST_VALUE_CHECKS[0] = _HOST_VALUE_CHECKS[0], enabled
     try:
         yield
     finally:
-        _HOST_VALUE_CHECKS.reset(token)
+        _HOST_VALUE_CHECKS[0] = before
 
 
 def _check_values(t: torch.Tensor) -> bool:
     """Whether a tensor's values may be read for validation: where reading is free (CPU, not
     tracing) unless ``host_value_checks(False)``; else a bad value makes its row invalid in-op."""
-    return _HOST_VALUE_CHECKS.get() and host_readable(t)
+    return host_readable(t) and _HOST_VALUE_CHECKS[0]
 
 
 class _Args(NamedTuple):

@@ -14,7 +14,6 @@ verification) go through ``_run_torch_layout``.  Values are read on the host onl
 from __future__ import annotations
 
 import contextlib
-import contextvars
 from dataclasses import dataclass, replace
 
 import torch
@@ -56,28 +55,28 @@ class Routes:
     row_draw_min_v: int = 4096
 
 
-_ROUTES = contextvars.ContextVar("specdec_torch_path_routes", default=Routes())
+_ROUTES = [Routes()]  # a module global, not a ContextVar: torch.compile traces the torch path
 
 
 def current_routes() -> Routes:
     """The ``Routes`` in force (``routes`` changes them within a block)."""
-    return _ROUTES.get()
+    return _ROUTES[0]
 
 
 @contextlib.contextmanager
 def routes(**changes):
     """Within the block, the torch path's ``Routes`` with ``changes`` (e.g. ``row_draw_max=0``: every
-    final draw batched): to exercise each method on the same inputs.  Per thread."""
+    final draw batched): to exercise each method on the same inputs.  Process-wide."""
     for k, v in changes.items():
         if k not in Routes.__dataclass_fields__:
             raise TypeError(f"routes: unknown setting {k!r}, expected one of {sorted(Routes.__dataclass_fields__)}")
         if isinstance(v, bool) or not isinstance(v, int) or v < (1 if k == "argmax_chunk" else 0):
             raise ValueError(f"routes: {k} must be an int >= {1 if k == 'argmax_chunk' else 0}, got {v!r}")
-    token = _ROUTES.set(replace(_ROUTES.get(), **changes))
+    before, _ROUTES[0] = _ROUTES[0], replace(_ROUTES[0], **changes)
     try:
         yield
     finally:
-        _ROUTES.reset(token)
+        _ROUTES[0] = before
 
 
 def _max_and_first_argmax(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,7 +89,7 @@ def _max_and_first_argmax(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     N, V = s.shape
     if s.stride(-1) != 1:
         s = s.contiguous()
-    C = _ROUTES.get().argmax_chunk
+    C = _ROUTES[0].argmax_chunk
     nc = V // C
     Vm = nc * C
     chunks = s[:, :Vm].view(N, nc, C) if nc else None  # a view: the rows' last dim is dense
@@ -129,7 +128,7 @@ def _verify_greedy(a: _Args) -> tuple[torch.Tensor, torch.Tensor]:
     # Maxima and their first indices in the logits' own dtype: a bf16/fp16 -> fp32 conversion
     # is exact and monotone, so both are those of the reference's s = logits.float().
     m, argmax = _max_and_first_argmax(logits.reshape(B * K1, V))
-    if B * K1 <= _ROUTES.get().host_greedy_max and host_readable(logits):
+    if B * K1 <= _ROUTES[0].host_greedy_max and host_readable(logits):
         # (CPU only: reading device tensors on the host would be a sync per call)
         return _greedy_host(a, m, argmax, B, K, V)
     _, bad_param, _ = row_parameters(kb, a.temperature, a.top_k, a.top_p, K, a.min_p)
@@ -261,7 +260,7 @@ def _final_token_rows(p_j, x_safe, draft_probs, j, rejected, bad_row, greedy, ar
     non-negative weights, so non-decreasing, and flat exactly where w[v] = 0: the first index past the target
     has w > 0, as the reference requires); the last positive weight if none."""
     B, V = p_j.shape
-    r = _ROUTES.get()
+    r = _ROUTES[0]
     if (B > r.row_draw_max and V < r.row_draw_min_v) or not host_readable(p_j):  # it reads values on the host
         return final_token(p_j, x_safe, draft_probs, j, rejected, bad_row, greedy, argmax, u_final)
     K = x_safe.shape[1]
