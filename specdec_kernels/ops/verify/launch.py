@@ -19,6 +19,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from .args import _Args, _RowSeeds
+from .row_params import PARAM_FLAG
 from .workspace import SplitWorkspace, captured_workspace, workspace
 
 _BACKENDS = ("auto", "triton", "torch")
@@ -300,14 +301,14 @@ def _launch(a: _Args, lay: _Layout, order: Optional[torch.Tensor] = None,
     flags = 0
     # packed: the kernel takes K_b from cu, and the number of drafts (a row's bound) in nd's scalar
     nd = x.shape[0] if packed else (K if a.num_draft_tokens is None else a.num_draft_tokens)
-    flags, nd_p, nd_s, nd_v = _param_args(nd, 1, dummy, flags)
-    flags, t_p, t_s, t_v = _param_args(a.temperature, 2, dummy, flags)
-    flags, k_p, k_s, k_v = _param_args(a.top_k, 4, dummy, flags)
-    flags, p_p, p_s, p_v = _param_args(1.0 if a.top_p is None else a.top_p, 8, dummy, flags)
-    flags, mp_p, mp_s, mp_v = _param_args(0.0 if a.min_p is None else a.min_p, 64, dummy, flags)
+    flags, nd_p, nd_s, nd_v = _param_args(nd, PARAM_FLAG["num_draft"], dummy, flags)
+    flags, t_p, t_s, t_v = _param_args(a.temperature, PARAM_FLAG["temperature"], dummy, flags)
+    flags, k_p, k_s, k_v = _param_args(a.top_k, PARAM_FLAG["top_k"], dummy, flags)
+    flags, p_p, p_s, p_v = _param_args(1.0 if a.top_p is None else a.top_p, PARAM_FLAG["top_p"], dummy, flags)
+    flags, mp_p, mp_s, mp_v = _param_args(0.0 if a.min_p is None else a.min_p, PARAM_FLAG["min_p"], dummy, flags)
     seed, seed_step = (a.seed.base, 1) if isinstance(a.seed, _RowSeeds) else (a.seed, 0)
-    flags, s_p, s_s, s_v = _param_args(seed, 16, dummy, flags)
-    flags, o_p, o_s, o_v = _param_args(a.offset, 32, dummy, flags)
+    flags, s_p, s_s, s_v = _param_args(seed, PARAM_FLAG["seed"], dummy, flags)
+    flags, o_p, o_s, o_v = _param_args(a.offset, PARAM_FLAG["offset"], dummy, flags)
     if packed:  # row b at logits row cu[b] + b, its drafts at cu[b]: the kernel takes the row strides
         l_strides = (0, logits.stride(0))
         x_strides = (0, x.stride(0) if x.numel() else 1)

@@ -20,19 +20,21 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ..row_params import PARAM_FLAG
 from .common import order_key
 from .stats import _INT32_MAX
 
 _FLT_MIN = tl.constexpr(1.1754943508222875e-38)  # 2^-126, reference.FLT_MIN: the smallest temperature
 
-# Bits of ``param_flags``: which per-row parameters are [B] tensors (else a scalar argument).
-_P_NUM_DRAFT = tl.constexpr(1)
-_P_TEMPERATURE = tl.constexpr(2)
-_P_TOP_K = tl.constexpr(4)
-_P_TOP_P = tl.constexpr(8)
-_P_SEED = tl.constexpr(16)
-_P_OFFSET = tl.constexpr(32)
-_P_MIN_P = tl.constexpr(64)
+# Bits of ``param_flags``: which per-row parameters are [B] tensors (else a scalar argument);
+# the table is ``row_params.PARAM_FLAG``, which the launcher sets them from.
+_P_NUM_DRAFT = tl.constexpr(PARAM_FLAG["num_draft"])
+_P_TEMPERATURE = tl.constexpr(PARAM_FLAG["temperature"])
+_P_TOP_K = tl.constexpr(PARAM_FLAG["top_k"])
+_P_TOP_P = tl.constexpr(PARAM_FLAG["top_p"])
+_P_SEED = tl.constexpr(PARAM_FLAG["seed"])
+_P_OFFSET = tl.constexpr(PARAM_FLAG["offset"])
+_P_MIN_P = tl.constexpr(PARAM_FLAG["min_p"])
 
 
 @triton.jit
