@@ -275,7 +275,7 @@ def test_shipped_feature_draft(pair):
 
 
 @needs_target
-def test_feature_and_lookup_drafters_do_not_load_the_draft_model(monkeypatch, capsys):
+def test_feature_and_lookup_drafters_do_not_load_the_draft_model(monkeypatch, capsys, tmp_path):
     """Without a draft model in use (the embedded feature draft, prompt lookup), the embedded pair
     is loaded without its draft model; default_pair(with_draft=False) gives (None, target, tok)."""
     from specdec_kernels import SpeculativeDecoder
@@ -297,6 +297,7 @@ def test_feature_and_lookup_drafters_do_not_load_the_draft_model(monkeypatch, ca
     assert calls == [False] and dec.draft is None and dec.feature is not None
     assert cli_main(["generate", PROMPT, "--drafter", "prompt_lookup", "--max-new-tokens", "2", "--json"]) == 0
     assert cli_main(["generate", PROMPT, "--drafter", "feature", "--max-new-tokens", "2", "--json"]) == 0
-    assert cli_main(["generate", PROMPT, "--max-new-tokens", "2", "--json"]) == 0
-    assert calls == [False, False, False, True]
+    # the draft model's fp16-exact weights: their copies go to the weight cache named
+    assert cli_main(["generate", PROMPT, "--max-new-tokens", "2", "--json", "--weight-cache", str(tmp_path)]) == 0
+    assert calls == [False, False, False, True] and any(tmp_path.glob("*.f16"))
     capsys.readouterr()
