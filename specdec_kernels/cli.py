@@ -229,7 +229,8 @@ def _make_decoder(args, parser):
     # how the models run, and what the draft may propose
     if args.no_weight_cache and args.weight_cache is not None:
         parser.error("--weight-cache and --no-weight-cache exclude each other")
-    weight_cache = False if args.no_weight_cache else args.weight_cache if args.weight_cache is not None else (
+    # None: $SPECDEC_WEIGHT_CACHE where set (weight_cache.resolve), else the CLI's default directory
+    weight_cache = False if args.no_weight_cache else args.weight_cache or (
         None if os.environ.get("SPECDEC_WEIGHT_CACHE") else True)
     paths = dict(cpu_linear=args.cpu_linear, lean_forward=not args.no_lean_forward, weight_cache=weight_cache,
                  draft_vocab=None if args.draft_vocab == "full" else args.draft_vocab, verification=args.verification,

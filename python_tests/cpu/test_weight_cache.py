@@ -89,6 +89,13 @@ def test_an_unwritable_directory_falls_back_to_memory(tmp_path):
     assert torch.equal(c, _exact(16, 16).half())
 
 
+def test_bad_arguments_are_named(tmp_path):
+    with pytest.raises(ValueError, match=r"^fp16_copy: w must be a float32 CPU tensor, got torch.float16 on cpu$"):
+        fp16_copy(torch.zeros(4, dtype=torch.float16), tmp_path)
+    with pytest.raises(TypeError, match=r"^fp16_copy: directory must be a str or os.PathLike, got int$"):
+        fp16_copy(torch.zeros(4), 3)
+
+
 def test_resolve_and_clear(tmp_path, monkeypatch):
     monkeypatch.delenv(weight_cache.ENV, raising=False)
     assert resolve(None) is None and resolve(False) is None

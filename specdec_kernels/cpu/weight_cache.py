@@ -94,6 +94,11 @@ def fp16_copy(w: Tensor, directory: Union[str, os.PathLike]) -> Optional[Tensor]
     value exactly, else None: the cached file when it holds ``w``'s values bit for bit, else a new
     file written in one pass.  Falls back to ``fp16_exact_copy`` (memory, no file) with a warning
     when the directory cannot be written."""
+    if not isinstance(w, Tensor) or w.dtype != torch.float32 or w.device.type != "cpu":
+        got = f"{w.dtype} on {w.device}" if isinstance(w, Tensor) else type(w).__name__
+        raise ValueError(f"fp16_copy: w must be a float32 CPU tensor, got {got}")
+    if not isinstance(directory, (str, os.PathLike)):
+        raise TypeError(f"fp16_copy: directory must be a str or os.PathLike, got {type(directory).__name__}")
     w = w.detach()
     directory = Path(directory)
     n = w.numel()
