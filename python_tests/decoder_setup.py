@@ -84,9 +84,9 @@ class _CountingForward(_Recorder):
 
     def __init__(self, dec, which: str):
         super().__init__()
-        self.runner = r = dec._t if which == "target" else dec._d
+        self.runner = r = dec.parts.target_runner if which == "target" else dec.parts.draft_runner
         self.lean = 0
-        dec._refresh_lean()  # what generate() does first: the lean step object it will use
+        dec.parts.refresh()  # what generate() does first: the lean step object it will use
         orig_forward = r.forward
 
         def forward(cache, ids, mask, positions, start, keep):

@@ -22,7 +22,7 @@ import specdec_kernels
 from specdec_kernels import hf
 from specdec_kernels.models.tiny import tiny_random_pair as build_tiny_random_pair
 from specdec_kernels.decoding.decoder import SpeculativeDecoder
-from specdec_kernels.decoding.transformers_args import draft_settings
+from specdec_kernels.decoding.transformers_adapter.config import draft_settings
 
 from decoder_setup import PROMPTS, SIGNIFICANCE, _chisquare_pvalue, _llama
 from decoder_setup import _one_thread, pair  # noqa: F401  (fixtures; _one_thread: autouse)
@@ -471,7 +471,7 @@ def test_refused_fields_are_named(pair, chars, field, value):
 def test_a_field_without_a_mapping_is_refused_when_set(chars, monkeypatch):
     """A transformers field this package does not map (as a new transformers version may add)
     is refused by name unless it holds transformers' default."""
-    from specdec_kernels.decoding import transformers_args as hf_args
+    from specdec_kernels.decoding.transformers_adapter import config as hf_args
 
     monkeypatch.setattr(hf_args, "_MAPPED", hf_args._MAPPED - {"low_memory"})
     dec = chars[0]

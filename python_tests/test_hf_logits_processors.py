@@ -1,6 +1,7 @@
-"""Sequence-dependent logits processors in the speculative loop (``specdec_kernels/decoding/logits_processors.py``):
-repetition_penalty, no_repeat_ngram_size, bad_words_ids, a ``prefix_allowed_tokens_fn`` grammar
-mask and processors marked ``specdec_stateless = True``, through transformers'
+"""Sequence-dependent logits processors in the speculative loop
+(``specdec_kernels/decoding/transformers_adapter/processors.py``): repetition_penalty,
+no_repeat_ngram_size, bad_words_ids, a ``prefix_allowed_tokens_fn`` grammar mask and processors
+marked ``specdec_stateless = True``, through transformers'
 ``generate(custom_generate=specdec_kernels.hf.generate)`` and ``SpeculativeDecoder.generate``:
 greedy token for token equal to ``target.generate`` with the same processors (batch 1 and a ragged
 left-padded batch of 5); the law of the first two sampled tokens against the target's with the
@@ -20,7 +21,7 @@ from transformers import (GenerationConfig, LogitsProcessor, LogitsProcessorList
                           TemperatureLogitsWarper, TopKLogitsWarper)
 
 from specdec_kernels import hf
-from specdec_kernels.decoding import logits_processors as logits_procs
+from specdec_kernels.decoding.transformers_adapter import processors as logits_procs
 from specdec_kernels.decoding.decoder import SpeculativeDecoder
 
 from decoder_setup import CACHE_ATOL, CACHE_RTOL, PROMPTS, SIGNIFICANCE, _chisquare_pvalue

@@ -38,79 +38,8 @@ with ``scores=None``; the row ends at the first token where one fires.  A stream
 prompt (batch size 1, as transformers' ``TextStreamer``): after the prompt it gets each step's
 emitted tokens (1-D), then ``end()``.
 
-GenerationConfig fields (both ``hf.generate`` and ``SpeculativeDecoder.generate(generation_config=)``):
-
-=====================================  =======================================================
-field                                  here
-=====================================  =======================================================
-max_new_tokens, max_length             the budget of new tokens (max_length - T, T the input
-                                       width; hf: from transformers' ``MaxLengthCriteria``)
-do_sample                              False: greedy; True: sampling at the fields below
-temperature, top_k, top_p, min_p      the verifier's warp (hf: read from transformers'
-                                       ``Temperature/TopK/TopP/MinPLogitsWarper``, in that
-                                       order; min-p's min_tokens_to_keep must be 1)
-eos_token_id                           the EOS set (hf: from ``EosTokenCriteria``); the EOS is kept
-pad_token_id                           fills ended rows (hf, needed when B > 1); decoder: no effect
-stop_strings                           decoder: transformers' ``StopStringCriteria``, per token;
-                                       hf: refused by transformers (no tokenizer reaches it)
-max_time                               ``MaxTimeCriteria``, per token
-num_assistant_tokens                   K with a draft model (schedule "constant"); "heuristic" and
-+ num_assistant_tokens_schedule        "heuristic_transient": K = "auto" (the cost model) up to it
-assistant_confidence_threshold         ``draft_confidence`` with a draft model (a row stops drafting
-                                       once the product of its drafts' probabilities falls below it)
-prompt_lookup_num_tokens               K of the prompt-lookup drafter (hf: chooses that drafter)
-max_matching_ngram_size                the prompt-lookup n-gram (hf: default 2, as transformers)
-return_dict_in_generate                hf: a ``GenerateDecoderOnlyOutput`` (sequences only);
-                                       decoder: no effect (a ``GenerationResult``)
-renormalize_logits                     no effect on tokens (a log-softmax after the warpers)
-bos_token_id, decoder_start_token_id   no effect: prompts are required; encoder-decoders refused
-early_stopping, length_penalty,        beam / contrastive search only: no effect, as in
-low_memory                             transformers' greedy and sampling modes
-assistant_lookbehind,                  for drafts over another tokenizer: no effect (the draft
-target_lookbehind, is_assistant        re-reads each row's whole text; is_assistant: internal)
-compile_config, disable_compile        for static caches (refused): no effect
-top_h, typical_p,                      refused with do_sample=True (ValueError naming the field);
-epsilon_cutoff, eta_cutoff             no effect when greedy, as in transformers
-num_beams > 1, num_beam_groups > 1,    refused (ValueError naming the field): beam, group beam,
-diversity_penalty, penalty_alpha,      contrastive, DoLa and constrained search
-dola_layers, constraints,
-force_words_ids
-num_return_sequences > 1               refused: repeat the prompt instead
-repetition_penalty,                    transformers' processors, applied at each verify
-no_repeat_ngram_size, bad_words_ids    position with its own prefix (``decoding/logits_processors.py``)
-encoder_repetition_penalty,            refused: processors that are not applied per verify
-encoder_no_repeat_ngram_size,          position (``decoding/logits_processors.py`` lists the ones that are)
-sequence_bias,
-min_length, min_new_tokens,
-forced_bos/eos_token_id,
-suppress_tokens,
-begin_suppress_tokens,
-exponential_decay_length_penalty,
-remove_invalid_values,
-guidance_scale, watermarking_config
-output_scores, output_logits,          refused: the loop returns tokens only
-output_attentions,
-output_hidden_states
-use_cache=False, cache_implementation  refused: the loop keeps its own ``DynamicCache``s
-(other than "dynamic"), cache_config,
-max_cache_len, prefill_chunk_size,
-continuous_batching_config
-assistant_ensemble_weight              refused: it verifies against a target-draft mixture (lossy)
-token_healing, assistant_early_exit,   refused
-speculation_type, use_mtp
-any other field set to a non-default   refused by name
-=====================================  =======================================================
-
-Logits processors: first the sequence-dependent ones, ``RepetitionPenaltyLogitsProcessor``,
-``NoRepeatNGramLogitsProcessor``, ``NoBadWordsLogitsProcessor``, ``PrefixConstrainedLogitsProcessor``
-(``prefix_allowed_tokens_fn``) and a ``logits_processor=`` of yours whose class or instance sets
-``specdec_stateless = True``: each verify position's target scores are processed with the ids the
-target alone would have seen there (the input row as given, its new tokens, the drafts before that
-position; ``decoding/logits_processors.py``); then the temperature, top-k and top-p warpers (at most one each, in
-that order, ``filter_value=-inf``, top-p with ``min_tokens_to_keep=1``) and a final
-``LogitNormalization``.  Any other processor is refused by its class name.  An assistant model of
-the target's vocabulary size applies the same processors to its drafts (prompt lookup proposes
-without them; exactness does not need the draft to see them).
+The ``GenerationConfig`` fields (used, of no effect, or refused by name) and the logits processors
+that are applied at every verified position: ``docs/api.md``, "transformers".
 
 Model keyword arguments: ``attention_mask`` (left or right padding; the new tokens follow the
 valid ones, where transformers would continue a right-padded row from its pad column),
@@ -125,10 +54,11 @@ from typing import Any, Optional
 
 import torch
 
-from .decoding.transformers_args import (check_generation_config, draft_settings, resolve_generation_config,
-                                         sampling_from_config)
-from .decoding.transformers_rows import RowCriteria, check_streamer, split_criteria
-from .decoding.logits_processors import VerifyProcessors, processors_from_arguments, split_processors
+from .decoding.call import GenerateArgs
+from .decoding.transformers_adapter.config import (check_generation_config, draft_settings,
+                                                   resolve_generation_config, sampling_from_config)
+from .decoding.transformers_adapter.criteria import RowCriteria, check_streamer, split_criteria
+from .decoding.transformers_adapter.processors import VerifyProcessors, processors_from_arguments, split_processors
 
 __all__ = ["generate"]
 
@@ -181,12 +111,6 @@ def _pair_tokenizers(model, assistant_model, tokenizer, assistant_tokenizer) -> 
                          f"specdec_kernels.hf.generate(model, input_ids, assistant_model=..., tokenizer=..., "
                          f"assistant_tokenizer=...) directly")
     return found[0], found[1]
-
-
-def _decoder_default(name: str):
-    from .decoding.decoder import GENERATE_DEFAULTS
-
-    return GENERATE_DEFAULTS[name]
 
 
 def _check_model_kwargs(model_kwargs: dict, input_ids: torch.Tensor) -> Optional[torch.Tensor]:
@@ -300,7 +224,7 @@ def generate(model, input_ids: torch.Tensor, logits_processor=None, stopping_cri
         else:
             ngram = getattr(gc, "max_matching_ngram_size", None) or _PROMPT_LOOKUP_NGRAM
             dec = SpeculativeDecoder(target=model, max_ngram=ngram)
-        draft = {n: _decoder_default(n) for n in ("num_draft_tokens", "max_draft_tokens", "draft_confidence")}
+        draft = {n: GenerateArgs.default(n) for n in ("num_draft_tokens", "max_draft_tokens", "draft_confidence")}
         draft.update(draft_settings(gc, dec.drafter, dec.has_draft_network))
         with torch.inference_mode():
             st = dec.start(input_ids, max_length - T, draft["num_draft_tokens"], temperature, top_k, top_p, seed,

@@ -290,11 +290,12 @@ class Bench:
                 block: bool = False, tree: Optional[str] = None) -> RunOut:
         """SpeculativeDecoder's loop (``block``: with verification="block"; ``tree``: with that tree
         shape, ``decoding.tree.parse_tree``'s spelling; the same decoder)."""
+        import dataclasses
+
         from specdec_kernels.decoding.tree import parse_tree
 
         dec = self.fdec if feature else self.dec
-        dec.verification = "block" if block else "token"
-        dec.tree = parse_tree(tree)
+        dec.parts = dataclasses.replace(dec.parts, verification="block" if block else "token", tree=parse_tree(tree))
         out_ids, stats = [], []
         _sync(self.device)
         t0 = time.perf_counter()

@@ -16,6 +16,7 @@ from specdec_kernels.cpu import CpuAccelerator
 from specdec_kernels.cpu import skinny_linear as cpu_linear_mod
 from specdec_kernels.models.tiny import perturbed, tiny_llama
 from specdec_kernels.ops.extension import HAS_EXT
+from specdec_kernels.decoding import loop
 from specdec_kernels.decoding.decoder import SpeculativeDecoder
 
 pytestmark = pytest.mark.skipif(
@@ -84,11 +85,11 @@ def test_layers_restored_after_an_error(pair, monkeypatch):
     draft, target = pair
     dec = SpeculativeDecoder(draft, target, cpu_linear="skinny")
 
-    def boom(st):
+    def boom(parts, st):
         assert any("forward" in mod.__dict__ for mod in target.modules())  # patched inside
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(dec, "_step", boom)
+    monkeypatch.setattr(loop, "step", boom)
     with pytest.raises(RuntimeError, match="boom"):
         dec.generate([[1, 2]], max_new_tokens=4, num_draft_tokens=2)
     for m in (draft, target):

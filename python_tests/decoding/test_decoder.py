@@ -178,13 +178,13 @@ def test_sampling_matches_target_distribution(temperature, top_k, top_p, k, voca
         conf = dict(num_draft_tokens=2)
     if k == "nan":
         conf = dict(num_draft_tokens=3)
-        draft_step = dec._d.step
+        draft_step = dec.parts.draft_runner.step
 
         def nan_step(*args, **kwargs):
             logits = draft_step(*args, **kwargs)  # [B, C, V]
             return logits.masked_fill((logits[..., 0] > logits[..., 1])[..., None], float("nan"))
 
-        dec._d.step = nan_step
+        dec.parts.draft_runner.step = nan_step
     if k == "zero":
         from specdec_kernels.decoding.stats import StatsRecorder
 

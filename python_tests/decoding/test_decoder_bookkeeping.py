@@ -17,6 +17,7 @@ import re
 import torch
 
 from specdec_kernels.cli import build_tiny_random_pair, main as cli_main
+from specdec_kernels.decoding import loop
 from specdec_kernels.decoding.decoder import SpeculativeDecoder
 
 from decoder_setup import PROMPTS, _llama, _one_thread, pair  # noqa: F401  (fixtures)
@@ -166,7 +167,7 @@ def test_feature_chain_positions_are_consecutive(fpair):
     fd, target = fpair
     dec = SpeculativeDecoder(draft=fd, target=target, drafter="feature")
     calls = []
-    orig_step, orig_draft = dec._d.step, dec._drafter.draft
+    orig_step, orig_draft = dec.parts.draft_runner.step, dec.parts.drafter.draft
 
     def step(cache, tokens, feats, mask, positions, keep, model_path=False):
         if calls:  # not the prefill
@@ -177,8 +178,8 @@ def test_feature_chain_positions_are_consecutive(fpair):
         calls.append([])
         return orig_draft(st, K)
 
-    dec._d.step = step
-    dec._drafter.draft = drafting
+    dec.parts.draft_runner.step = step
+    dec.parts.drafter.draft = drafting
     dec.generate([[5, 6, 7, 8, 9, 10, 11]], max_new_tokens=20, num_draft_tokens=4)
     chained = 0
     for fwd in calls:
@@ -205,15 +206,14 @@ def test_a_draft_past_its_context_is_retired(pair):
     _, target = pair
     dec = SpeculativeDecoder(draft=_llama(32, 32, 1, 0.2, seed=1, max_pos=16), target=target)
     seen = []
-    orig = dec._step
-
-    def step(st):
-        before = min(st.target_len_host)
-        orig(st)
-        seen.append((before, st.target_only, st.draft.cache is None, st.draft.waiting is None))
-
-    dec._step = step
-    res = dec.generate([[1, 2, 3], [4, 5]], max_new_tokens=30, num_draft_tokens=3, eos_token_id=[])
-    assert res.stats.drafted_tokens > 0
+    st = dec.start([[1, 2, 3], [4, 5]], max_new_tokens=30, num_draft_tokens=3, eos_token_id=[])
+    with torch.inference_mode(), dec.parts.linear_layers():
+        loop.prefill(dec.parts, st)
+        while st.rows:
+            before = min(st.target_len_host)
+            loop.step(dec.parts, st)
+            seen.append((before, st.target_only, st.draft.cache is None, st.draft.waiting is None))
+    drafted = st.hooks.recorder.finalize(1.0, 0.0, st.finish, None, draft_is_free=False).drafted_tokens
+    assert drafted > 0
     past = [s for s in seen if s[0] >= 16]
     assert past and all(s[1:] == (True, True, True) for s in past), seen

@@ -12,6 +12,7 @@ import torch
 
 from specdec_kernels.decoding.decoder import SpeculativeDecoder
 from specdec_kernels.decoding.prefill import _PREFILL_GROUP_COST, _prefill_groups
+from specdec_kernels.decoding import loop
 
 from decoder_setup import PROMPTS, SKEWED, _CountingForward, _CountingModelForward, _assert_row_cache
 from decoder_setup import _one_thread, greedy_refs, pair  # noqa: F401  (fixtures; _one_thread: autouse)
@@ -25,13 +26,12 @@ from decoder_setup import _one_thread, greedy_refs, pair  # noqa: F401  (fixture
 def test_caches_equal_fresh_forward_after_each_step(pair, temperature):
     draft, target = pair
     dec = SpeculativeDecoder(draft=draft, target=target)
-    st = dec._start(PROMPTS, 30, 4, temperature, None, None, 0, None, False, None, 4, None, False,
-                    target_only=False)
+    st = dec.start(PROMPTS, 30, 4, temperature, None, None, 0, max_draft_tokens=4)
     caught_up = 0
     with torch.inference_mode():
-        dec._prefill(st)
+        loop.prefill(dec.parts, st)
         for _ in range(5):
-            dec._step(st)
+            loop.step(dec.parts, st)
             assert st.target_cache.get_seq_length() == max(st.target_len_host)
             assert st.draft.cache.get_seq_length() == max(st.draft.cache_len_host)
             for b, p in enumerate(st.rows):
@@ -55,22 +55,21 @@ def test_caches_after_steps_without_drafts(pair, temperature):
     and what waits, the catch-up token and ``last`` are exactly the rest of the row."""
     draft, target = pair
     dec = SpeculativeDecoder(draft=draft, target=target)
-    st = dec._start(PROMPTS, 30, "auto", temperature, None, None, 0, None, False, None, 4, None, False,
-                    target_only=False)
+    st = dec.start(PROMPTS, 30, "auto", temperature, None, None, 0, max_draft_tokens=4)
     pattern = [4, 0, 0, 3, 0, 4, 0, 2, 0, 0, 0, 1]
     ks = iter(pattern)
-    st.recorder.choose_k = lambda k_max, allow_zero=False: next(ks)
+    st.hooks.recorder.choose_k = lambda k_max, allow_zero=False: next(ks)
     fed = []
-    orig = dec._d.step
-    dec._d.step = lambda *a, **kw: fed.append(1) or orig(*a, **kw)
+    orig = dec.parts.draft_runner.step
+    dec.parts.draft_runner.step = lambda *a, **kw: fed.append(1) or orig(*a, **kw)
     zero_after_catch = waited_most = 0
     with torch.inference_mode():
-        dec._prefill(st)
+        loop.prefill(dec.parts, st)
         for k in pattern:
             catch_before = any(st.draft.catch_up_host)
             fed.clear()
-            dec._step(st)
-            assert st.recorder.stats.history[-1]["k"] == k
+            loop.step(dec.parts, st)
+            assert st.hooks.recorder.stats.history[-1]["k"] == k
             if k == 0:
                 assert not fed  # no draft forward at all
                 zero_after_catch += int(catch_before)
@@ -155,12 +154,11 @@ def test_grouped_prefill_caches_and_outputs(pair, temperature):
     row's output equals the prompt decoded alone (greedy: equals target.generate)."""
     draft, target = pair
     dec = SpeculativeDecoder(draft=draft, target=target)
-    st = dec._start(SKEWED, 12, 3, temperature, None, None, 7, None, False, None, 3, None, False,
-                    target_only=False)
+    st = dec.start(SKEWED, 12, 3, temperature, None, None, 7, max_draft_tokens=3)
     tc = _CountingForward(dec, "target")
     try:
         with torch.inference_mode():
-            dec._prefill(st)
+            loop.prefill(dec.parts, st)
     finally:
         tc.restore()
     groups = _prefill_groups([len(p) - 1 for p in SKEWED], _PREFILL_GROUP_COST["cpu"])
@@ -174,7 +172,7 @@ def test_grouped_prefill_caches_and_outputs(pair, temperature):
                 _assert_row_cache(st.draft.cache, b, st.draft.cache_len_host[b], draft,
                                   st.seqs[p][: st.draft.cache_len_host[b]])
         for _ in range(4):
-            dec._step(st)
+            loop.step(dec.parts, st)
             for b, p in enumerate(st.rows):
                 _assert_row_cache(st.target_cache, b, st.target_len_host[b], target,
                                   st.seqs[p][: st.target_len_host[b]])
@@ -298,13 +296,13 @@ def test_a_ragged_catch_up_block_over_a_dense_draft_cache(pair):
     draft, target = pair
     dec = SpeculativeDecoder(draft=draft, target=target)
     prompts = [[1, 2, 3], [4, 5, 6], [7, 8, 9]]
-    st = dec._start(prompts, 12, 1, 0.0, None, None, 0, None, False, None, 4, None, False, target_only=False)
+    st = dec.start(prompts, 12, 1, 0.0, None, None, 0, max_draft_tokens=4)
     hit = 0
     with torch.inference_mode():
-        dec._prefill(st)
+        loop.prefill(dec.parts, st)
         for _ in range(8):
             hit += min(st.draft.cache_len_host) == st.draft.columns and len(set(st.draft.catch_up_host)) > 1
-            dec._step(st)
+            loop.step(dec.parts, st)
             for b, p in enumerate(st.rows):
                 _assert_row_cache(st.draft.cache, b, st.draft.cache_len_host[b], draft,
                                   st.seqs[p][: st.draft.cache_len_host[b]])

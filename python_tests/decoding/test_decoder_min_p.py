@@ -16,7 +16,7 @@ from specdec_kernels.ops import reference
 from specdec_kernels.cli import main as cli_main
 from specdec_kernels.decoding.decoder import SpeculativeDecoder
 from specdec_kernels.decoding.drafters.sampling import warp_probs
-from specdec_kernels.decoding.transformers_args import sampling_from_config, sampling_from_processors
+from specdec_kernels.decoding.transformers_adapter.config import sampling_from_config, sampling_from_processors
 
 from decoder_setup import PROMPTS, SIGNIFICANCE, _chisquare_pvalue, _llama
 from decoder_setup import _one_thread, pair  # noqa: F401  (fixtures; _one_thread: autouse)

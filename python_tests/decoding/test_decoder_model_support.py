@@ -103,7 +103,7 @@ def test_longrope_is_capped_at_its_original_context():
         max_position_embeddings=128, original_max_position_embeddings=16, rope_parameters=rope,
         initializer_range=0.2, **COMMON)))
     dec = SpeculativeDecoder(target=target, drafter="prompt_lookup")
-    assert dec._t.context == 16
+    assert dec.parts.target_runner.context == 16
     with pytest.raises(ValueError, match=r"prompts\[1\] must fit the target's context "
                                          r"\(original_max_position_embeddings of its longrope scaling = 16\), "
                                          r"got 20 tokens"):
@@ -151,7 +151,7 @@ def test_dynamic_ntk_rope_never_rescales_inside_the_context():
         max_position_embeddings=16, rope_parameters=rope, initializer_range=0.2, **COMMON)))
     inv_freq = target.model.rotary_emb.inv_freq.clone()
     dec = SpeculativeDecoder(target=target, drafter="prompt_lookup")
-    assert dec._t.context == 16
+    assert dec.parts.target_runner.context == 16
     prompts = [[1, 2, 3], list(range(14, 26)), [5], [7, 8, 7, 8, 7]]
     res = dec.generate(prompts, max_new_tokens=20, num_draft_tokens=3)
     assert torch.equal(target.model.rotary_emb.inv_freq, inv_freq)  # never rescaled

@@ -96,7 +96,7 @@ def test_padded_target_vocabulary_and_a_short_draft_context():
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_caches_after_every_step_equal_a_fresh_forward(pair, monkeypatch, temperature):
+def test_caches_after_every_step_equal_a_fresh_forward(pair, temperature):
     draft, target = pair
     seen = []
 
@@ -105,9 +105,9 @@ def test_caches_after_every_step_equal_a_fresh_forward(pair, monkeypatch, temper
         _assert_row_cache(dc, 0, ld, draft, seq[:ld])
         seen.append(len(seq))
 
-    monkeypatch.setattr(tree_decoding, "_after_step", check)
     dec = SpeculativeDecoder(draft=draft, target=target, tree=(2, 2, 1))
-    dec.generate(PROMPTS[:3], max_new_tokens=12, temperature=temperature, seed=4)
+    st = dec.start(PROMPTS[:3], max_new_tokens=12, temperature=temperature, seed=4)
+    tree_decoding.generate_tree(dec.parts, st, after_step=check)
     assert len(seen) >= 6
 
 

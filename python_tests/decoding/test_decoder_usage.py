@@ -287,9 +287,8 @@ def test_numpy_scalars_and_a_huge_k(pair, greedy_refs):
     res = dec.generate([PROMPTS[0]], max_new_tokens=np.int64(12), num_draft_tokens=np.int32(3),
                        temperature=np.float32(0.0), seed=np.int64(0))
     assert res.token_ids[0] == greedy_refs[0][:12]
-    st = dec._start([PROMPTS[0]], 12, 10**9, 0.0, None, None, 0, None, False, None, 8, None, False,
-                    target_only=False)
-    assert st.k_max == 11 and len(st.recorder._reached) == 11
+    st = dec.start([PROMPTS[0]], 12, 10**9, 0.0, None, None, 0, max_draft_tokens=8)
+    assert st.settings.k_max == 11 and len(st.hooks.recorder._reached) == 11
     assert dec.generate([PROMPTS[0]], max_new_tokens=12, num_draft_tokens=10**9).token_ids[0] == greedy_refs[0][:12]
     # seed=None: the drawn seeds come back, and repeat the run
     torch.manual_seed(5)

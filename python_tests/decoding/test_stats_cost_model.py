@@ -276,9 +276,9 @@ def test_decoder_recorder_gets_the_cpu_prior():
     draft, target, tok = build_tiny_random_pair(seed=0)
     dec = SpeculativeDecoder(draft=draft, target=target, tokenizer=tok)
     for B in (1, 3, 8):
-        st = dec._start(["ab"] * B, 4, "auto", 0.0, None, None, 0, None, False, None, 4, None, False,
-                        target_only=False)
-        assert st.recorder.target_slope_prior == cpu_slope_prior(B) and st.recorder.zero_step_draft_forwards == 0
+        st = dec.start(["ab"] * B, 4, "auto", 0.0, None, None, 0, max_draft_tokens=4)
+        rec = st.hooks.recorder
+        assert rec.target_slope_prior == cpu_slope_prior(B) and rec.zero_step_draft_forwards == 0
 
 
 @pytest.mark.parametrize("kwargs,match", [

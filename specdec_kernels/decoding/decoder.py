@@ -11,87 +11,35 @@ prefix of the drafts and adds one token (Leviathan et al. 2023; Chen et al. 2023
 The emitted tokens are distributed exactly as sampling from the target alone (greedily: equal
 to the target's greedy decoding), whatever the drafter proposes.
 
-Cache layout (ragged batches without moving old data).  Both models keep a ``DynamicCache``
-whose rows are *left-aligned*: row b's tokens occupy columns [0, len_b); columns [len_b, T)
-are a masked gap.  Every forward appends its new columns at T (the same for every row) with an
-explicit 2D ``attention_mask`` and ``position_ids`` (row b's new tokens get positions len_b,
-len_b + 1, ...).  After verifying [last, x_1 .. x_K] at columns T .. T+K, row b keeps n_b + 1 of
-them: they are compacted down to len_b (``compact_dynamic_cache_``), len_b grows by n_b + 1 and
-the cache is cropped to max_b len_b.  The emitted recovered/bonus token is not cached: it is
-the next step's ``last``.  The draft model does the same with its own cache: it ran K one-token
-forwards on [last, x_1 .. x_{K-1}] and keeps min(n_b + 1, K) of them; a row that accepted all K
-lacks x_K, so its next step *catches up* by feeding [x_K, last] (rows that need no catch-up
-feed a masked gap column and ``last``).  A K = 0 step (``"auto"``) runs no draft forward: what the
-draft has not taken waits, and its next step feeds it all in one right-aligned block before its
-drafts.  Nothing already cached is ever fed again.
-Finished rows are sliced out of both caches.  This module holds the loop and the target's side
-(``_step``: draft -> verify -> roll back -> emit); each drafter (``drafters/``: one interface in
-``base.py``) owns its forwards and cache bookkeeping, the draft's warp and random numbers are in
-``drafters/sampling.py``, the call's state in ``state.py``, the prefill in ``prefill.py``, what
-each row emits in ``emit.py``, the checks of the arguments in ``arguments.py``, transformers'
-arguments (``GenerationConfig``, streamers, stopping criteria, chat messages) in
-``transformers_args.py``, the DynamicCache helpers in ``ops/kv/cache.py``.
-
-Host synchronisation: one device-to-host copy per step (the accepted counts and tokens, needed
-to detokenise, check stop strings and EOS, and crop the caches); everything else stays on the
-device.
-
-Randomness: row p of a call uses seed ``seed + p`` (or ``seed[p]``).  The verifier draws from
-Philox at (seed_p, step); the draft samples by inverse CDF from counter-based hashes of
-(a key derived from seed_p, step, draft position).  So a row's output depends only on its
-prompt, its seed and K (with ``"auto"``, K comes from measured times: a seeded sampling run is then
-reproducible in distribution, not token for token), never on the other rows: decoding prompt p
-alone with seed ``seed + p`` gives the same tokens as in the batch (at a fixed K), provided the
-models give that row the same logits, bit for bit, in the batch and alone.  The tests check it
-on their models.  A model's forward need not be batch-invariant: in the prefill, torch's matmul
-over more rows than ``skinny_linear`` takes, and attention over a left-padded or gapped cache,
-may round a row's logits differently in the last bit, and a token then differs where a uniform
-falls within that rounding of a decision boundary (rare: about 1e-6 of the draws at one step of
-a tiny random model, docs/history/measurements.md).  The randomness and the verification never
-depend on the other rows.
-
-This module is long for one reason: it is the public class, and about 200 of its ~650 lines
-document its ~30 arguments (``SpeculativeDecoder``'s and ``generate``'s docstrings, where users
-read them).  The loop itself is short: ``_step`` reads top to bottom in one screen (draft,
-verify, the one host sync, roll back, emit), and everything it delegates lives in a module of
-its own.
+This module is the public class: its arguments, checked and documented.  The parts it runs with
+are assembled in ``parts.py`` (one frozen ``DecoderParts``), a call's arguments are one
+``call.CallArgs`` (transformers' folded in by ``transformers_adapter/``), its state is made by
+``state.start_state``, and the loop (``loop.py``: the cache layout, the step, the randomness) or
+the tree path (``tree.py``) runs it.
 """
 
 from __future__ import annotations
 
-import copy
-import inspect
-import math
-import time
 from typing import Any, Optional, Sequence, TextIO, Union
 
 import torch
 
-from ..ops.host import to_device
-from ..ops.kv.cache import compact_dynamic_cache_, crop_cache_
-from .arguments import as_float
+from .call import CallArgs, GenerateArgs
 from .drafters.base import Drafter
-from .drafters.registry import drafter_kind
-from .drafters.vocab import resolve_draft_vocab
 from .drafters.sampling import warp_probs  # noqa: F401  (public here: the draft's warp)
-from .emit import emit_rows, stop_cut
-from .pair import device_of, load_pair
-from .prefill import prefill_
-from .runners import FeatureRunner, ModelRunner
+from .loop import run
+from .parts import DecoderParts, assemble_parts
 from .state import DecodeState, GenerationResult, start_state
-from .transformers_args import decoder_arguments
-from .transformers_rows import check_streamer
+from .transformers_adapter.config import fold_arguments
+from .transformers_adapter.criteria import check_streamer
 
 __all__ = ["SpeculativeDecoder", "GenerationResult", "warp_probs"]
 
 
-def _num_params(model) -> int:
-    return sum(p.numel() for p in model.parameters())
+def _part(name: str, doc: str) -> property:
+    return property(lambda self: getattr(self.parts, name), doc=doc)
 
 
-# ----------------------------------------------------------------------------------------------
-# The decoder
-# ----------------------------------------------------------------------------------------------
 class SpeculativeDecoder:
     """Exact speculative decoding with a draft model (or prompt lookup) and a target model.
 
@@ -170,132 +118,39 @@ class SpeculativeDecoder:
                  lean_forward: bool = True, draft_vocab: Any = "auto", verify_backend: str = "auto",
                  verification: str = "token", tree: Any = None, accelerator: Any = None,
                  draft_tokenizer: Any = None, vocabulary: str = "auto", weight_cache: Any = None):
-        if cpu_linear not in ("auto", "skinny", "torch"):
-            raise ValueError(f"cpu_linear must be 'auto', 'skinny' or 'torch', got {cpu_linear!r}")
-        if accelerator is not None and (cpu_linear != "auto" or lean_forward is not True or weight_cache is not None):
-            raise ValueError(f"pass either accelerator= or cpu_linear/lean_forward/weight_cache, got accelerator="
-                             f"{type(accelerator).__name__} with cpu_linear={cpu_linear!r}, "
-                             f"lean_forward={lean_forward!r}, weight_cache={weight_cache!r}")
-        if verify_backend not in ("auto", "triton", "torch"):
-            raise ValueError(f"verify_backend must be 'auto', 'triton' or 'torch', got {verify_backend!r}")
-        if verification not in ("token", "block"):
-            raise ValueError(f"verification must be 'token' or 'block', got {verification!r}")
-        self.verification = verification
-        from .tree import parse_tree
+        self.parts: DecoderParts = assemble_parts(
+            draft, target, tokenizer, device, dtype, drafter=drafter, max_ngram=max_ngram, cpu_linear=cpu_linear,
+            lean_forward=lean_forward, draft_vocab=draft_vocab, verify_backend=verify_backend,
+            verification=verification, tree=tree, accelerator=accelerator, draft_tokenizer=draft_tokenizer,
+            vocabulary=vocabulary, weight_cache=weight_cache)
 
-        self.tree = parse_tree(tree)  # None: chains of K drafts
-        from ..models.embedded import resolve_device
+    target = _part("target", "The target model (eval mode, where the decoder put it).")
+    draft = _part("draft", "The draft model, or None (prompt lookup, a feature draft, a drafter instance).")
+    feature = _part("feature", "The feature draft (a ``FeatureDraft``), or None.")
+    drafter = _part("drafter_name", "The drafter's name: model, prompt_lookup, feature or a registered one.")
+    tokenizer = _part("tokenizer", "The target's tokenizer, or None (prompts are then token ids).")
+    draft_tokenizer = _part("draft_tokenizer", "The draft's own tokenizer where it has one, else None.")
+    vocabulary = _part("vocabulary", "How a draft over another tokenizer is verified: shared, intersection, string.")
+    lookup = _part("lookup", "The prompt-lookup drafter (the one drafting when there is no draft).")
+    device = _part("device", "Where the models run.")
+    accelerator = _part("accelerator", "The CPU accelerators (``cpu.CpuAccelerator`` or one like it).")
+    cpu_linear = _part("cpu_linear", "The linear layers' mode during a call: skinny or torch.")
+    draft_vocab = _part("draft_vocab", "The tokens the draft may propose (sorted int64 ids), or None: all.")
+    verification = _part("verification", "token or block.")
+    verify_backend = _part("verify_backend", "fused_verify's backend: auto, triton or torch.")
+    tree = _part("tree", "The tree shape (``tree.TreeShape``), or None: chains of K drafts.")
+    vocab_size = _part("vocab_size", "The target's vocabulary size: token ids in prompts and outputs are below it.")
+    has_draft_network = _part("has_draft_network", "True when a network drafts (a draft model, a feature draft): "
+                              "its drafts come with the distributions they were drawn from.")
 
-        device = resolve_device(device)
-        self.verify_backend = verify_backend
-        pair = load_pair(draft, target, tokenizer, device, dtype, drafter, max_ngram, tree=self.tree is not None,
-                         draft_tokenizer=draft_tokenizer, vocabulary=vocabulary)
-        self.vocabulary, self.draft_tokenizer = pair.vocabulary, pair.draft_tokenizer
-        cross = pair.vocabulary != "shared"
-        if cross and not (draft_vocab is None or (isinstance(draft_vocab, str) and draft_vocab == "auto")):
-            raise ValueError(f"draft_vocab applies to a draft over the target's vocabulary, got draft_vocab="
-                             f"{type(draft_vocab).__name__} with a draft over another tokenizer (vocabulary="
-                             f"{pair.vocabulary!r})")
-        target, draft, self.feature, drafter = pair.target, pair.draft, pair.feature, pair.drafter
-        self.drafter, self.tokenizer, final_device, dtype = drafter, pair.tokenizer, pair.device, pair.dtype
-        feature_vocab, feature_given = pair.feature_vocab, pair.feature_given
-        self.lookup = pair.lookup
-        if verify_backend == "triton" and final_device.type != "cuda":
-            from ..ops.verify import interpreter_problem, interpreting
-
-            if not interpreting():
-                raise ValueError(f"verify_backend='triton' needs the models on CUDA (or TRITON_INTERPRET=1 for the "
-                                 f"CPU), got them on {final_device}")
-            problem = interpreter_problem()
-            if problem is not None:
-                raise RuntimeError(f"verify_backend='triton' on the CPU: {problem}")
-        if self.feature is not None:
-            self.feature.check_target(target)  # with a tolerance that any dtype passes
-            # It runs on the target's features, where they will be and in their dtype (a bf16
-            # target beside a draft loaded in fp32 failed in the first draft step).  A draft the
-            # caller passed is converted as a copy (below): in place, its weights were rounded for
-            # good, and a second decoder over another target converted the first one's under it.
-            feature_at = (final_device, dtype or next(target.parameters()).dtype)
-            have = next(self.feature.parameters())
-            if feature_given and (have.device, have.dtype) != feature_at:
-                self.feature = copy.deepcopy(self.feature)
-        self._t = ModelRunner(target, "target")
-        self._d = ModelRunner(draft, "draft") if draft is not None else None
-        if self.feature is not None:
-            self._d = FeatureRunner(self.feature, target)
-        # the drafter the loop drafts through (drafters/base.py: draft, after_verify, wait, select_rows)
-        self._drafter = (pair.instance if pair.instance is not None else self.lookup if self._d is None
-                         else drafter_kind(self.drafter).make(self._d))  # the registry's (drafters/registry.py)
-        if cross:  # a draft model over another tokenizer (drafters/cross.py)
-            from .drafters.cross import CrossVocabDrafter
-
-            self._drafter = CrossVocabDrafter(self._d, pair.draft_tokenizer, pair.tokenizer, pair.vocabulary,
-                                              self._t.vocab_size)
-        self._feature_vocab = feature_vocab
-        if self._d is not None and not cross and self._d.vocab_size > self._t.vocab_size:
-            raise ValueError(f"the draft vocabulary must not exceed the target's: draft vocab_size = "
-                             f"{self._d.vocab_size}, target vocab_size = {self._t.vocab_size}")
-        if accelerator is None:  # the one place the decoder names the CPU layer: its default accelerator
-            from ..cpu.accelerator import CpuAccelerator
-
-            accelerator = CpuAccelerator(cpu_linear, lean_forward, weight_cache)
-        self.accelerator = accelerator
-        self.draft = draft
-        self.draft_vocab = None if cross else resolve_draft_vocab(draft_vocab, self._d, self.drafter, self.draft,
-                                                                  self.feature, self._feature_vocab)
-        self.accelerator.check_device(final_device)
-
-        # Accepted: convert and move.
-        for model in (target, draft):
-            if model is not None and dtype is not None:
-                model.to(dtype)
-            if model is not None and device is not None:
-                model.to(final_device)
-        if self.feature is not None:
-            self.feature.to(device=feature_at[0], dtype=feature_at[1])
-        self.device = device_of(target)
-        self.target = target.eval()
-        self.draft = draft.eval() if draft is not None else None
-        if self.tree is not None:
-            from .tree import check_tree_model
-
-            check_tree_model(self.target, "the target")
-            check_tree_model(self.draft, "the draft")
-        self.cpu_linear = self.accelerator.linear_mode(self.device, (self.target, self.draft, self.feature))
-        for model in (target, draft):  # the weight copies a previous decoder left, kept while current
-            if model is not None:
-                self.accelerator.prepare(model)
-        self.lean_forward = self.accelerator.lean_forward
-        self._refresh_lean()
-        # The draft/target cost ratio before anything is measured: their parameter counts.
-        drafting = self.draft if self.draft is not None else self.feature
-        self._t_draft_prior = (max(_num_params(drafting) / max(_num_params(self.target), 1), 0.02)
-                               if drafting is not None else 0.0)
-
-    def _refresh_lean(self) -> None:
-        """Decide the decode-step path of each model again (it may have moved or changed mode),
-        and take the draft vocabulary's rows of the draft's output layer again (its weights may
-        have changed)."""
-        for r in (self._t, self._d):
-            if r is not None:
-                r.use_lean(self.accelerator)
-        if self._d is not None:
-            self._d.set_vocab(None if self.draft_vocab is None else self.draft_vocab.to(self.device))
+    @property
+    def lean_forward(self) -> bool:
+        """Whether the lean Llama decode step is asked for (``lean_status()``: whether each model takes it)."""
+        return self.parts.accelerator.lean_forward
 
     def lean_status(self) -> dict:
         """{"target": reason or None, "draft": ...}: None where the decode steps take the lean path."""
-        return {r.name: r.lean_unsupported for r in (self._t, self._d) if r is not None}
-
-    def _linear_layers(self):
-        """A context in which the models' linear layers run as ``self.cpu_linear`` says; a
-        feature draft's output layer (a copy of the target's rows) streams as int8 with row
-        scales: a quarter of the fp32 bytes (it only proposes; the verify reads the target's own
-        logits)."""
-        head = self._d.head if self._d is not None else None  # the draft vocabulary's rows
-        feature = self.feature is not None
-        return self.accelerator.linear_layers(self.cpu_linear, (self.target, self.draft, self.feature,
-                                                                None if feature else head),
-                                              (head if feature else None,))
+        return self.parts.lean_status()
 
     # -- public -------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -363,7 +218,7 @@ class SpeculativeDecoder:
         T_target(0), for ``"auto"``'s K = 0 and for ``stats.predicted_speedup`` (else extrapolated
         from the verify steps, a few to 20% low on the CPU).
 
-        Transformers' arguments (``transformers_args.py``; the field table is in ``hf.py``):
+        Transformers' arguments (``transformers_adapter/``; the field table is in ``docs/api.md``):
         generation_config: a ``GenerationConfig``, resolved as ``target.generate`` resolves it
         (unset fields from the target's ``generation_config``, then transformers' defaults); it
         then sets the sampling, length, EOS and draft arguments (passing one of those too, at a
@@ -381,52 +236,29 @@ class SpeculativeDecoder:
         fields of the same names), built and ordered as ``generate`` builds them, then the
         ``LogitsProcessorList``'s; each verify position's target scores are processed with the ids
         the target alone would have seen there (the row as given, its generated ids, the drafts
-        before that position), before temperature, top-k and top-p (``logits_processors.py``: which
+        before that position), before temperature, top-k and top-p (``transformers_adapter/processors.py``: which
         processors are accepted, ``specdec_stateless = True`` for yours).  A draft model over the
         whole vocabulary applies them to its drafts too (its q is the processed distribution);
         other drafters propose without them (the output's law does not depend on it).
         """
-        args, streamer, criteria, procs = decoder_arguments(self, locals(), GENERATE_DEFAULTS)
-        prompts, max_new_tokens, num_draft_tokens, temperature, top_k, top_p, stop, eos_token_id, \
-            max_draft_tokens, draft_confidence, min_p = (args[k] for k in (
-                "prompts", "max_new_tokens", "num_draft_tokens", "temperature", "top_k", "top_p", "stop",
-                "eos_token_id", "max_draft_tokens", "draft_confidence", "min_p"))
-        baseline_tokens_per_s, target_step_s = as_float(baseline_tokens_per_s), as_float(target_step_s)
-        for name, v in (("baseline_tokens_per_s", baseline_tokens_per_s), ("target_step_s", target_step_s)):
-            if v is not None:
-                if isinstance(v, bool) or not isinstance(v, (int, float)):
-                    raise TypeError(f"{name} must be None or a number, got {type(v).__name__}")
-                if not (math.isfinite(v) and v > 0):
-                    raise ValueError(f"{name} must be finite and > 0, got {v}")
-        st = self._start(prompts, max_new_tokens, num_draft_tokens, temperature, top_k, top_p, seed, stop,
-                         verbose, attention_mask, max_draft_tokens, eos_token_id, progress, target_only=False,
-                         draft_confidence=draft_confidence, min_p=min_p)
-        check_streamer(streamer, len(st.seqs))
-        if self.tree is not None:
-            return self._generate_tree(st, streamer, criteria, procs, draft_confidence, verbose)
-        st.streamer, st.criteria, st.procs = streamer, criteria, procs
+        given = GenerateArgs(
+            prompts=prompts, max_new_tokens=max_new_tokens, num_draft_tokens=num_draft_tokens, temperature=temperature,
+            top_k=top_k, top_p=top_p, seed=seed, stop=stop, verbose=verbose, min_p=min_p, input_ids=input_ids,
+            attention_mask=attention_mask, generation_config=generation_config, do_sample=do_sample,
+            streamer=streamer, stopping_criteria=stopping_criteria, logits_processor=logits_processor,
+            repetition_penalty=repetition_penalty, no_repeat_ngram_size=no_repeat_ngram_size,
+            bad_words_ids=bad_words_ids, prefix_allowed_tokens_fn=prefix_allowed_tokens_fn,
+            max_draft_tokens=max_draft_tokens, draft_confidence=draft_confidence, eos_token_id=eos_token_id,
+            baseline_tokens_per_s=baseline_tokens_per_s, target_step_s=target_step_s, progress=progress)
+        call = fold_arguments(self.parts, given).checked(self.parts)
+        st = self._started(call)
+        if self.parts.tree is not None:
+            from .tree import generate_tree
+
+            return generate_tree(self.parts, st)
         if streamer is not None:
             streamer.put(torch.tensor([st.seqs[0]]))  # the prompt, [1, T], as transformers' generate does
-        if target_step_s is not None:
-            st.recorder.set_target_step(target_step_s)
-        return self.decode(st, baseline_tokens_per_s)
-
-    def _generate_tree(self, st: DecodeState, streamer, criteria, procs, draft_confidence, verbose) -> GenerationResult:
-        """``generate`` with tree steps (``tree.run_tree``); what it does not take is
-        refused by name."""
-        from .tree import check_tree_arguments, run_tree
-
-        check_tree_arguments(streamer, criteria, procs, draft_confidence, verbose)
-        self._refresh_lean()
-        with self._linear_layers(), torch.inference_mode():
-            stats = run_tree(self, st, self.tree, lambda g, new, stop: stop_cut(self.tokenizer, g, new, stop))
-        if st.pbar is not None:
-            st.pbar.close()
-        texts = None
-        if self.tokenizer is not None:
-            texts = [self.tokenizer.decode(g, skip_special_tokens=True) for g in st.generated]
-        return GenerationResult(texts=texts, token_ids=st.generated, stats=stats, finish_reasons=list(st.finish),
-                                seeds=list(st.seeds))
+        return self.decode(st, call.baseline_tokens_per_s)
 
     def start(self, prompts, max_new_tokens: int = 64, num_draft_tokens: Union[int, str] = 4,
               temperature: float = 0.0, top_k: Optional[int] = None, top_p: Optional[float] = None,
@@ -438,31 +270,18 @@ class SpeculativeDecoder:
         """The state of a call that a front-end prepares itself (``hf.generate``): ``generate``'s
         arguments of the same names checked, the prompts encoded, the state allocated, no model
         work; ``decode(state)`` then runs it.  streamer: a ``BaseStreamer`` that already has the
-        prompt; criteria: ``transformers_rows.RowCriteria`` or None; procs:
-        ``logits_processors.VerifyProcessors`` (over ``self.vocab_size``) or None."""
-        st = self._start(prompts, max_new_tokens, num_draft_tokens, temperature, top_k, top_p, seed, stop, verbose,
-                         attention_mask, max_draft_tokens, eos_token_id, progress, target_only=False,
-                         draft_confidence=draft_confidence, min_p=min_p)
-        check_streamer(streamer, len(st.seqs))
-        st.streamer, st.criteria, st.procs = streamer, criteria, procs
-        return st
+        prompt; criteria: ``transformers_adapter.criteria.RowCriteria`` or None; procs:
+        ``transformers_adapter.processors.VerifyProcessors`` (over ``self.vocab_size``) or None."""
+        call = CallArgs(prompts, max_new_tokens, num_draft_tokens, temperature, top_k, top_p, min_p, seed, stop,
+                        verbose, attention_mask, max_draft_tokens, draft_confidence, eos_token_id, progress,
+                        streamer=streamer, criteria=criteria, procs=procs)
+        return self._started(call.checked(self.parts))
 
     def decode(self, st: DecodeState, baseline_tokens_per_s: Optional[float] = None) -> GenerationResult:
         """Run a started state (``start``) to the end with this decoder's forward paths."""
-        self._refresh_lean()
-        with self._linear_layers():
-            return self._run(st, baseline_tokens_per_s)
-
-    @property
-    def vocab_size(self) -> int:
-        """The target's vocabulary size: token ids in prompts and outputs are below it."""
-        return self._t.vocab_size
-
-    @property
-    def has_draft_network(self) -> bool:
-        """True when a network drafts (a draft model, a feature draft): its drafts come with the
-        distributions they were drawn from; False for a drafter without one (prompt lookup)."""
-        return self._d is not None
+        self.parts.refresh()
+        with self.parts.linear_layers():
+            return run(self.parts, st, baseline_tokens_per_s)
 
     @torch.inference_mode()
     def generate_target_only(self, prompts, max_new_tokens: int = 64, temperature: float = 0.0,
@@ -474,196 +293,13 @@ class SpeculativeDecoder:
         """The baseline: the target alone, one token per forward, through the same cache
         handling and sampler (so greedy output is identical to ``generate``'s).  Its
         ``stats.tokens_per_s`` is what ``generate(baseline_tokens_per_s=...)`` compares to."""
-        st = self._start(prompts, max_new_tokens, 1, temperature, top_k, top_p, seed, stop, False,
-                         attention_mask, 1, eos_token_id, progress, target_only=True, min_p=min_p)
-        return self.decode(st)
+        call = CallArgs(prompts, max_new_tokens, 1, temperature, top_k, top_p, min_p, seed, stop,
+                        attention_mask=attention_mask, max_draft_tokens=1, eos_token_id=eos_token_id,
+                        progress=progress, target_only=True)
+        return self.decode(self._started(call.checked(self.parts)))
 
-    # -- the loop -----------------------------------------------------------------------------
-    def _start(self, prompts, max_new_tokens, num_draft_tokens, temperature, top_k, top_p, seed, stop,
-               verbose, attention_mask, max_draft_tokens, eos_token_id, progress, target_only,
-               draft_confidence: float = 0.0, min_p: Optional[float] = None) -> DecodeState:
-        """Validate everything, encode, allocate the state (no model work yet): ``state.start_state``."""
-        st = start_state(self, prompts, max_new_tokens, num_draft_tokens, temperature, top_k, top_p, seed, stop,
-                         verbose, attention_mask, max_draft_tokens, eos_token_id, progress, target_only,
-                         draft_confidence, min_p)
-        if st.draft_context is not None and all(len(st.seqs[p]) - 1 >= st.draft_context for p in st.rows):
-            self._retire_draft(st)  # no prompt leaves the draft a position to draft from
+    def _started(self, call: CallArgs) -> DecodeState:
+        """A call's state (``state.start_state``), its streamer checked against its batch."""
+        st = start_state(self.parts, call)
+        check_streamer(call.streamer, len(st.seqs))
         return st
-
-    @staticmethod
-    def _retire_draft(st: DecodeState) -> None:
-        """Every active row is past the draft's context (it never drafts again): the rest is the
-        target alone, with no draft state kept (nothing waits for a draft forward)."""
-        st.target_only = True
-        st.draft.retire()
-
-    def _run(self, st: DecodeState, baseline_tokens_per_s) -> GenerationResult:
-        t0 = time.perf_counter()
-        self._drop_finished(st)
-        if st.rows:
-            self._prefill(st)
-        while st.rows:
-            self._step(st)
-        total = time.perf_counter() - t0
-        if st.pbar is not None:
-            st.pbar.close()
-        if st.streamer is not None:
-            st.streamer.end()
-        stats = st.recorder.finalize(total, st.prefill_time, st.finish, baseline_tokens_per_s,
-                                     draft_is_free=self._d is None)
-        for name, value in self._drafter.describe(st).items():  # e.g. the vocabulary a draft model used
-            setattr(stats, name, value)
-        texts = None
-        if self.tokenizer is not None:
-            texts = [self.tokenizer.decode(g, skip_special_tokens=True) for g in st.generated]
-        return GenerationResult(texts=texts, token_ids=st.generated, stats=stats, finish_reasons=list(st.finish),
-                                seeds=list(st.seeds))
-
-    def _prefill(self, st: DecodeState) -> None:
-        """``prefill.prefill_`` with this decoder's models (a method: tests call it)."""
-        prefill_(st, self._t, self._d, self.feature)
-
-    def _choose_k(self, st: DecodeState) -> int:
-        """K, the drafts of this step.  ``"auto"`` may choose K = 0 with a draft model or a
-        feature draft: such a step runs no draft forward at all (the tokens, or pairs, the draft
-        has not taken wait, and its next forward takes them together), so it costs what a step
-        of the target alone costs."""
-        if st.target_only:
-            return 0
-        auto_zero = st.k == "auto" and self._drafter.network
-        k = st.recorder.choose_k(st.k_max, allow_zero=auto_zero) if st.k == "auto" else st.k
-        # Row b drafts K_b = min(K, budget_b - 1, its room below a shorter draft context:
-        # drafters.base.draft_cap), so K is at most the largest K_b any row may verify.
-        dctx = st.draft_context
-        room = max(st.budget_host[p] - len(st.generated[p]) - 1 if dctx is None else
-                   min(st.budget_host[p] - len(st.generated[p]) - 1, dctx - n)
-                   for p, n in zip(st.rows, st.target_len_host))
-        return max(min(k, room), 0)
-
-    @staticmethod
-    def _row_params(st: DecodeState, B: int) -> tuple:
-        """(temperature [B] fp32, top_k [B] int64 or None, top_p [B] fp32 or None, min_p [B] fp32 or
-        None) for ``fused_verify``, made once per batch size (rows drop out as they finish)."""
-        got = st.row_params.get(B)
-        if got is None:
-            def full(v, dt):
-                return None if v is None else torch.full((B,), v, dtype=dt, device=st.device)
-            got = st.row_params[B] = (full(st.temperature, torch.float32), full(st.top_k, torch.int64),
-                                      full(st.top_p, torch.float32), full(st.min_p, torch.float32))
-        return got
-
-    def _step(self, st: DecodeState) -> None:
-        """One step: draft -> verify -> roll back -> emit, with one host sync (after the verify)."""
-        if st.draft_context is not None and not st.target_only and min(st.target_len_host) >= st.draft_context:
-            self._retire_draft(st)
-        drafter = None if st.target_only else self._drafter
-        K = self._choose_k(st)
-        # this step's draft takes what waited through K = 0 steps (not a typical draft time)
-        waited = st.draft.holds_waiting()
-        clock = st.clock
-        t_a = clock.mark()
-        d = drafter.draft(st, K) if drafter is not None and K > 0 else None
-        X, Q, kb = self._verify_inputs(st, drafter, d)  # [B, K], [B, K, Vd] or None, [B] K_b
-        K = X.shape[1]
-        t_b = clock.mark()
-        out, feats = self._verify(st, drafter, X, Q, kb)
-        n = out.num_accepted  # [B] int64 in [-1, K_b]
-        t_c = clock.mark()  # on CUDA before the sync, which then guarantees the event has completed
-
-        # The step's one host sync: counts, K_b, tokens, drafts.
-        packed = torch.cat([n[:, None], kb[:, None], out.tokens[:, : K + 1], X], 1).cpu()
-        n_host, kb_host = packed[:, 0].tolist(), packed[:, 1].tolist()
-        tok_host, x_host = packed[:, 2:3 + K].tolist(), packed[:, 3 + K:].tolist()
-
-        # Roll back (device work, no sync): the target keeps last + the accepted drafts, the
-        # drafter what it accepted (or, without drafts, what waits for its next forward).
-        keep_t = (n + 1).clamp(min=0)  # [B]
-        compact_dynamic_cache_(st.target_cache, st.target_columns, st.target_len, keep_t)
-        st.target_len, st.target_columns = st.target_len + keep_t, st.target_columns + K + 1
-        st.target_len_host = [a + max(m + 1, 0) for a, m in zip(st.target_len_host, n_host)]
-        if drafter is not None and d is not None:
-            drafter.after_verify(st, out, feats, n, n_host, K)
-        elif drafter is not None:  # a K = 0 step
-            drafter.wait(st, out, feats)
-        st.last = out.tokens.gather(1, n.clamp(min=0)[:, None])[:, 0]
-        st.gen, st.step, st.steps_done = st.gen + keep_t, st.step + 1, st.steps_done + 1
-
-        # Emit (host): EOS, stop strings, stopping criteria, the streamer, the trace.
-        emitted = emit_rows(st, self.tokenizer, n_host, kb_host, tok_host, x_host)
-        st.recorder.record_step(K, st.rows, kb_host, n_host, emitted)
-        st.recorder.record_times(clock.seconds(t_a, t_b), 0 if d is None else d.forwards, clock.seconds(t_b, t_c),
-                                 first_step=st.steps_done == 1, k=K, draft_typical=not waited)
-        if st.pbar is not None:
-            st.pbar.update(sum(emitted))
-        self._drop_finished(st)
-        if st.rows:  # drop the columns past the longest row (rejected drafts, finished rows)
-            st.target_columns = max(st.target_len_host)
-            crop_cache_(st.target_cache, st.target_columns)
-            st.draft.crop()
-
-    @staticmethod
-    def _verify_inputs(st: DecodeState, drafter, d) -> tuple:
-        """(X [B, K] int64, Q [B, K, Vd] fp32 or None, K_b [B] int64) for the verify: a network's
-        K_b is its K (fewer where it cut a row) within the row's budget; no drafts: K = 0."""
-        B, dev = len(st.rows), st.device
-        if d is None:
-            return (torch.zeros((B, 0), dtype=torch.int64, device=dev), None,
-                    torch.zeros(B, dtype=torch.int64, device=dev))
-        if not drafter.network:  # it proposed within each row's budget
-            return d.tokens, d.probs, d.num
-        kb = torch.clamp(st.budget - st.gen - 1, max=d.tokens.shape[1])  # [B]
-        return d.tokens, d.probs, kb if d.num is None else torch.minimum(kb, d.num)
-
-    def _verify(self, st: DecodeState, drafter, X: torch.Tensor, Q, kb: torch.Tensor) -> tuple:
-        """The target scores [last, x_1 .. x_K] at cache columns target_columns .. target_columns + K and
-        ``fused_verify`` keeps a prefix of the drafts and adds one token.  Returns (VerifyOutput, the target's
-        features at those columns [B, K + 1, H] for a drafter that reads them, else None)."""
-        from ..ops.verify import fused_verify, verify_prechecked
-
-        B, K, dev = X.shape[0], X.shape[1], st.device
-        ids = torch.cat([st.last[:, None], X], 1)  # [B, K+1]
-        pos = st.target_len[:, None] + torch.arange(K + 1, device=dev)[None, :]  # [B, K+1]
-        if st.context is not None:
-            pos = pos.clamp(max=st.context - 1)
-        mask = None  # every row's cache is full: no padding, no mask
-        if min(st.target_len_host) < st.target_columns:
-            mask = torch.cat([torch.arange(st.target_columns, device=dev)[None, :] < st.target_len[:, None],
-                              torch.ones((B, K + 1), dtype=torch.bool, device=dev)], 1)  # [B, target_columns + K + 1]
-        feats = None
-        if drafter is not None and drafter.reads_features:
-            # logits [B, K+1, V] and feats [B, K+1, H]
-            logits, feats = self._t.step_hidden(st.target_cache, ids, mask, pos, st.target_columns, K + 1)
-        else:
-            logits = self._t.step(st.target_cache, ids, mask, pos, st.target_columns, K + 1)  # [B, K+1, V]
-        if st.procs is not None:  # sequence processors: position i sees the row's ids, then x_1 .. x_i
-            logits = st.procs(logits, X, kb.tolist(), st.rows, st.generated)
-        temp, top_k, top_p, min_p = self._row_params(st, B)
-        if self.verification == "block":  # the op's checks included (block verification is eager)
-            out = fused_verify(logits, X, Q, num_draft_tokens=kb, temperature=temp, top_k=top_k, top_p=top_p,
-                               min_p=min_p, seed=st.seed, offset=st.step, backend=self.verify_backend, method="block")
-        else:  # fused_verify without its per-call checks: generate checked the parameters, the tensors are built here
-            out = verify_prechecked(logits, X, Q, kb, temp, top_k, top_p, st.seed, st.step, min_p=min_p,
-                                    backend=self.verify_backend)
-        return out, feats
-
-    def _drop_finished(self, st: DecodeState) -> None:
-        keep = [i for i, p in enumerate(st.rows) if st.finish[p] is None]
-        if len(keep) == len(st.rows):
-            return
-        st.rows = [st.rows[i] for i in keep]
-        if not keep:
-            return
-        idx = to_device(keep, torch.int64, st.device)
-        for name in ("last", "target_len", "gen", "budget", "seed", "key_lo", "key_hi", "step"):
-            t = getattr(st, name)
-            if t is not None:
-                setattr(st, name, t.index_select(0, idx))
-        st.target_len_host = [st.target_len_host[i] for i in keep] if st.target_len_host else st.target_len_host
-        self._drafter.select_rows(st, idx, keep)  # what the drafter keeps per row, its cache included
-        if st.target_len_host:  # after the prefill: slice the cache (the caller crops it)
-            st.target_cache.batch_select_indices(idx)
-
-
-# generate's arguments and their defaults, taken once (transformers_args tells a passed argument from a default)
-GENERATE_DEFAULTS = {n: p.default for n, p in inspect.signature(SpeculativeDecoder.generate).parameters.items()
-                      if n != "self"}

@@ -16,7 +16,7 @@ import torch
 if TYPE_CHECKING:  # pragma: no cover
     from .state import DecodeState
 
-__all__ = ["emit_rows", "log_row", "stop_cut"]
+__all__ = ["append_row", "cut_row", "emit_rows", "log_row", "stop_cut"]
 
 
 def emit_rows(st: "DecodeState", tokenizer, n_host: list, kb_host: list, tok_host: list, x_host: list) -> list:
@@ -29,33 +29,46 @@ def emit_rows(st: "DecodeState", tokenizer, n_host: list, kb_host: list, tok_hos
             st.finish[p] = "nonfinite"
             emitted_counts.append(0)
             continue
-        new = tok_host[i][: m + 1]
-        room = st.budget_host[p] - len(st.generated[p])
-        new = new[:room]
-        reason = None
-        for j, t in enumerate(new):
-            if t in st.eos:
-                new, reason = new[: j + 1], "eos"
-                break
-        if st.stop:
-            cut = stop_cut(tokenizer, st.generated[p], new, st.stop)
-            if cut is not None:
-                new, reason = new[:cut], "stop"
-        if st.criteria is not None and new:
-            cut = st.criteria(p, st.generated[p], new)  # the first token where one fires (EOS wins a tie)
-            if cut is not None and (reason is None or cut < len(new)):
-                new, reason = new[:cut], "stop"
-        if st.streamer is not None and new:
-            st.streamer.put(torch.tensor(new))
-        if st.verbose is not None:
+        new, reason = cut_row(st, tokenizer, p, tok_host[i][: m + 1])
+        if st.hooks.streamer is not None and new:
+            st.hooks.streamer.put(torch.tensor(new))
+        if st.hooks.verbose is not None:
             log_row(st, tokenizer, p, x_host[i][: kb_host[i]], m, kb_host[i], new)
-        st.generated[p].extend(new)
-        st.seqs[p].extend(new)
+        append_row(st, p, new, reason)
         emitted_counts.append(len(new))
-        if reason is None and len(st.generated[p]) >= st.budget_host[p]:
-            reason = "length" if st.budget_host[p] == st.max_new else "context"
-        st.finish[p] = reason
     return emitted_counts
+
+
+def cut_row(st: "DecodeState", tokenizer, p: int, new: list) -> tuple:
+    """(the tokens of ``new`` that row p keeps, the reason it stops there or None): cut at the row's
+    budget, at an EOS (kept), after the token that completes a stop string, or at the first token
+    where a stopping criterion fires (EOS wins a tie)."""
+    room = st.budget_host[p] - len(st.generated[p])
+    new = new[:room]
+    reason = None
+    for j, t in enumerate(new):
+        if t in st.settings.eos:
+            new, reason = new[: j + 1], "eos"
+            break
+    if st.settings.stop:
+        cut = stop_cut(tokenizer, st.generated[p], new, st.settings.stop)
+        if cut is not None:
+            new, reason = new[:cut], "stop"
+    if st.hooks.criteria is not None and new:
+        cut = st.hooks.criteria(p, st.generated[p], new)
+        if cut is not None and (reason is None or cut < len(new)):
+            new, reason = new[:cut], "stop"
+    return new, reason
+
+
+def append_row(st: "DecodeState", p: int, new: list, reason: Optional[str]) -> None:
+    """Row p takes its kept tokens and its finish reason (``"length"`` or ``"context"`` once its
+    budget is spent)."""
+    st.generated[p].extend(new)
+    st.seqs[p].extend(new)
+    if reason is None and len(st.generated[p]) >= st.budget_host[p]:
+        reason = "length" if st.budget_host[p] == st.settings.max_new else "context"
+    st.finish[p] = reason
 
 
 def stop_cut(tokenizer, generated: list, new: list, stop: list) -> Optional[int]:
@@ -90,7 +103,7 @@ def log_row(st: "DecodeState", tokenizer, p: int, drafts: list, n: int, kb: int,
     def show(ids):
         return repr(ids) if tokenizer is None else repr(tokenizer.decode(ids))
 
-    out = st.verbose
+    out = st.hooks.verbose
     head = f"[step {st.steps_done} | row {p}]"
     if kb > 0:
         print(f"{head} Drafted:  {show(drafts)}", file=out)

@@ -94,7 +94,7 @@ def prefill_(st: "DecodeState", t, d, feature) -> None:
     ``last``."""
     t0 = time.perf_counter()
     dev = st.device
-    lens = [st.prompt_lens[p] for p in st.rows]
+    lens = [st.settings.prompt_lens[p] for p in st.rows]
     B, P = len(lens), max(lens) - 1
     st.last = torch.tensor([st.seqs[p][-1] for p in st.rows], dtype=torch.int64, device=dev)
     st.target_len_host = [n - 1 for n in lens]
@@ -122,7 +122,7 @@ def prefill_(st: "DecodeState", t, d, feature) -> None:
         if st.draft.cache is not None:
             stack_caches_(st.draft.cache, [(g, c) for g, _, c in parts], B, P)
     st.target_columns = P
-    if st.clock.cuda:
+    if st.hooks.clock.cuda:
         torch.cuda.synchronize(dev)
     st.prefill_time = time.perf_counter() - t0
 
@@ -141,7 +141,7 @@ def _prefill_rows(st: "DecodeState", t, d, feature, rows: list, P: int, target_c
     pos = torch.arange(P, device=dev)[None, :].expand(n, P)
     # the draft's positions stop at its context where it is shorter than the target's: a prompt
     # past it leaves the draft nothing to draft from (drafters.base.draft_cap), but a valid cache
-    dpos = pos if st.draft_context is None else pos.clamp(max=st.draft_context - 1)
+    dpos = pos if st.settings.draft_context is None else pos.clamp(max=st.settings.draft_context - 1)
     if feature is not None and draft_cache is not None:
         # the target's features h; the draft's column t takes (h[t - 1], x_t), h[-1] = 0
         h = t.forward_hidden(target_cache, ids, mask, pos, 0)  # [n, P, H]

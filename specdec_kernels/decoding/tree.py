@@ -36,19 +36,17 @@ from typing import Optional
 
 import torch
 
-from ..ops.kv.cache import crop_cache_, new_cache, gather_dynamic_cache_
-from .stats import DecodingStats
+from ..ops.kv.cache import crop_cache_, gather_dynamic_cache_, new_cache
 from ..ops.tree import fused_verify_tree
+from .emit import append_row, cut_row
+from .state import GenerationResult
+from .stats import DecodingStats
 
-__all__ = ["TreeShape", "check_tree_arguments", "check_tree_model", "parse_tree", "run_tree"]
+__all__ = ["TreeShape", "check_tree_arguments", "check_tree_model", "generate_tree", "parse_tree", "run_tree"]
 
 _ATTENTION = ("eager", "sdpa")
-# The model types whose attention takes a 4D additive mask with explicit position ids as given
-# (rotary positions, no ALiBi or mask rewriting): others are refused by name.
+# model types whose attention takes a 4D mask and position ids as given (others are refused by name)
 _TREE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-# Called after every step with (target cache, draft cache, the row's ids, the draft cache's length)
-# when set: the tests check both caches against fresh forwards through it.
-_after_step = None
 
 
 @dataclass(frozen=True)
@@ -211,12 +209,27 @@ def check_tree_arguments(streamer, criteria, procs, draft_confidence, verbose) -
         raise ValueError("tree drafting does not print a trace yet: got verbose=True")
 
 
-def run_tree(dec, st, shape: TreeShape, stop_cut) -> tuple:
-    """Decode every row of a started state (``SpeculativeDecoder._start``) with tree steps: the
-    generated ids and finish reasons go into ``st``; returns the DecodingStats."""
-    dev = dec.device
+def generate_tree(parts, st, after_step=None):
+    """A started call (``state.start_state``) decoded with tree steps, to its ``GenerationResult``;
+    what tree drafting does not take is refused by name.  after_step: ``run_tree``'s."""
+    h = st.hooks
+    check_tree_arguments(h.streamer, h.criteria, h.procs, st.settings.draft_confidence, h.verbose)
+    parts.refresh()
+    with parts.linear_layers(), torch.inference_mode():
+        stats = run_tree(parts, st, after_step)
+    if h.pbar is not None:
+        h.pbar.close()
+    return GenerationResult.of(st, parts.tokenizer, stats)
+
+
+def run_tree(parts, st, after_step=None) -> DecodingStats:
+    """Decode every row of a started state with the tree steps of ``parts.tree``: the generated
+    ids and finish reasons go into ``st``; returns the DecodingStats.  after_step: called after
+    every step with (target cache, draft cache, the row's ids, the draft cache's length): the
+    tests check both caches against fresh forwards through it."""
+    dev, shape, tokenizer = parts.device, parts.tree, parts.tokenizer
     t_run = time.perf_counter()
-    T = st.temperature
+    T = st.settings.temperature
     sample = T > 0
     stats = DecodingStats()
     hist = [0] * (shape.max_depth + 1)
@@ -225,22 +238,22 @@ def run_tree(dec, st, shape: TreeShape, stop_cut) -> tuple:
     for p in st.rows:
         if st.finish[p] is not None:
             continue
-        seq = list(st.seqs[p])
+        seq = st.seqs[p]  # the row's ids, extended by append_row
         gen = st.generated[p]
         budget = st.budget_host[p]
-        g = torch.Generator().manual_seed(int(st.seeds[p]) & (2**63 - 1))
+        g = torch.Generator().manual_seed(int(st.settings.seeds[p]) & (2**63 - 1))
         t0 = time.perf_counter()
-        tc, dc = new_cache(dec.target), new_cache(dec.draft)
+        tc, dc = new_cache(parts.target), new_cache(parts.draft)
         L = len(seq)  # the sequence; the caches hold seq[:L - 1] after the prefill
         if L > 1:
             pre = torch.tensor([seq[:-1]], device=dev)
             pos = torch.arange(L - 1, device=dev)[None]
             causal = torch.ones(L - 1, L - 1, dtype=torch.bool, device=dev).tril()[None, None]
-            _forward(dec._t, tc, pre, pos, causal, 0, keep=1)
-        dctx = st.draft_context  # the draft's context when shorter than the target's (None: no limit)
+            _forward(parts.target_runner, tc, pre, pos, causal, 0, keep=1)
+        dctx = st.settings.draft_context  # the draft's context when shorter than the target's (None: no limit)
         drafting = dctx is None or L - 1 < dctx  # the root's position must lie inside it
         if L > 1 and drafting:
-            _forward(dec._d, dc, pre, pos, causal, 0, keep=1)
+            _forward(parts.draft_runner, dc, pre, pos, causal, 0, keep=1)
         ld = L - 1  # the draft cache's length
         t_prefill += time.perf_counter() - t0
         step = 0
@@ -258,7 +271,8 @@ def run_tree(dec, st, shape: TreeShape, stop_cut) -> tuple:
                 todo = torch.tensor([seq[ld:]], device=dev)
                 q_len = todo.shape[1]
                 causal = torch.ones(q_len, ld + q_len, dtype=torch.bool, device=dev).tril(ld)[None, None]
-                logits = _forward(dec._d, dc, todo, torch.arange(ld, L, device=dev)[None], causal, ld, keep=1)[0, -1]
+                logits = _forward(parts.draft_runner, dc, todo, torch.arange(ld, L, device=dev)[None], causal, ld,
+                                  keep=1)[0, -1]
                 n_draft_fwd += 1
                 ld = L
             tree = _Tree()
@@ -278,7 +292,7 @@ def run_tree(dec, st, shape: TreeShape, stop_cut) -> tuple:
                     ids = torch.tensor([[tree.tokens[n] for n in level]], device=dev)
                     pos = torch.tensor([[L - 1 + tree.depths[n] for n in level]], device=dev)
                     mask = _tree_mask(tree.parents, L, level, seen).to(dev)
-                    out = _forward(dec._d, dc, ids, pos, mask, L + len(seen))[0]
+                    out = _forward(parts.draft_runner, dc, ids, pos, mask, L + len(seen))[0]
                     n_draft_fwd += 1
                     for i, n in enumerate(level):
                         q_rows[n] = _draft_q(out[i], T)
@@ -293,7 +307,7 @@ def run_tree(dec, st, shape: TreeShape, stop_cut) -> tuple:
             mask[:, L - 1:] = False
             mask[:, L - 1] = True  # the root
             mask[1:, L:] = _tree_mask(tree.parents, 0, list(range(N)), [])[0, 0]
-            tlogits = _forward(dec._t, tc, ids, pos, mask[None, None].to(dev), L - 1)
+            tlogits = _forward(parts.target_runner, tc, ids, pos, mask[None, None].to(dev), L - 1)
             V = tlogits.shape[-1]
             nodes = torch.tensor([tree.tokens], dtype=torch.int64, device=dev).view(1, N)
             parents = torch.tensor([tree.parents], dtype=torch.int64, device=dev).view(1, N)
@@ -302,8 +316,9 @@ def run_tree(dec, st, shape: TreeShape, stop_cut) -> tuple:
                 q = torch.zeros(1, N + 1, V, device=dev)
                 for n, row in q_rows.items():
                     q[0, n + 1, :row.shape[0]] = row
-            out = fused_verify_tree(tlogits, nodes, parents, q, temperature=T, top_k=st.top_k, top_p=st.top_p,
-                                    min_p=st.min_p, seed=int(st.seeds[p]), offset=step,
+            out = fused_verify_tree(tlogits, nodes, parents, q, temperature=T, top_k=st.settings.top_k,
+                                    top_p=st.settings.top_p, min_p=st.settings.min_p, seed=int(st.settings.seeds[p]),
+                                    offset=step,
                                     max_depth=max(tree.depths, default=0))
             na = int(out.num_accepted[0])
             t_target += time.perf_counter() - tb
@@ -332,26 +347,13 @@ def run_tree(dec, st, shape: TreeShape, stop_cut) -> tuple:
                                           torch.tensor([L], device=dev))
                 ld = L + len(kept)
                 crop_cache_(dc, ld)
-            # emit, stop
-            reason = None
-            new = new[:room]
-            for j, t in enumerate(new):
-                if t in st.eos:
-                    new, reason = new[:j + 1], "eos"
-                    break
-            if st.stop:
-                cut = stop_cut(gen, new, st.stop)
-                if cut is not None:
-                    new, reason = new[:cut], "stop"
-            gen.extend(new)
-            seq.extend(new)
+            # emit, stop: as the chain loop cuts a row (emit.py)
+            new, reason = cut_row(st, tokenizer, p, new)
+            append_row(st, p, new, reason)
             stats.generated_tokens += len(new)
             L = len(seq)
-            if _after_step is not None:
-                _after_step(tc, dc, seq, ld)
-            if reason is None and len(gen) >= budget:
-                reason = "length" if budget == st.max_new else "context"
-            st.finish[p] = reason
+            if after_step is not None:
+                after_step(tc, dc, seq, ld)
     total = time.perf_counter() - t_run
     stats.row_steps = stats.iterations
     reached = sum(min(h["accepted"][0] + 1, h["num_draft"][0]) for h in stats.history)

@@ -5,6 +5,8 @@ rows are batch-invariant, the draft's cache holds what it says, and bad input is
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -34,7 +36,8 @@ def _decoder(xpair, vocabulary, drafter_class=None):
     draft, target, dt, tt = xpair
     dec = SpeculativeDecoder(draft=draft, target=target, tokenizer=tt, draft_tokenizer=dt, vocabulary=vocabulary)
     if drafter_class is not None:
-        dec._drafter = drafter_class(dec._d, dt, tt, vocabulary, dec.vocab_size)
+        drafter = drafter_class(dec.parts.draft_runner, dt, tt, vocabulary, dec.vocab_size)
+        dec.parts = dataclasses.replace(dec.parts, drafter=drafter)  # the same parts, another drafter
     return dec
 
 
@@ -253,12 +256,12 @@ def test_the_draft_time_after_k0_steps_is_not_a_typical_one(xpair, monkeypatch):
     """The forwards a step reports include the sync's, and the first draft after K = 0 steps
     (whose sync feeds what they emitted) is reported as not typical, so that the recorder's time
     per draft forward, which num_draft_tokens="auto" reads, is the typical step's."""
-    from specdec_kernels.decoding import decoder as decoder_mod
+    from specdec_kernels.decoding import loop
     from specdec_kernels.decoding.stats import StatsRecorder
 
     dec = _decoder(xpair, "string")
     plan = iter([3, 0, 0, 3, 3, 0, 3] + [3] * 50)
-    monkeypatch.setattr(decoder_mod.SpeculativeDecoder, "_choose_k", lambda self, st: next(plan))
+    monkeypatch.setattr(loop, "choose_k", lambda parts, st: next(plan))
     seen = []
     real = StatsRecorder.record_times
 
@@ -282,14 +285,14 @@ def test_auto_takes_the_intersection_when_it_holds_the_mass(xpair, monkeypatch):
     assert dec.generate(PROMPTS[:2], max_new_tokens=4, temperature=1.0).stats.vocabulary == "intersection"
     dec = _decoder(xpair, "auto")  # (decided once per drafter, above)
     res = dec.generate(PROMPTS[:2], max_new_tokens=4, temperature=1.0)
-    assert res.stats.vocabulary == "string" and res.stats.intersection_size == dec._drafter.intersection.size
+    assert res.stats.vocabulary == "string" and res.stats.intersection_size == dec.parts.drafter.intersection.size
     assert dec.generate_target_only(PROMPTS[:1], max_new_tokens=2).stats.vocabulary is None
 
 
 def test_a_row_past_the_drafts_context_decodes_alone(xpair):
     draft, target, dt, tt = xpair
     dec = _decoder(xpair, "string")
-    dec._drafter.runner.context = 12  # the draft reads 12 tokens at most: the long prompt drafts nothing
+    dec.parts.drafter.runner.context = 12  # the draft reads 12 tokens at most: the long prompt drafts nothing
     prompts = ["ab", "abc def ghi jklm"]
     res = dec.generate(prompts, max_new_tokens=8, num_draft_tokens=3)
     for ids, got in zip(_ids(tt, prompts), res.token_ids):
@@ -297,7 +300,7 @@ def test_a_row_past_the_drafts_context_decodes_alone(xpair):
             ref = target.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=8, pad_token_id=0)
         assert got == ref[0, len(ids):].tolist()[:len(got)]
     # every row past it: the draft retires after one forward-free step, the target decodes alone
-    dec._drafter.runner.context = 3  # "ab" is one draft token: 1 + K = 4 > 3
+    dec.parts.drafter.runner.context = 3  # "ab" is one draft token: 1 + K = 4 > 3
     res = dec.generate(prompts, max_new_tokens=8, num_draft_tokens=3)
     assert res.stats.draft_forwards == 0 and res.stats.drafted_tokens == 0
     assert [k for k in (h["k"] for h in res.stats.history)] == [0] * res.stats.iterations

@@ -118,7 +118,7 @@ def test_a_registered_drafter_is_a_choice_of_the_cli_and_a_name_of_the_decoder(p
         assert "repeat_last" in drafter_names()
         assert build_parser().parse_args(["generate", "hi", "--drafter", "repeat_last"]).drafter == "repeat_last"
         dec = SpeculativeDecoder(target=target, drafter="repeat_last")
-        assert isinstance(dec._drafter, RepeatLast) and dec.drafter == "repeat_last"
+        assert isinstance(dec.parts.drafter, RepeatLast) and dec.drafter == "repeat_last"
         assert dec.generate(PROMPTS, max_new_tokens=24, num_draft_tokens=2).token_ids == greedy_refs
         with pytest.raises(ValueError, match="already registered"):
             register_drafter("repeat_last", None, lambda runner: RepeatLast())

@@ -31,7 +31,7 @@ class _DraftRecorder:
 
     def __init__(self, dec):
         self.dec, self.out, self.calls = dec, [], []
-        orig = dec._drafter.draft
+        orig = dec.parts.drafter.draft
 
         def wrapped(st, K):
             d = orig(st, K)
@@ -39,7 +39,7 @@ class _DraftRecorder:
             self.calls.append((K, None if d.num is None else d.num.clone()))
             return d
 
-        dec._drafter.draft = wrapped
+        dec.parts.drafter.draft = wrapped
 
 
 @pytest.mark.parametrize("k", [1, 3, "auto"])
@@ -93,8 +93,9 @@ def test_draft_vocab_paths_and_batch_invariance(pair, temperature):
     lean = SpeculativeDecoder(draft=draft, target=target, draft_vocab=VOCAB)
     model = SpeculativeDecoder(draft=draft, target=target, draft_vocab=VOCAB, lean_forward=False)
     batch = lean.generate(PROMPTS, seed=50, **kw)
-    assert lean.lean_status()["draft"] is None and lean._d.head is not None  # the subset output layer ran
-    assert model._d.head is None
+    # the subset output layer ran
+    assert lean.lean_status()["draft"] is None and lean.parts.draft_runner.head is not None
+    assert model.parts.draft_runner.head is None
     assert model.generate(PROMPTS, seed=50, **kw).token_ids == batch.token_ids
     for i, p in enumerate(PROMPTS):
         assert lean.generate([p], seed=50 + i, **kw).token_ids[0] == batch.token_ids[i], i
@@ -118,9 +119,9 @@ def test_draft_vocab_logits_are_the_output_layer_rows(pair, cpu_linear):
     with torch.inference_mode():
         for dec in (sub, full):
             cache = new_cache(draft)
-            dec._d.forward(cache, ids[:, :4], None, torch.arange(4)[None], 0, 1)
-            with dec._linear_layers():
-                outs.append(dec._d.step(cache, ids[:, 4:], None, torch.tensor([[4]]), 4, 1))
+            dec.parts.draft_runner.forward(cache, ids[:, :4], None, torch.arange(4)[None], 0, 1)
+            with dec.parts.linear_layers():
+                outs.append(dec.parts.draft_runner.step(cache, ids[:, 4:], None, torch.tensor([[4]]), 4, 1))
     assert outs[0].shape == (1, 1, len(VOCAB))
     if cpu_linear == "skinny":
         assert torch.equal(outs[0], outs[1][..., VOCAB])
@@ -138,7 +139,7 @@ def test_draft_vocab_follows_the_weights(pair):
     with torch.no_grad():
         d.lm_head.weight.mul_(2.0)
     dec.generate([[1, 2]], max_new_tokens=2)
-    assert torch.equal(dec._d.head.weight, d.lm_head.weight[VOCAB])
+    assert torch.equal(dec.parts.draft_runner.head.weight, d.lm_head.weight[VOCAB])
 
 
 def test_draft_vocab_choices_and_errors(pair, tmp_path):

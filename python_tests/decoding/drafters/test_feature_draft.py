@@ -19,6 +19,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from specdec_kernels.decoding import loop
 from specdec_kernels.decoding.decoder import SpeculativeDecoder
 from specdec_kernels.decoding.drafters.feature_model import (
     FeatureDraft,
@@ -184,13 +185,12 @@ def _assert_feature_state(st, fd, target):
 def test_feature_caches_equal_fresh_forward_after_each_step(fpair, temperature):
     fd, target = fpair
     dec = SpeculativeDecoder(draft=fd, target=target, drafter="feature")
-    st = dec._start(PROMPTS, 30, 4, temperature, None, None, 0, None, False, None, 4, None, False,
-                    target_only=False)
+    st = dec.start(PROMPTS, 30, 4, temperature, None, None, 0, max_draft_tokens=4)
     counts = set()
     with torch.inference_mode():
-        dec._prefill(st)
+        loop.prefill(dec.parts, st)
         for _ in range(6):
-            dec._step(st)
+            loop.step(dec.parts, st)
             counts.update(st.draft.pending_count_host)
             _assert_feature_state(st, fd, target)
     assert len(counts) > 1  # rows had different numbers of pending pairs
@@ -208,14 +208,13 @@ def test_feature_grouped_prefill(fpair, temperature):
     fd, target = fpair
     assert len(_prefill_groups([len(p) - 1 for p in SKEWED], _PREFILL_GROUP_COST["cpu"])) > 1
     dec = SpeculativeDecoder(draft=fd, target=target, drafter="feature")
-    st = dec._start(SKEWED, 12, 3, temperature, None, None, 7, None, False, None, 3, None, False,
-                    target_only=False)
+    st = dec.start(SKEWED, 12, 3, temperature, None, None, 7, max_draft_tokens=3)
     with torch.inference_mode():
-        dec._prefill(st)
+        loop.prefill(dec.parts, st)
         for step in range(5):
             _assert_feature_state(st, fd, target)
             if step < 4:
-                dec._step(st)
+                loop.step(dec.parts, st)
     kw = dict(max_new_tokens=12, num_draft_tokens=3, temperature=temperature)
     batch = dec.generate(SKEWED, seed=7, **kw)
     for i, p in enumerate(SKEWED):
@@ -256,16 +255,15 @@ def test_feature_caches_after_steps_without_drafts(fpair, temperature):
     forwards and the pending pairs are the row's newest tokens with the target's features."""
     fd, target = fpair
     dec = SpeculativeDecoder(draft=fd, target=target, drafter="feature")
-    st = dec._start(PROMPTS, 30, "auto", temperature, None, None, 0, None, False, None, 4, None, False,
-                    target_only=False)
+    st = dec.start(PROMPTS, 30, "auto", temperature, None, None, 0, max_draft_tokens=4)
     pattern = iter([4, 0, 0, 3, 0, 4, 0, 2, 0])
-    st.recorder.choose_k = lambda k_max, allow_zero=False: next(pattern)
+    st.hooks.recorder.choose_k = lambda k_max, allow_zero=False: next(pattern)
     ks = []
     with torch.inference_mode():
-        dec._prefill(st)
+        loop.prefill(dec.parts, st)
         for _ in range(9):
-            dec._step(st)
-            ks.append(st.recorder.stats.history[-1]["k"])
+            loop.step(dec.parts, st)
+            ks.append(st.hooks.recorder.stats.history[-1]["k"])
             _assert_feature_state(st, fd, target)
     assert ks == [4, 0, 0, 3, 0, 4, 0, 2, 0], ks
 
@@ -279,12 +277,12 @@ def test_feature_zero_steps_run_no_draft_forward(fpair, fgreedy_refs, temperatur
     fd, target = fpair
     dec = SpeculativeDecoder(draft=fd, target=target, drafter="feature")
     pattern = [3, 0, 0, 0, 2, 0, 4, 0, 0, 1, 3, 0]
-    st = dec._start(PROMPTS, 60, "auto", temperature, None, None, 0, None, False, None, 4, None, False,
-                    target_only=False)  # 60: no row finishes within the pattern
+    # 60: no row finishes within the pattern
+    st = dec.start(PROMPTS, 60, "auto", temperature, None, None, 0, max_draft_tokens=4)
     ks = iter(pattern)
-    st.recorder.choose_k = lambda k_max, allow_zero=False: next(ks)
+    st.hooks.recorder.choose_k = lambda k_max, allow_zero=False: next(ks)
     blocks = []  # per step: the valid pairs of its pending block, or None without a draft forward
-    orig_step, orig_draft = dec._d.step, dec._drafter.draft
+    orig_step, orig_draft = dec.parts.draft_runner.step, dec.parts.drafter.draft
     calls = []
 
     def counting(cache, tokens, feats, mask, positions, keep, model_path=False):
@@ -297,17 +295,17 @@ def test_feature_zero_steps_run_no_draft_forward(fpair, fgreedy_refs, temperatur
         blocks[-1] = calls[0]  # the first forward of a step is its pending block
         return out
 
-    dec._d.step = counting
-    dec._drafter.draft = drafting
+    dec.parts.draft_runner.step = counting
+    dec.parts.drafter.draft = drafting
     with torch.inference_mode():
-        dec._prefill(st)
+        loop.prefill(dec.parts, st)
         prefilled = sum(st.draft.cache_len_host)
         most = 0
         for k in pattern:
             before = list(st.draft.pending_count_host)
             most = max(most, *before)
             blocks.append(None)
-            dec._step(st)
+            loop.step(dec.parts, st)
             if k == 0:
                 assert blocks[-1] is None  # no draft forward at all
                 assert st.draft.pending_count_host == [c + 1 for c in before]
@@ -328,14 +326,14 @@ def test_feature_draft_is_fed_each_true_pair_once(fpair):
     fd, target = fpair
     dec = SpeculativeDecoder(draft=fd, target=target, drafter="feature")
     fed = []
-    orig = dec._d.step
+    orig = dec.parts.draft_runner.step
 
     def counting(cache, tokens, feats, mask, positions, keep, model_path=False):
         valid = tokens.numel() if mask is None else int(mask[:, -tokens.shape[1]:].sum())
         fed.append((tokens.shape[1], valid))
         return orig(cache, tokens, feats, mask, positions, keep, model_path)
 
-    dec._d.step = counting
+    dec.parts.draft_runner.step = counting
     prompt = [5, 6, 7, 8, 9, 10, 11]
     res = dec.generate([prompt], max_new_tokens=20, num_draft_tokens=3)
     s = res.stats
@@ -408,7 +406,7 @@ def test_models_loaded_under_inference_mode(fpair, fgreedy_refs, tmp_path):
             assert res.token_ids[0] == fgreedy_refs[0]
         target_i.lm_head.weight.mul_(2.0)
         dec.generate([PROMPTS[0]], max_new_tokens=2, num_draft_tokens=1)
-        assert torch.equal(dec._d.head.weight, target_i.lm_head.weight.half().float())
+        assert torch.equal(dec.parts.draft_runner.head.weight, target_i.lm_head.weight.half().float())
 
 
 def test_feature_draft_refusals(fpair, tmp_path):
@@ -494,31 +492,31 @@ def test_feature_head_is_kept_until_the_target_changes(fpair):
     fd, target = fpair
     target = copy.deepcopy(target)
     dec = SpeculativeDecoder(draft=fd, target=target, drafter="feature", draft_vocab=[1, 5, 9])
-    head = dec._d.head
+    head = dec.parts.draft_runner.head
     dec.generate([[1, 2, 3]], max_new_tokens=3)
-    assert dec._d.head is head
+    assert dec.parts.draft_runner.head is head
     assert torch.equal(head.weight, target.lm_head.weight[[1, 5, 9]].half().float())
     with torch.no_grad():
         target.lm_head.weight.mul_(2.0)
     dec.generate([[1, 2, 3]], max_new_tokens=3)
-    assert dec._d.head is not head
-    assert torch.equal(dec._d.head.weight, target.lm_head.weight[[1, 5, 9]].half().float())
+    assert dec.parts.draft_runner.head is not head
+    assert torch.equal(dec.parts.draft_runner.head.weight, target.lm_head.weight[[1, 5, 9]].half().float())
     # a replaced output layer is taken (the runner kept the old module before);
     # a write through .data (no version bump) after forget_weight_copies, or by a new decoder
     want = lambda: target.lm_head.weight[[1, 5, 9]].half().float()  # noqa: E731
     target.lm_head = torch.nn.Linear(target.lm_head.in_features, target.lm_head.out_features, bias=False)
     dec.generate([[1, 2, 3]], max_new_tokens=3)
-    assert torch.equal(dec._d.head.weight, want())
+    assert torch.equal(dec.parts.draft_runner.head.weight, want())
     target.lm_head.weight.data.mul_(3.0)
     dec2 = SpeculativeDecoder(draft=fd, target=target, drafter="feature", draft_vocab=[1, 5, 9])
     dec2.generate([[1, 2, 3]], max_new_tokens=3)
-    assert torch.equal(dec2._d.head.weight, want())
+    assert torch.equal(dec2.parts.draft_runner.head.weight, want())
     target.lm_head.weight.data.mul_(0.5)
     from specdec_kernels.cpu.skinny_linear import forget_weight_copies
 
     assert forget_weight_copies(target) >= 1
     dec2.generate([[1, 2, 3]], max_new_tokens=3)
-    assert torch.equal(dec2._d.head.weight, want())
+    assert torch.equal(dec2.parts.draft_runner.head.weight, want())
 
 
 def test_feature_head_streams_int8_on_the_cpu(fpair, fgreedy_refs):
@@ -534,8 +532,8 @@ def test_feature_head_streams_int8_on_the_cpu(fpair, fgreedy_refs):
         dec = SpeculativeDecoder(draft=fd, target=target, drafter="feature", cpu_linear=mode)
         res = dec.generate(PROMPTS[:2], max_new_tokens=12, num_draft_tokens=2)
         assert res.token_ids == [r[:12] for r in fgreedy_refs[:2]]
-        head = dec._d.head
-        with dec._linear_layers(), torch.no_grad():
+        head = dec.parts.draft_runner.head
+        with dec.parts.linear_layers(), torch.no_grad():
             got = head(fh)
             assert all("_specdec_int8" not in m.__dict__ for m in target.modules())
         if mode == "skinny":

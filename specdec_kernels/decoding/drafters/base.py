@@ -127,7 +127,7 @@ class Drafter:
     reads_features = False  # the verify must also return the target's features ([B, K + 1, H])
     network = True  # a draft network: its K_b is clamped to each row's budget by the loop
     # its cache follows the target's: the loop's prefill fills it with the target's ids, and its
-    # context is counted in the target's positions (``DecodeState.draft_context``); False: the
+    # context is counted in the target's positions (``CallSettings.draft_context``); False: the
     # drafter syncs its own (a draft over another tokenizer)
     follows_target_cache = True
 
@@ -160,18 +160,18 @@ class Drafter:
 def position_limit(st: "DecodeState") -> Optional[int]:
     """The largest position a draft forward is given (inputs past it are clamped to it: their
     drafts are cut by ``draft_cap`` or past the row's budget); None: no limit."""
-    c = st.draft_context if st.draft_context is not None else st.context
+    c = st.settings.draft_context if st.settings.draft_context is not None else st.settings.context
     return None if c is None else c - 1
 
 
 def draft_cap(st: "DecodeState", kb: Optional[torch.Tensor], pos_last: torch.Tensor) -> Optional[torch.Tensor]:
     """K_b [B] (or None: no cut) cut where the draft's context is shorter than the target's: draft
     j comes from the draft's input at position ``pos_last + j`` ([B]: its first draft's input), so
-    a row keeps the drafts whose input lies below ``st.draft_context``.  It depends on the row's
+    a row keeps the drafts whose input lies below ``st.settings.draft_context``.  It depends on the row's
     own length only (batch-invariant) and on the draft side alone (exact)."""
-    if st.draft_context is None:
+    if st.settings.draft_context is None:
         return kb
-    cap = (st.draft_context - pos_last).clamp(min=0)
+    cap = (st.settings.draft_context - pos_last).clamp(min=0)
     return cap if kb is None else torch.minimum(kb, cap)
 
 
@@ -208,12 +208,12 @@ class DraftPicker:
         self.st, self.K, self.rows, self.Vd = st, K, rows, Vd
         B, dev = len(st.rows), st.device
         self.xs: list = []
-        sampling = st.temperature != 0
+        sampling = st.settings.temperature != 0
         # when sampling, the distributions of all K positions, written in place (zero outside a
         # draft vocabulary): one allocation a step, no stacking; and their uniforms, drawn at once
         self.Q = torch.zeros((B, K, Vd), dtype=torch.float32, device=dev) if sampling else None
         self.u = _draft_uniforms_k(st.key_lo, st.key_hi, st.step, K) if sampling else None  # [B, K]
-        on = st.draft_confidence > 0
+        on = st.settings.draft_confidence > 0
         self.cum = torch.ones(B, dtype=torch.float32, device=dev) if on else None  # P(all accepted)
         self.kb = torch.full((B,), K, dtype=torch.int64, device=dev) if (on or sampling) else None
 
@@ -221,12 +221,13 @@ class DraftPicker:
         """Pick draft j from ``logits`` [B, Vd] (or [B, N] over the draft vocabulary).  True when
         every row's K_b is cut to j + 1 or less (checked on the CPU only: no host sync elsewhere)."""
         st, rows = self.st, self.rows
-        if st.temperature == 0:
+        if st.settings.temperature == 0:
             x = logits.argmax(-1)
             if self.cum is not None:  # the draft's own probability of its argmax
                 self.cum = self.cum * torch.softmax(logits.float(), -1).gather(1, x[:, None])[:, 0]
         else:
-            q = warp_probs(logits, st.temperature, st.top_k, st.top_p, min_p=st.min_p)  # [B, Vd] (or [B, N]) fp32
+            s = st.settings
+            q = warp_probs(logits, s.temperature, s.top_k, s.top_p, min_p=s.min_p)  # [B, Vd] (or [B, N]) fp32
             x = _sample_inverse_cdf(q, self.u[:, j])
             if self.cum is not None:
                 self.cum = self.cum * q.gather(1, x[:, None])[:, 0]
@@ -240,7 +241,7 @@ class DraftPicker:
         if self.kb is None:
             return False
         if self.cum is not None:  # a NaN product (an unusable position, already cut) compares False
-            self.kb = torch.where((self.cum < st.draft_confidence) & (self.kb == self.K), j + 1, self.kb)
+            self.kb = torch.where((self.cum < st.settings.draft_confidence) & (self.kb == self.K), j + 1, self.kb)
         return j + 1 < self.K and st.device.type == "cpu" and bool((self.kb <= j + 1).all())
 
     def result(self) -> tuple:

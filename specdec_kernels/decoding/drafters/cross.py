@@ -154,7 +154,7 @@ class CrossVocabDrafter(Drafter):
     def new_state(self, st: "DecodeState", target_only: bool) -> CrossDraftState:
         return CrossDraftState(model=None if target_only else self.runner.model,
                                vocabulary=None if target_only else
-                               "string" if self.vocabulary == "auto" and st.temperature == 0 else
+                               "string" if self.vocabulary == "auto" and st.settings.temperature == 0 else
                                self.chosen(st.device))
 
     def describe(self, st: "DecodeState") -> dict:

@@ -109,9 +109,9 @@ def draft_with_model(d, st: "DecodeState", K: int):
     fp32 or None, the block (block, cnt, cnt host list), K_b [B] int64 or None): K' = K
     unless ``DraftPicker`` cut every row sooner (CPU only); a row's K_b is where its confidence
     stopped it or before its first position without a distribution (None when greedy without
-    ``st.draft_confidence``: nothing cuts).  With a draft vocabulary the draft picks among its
+    ``st.settings.draft_confidence``: nothing cuts).  With a draft vocabulary the draft picks among its
     tokens (logits [B, N]) and Q is zero on the others.  The target's sequence logits processors
-    (``st.procs``) are applied to each draft's logits with its prefix (the row's ids, the drafts
+    (``st.hooks.procs``) are applied to each draft's logits with its prefix (the row's ids, the drafts
     before it) when the draft scores the target's whole vocabulary (no draft vocabulary, the same
     size): its q is then the processed distribution it sampled from."""
     rows = d.vocab_rows  # [N] or None
@@ -136,7 +136,8 @@ def draft_with_model(d, st: "DecodeState", K: int):
     picks = DraftPicker(st, K, rows, Vd)
     # the sequence processors, where the draft scores the target's whole vocabulary (else the
     # draft proposes without them: the verify does not need it to see them)
-    procs = st.procs if (st.procs is not None and rows is None and Vd == st.procs.vocab_size) else None
+    procs = st.hooks.procs
+    procs = procs if (procs is not None and rows is None and Vd == procs.vocab_size) else None
     for j in range(K):
         if j > 0:
             ids = picks.xs[-1][:, None]

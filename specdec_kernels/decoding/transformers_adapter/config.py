@@ -1,9 +1,9 @@
 """Transformers' generation arguments on ``SpeculativeDecoder``: a ``GenerationConfig``, the logits
 processors and stopping criteria that ``generate`` builds from it, streamers and chat messages
-(their per-row forms in ``transformers_rows.py``), each mapped onto the decoder's own arguments or
-refused by name.  ``hf.py`` (the
-``custom_generate`` entry point) and ``SpeculativeDecoder.generate`` call these; the table of
-``GenerationConfig`` fields is in ``hf.py``'s docstring.
+(their per-row forms in ``criteria.py``, the processors in ``processors.py``), each mapped onto the
+decoder's own arguments (``call.CallArgs``) or refused by name.  ``hf.py`` (the ``custom_generate``
+entry point) and ``SpeculativeDecoder.generate`` call these; the table of ``GenerationConfig``
+fields is in ``docs/api.md``.
 
 Only what transformers 5.17 to 5.24 all have is used (the tests pass on 5.17.0, 5.19.0 and 5.24.0):
 ``GenerationConfig`` fields are read with ``getattr`` (a field one version lacks reads as unset), the warpers'
@@ -22,10 +22,12 @@ from typing import Optional
 
 import torch
 
-from .logits_processors import sampling_from_processors
-from .transformers_rows import RowCriteria, chat_prompts
+from ..arguments import encode_prompts, eos_ids
+from ..call import CallArgs, GenerateArgs
+from .criteria import RowCriteria, chat_prompts
+from .processors import VerifyProcessors, processors_from_arguments, sampling_from_processors
 
-__all__ = ["check_generation_config", "decoder_arguments", "draft_settings", "resolve_generation_config",
+__all__ = ["check_generation_config", "draft_settings", "fold_arguments", "resolve_generation_config",
            "sampling_from_config", "sampling_from_processors"]
 
 # GenerationConfig fields refused when set to anything but "off": field -> (is it on?, what it is).
@@ -202,71 +204,63 @@ def draft_settings(gc, drafter: str, has_draft_probs: bool) -> dict:
     return out
 
 
-def _at_default(value, default) -> bool:
-    return value is default or (type(value) is type(default) and value == default)
-
-
-def decoder_arguments(dec, call: dict, defaults: dict) -> tuple:
-    """``SpeculativeDecoder.generate``'s transformers-style arguments folded into its own.
-
-    call: the call's arguments by name (``locals()`` at its start: prompts, input_ids,
-    attention_mask, generation_config, do_sample, streamer, stopping_criteria and the decoder's
-    own); defaults: generate's defaults by name.  Returns (the decoder's arguments by name, with
-    prompts, sampling, length, EOS and draft arguments resolved; the streamer; a ``RowCriteria``
-    or None)."""
+def fold_arguments(parts, given: GenerateArgs) -> CallArgs:
+    """``SpeculativeDecoder.generate``'s arguments (``given``), transformers' folded into the
+    decoder's own: the prompts (``input_ids``, chat messages), a ``GenerationConfig``'s sampling,
+    length, EOS and draft fields, ``do_sample``, the stopping criteria (a ``RowCriteria``) and the
+    sequence-dependent logits processors (a ``VerifyProcessors``).  parts: the decoder's
+    ``DecoderParts``.  Returns the unchecked ``CallArgs`` (``CallArgs.checked`` checks it)."""
     from transformers import MaxTimeCriteria, StopStringCriteria
 
-    args = {n: call[n] for n in defaults}
-    procs_given = {n: args.pop(n) for n in _PROCESSOR_ARGS}
-    prompts, input_ids = args.pop("prompts"), args.pop("input_ids")
+    procs_given = {n: getattr(given, n) for n in _PROCESSOR_ARGS}
+    prompts, input_ids = given.prompts, given.input_ids
     if input_ids is not None and prompts is not None:
         raise ValueError("pass the prompts as prompts or as input_ids, not both")
     if input_ids is None and prompts is None:
         raise TypeError("generate needs prompts (or input_ids=...), got neither")
     prompts = input_ids if input_ids is not None else prompts
-    chat = chat_prompts(prompts, dec.tokenizer)
+    chat = chat_prompts(prompts, parts.tokenizer)
     if chat is not None:
         prompts = chat
-    args["prompts"] = prompts
-    gc, do_sample = args.pop("generation_config"), args.pop("do_sample")
-    streamer, criteria = args.pop("streamer"), args.pop("stopping_criteria")
+    gc, do_sample = given.generation_config, given.do_sample
+    args = {n: getattr(given, n) for n in _OWN_ARGS}
     if do_sample is not None and not isinstance(do_sample, bool):
         raise TypeError(f"do_sample must be a bool or None, got {type(do_sample).__name__}")
     extra = []  # stopping criteria made from the config
     if gc is not None:
-        gc = resolve_generation_config(gc, dec.target)
+        gc = resolve_generation_config(gc, parts.target)
         check_generation_config(gc)
         if do_sample is not None:
             raise ValueError(f"do_sample={do_sample} and generation_config.do_sample={gc.do_sample}: pass it in one "
                              f"place")
-        given = {}
+        from_config = {}
         temperature, top_k, top_p, min_p = sampling_from_config(gc)
-        given.update(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+        from_config.update(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
         if gc.max_new_tokens is not None:
-            given["max_new_tokens"] = gc.max_new_tokens
+            from_config["max_new_tokens"] = gc.max_new_tokens
         elif gc.max_length is not None:
-            width = max(len(r) for r in _rows_as_given(prompts, dec))  # T: rows left-padded to the longest
+            width = max(len(r) for r in _rows_as_given(prompts, parts))  # T: rows left-padded to the longest
             if gc.max_length <= width:
                 raise ValueError(f"generation_config.max_length must exceed the prompt length ({width} tokens, the "
                                  f"longest), got {gc.max_length} (or set max_new_tokens)")
-            given["max_new_tokens"] = gc.max_length - width
+            from_config["max_new_tokens"] = gc.max_length - width
         if gc.eos_token_id is not None:
-            given["eos_token_id"] = gc.eos_token_id
+            from_config["eos_token_id"] = gc.eos_token_id
         if getattr(gc, "stop_strings", None) is not None:
-            if dec.tokenizer is None:
+            if parts.tokenizer is None:
                 raise ValueError("generation_config.stop_strings needs a tokenizer to detokenise the output, got "
                                  "tokenizer=None")
-            extra.append(StopStringCriteria(tokenizer=dec.tokenizer, stop_strings=gc.stop_strings))
+            extra.append(StopStringCriteria(tokenizer=parts.tokenizer, stop_strings=gc.stop_strings))
         if getattr(gc, "max_time", None) is not None:
             extra.append(MaxTimeCriteria(max_time=gc.max_time))
-        if getattr(gc, "prompt_lookup_num_tokens", None) is not None and dec.drafter != "prompt_lookup":
+        if getattr(gc, "prompt_lookup_num_tokens", None) is not None and parts.drafter_name != "prompt_lookup":
             raise ValueError(f"generation_config.prompt_lookup_num_tokens needs a decoder that drafts by prompt "
-                             f"lookup (SpeculativeDecoder(target=...)), got drafter={dec.drafter!r}")
+                             f"lookup (SpeculativeDecoder(target=...)), got drafter={parts.drafter_name!r}")
         ngram = getattr(gc, "max_matching_ngram_size", None)
-        if ngram is not None and dec.drafter == "prompt_lookup" and ngram != dec.lookup.max_ngram:
+        if ngram is not None and parts.drafter_name == "prompt_lookup" and ngram != parts.lookup.max_ngram:
             raise ValueError(f"generation_config.max_matching_ngram_size must equal the decoder's max_ngram "
-                             f"({dec.lookup.max_ngram}), got {ngram!r}")
-        given.update(draft_settings(gc, dec.drafter, dec._d is not None))
+                             f"({parts.lookup.max_ngram}), got {ngram!r}")
+        from_config.update(draft_settings(gc, parts.drafter_name, parts.has_draft_network))
         for name in ("repetition_penalty", "no_repeat_ngram_size", "bad_words_ids"):
             v = getattr(gc, name, None)
             if v is None or (name == "repetition_penalty" and v == 1.0) or (name == "no_repeat_ngram_size" and v == 0):
@@ -275,8 +269,8 @@ def decoder_arguments(dec, call: dict, defaults: dict) -> tuple:
                 raise ValueError(f"{name}={procs_given[name]!r} and generation_config (which sets it to {v!r}): pass "
                                  f"{name} in one place")
             procs_given[name] = v
-        for name, value in given.items():
-            if not _at_default(args[name], defaults[name]):
+        for name, value in from_config.items():
+            if not given.is_default(name):
                 raise ValueError(f"{name}={args[name]!r} and generation_config (which sets it to {value!r}): pass "
                                  f"{name} in one place")
             args[name] = value
@@ -284,23 +278,29 @@ def decoder_arguments(dec, call: dict, defaults: dict) -> tuple:
         args["temperature"] = 0.0
     elif do_sample is True and args["temperature"] == 0:
         args["temperature"] = 1.0  # transformers' default temperature
+    criteria = given.stopping_criteria
     if criteria is not None:
         criteria = list(criteria) if isinstance(criteria, (list, tuple)) else [criteria]
         for c in criteria:
             if not callable(c):
                 raise TypeError(f"stopping_criteria must hold StoppingCriteria (callables), got {type(c).__name__}")
     criteria = (criteria or []) + extra
-    row_criteria = RowCriteria(criteria, _rows_as_given(prompts, dec), dec.device) if criteria else None
+    row_criteria = RowCriteria(criteria, _rows_as_given(prompts, parts), parts.device) if criteria else None
     verify_procs = None
     if any(v is not None for v in procs_given.values()):
-        from .arguments import eos_ids
-        from .logits_processors import VerifyProcessors, processors_from_arguments
-
-        eos = eos_ids(args["eos_token_id"], dec.target, dec.tokenizer, dec._t.vocab_size)
-        procs = processors_from_arguments(eos=eos, attention_mask=args["attention_mask"], **procs_given)
+        eos = eos_ids(args["eos_token_id"], parts.target, parts.tokenizer, parts.vocab_size)
+        procs = processors_from_arguments(eos=eos, attention_mask=given.attention_mask, **procs_given)
         if procs:
-            verify_procs = VerifyProcessors(procs, _rows_as_given(prompts, dec), dec.device, dec._t.vocab_size)
-    return args, streamer, row_criteria, verify_procs
+            verify_procs = VerifyProcessors(procs, _rows_as_given(prompts, parts), parts.device, parts.vocab_size)
+    return CallArgs(prompts=prompts, attention_mask=given.attention_mask, seed=given.seed, stop=given.stop,
+                    verbose=given.verbose, progress=given.progress, streamer=given.streamer, criteria=row_criteria,
+                    procs=verify_procs, baseline_tokens_per_s=given.baseline_tokens_per_s,
+                    target_step_s=given.target_step_s, **args)
+
+
+# generate's own arguments that a GenerationConfig or do_sample may set
+_OWN_ARGS = ("max_new_tokens", "num_draft_tokens", "temperature", "top_k", "top_p", "min_p", "eos_token_id",
+             "max_draft_tokens", "draft_confidence")
 
 
 # SpeculativeDecoder.generate's arguments that make sequence-dependent logits processors
@@ -308,11 +308,9 @@ _PROCESSOR_ARGS = ("repetition_penalty", "no_repeat_ngram_size", "bad_words_ids"
                    "logits_processor")
 
 
-def _rows_as_given(prompts, dec) -> list:
+def _rows_as_given(prompts, parts) -> list:
     """Each row's ids before its generated ones, as ``generate`` holds them: the [B, T] row as
     given (padding included), else the prompt's ids."""
-    from .arguments import encode_prompts
-
     if isinstance(prompts, torch.Tensor) and prompts.dim() in (1, 2):
         return (prompts[None] if prompts.dim() == 1 else prompts).cpu().tolist()
-    return encode_prompts(prompts, None, dec.tokenizer, dec._t.vocab_size)
+    return encode_prompts(prompts, None, parts.tokenizer, parts.vocab_size)
