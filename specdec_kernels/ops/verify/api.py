@@ -28,6 +28,7 @@ except ImportError:  # pragma: no cover - extension is part of the package
     pass
 from .args import (INDEX_DTYPES, FloatArg, IntArg, _Args, _materialize, _normalize_packed, check_tensor,
                    normalize_arguments, normalize_rows)
+from .bitmask import apply_token_bitmask, check_token_bitmask
 from .launch import _BACKENDS, _Layout, _launch, _launch_triton, resolve_backend
 from .reference.chain import FLT_MIN
 from .torch_path import _run_torch, _run_torch_layout
@@ -205,6 +206,7 @@ def fused_verify(
     out: Optional[tuple] = None,  # (tokens [B, K+1], num_accepted [B]) int32/int64 (+ logprobs [B, K+1] fp32)
     return_logprobs: bool = False,  # also return each emitted token's target log-probability
     method: str = "token",  # "token" (token by token) | "block" (block verification, Sun et al. 2025)
+    token_bitmask: Optional[torch.Tensor] = None,  # [B, K+1, ceil(V/32)] int32: a grammar's allowed tokens
 ) -> Union[VerifyOutput, VerifyOutputWithLogprobs]:
     """Verify K drafted tokens against the target in one step (Leviathan et al. 2023; Chen et al. 2023).
 
@@ -271,6 +273,13 @@ def fused_verify(
     output is the same (greedy rows are verified token by token: the same tokens).  It reads the
     full q at every draft position, not only at a rejection, and every position's p twice
     (``verify.triton.split_kernel``'s header).  Eager-only, as ``out=``.
+
+    ``token_bitmask=``: a grammar's allowed tokens at each position, in xgrammar's layout (int32,
+    bit v % 32 of word v // 32 set when token v is allowed; ``ops/verify/bitmask.py``), each
+    position's mask for its own prefix.  The mask comes first (a forbidden token's logit is -inf),
+    then the temperature and the warps: the output follows the target's law restricted to the
+    allowed tokens and renormalised.  A position that allows no token with a finite logit makes
+    its row invalid (``num_accepted = -1``).
     """
     _check_method(method)
     if isinstance(temperature, float):
@@ -287,6 +296,12 @@ def fused_verify(
             raise ValueError(f"num_draft_tokens must be in [0, K] = [0, {K}], got {num_draft_tokens}")
     if backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+    if token_bitmask is not None:
+        if not isinstance(target_logits, torch.Tensor) or target_logits.dim() != 3:
+            raise ValueError("token_bitmask needs target_logits [B, K+1, V]")
+        check_token_bitmask(token_bitmask, tuple(target_logits.shape[:2]), target_logits.shape[-1],
+                            target_logits.device)
+        target_logits = apply_token_bitmask(target_logits, token_bitmask, bool(target_is_probs))
     a = normalize_arguments(target_logits, draft_tokens, draft_probs, num_draft_tokens, temperature, top_k,
                    top_p, seed, offset, uniforms, materialize=False, target_is_probs=bool(target_is_probs),
                    draft_logits=draft_logits, min_p=min_p)
@@ -320,11 +335,13 @@ def fused_verify_packed(
     out: Optional[tuple] = None,
     return_logprobs: bool = False,
     method: str = "token",
+    token_bitmask: Optional[torch.Tensor] = None,  # [sum_b (K_b + 1), ceil(V/32)] int32
 ) -> Union[VerifyOutput, VerifyOutputWithLogprobs]:
     """``fused_verify`` in the packed (ragged) layout engines hold: the rows back to back, row b's
     K_b = cu[b + 1] - cu[b] verify positions followed by its bonus position, no padding.  The
     same kernel, indexed through cu: no copy of the logits, one launch (the CPU torch path gathers
-    them into the padded layout).  Every keyword is ``fused_verify``'s (``draft_logits`` [sum_b K_b,
+    them into the padded layout).  Every keyword is ``fused_verify``'s (``token_bitmask``
+    [sum_b (K_b + 1), W] in the logits' layout; ``draft_logits`` [sum_b K_b,
     Vd] the draft's logits, in the draft_probs layout); outputs are padded to
     K = ``max_num_draft_tokens`` (tokens [B, K+1] with -1, num_accepted [B]), and row b's
     results equal ``fused_verify``'s on the same row padded, for the same seeds and uniforms
@@ -340,6 +357,11 @@ def fused_verify_packed(
         check_temperature(temperature)
     if backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+    if token_bitmask is not None:
+        if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
+            raise ValueError("token_bitmask needs logits [sum_b (K_b + 1), V]")
+        check_token_bitmask(token_bitmask, (logits.shape[0],), logits.shape[-1], logits.device)
+        logits = apply_token_bitmask(logits, token_bitmask, bool(target_is_probs))
     a, B, K = _normalize_packed(logits, draft_tokens, cu_num_draft_tokens, draft_probs, max_num_draft_tokens,
                                 temperature, top_k, top_p, seed, offset, uniforms, bool(target_is_probs),
                                 draft_logits=draft_logits, min_p=min_p)

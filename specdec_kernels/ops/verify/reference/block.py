@@ -12,7 +12,7 @@ import torch
 
 from .chain import (_draft_distributions, drafts, verify_outputs, target_distributions, inverse_cdf,
                               verify_reference)
-from .warp import torch_sort_descending
+from .warp import mask_target, torch_sort_descending
 
 __all__ = ["block_verify_reference"]
 
@@ -45,6 +45,7 @@ def block_verify_reference(
     target_is_probs: bool = False,  # target_logits holds the target's probabilities, used as given
     draft_logits: torch.Tensor | None = None,  # [B, K, Vd], Vd <= V: the draft's logits instead of draft_probs
     min_p: torch.Tensor | None = None,  # [B] fp32 in [0, 1], 0 = off
+    token_bitmask: torch.Tensor | None = None,  # [B, K+1, ceil(V/32)] int32: a grammar's allowed tokens
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Block verification (Sun et al., "Block Verification Accelerates Speculative Decoding",
     ICLR 2025, arXiv 2403.10444, Algorithm 2): the drafts are accepted or rejected jointly, with
@@ -80,6 +81,7 @@ def block_verify_reference(
     draft id, every q_i(x_i) and draft distribution of positions below K_b (block verification
     reads all of them, not only those up to the first rejection).
     """
+    target_logits = mask_target(target_logits, token_bitmask, target_is_probs)  # a grammar: the first warp
     B, K1, V = target_logits.shape
     K = K1 - 1
     kb = num_draft_tokens.to(torch.int64)  # [B]

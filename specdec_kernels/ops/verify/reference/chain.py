@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .warp import _target_probs, torch_sort_descending, warp_logits
+from .warp import _target_probs, mask_target, torch_sort_descending, warp_logits
 
 __all__ = ["FLT_MIN", "draft_softmax", "emitted_logprobs", "inverse_cdf", "verify_reference"]
 
@@ -117,6 +117,7 @@ def verify_reference(
     target_is_probs: bool = False,  # target_logits holds the target's probabilities, used as given
     draft_logits: torch.Tensor | None = None,  # [B, K, Vd], Vd <= V: the draft's logits instead of draft_probs
     min_p: torch.Tensor | None = None,  # [B] fp32 in [0, 1], 0 = off
+    token_bitmask: torch.Tensor | None = None,  # [B, K+1, ceil(V/32)] int32: a grammar's allowed tokens
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One speculative-decoding verification step. Returns (tokens [B, K+1] int64,
     num_accepted [B] int64); row b emits tokens[b, :num_accepted[b] + 1].
@@ -132,7 +133,11 @@ def verify_reference(
     ``target_is_probs``: p_i = target_logits[b, i] / its sum (fp32), no temperature or warp
     (top_k, top_p and min_p must be None); temperature 0 is a greedy row (the argmax of p), 1 samples,
     any other value makes the row invalid.  A position is unusable if an entry is NaN, inf or
-    negative, or if none is positive."""
+    negative, or if none is positive.
+
+    ``token_bitmask``: a grammar's allowed tokens per position (``warp.mask_target``), applied before
+    everything else: the masked law, renormalised."""
+    target_logits = mask_target(target_logits, token_bitmask, target_is_probs)  # a grammar: the first warp
     B, K1, V = target_logits.shape
     K = K1 - 1
     kb = num_draft_tokens.to(torch.int64)  # [B]

@@ -140,3 +140,18 @@ def _target_probs(s: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     m = s.masked_fill(~keep, float("-inf")).amax(-1, keepdim=True)
     e = torch.where(keep, torch.exp(s - m), 0.0)
     return e / e.sum(-1, keepdim=True)
+
+
+def mask_target(target_logits: torch.Tensor, token_bitmask: torch.Tensor | None,
+                target_is_probs: bool = False) -> torch.Tensor:
+    """A grammar's mask, the first warp (``ops/verify/bitmask.py``): token_bitmask [..., W] int32,
+    bit v % 32 of word v // 32 set when token v is allowed; a forbidden token's logit becomes -inf
+    (a probability 0).  None: the logits as they are."""
+    if token_bitmask is None:
+        return target_logits
+    V = target_logits.shape[-1]
+    bits = (token_bitmask.to(torch.int64)[..., None] >> torch.arange(32, device=token_bitmask.device)) & 1
+    allowed = bits.flatten(-2)[..., :V].bool()  # [..., 32 W] -> [..., V]
+    return torch.where(allowed, target_logits, torch.zeros((), dtype=target_logits.dtype) if target_is_probs
+                       else torch.full((), float("-inf"), dtype=target_logits.dtype))
+
