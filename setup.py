@@ -167,9 +167,11 @@ setup(
     extras_require={
         "hf": ["transformers>=5.17,<6"],
         "bench": ["matplotlib>=3.8", "scipy>=1.11"],
-        "test": ["transformers>=5.17,<6", "pytest>=8", "pytest-xdist>=3.5", "scipy>=1.11", "build>=1.2", "ruff>=0.6"],
+        "grammar": ["xgrammar>=0.2.9,<0.3"],
+        "test": ["transformers>=5.17,<6", "pytest>=8", "pytest-xdist>=3.5", "scipy>=1.11", "build>=1.2", "ruff>=0.6",
+                 "xgrammar>=0.2.9,<0.3", "jsonschema>=4.20"],
         "all": ["transformers>=5.17,<6", "matplotlib>=3.8", "scipy>=1.11", "pytest>=8", "pytest-xdist>=3.5",
-                "build>=1.2", "ruff>=0.6"],
+                "build>=1.2", "ruff>=0.6", "xgrammar>=0.2.9,<0.3", "jsonschema>=4.20"],
     },
     entry_points={
         "console_scripts": ["specdec = specdec_kernels.cli:main"],

@@ -127,6 +127,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --baseline: decode N times with the target alone and N times speculatively, "
                         "alternating, and report the median run of each (the lower middle one for an even N; "
                         "default 1: a busy machine's one run can be far off)")
+    gr = g.add_mutually_exclusive_group()
+    gr.add_argument("--json-schema", metavar="FILE", help="structured output: JSON valid under this schema (xgrammar)")
+    gr.add_argument("--regex", metavar="RE", help="structured output: text matching this regular expression")
+    gr.add_argument("--grammar", metavar="FILE", help="structured output: an EBNF grammar (xgrammar's, rule root)")
     g.add_argument("--verbose", action="store_true", help="print every step's drafts and accepted tokens")
     g.add_argument("--json", action="store_true", help="print texts, token ids and stats as JSON")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -340,6 +344,23 @@ def _decode(dec, inputs, args, common, progress) -> tuple:
     return res, base_runs, runs, same
 
 
+def _grammar(args, parser):
+    """--json-schema FILE, --regex RE or --grammar FILE as generate's grammar= (None: none)."""
+    from .decoding import grammar
+
+    try:
+        if args.regex is not None:
+            return grammar.regex(args.regex)
+        for flag, path, make in (("--json-schema", args.json_schema, grammar.json_schema),
+                                 ("--grammar", args.grammar, grammar.ebnf)):
+            if path is not None:
+                with open(path) as f:
+                    return make(f.read())
+    except OSError as e:
+        parser.generate_parser.error(f"{flag}: {e}")
+    return None
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -370,7 +391,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             parser.generate_parser.error(str(e))
     progress = not args.no_progress and len(prompts) * args.max_new_tokens >= 256
     common = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                  top_p=args.top_p, min_p=args.min_p, seed=args.seed, stop=args.stop)
+                  top_p=args.top_p, min_p=args.min_p, seed=args.seed, stop=args.stop, grammar=_grammar(args, parser))
     try:
         res, base_runs, runs, same = _decode(dec, inputs, args, common, progress)
     except (ValueError, TypeError) as e:

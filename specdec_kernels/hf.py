@@ -139,7 +139,7 @@ def _check_model_kwargs(model_kwargs: dict, input_ids: torch.Tensor) -> Optional
 
 def generate(model, input_ids: torch.Tensor, logits_processor=None, stopping_criteria=None, generation_config=None,
              synced_gpus: bool = False, streamer=None, *, assistant_model=None, seed=None, tokenizer=None,
-             assistant_tokenizer=None, **model_kwargs) -> Any:
+             assistant_tokenizer=None, grammar=None, **model_kwargs) -> Any:
     """Speculative decoding of ``model`` (the target) as transformers' ``generate`` decodes; see the
     module docstring.  model, input_ids [B, T], logits_processor, stopping_criteria,
     generation_config: as transformers' ``generate`` prepares them for ``custom_generate``.
@@ -150,6 +150,9 @@ def generate(model, input_ids: torch.Tensor, logits_processor=None, stopping_cri
     drop both before calling a ``custom_generate`` callable, so one not passed here is the one
     saved with its model (``name_or_path``: a directory, or a hub id in the local cache), looked
     up where the models' vocabulary sizes differ or the other tokenizer is given.
+    grammar: structured output, as ``SpeculativeDecoder.generate``'s (a JSON schema, a regex or EBNF
+    from ``specdec_kernels.decoding.grammar``, or an xgrammar ``CompiledGrammar``); one to compile
+    needs the target's tokenizer: ``tokenizer=``, else the one saved with the model.
     Returns [B, T + N] int64 ids on ``input_ids``' device, or a ``GenerateDecoderOnlyOutput``."""
     from transformers import GenerationConfig, MaxTimeCriteria
     from transformers.generation.utils import GenerateDecoderOnlyOutput
@@ -161,6 +164,8 @@ def generate(model, input_ids: torch.Tensor, logits_processor=None, stopping_cri
         assistant_model = outer.get("assistant_model")
     if streamer is None:
         streamer = outer.get("streamer")
+    if grammar is None:  # transformers keeps it in its own **kwargs
+        grammar = (outer.get("kwargs") or {}).get("grammar")
     if getattr(model.config, "is_encoder_decoder", False):
         raise ValueError(f"model must be a decoder-only causal LM, got an encoder-decoder "
                          f"({type(model).__name__})")
@@ -217,13 +222,15 @@ def generate(model, input_ids: torch.Tensor, logits_processor=None, stopping_cri
 
     modes = [(m, m.training) for m in (model, assistant_model) if m is not None]
     try:
+        if grammar is not None and tokenizer is None and getattr(model, "name_or_path", None):
+            tokenizer = _saved_tokenizer(str(model.name_or_path))  # a grammar is compiled over its text
         if assistant_model is not None:
             tokenizer, assistant_tokenizer = _pair_tokenizers(model, assistant_model, tokenizer, assistant_tokenizer)
             dec = SpeculativeDecoder(draft=assistant_model, target=model, tokenizer=tokenizer,
                                      draft_tokenizer=assistant_tokenizer)
         else:
             ngram = getattr(gc, "max_matching_ngram_size", None) or _PROMPT_LOOKUP_NGRAM
-            dec = SpeculativeDecoder(target=model, max_ngram=ngram)
+            dec = SpeculativeDecoder(target=model, max_ngram=ngram, tokenizer=tokenizer)
         draft = {n: GenerateArgs.default(n) for n in ("num_draft_tokens", "max_draft_tokens", "draft_confidence")}
         draft.update(draft_settings(gc, dec.drafter, dec.has_draft_network))
         with torch.inference_mode():
@@ -233,7 +240,7 @@ def generate(model, input_ids: torch.Tensor, logits_processor=None, stopping_cri
                            min_p=min_p, streamer=streamer,  # transformers' generate put the prompt
                            criteria=RowCriteria(rest, input_ids.tolist(), dec.device) if len(rest) else None,
                            procs=VerifyProcessors(procs, input_ids.tolist(), dec.device, dec.vocab_size)
-                           if procs else None)
+                           if procs else None, grammar=grammar)
             res = dec.decode(st)
     finally:
         for m, training in modes:

@@ -55,6 +55,7 @@ class GenerateArgs:
     baseline_tokens_per_s: Optional[float] = None
     target_step_s: Optional[float] = None
     progress: bool = False
+    grammar: Any = None
 
     def is_default(self, name: str) -> bool:
         """True when ``name`` was left at generate's default (the same object, or an equal value of
@@ -102,6 +103,7 @@ class CallArgs:
     procs: Any = None
     baseline_tokens_per_s: Optional[float] = None
     target_step_s: Optional[float] = None
+    grammar: Any = None  # grammar.py: a JSON schema, GrammarSpec, CompiledGrammar, or one per row
     k_max: int = 0  # set by checked
 
     def checked(self, parts) -> "CallArgs":

@@ -184,6 +184,7 @@ class SpeculativeDecoder:
         baseline_tokens_per_s: Optional[float] = None,
         target_step_s: Optional[float] = None,
         progress: bool = False,
+        grammar: Any = None,
     ) -> GenerationResult:
         """Generate up to ``max_new_tokens`` tokens for each prompt.
 
@@ -240,6 +241,12 @@ class SpeculativeDecoder:
         processors are accepted, ``specdec_stateless = True`` for yours).  A draft model over the
         whole vocabulary applies them to its drafts too (its q is the processed distribution);
         other drafters propose without them (the output's law does not depend on it).
+
+        grammar: structured output (``decoding/grammar.py``, xgrammar): a JSON schema (a dict, or a
+        string holding one), ``grammar.regex(...)``, ``grammar.ebnf(...)``, an xgrammar
+        ``CompiledGrammar`` for the target's vocabulary, or a list with one per prompt (None: free).
+        Each row's tokens follow the target's law masked to what its grammar allows at each prefix
+        and renormalised (greedy: the masked argmax); EOS only where the grammar may end.
         """
         given = GenerateArgs(
             prompts=prompts, max_new_tokens=max_new_tokens, num_draft_tokens=num_draft_tokens, temperature=temperature,
@@ -249,7 +256,8 @@ class SpeculativeDecoder:
             repetition_penalty=repetition_penalty, no_repeat_ngram_size=no_repeat_ngram_size,
             bad_words_ids=bad_words_ids, prefix_allowed_tokens_fn=prefix_allowed_tokens_fn,
             max_draft_tokens=max_draft_tokens, draft_confidence=draft_confidence, eos_token_id=eos_token_id,
-            baseline_tokens_per_s=baseline_tokens_per_s, target_step_s=target_step_s, progress=progress)
+            baseline_tokens_per_s=baseline_tokens_per_s, target_step_s=target_step_s, progress=progress,
+            grammar=grammar)
         call = fold_arguments(self.parts, given).checked(self.parts)
         st = self._started(call)
         if self.parts.tree is not None:
@@ -266,15 +274,16 @@ class SpeculativeDecoder:
               attention_mask: Optional[torch.Tensor] = None, max_draft_tokens: int = 8,
               draft_confidence: float = 0.0, eos_token_id=None, min_p: Optional[float] = None,
               streamer: Any = None, criteria: Any = None, procs: Any = None, verbose: Union[bool, TextIO] = False,
-              progress: bool = False) -> DecodeState:
+              progress: bool = False, grammar: Any = None) -> DecodeState:
         """The state of a call that a front-end prepares itself (``hf.generate``): ``generate``'s
         arguments of the same names checked, the prompts encoded, the state allocated, no model
         work; ``decode(state)`` then runs it.  streamer: a ``BaseStreamer`` that already has the
         prompt; criteria: ``transformers_adapter.criteria.RowCriteria`` or None; procs:
-        ``transformers_adapter.processors.VerifyProcessors`` (over ``self.vocab_size``) or None."""
+        ``transformers_adapter.processors.VerifyProcessors`` (over ``self.vocab_size``) or None; grammar:
+        ``generate``'s."""
         call = CallArgs(prompts, max_new_tokens, num_draft_tokens, temperature, top_k, top_p, min_p, seed, stop,
                         verbose, attention_mask, max_draft_tokens, draft_confidence, eos_token_id, progress,
-                        streamer=streamer, criteria=criteria, procs=procs)
+                        streamer=streamer, criteria=criteria, procs=procs, grammar=grammar)
         return self._started(call.checked(self.parts))
 
     def decode(self, st: DecodeState, baseline_tokens_per_s: Optional[float] = None) -> GenerationResult:
@@ -289,13 +298,13 @@ class SpeculativeDecoder:
                              seed: Union[int, Sequence[int], None] = 0, stop=None, *,
                              attention_mask: Optional[torch.Tensor] = None,
                              eos_token_id=None, progress: bool = False,
-                             min_p: Optional[float] = None) -> GenerationResult:
+                             min_p: Optional[float] = None, grammar: Any = None) -> GenerationResult:
         """The baseline: the target alone, one token per forward, through the same cache
         handling and sampler (so greedy output is identical to ``generate``'s).  Its
         ``stats.tokens_per_s`` is what ``generate(baseline_tokens_per_s=...)`` compares to."""
         call = CallArgs(prompts, max_new_tokens, 1, temperature, top_k, top_p, min_p, seed, stop,
                         attention_mask=attention_mask, max_draft_tokens=1, eos_token_id=eos_token_id,
-                        progress=progress, target_only=True)
+                        progress=progress, target_only=True, grammar=grammar)
         return self.decode(self._started(call.checked(self.parts)))
 
     def _started(self, call: CallArgs) -> DecodeState:

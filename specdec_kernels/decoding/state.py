@@ -110,6 +110,7 @@ class CallHooks:
     streamer: Any = None  # transformers' BaseStreamer (batch 1): each step's emitted tokens
     criteria: Any = None  # a RowCriteria (transformers_adapter/criteria.py): (prompt, generated, new) -> kept, or None
     procs: Any = None  # a VerifyProcessors (transformers_adapter/processors.py): the verify's processors, or None
+    grammar: Any = None  # a grammar.RowGrammars: each row's grammar matcher, or None
 
 
 @dataclass
@@ -200,8 +201,13 @@ def start_state(parts, call) -> DecodeState:
                              zero_step_draft_forwards=0)
     if call.target_step_s is not None:
         recorder.set_target_step(call.target_step_s)
+    grammars = None
+    if call.grammar is not None:
+        from .grammar import row_grammars
+
+        grammars = row_grammars(call.grammar, parts.tokenizer, parts.vocab_size, B, eos, dev)
     hooks = CallHooks(recorder=recorder, clock=StepClock(dev), verbose=verbose_stream(call.verbose), pbar=pbar,
-                      streamer=call.streamer, criteria=call.criteria, procs=call.procs)
+                      streamer=call.streamer, criteria=call.criteria, procs=call.procs, grammar=grammars)
     st = DecodeState(settings=settings, hooks=hooks, rows=list(range(B)), seqs=[list(r) for r in rows],
                      generated=[[] for _ in rows], finish=[None] * B, target_only=call.target_only)
     keys = [draft_key(s) for s in seeds]

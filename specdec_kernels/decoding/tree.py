@@ -198,9 +198,10 @@ class _Tree:
         return len(self.tokens) - 1
 
 
-def check_tree_arguments(streamer, criteria, procs, draft_confidence, verbose) -> None:
+def check_tree_arguments(streamer, criteria, procs, draft_confidence, verbose, grammar=None) -> None:
     """Refuse by name what tree drafting does not take yet."""
-    for name, value in (("streamer", streamer), ("stopping_criteria", criteria), ("logits processors", procs)):
+    for name, value in (("streamer", streamer), ("stopping_criteria", criteria), ("logits processors", procs),
+                        ("grammar", grammar)):
         if value is not None:
             raise ValueError(f"tree drafting does not take {name} yet; got one (use tree=None)")
     if draft_confidence:
@@ -213,7 +214,7 @@ def generate_tree(parts, st, after_step=None):
     """A started call (``state.start_state``) decoded with tree steps, to its ``GenerationResult``;
     what tree drafting does not take is refused by name.  after_step: ``run_tree``'s."""
     h = st.hooks
-    check_tree_arguments(h.streamer, h.criteria, h.procs, st.settings.draft_confidence, h.verbose)
+    check_tree_arguments(h.streamer, h.criteria, h.procs, st.settings.draft_confidence, h.verbose, h.grammar)
     parts.refresh()
     with parts.linear_layers(), torch.inference_mode():
         stats = run_tree(parts, st, after_step)

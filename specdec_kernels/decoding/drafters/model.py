@@ -138,6 +138,7 @@ def draft_with_model(d, st: "DecodeState", K: int):
     # draft proposes without them: the verify does not need it to see them)
     procs = st.hooks.procs
     procs = procs if (procs is not None and rows is None and Vd == procs.vocab_size) else None
+    grammar = st.hooks.grammar
     for j in range(K):
         if j > 0:
             ids = picks.xs[-1][:, None]
@@ -151,6 +152,11 @@ def draft_with_model(d, st: "DecodeState", K: int):
         T += ids.shape[1]
         if procs is not None:  # the target's sequence processors, at this draft's prefix
             logits = procs.draft_scores(logits, picks.xs, st.rows, st.generated)
+        if grammar is not None:  # the rows' grammars at this draft's prefix: q is the masked draft law
+            allowed = grammar.draft_allowed(picks.xs, st.rows, st.generated, Vd)
+            if allowed is not None:
+                logits = logits.masked_fill(~(allowed if rows is None else allowed.index_select(1, rows)),
+                                            float("-inf"))
         if picks.add(logits, j):
             break  # every row's K_b is cut before here
     st.draft.columns = T

@@ -295,7 +295,7 @@ def fold_arguments(parts, given: GenerateArgs) -> CallArgs:
     return CallArgs(prompts=prompts, attention_mask=given.attention_mask, seed=given.seed, stop=given.stop,
                     verbose=given.verbose, progress=given.progress, streamer=given.streamer, criteria=row_criteria,
                     procs=verify_procs, baseline_tokens_per_s=given.baseline_tokens_per_s,
-                    target_step_s=given.target_step_s, **args)
+                    target_step_s=given.target_step_s, grammar=given.grammar, **args)
 
 
 # generate's own arguments that a GenerationConfig or do_sample may set

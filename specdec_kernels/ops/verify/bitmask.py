@@ -20,6 +20,8 @@ the logits (read [B, K+1, V] and W words per position, write [B, K+1, V]) before
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 __all__ = ["allowed_tokens", "apply_token_bitmask", "bitmask_width", "check_token_bitmask"]
@@ -48,10 +50,14 @@ def check_token_bitmask(mask, lead_shape: tuple, vocab_size: int, device: torch.
 
 
 def allowed_tokens(mask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[..., W] int32 -> [..., V] bool: token v allowed where bit v % 32 of word v // 32 is set."""
-    v = torch.arange(vocab_size, device=mask.device)
-    words = mask.index_select(-1, v >> 5).to(torch.int64)  # [..., V]: each token's word (sign bit as bit 31)
-    return ((words >> (v & 31)) & 1).bool()
+    """[..., W] int32 -> [..., V] bool: token v allowed where bit v % 32 of word v // 32 is set.
+    The words' bytes, least significant first (little-endian int32, as xgrammar writes them), each
+    tested against its 8 bit values."""
+    by = mask.contiguous().view(torch.uint8)  # [..., 4 W]: byte v // 8 holds bit v % 8 of token v
+    if sys.byteorder == "big":  # the words' bytes in memory, most significant first
+        by = by.unflatten(-1, (-1, 4)).flip(-1).flatten(-2)
+    bit = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=mask.device)
+    return (by.unsqueeze(-1) & bit).ne(0).flatten(-2)[..., :vocab_size]
 
 
 def apply_token_bitmask(logits: torch.Tensor, mask: torch.Tensor, target_is_probs: bool = False) -> torch.Tensor:
