@@ -24,8 +24,8 @@ import triton.language as tl
 from ..records import field_offset
 from .common import masked_mass as _masked_mass, order_key as _order_key, warp_full as _warp_full
 from .draw import _draft_q, _draft_uniforms, _emit, _logprob, _scores, _weight
-from .stats import _INT32_MAX, _INT32_MIN, _chunk_candidates, _key_value, _warp_from_candidates
-from .stats import min_p_key as _min_p_key
+from .candidates import _INT32_MAX, _INT32_MIN, _chunk_candidates, _key_value, _warp_from_candidates
+from .candidates import min_p_key as _min_p_key
 
 
 # Where each record field starts (``records.RECORDS``, the table the launcher's sizes come from too),

@@ -17,7 +17,7 @@ import triton.language as tl
 from .common import order_key as _order_key
 from .draw import _chunk_weights, _draft_uniforms, _draw, _emit, _final_uniform, _logprob, _p_masses
 from .stage1 import _f_fields, _i_fields, _m_fields
-from .stats import _INT32_MIN
+from .candidates import _INT32_MIN
 
 
 @triton.jit
