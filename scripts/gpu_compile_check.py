@@ -493,7 +493,7 @@ def main(argv=None) -> int:
     if os.environ.pop("TRITON_INTERPRET", None) and any(
             m in sys.modules for m in ("rows_kernel", "specdec_kernels.ops.verify.triton.common",
                                        "specdec_kernels.ops.verify.triton.split_kernel",
-                                       "specdec_kernels.ops.verify.triton.stats",
+                                       "specdec_kernels.ops.verify.triton.candidates",
                                        "specdec_kernels.ops.verify.triton.draw",
                                        "specdec_kernels.ops.tree.kernel")):
         raise SystemExit("run this in a process that has not imported the kernels under TRITON_INTERPRET")

@@ -82,7 +82,7 @@ def test_min_p_log_is_ln_rounded_to_fp32():
 def test_kernel_holds_the_reference_log_constants():
     """The kernel's float64 constants of min_p_log (series coefficients, ln 2, sqrt 2) are the
     reference's, bit for bit (the kernel's threshold test below checks the result as well)."""
-    import specdec_kernels.ops.verify.triton.stats as kmod
+    import specdec_kernels.ops.verify.triton.candidates as kmod
 
     def value(c):
         return getattr(c, "value", c)

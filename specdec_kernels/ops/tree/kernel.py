@@ -71,7 +71,7 @@ import triton
 import triton.language as tl
 
 from ..verify.triton.common import masked_mass, order_key, position_stats
-from ..verify.triton.stats import min_p_key
+from ..verify.triton.candidates import min_p_key
 
 _INT32_MAX = tl.constexpr(2147483647)
 _FLT_MIN = tl.constexpr(1.1754943508222875e-38)  # 2^-126: the reference's clamp of a residual's sum

@@ -2,7 +2,8 @@
 per-position partial records, candidate keys and float64 masses.  One per device and stream
 (``workspace``), one per captured CUDA graph (``captured_workspace``), grown as needed and never
 freed.  The sizes (``SplitWorkspace.sizes``), the counters' layout (``counter_layout``) and the
-offsets ``records`` reads follow the field layout of ``triton/stage1.py`` (``_f_fields``, ``_i_fields``).
+offsets ``records`` reads come from the layout table the kernel's field pointers come from
+(``records.py``).
 
 Nothing a launch leaves here can reach a later call: the launcher zeroes the counters a launch
 uses before it (one memset), and every record a launch reads was written earlier in the same
@@ -16,26 +17,7 @@ from typing import Optional
 
 import torch
 
-# int32 counters per 128-byte line: the ticket, the position and row counters, the ready flags
-# and the stage-2 counters each start on a line of their own (no false sharing between the
-# ticket every program claims from and the flags stage 2 polls).
-LINE = 32
-
-
-def _line_up(n: int) -> int:
-    return -(-n // LINE) * LINE
-
-
-def counter_layout(B: int, K1: int) -> dict:
-    """Where each counter field starts in ``counters`` (int32 elements), and the total used:
-    ticket [1], pos [B * K1] (position arrivals), row [B] (row arrivals), ready [B] (the row's
-    acceptance chain is done), s2 [B] (stage-2 arrivals).  The kernel computes the same offsets."""
-    pos = LINE
-    row = _line_up(pos + B * K1)
-    ready = _line_up(row + B)
-    s2 = _line_up(ready + B)
-    return dict(ticket=0, pos=pos, row=row, ready=ready, s2=s2, total=_line_up(s2 + B))
-
+from .records import counter_layout, elements, field_offset, position_fields, tensor_size
 
 class SplitWorkspace:
     """The split kernel's scratch on one device and stream (or of one captured graph): counters
@@ -54,14 +36,13 @@ class SplitWorkspace:
 
     @staticmethod
     def sizes(B: int, K1: int, NC: int, cap: int, draft_logits: bool = False, block: bool = False) -> dict:
-        """Elements of each tensor a launch uses; ``draft_logits``: the draft's per-chunk max, sum
-        and NaN/+inf count and its per-position (m_d, S_d, bad_d), after the other fields;
-        ``block``: the float64 chunk masses and q counts of every position, and the rule's p_i."""
-        N1 = B * K1 * NC
-        d = 1 if draft_logits else 0
-        return dict(counters=counter_layout(B, K1)["total"], part_f=(2 * N1 + 2 * B * K1) * (1 + d),
-                    part_i=4 * N1 + 4 * B * K1 + 4 * B + B * NC + d * (N1 + B * K1), cand=max(1, N1 * cap),
-                    mass=2 * N1 + B * K1 if block else B * NC)
+        """Elements of each tensor a launch uses (``records.tensor_size``); ``draft_logits``: the
+        draft's per-chunk max, sum and NaN/+inf count and its per-position (m_d, S_d, bad_d), after
+        the other fields; ``block``: the float64 chunk masses and q counts of every position, and
+        the rule's p_i; ``cap``: candidate keys per chunk (0: no warp)."""
+        rec = {t: tensor_size(t, B, K1, NC, draft_logits, block) for t in ("part_f", "part_i", "mass")}
+        return dict(counters=counter_layout(B, K1)["total"], part_f=rec["part_f"], part_i=rec["part_i"],
+                    cand=max(1, B * K1 * NC * cap), mass=rec["mass"])
 
     def fits(self, sizes: dict) -> bool:
         return all(self._fits(getattr(self, k), n) for k, n in sizes.items())
@@ -101,18 +82,10 @@ class SplitWorkspace:
         top-k/top-p fell back to bisecting the whole position), in the kernel's layout; with
         ``draft_logits`` (a launch with draft logits) also m_d, S_d, bad_d (the draft's max, sum
         and unusable flag, written at the positions i < K_b of sampled rows)."""
-        N1, P = B * K1 * NC, B * K1
-        f, i = self.part_f, self.part_i
-        c = 4 * N1  # the position records follow the four per-chunk arrays
-        rows = c + 3 * P + 4 * B + B * NC  # where `scanned` starts
-        out = dict(m=f[2 * N1:2 * N1 + P].view(B, K1), S=f[2 * N1 + P:2 * N1 + 2 * P].view(B, K1),
-                   argmax=i[c:c + P].view(B, K1), bad=i[c + P:c + 2 * P].view(B, K1),
-                   thr=i[c + 2 * P:c + 3 * P].view(B, K1), scanned=i[rows:rows + P].view(B, K1))
-        if draft_logits:
-            fd = 2 * N1 + 2 * P + 2 * N1  # after the target's fields and the draft's two per-chunk arrays
-            idd = rows + P + N1  # after `scanned` and the draft's per-chunk counts
-            out.update(m_d=f[fd:fd + P].view(B, K1), S_d=f[fd + P:fd + 2 * P].view(B, K1),
-                       bad_d=i[idd:idd + P].view(B, K1))
+        out = {}
+        for tensor, field in position_fields(("part_f", "part_i"), draft_logits):
+            at = elements(field_offset(tensor, field), B, K1, NC)
+            out[field] = getattr(self, tensor)[at:at + B * K1].view(B, K1)
         return out
 
 

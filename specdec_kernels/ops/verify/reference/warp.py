@@ -25,7 +25,7 @@ def torch_sort_descending(s: torch.Tensor) -> torch.Tensor:
 
 # ln(f) = 2 atanh(z), z = (f - 1) / (f + 1): the series' coefficients 2 / (2k + 1), k = 0..11, for
 # |z| <= (sqrt(2) - 1) / (sqrt(2) + 1) (f in [sqrt(2) / 2, sqrt(2)]), where the first omitted term
-# is below 2^-60 of the sum.  The Triton kernel holds the same constants (``verify.triton.stats``).
+# is below 2^-60 of the sum.  The Triton kernel holds the same constants (``verify.triton.candidates``).
 LOG_SERIES = tuple(2.0 / (2 * k + 1) for k in range(12))
 LN2 = 0.6931471805599453  # ln 2 rounded to float64
 SQRT2 = 1.4142135623730951  # sqrt(2) rounded to float64

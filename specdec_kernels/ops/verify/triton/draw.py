@@ -22,7 +22,7 @@ import triton.language as tl
 
 from ..row_params import PARAM_FLAG
 from .common import order_key
-from .stats import _INT32_MAX
+from .candidates import _INT32_MAX
 
 _FLT_MIN = tl.constexpr(1.1754943508222875e-38)  # 2^-126, reference.FLT_MIN: the smallest temperature
 

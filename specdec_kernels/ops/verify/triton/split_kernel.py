@@ -29,16 +29,35 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ..records import LINE, counter_index, counter_lengths
 from .draw import _row_offsets, _row_params
-from .stage1 import acceptance_chain, combine_position, stage1_item
+from .stage1 import _elements, acceptance_chain, combine_position, stage1_item
 from .stage2 import final_draw, stage2_item
 
-_LINE = tl.constexpr(32)  # int32 counters per 128-byte line
+# The counters' layout (``records.COUNTERS``, the table the launcher's sizes come from too): each
+# field's length, in order, and each field's place in that order.
+_LINE = tl.constexpr(LINE)  # int32 counters per 128-byte line
+_COUNTER_LENGTHS = tl.constexpr(counter_lengths())
+_C_TICKET = tl.constexpr(counter_index("ticket"))
+_C_POS = tl.constexpr(counter_index("pos"))
+_C_ROW = tl.constexpr(counter_index("row"))
+_C_READY = tl.constexpr(counter_index("ready"))
+_C_S2 = tl.constexpr(counter_index("s2"))
 
 
 @triton.jit
 def _line_up(n):
     return (n + _LINE - 1) // _LINE * _LINE
+
+
+@triton.jit
+def _counter(counters_ptr, FIELD: tl.constexpr, B, K1, NC):
+    """Where counter FIELD starts (``records.counter_layout``): each field on a 128-byte line of
+    its own, after the fields before it."""
+    off = 0
+    for f in tl.static_range(FIELD):
+        off = _line_up(off + _elements(_COUNTER_LENGTHS[f], B, K1, NC))
+    return counters_ptr + off
 
 
 @triton.jit
@@ -118,11 +137,11 @@ def verify_split_kernel(
     tokens_ptr, stride_ob, stride_oc,  # out [B, K+1] int32/int64
     num_accepted_ptr, stride_on,  # out [B] int32/int64
     logprobs_ptr, stride_pb, stride_pc,  # out [B, K+1] fp32 (LOGPROBS)
-    counters_ptr,  # int32 [workspace.counter_layout(B, K+1)["total"]], zeroed before the launch
-    part_f_ptr,  # fp32 [2 * B * (K+1) * NC + 2 * B * (K+1)] (DRAFT_LOGITS: twice that)
-    part_i_ptr,  # int32 [4 * B * (K+1) * NC + 4 * B * (K+1) + 4 * B + B * NC] (DRAFT_LOGITS: + B * (K+1) * (NC + 1))
+    counters_ptr,  # int32 [records.counter_layout(B, K+1)["total"]], zeroed before the launch
+    part_f_ptr,  # fp32 [records.tensor_size("part_f", ...)]: 2 * B * (K+1) * (NC + 1) (DRAFT_LOGITS: twice that)
+    part_i_ptr,  # int32 [records.tensor_size("part_i", ...)]: 4 * B * (K+1) * (NC + 1) + 4 * B + B * NC (+ draft's)
     cand_ptr,  # int32 [B * (K+1) * NC * CAP] (with a warp)
-    mass_ptr,  # float64 [B * NC] (BLOCK: [2 * B * (K+1) * NC + B * (K+1)])
+    mass_ptr,  # float64 [records.tensor_size("mass", ...)]: B * NC (BLOCK: 2 * B * (K+1) * NC + B * (K+1))
     order_ptr,  # int32 [T1 + T2]: the item each ticket stands for (tests only, HAS_ORDER)
     B, K, V, Vd, NC,
     LAG,  # row b's stage-2 items are numbered after row b + LAG's stage-1 items (LAG = B: after all)
@@ -153,12 +172,12 @@ def verify_split_kernel(
     T2 = B * NI  # stage-2 tickets
     if BLOCK:
         T2 = B * K1 * NI
-    # The counters' fields, each on a 128-byte line of its own (``ops.verify.workspace.counter_layout``).
-    ticket_ptr = counters_ptr
-    pos_cnt_ptr = counters_ptr + _LINE  # [B * (K+1)] position arrivals
-    row_cnt_ptr = counters_ptr + _line_up(_LINE + B * K1)  # [B] row arrivals
-    ready_ptr = counters_ptr + _line_up(_line_up(_LINE + B * K1) + B)  # [B] the row's chain is done
-    s2_cnt_ptr = counters_ptr + _line_up(_line_up(_line_up(_LINE + B * K1) + B) + B)  # [B] stage-2 arrivals
+    # The counters' fields, each on a 128-byte line of its own (``records.COUNTERS``).
+    ticket_ptr = _counter(counters_ptr, _C_TICKET, B, K1, NC)  # [1] the next ticket
+    pos_cnt_ptr = _counter(counters_ptr, _C_POS, B, K1, NC)  # [B * (K+1)] position arrivals
+    row_cnt_ptr = _counter(counters_ptr, _C_ROW, B, K1, NC)  # [B] row arrivals
+    ready_ptr = _counter(counters_ptr, _C_READY, B, K1, NC)  # [B] the row's chain is done
+    s2_cnt_ptr = _counter(counters_ptr, _C_S2, B, K1, NC)  # [B] stage-2 arrivals
 
     t = _claim(ticket_ptr, TICKET)
     # t >= 0: a ticket is never negative (the counters are zeroed before the launch); checked

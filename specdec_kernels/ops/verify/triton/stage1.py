@@ -1,5 +1,6 @@
 """The split verify kernel's stage 1 as device functions (``split_kernel`` claims the work items
-and calls them), and the workspace's record layout every stage shares.
+and calls them), and the workspace's record fields every stage addresses (``_f_fields``,
+``_i_fields``, ``_m_fields``: pointers from ``ops/verify/records.py``'s table).
 
 - ``stage1_item``: item (b, i, g) reduces its chunks of position i to per-chunk records (max,
   first argmax, sum of exponentials, non-finite count, candidate keys; the draft's logits too).
@@ -20,61 +21,98 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ..records import field_offset
 from .common import masked_mass as _masked_mass, order_key as _order_key, warp_full as _warp_full
 from .draw import _draft_q, _draft_uniforms, _emit, _logprob, _scores, _weight
-from .stats import _INT32_MAX, _INT32_MIN, _chunk_candidates, _key_value, _warp_from_candidates
-from .stats import min_p_key as _min_p_key
+from .candidates import _INT32_MAX, _INT32_MIN, _chunk_candidates, _key_value, _warp_from_candidates
+from .candidates import min_p_key as _min_p_key
+
+
+# Where each record field starts (``records.RECORDS``, the table the launcher's sizes come from too),
+# as counts of the launch's units (chunks, positions, rows, row chunks, elements): ``_at``.
+_F_CHUNK_MAX = tl.constexpr(field_offset("part_f", "chunk_max"))
+_F_CHUNK_SUM = tl.constexpr(field_offset("part_f", "chunk_sum"))
+_F_M = tl.constexpr(field_offset("part_f", "m"))
+_F_S = tl.constexpr(field_offset("part_f", "S"))
+_F_DRAFT_CHUNK_MAX = tl.constexpr(field_offset("part_f", "draft_chunk_max"))
+_F_DRAFT_CHUNK_SUM = tl.constexpr(field_offset("part_f", "draft_chunk_sum"))
+_F_M_D = tl.constexpr(field_offset("part_f", "m_d"))
+_F_S_D = tl.constexpr(field_offset("part_f", "S_d"))
+_I_CHUNK_ARGMAX = tl.constexpr(field_offset("part_i", "chunk_argmax"))
+_I_CHUNK_BAD = tl.constexpr(field_offset("part_i", "chunk_bad"))
+_I_CHUNK_THR = tl.constexpr(field_offset("part_i", "chunk_thr"))
+_I_CHUNK_COUNT = tl.constexpr(field_offset("part_i", "chunk_count"))
+_I_ARGMAX = tl.constexpr(field_offset("part_i", "argmax"))
+_I_BAD = tl.constexpr(field_offset("part_i", "bad"))
+_I_THR = tl.constexpr(field_offset("part_i", "thr"))
+_I_J = tl.constexpr(field_offset("part_i", "j"))
+_I_REJECTED = tl.constexpr(field_offset("part_i", "rejected"))
+_I_ROW_BAD = tl.constexpr(field_offset("part_i", "row_bad"))
+_I_X_J = tl.constexpr(field_offset("part_i", "x_j"))
+_I_Q_BAD = tl.constexpr(field_offset("part_i", "q_bad"))
+_I_SCANNED = tl.constexpr(field_offset("part_i", "scanned"))
+_I_DRAFT_CHUNK_BAD = tl.constexpr(field_offset("part_i", "draft_chunk_bad"))
+_I_BAD_D = tl.constexpr(field_offset("part_i", "bad_d"))
+_M_MASSES = tl.constexpr(field_offset("mass", "masses"))
+_M_CHUNK_MASS = tl.constexpr(field_offset("mass", "chunk_mass"))
+_M_CHUNK_Q_BAD = tl.constexpr(field_offset("mass", "chunk_q_bad"))
+_M_P = tl.constexpr(field_offset("mass", "p"))
+
+
+@triton.jit
+def _elements(length: tl.constexpr, B, K1, NC):
+    """A length or offset of ``records`` in elements (``records.elements``): its counts of
+    chunks [B, K+1, NC], positions [B, K+1], rows [B], row chunks [B, NC] and single elements."""
+    return length[0] * (B * K1 * NC) + length[1] * (B * K1) + length[2] * B + length[3] * (B * NC) + length[4]
+
+
+@triton.jit
+def _at(base, offset: tl.constexpr, B, K1, NC):
+    """base + a field's offset of ``records``, one unit's length at a time: each step an int32
+    length (as the fields' own indices are), the pointer moved as a chain of fields would move it."""
+    ptr = base
+    for _ in tl.static_range(tl.constexpr(offset[0])):
+        ptr += B * K1 * NC
+    for _ in tl.static_range(tl.constexpr(offset[1])):
+        ptr += B * K1
+    for _ in tl.static_range(tl.constexpr(offset[2])):
+        ptr += B
+    for _ in tl.static_range(tl.constexpr(offset[3])):
+        ptr += B * NC
+    return ptr + offset[4]
 
 
 @triton.jit
 def _f_fields(part_f_ptr, B, K1, NC):
-    """The fp32 records: per chunk [B, K+1, NC], per position [B, K+1]."""
-    N1 = B * K1 * NC
-    cm_ptr = part_f_ptr  # chunk max
-    cs_ptr = cm_ptr + N1  # chunk sum of exp(s - chunk max)
-    pm_ptr = cs_ptr + N1  # position max (0 if unusable)
-    pS_ptr = pm_ptr + B * K1  # position kept mass
-    # DRAFT_LOGITS only (after the fields above, which keep their offsets):
-    dm_ptr = pS_ptr + B * K1  # chunk max of the draft's scaled logits
-    ds_ptr = dm_ptr + N1  # chunk sum of exp(l / T - chunk max)
-    pmd_ptr = ds_ptr + N1  # position draft max m_d (0 if unusable)
-    pSd_ptr = pmd_ptr + B * K1  # position draft sum S_d
-    return cm_ptr, cs_ptr, pm_ptr, pS_ptr, dm_ptr, ds_ptr, pmd_ptr, pSd_ptr
+    """The fp32 records: per chunk [B, K+1, NC], per position [B, K+1] (DRAFT_LOGITS: the draft's
+    four fields after the others, which keep their offsets)."""
+    return (_at(part_f_ptr, _F_CHUNK_MAX, B, K1, NC), _at(part_f_ptr, _F_CHUNK_SUM, B, K1, NC),
+            _at(part_f_ptr, _F_M, B, K1, NC), _at(part_f_ptr, _F_S, B, K1, NC),
+            _at(part_f_ptr, _F_DRAFT_CHUNK_MAX, B, K1, NC),
+            _at(part_f_ptr, _F_DRAFT_CHUNK_SUM, B, K1, NC),
+            _at(part_f_ptr, _F_M_D, B, K1, NC), _at(part_f_ptr, _F_S_D, B, K1, NC))
 
 
 @triton.jit
 def _i_fields(part_i_ptr, B, K1, NC):
-    """The int32 records: per chunk [B, K+1, NC], per position [B, K+1], per row [B]."""
-    N1 = B * K1 * NC
-    ca_ptr = part_i_ptr  # chunk first argmax
-    cb_ptr = ca_ptr + N1  # chunk non-finite count
-    ct_ptr = cb_ptr + N1  # chunk t_c (every key above it is in the chunk's list)
-    cn_ptr = ct_ptr + N1  # chunk candidate count
-    pa_ptr = cn_ptr + N1  # position argmax
-    pb_ptr = pa_ptr + B * K1  # position unusable
-    pt_ptr = pb_ptr + B * K1  # position threshold key
-    rj_ptr = pt_ptr + B * K1  # [B] stop position j
-    rr_ptr = rj_ptr + B  # [B] rejected
-    rbad_ptr = rr_ptr + B  # [B] invalid row
-    rx_ptr = rbad_ptr + B  # [B] the rejected draft x_j (-1 if none)
-    cq_ptr = rx_ptr + B  # [B, NC] chunk count of non-finite/negative q_j entries
-    pf_ptr = cq_ptr + B * NC  # position: 1 where the warp fell back to scanning the whole position
-    # DRAFT_LOGITS only:
-    db_ptr = pf_ptr + B * K1  # chunk count of NaN/+inf draft logits
-    pbd_ptr = db_ptr + N1  # position draft unusable (q_i not a distribution)
-    return (ca_ptr, cb_ptr, ct_ptr, cn_ptr, pa_ptr, pb_ptr, pt_ptr, rj_ptr, rr_ptr, rbad_ptr, rx_ptr, cq_ptr, pf_ptr,
-            db_ptr, pbd_ptr)
+    """The int32 records: per chunk [B, K+1, NC], per position [B, K+1], per row [B], per row
+    chunk [B, NC] (DRAFT_LOGITS: the draft's two fields after the others)."""
+    return (_at(part_i_ptr, _I_CHUNK_ARGMAX, B, K1, NC), _at(part_i_ptr, _I_CHUNK_BAD, B, K1, NC),
+            _at(part_i_ptr, _I_CHUNK_THR, B, K1, NC), _at(part_i_ptr, _I_CHUNK_COUNT, B, K1, NC),
+            _at(part_i_ptr, _I_ARGMAX, B, K1, NC), _at(part_i_ptr, _I_BAD, B, K1, NC),
+            _at(part_i_ptr, _I_THR, B, K1, NC), _at(part_i_ptr, _I_J, B, K1, NC),
+            _at(part_i_ptr, _I_REJECTED, B, K1, NC), _at(part_i_ptr, _I_ROW_BAD, B, K1, NC),
+            _at(part_i_ptr, _I_X_J, B, K1, NC), _at(part_i_ptr, _I_Q_BAD, B, K1, NC),
+            _at(part_i_ptr, _I_SCANNED, B, K1, NC), _at(part_i_ptr, _I_DRAFT_CHUNK_BAD, B, K1, NC),
+            _at(part_i_ptr, _I_BAD_D, B, K1, NC))
 
 
 @triton.jit
 def _m_fields(mass_ptr, B, K1, NC):
     """The float64 masses: token verification's [B, NC] of the stop position; BLOCK's per chunk
-    of every position, their unusable-q counts, and p_0..p_K."""
-    N1 = B * K1 * NC
-    bm_ptr = mass_ptr  # [B, K+1, NC] chunk mass of max(0, p_i P_i - Q_i) below K_b, of P at K_b
-    bq_ptr = bm_ptr + N1  # [B, K+1, NC] chunk count of non-finite/negative q_i entries
-    pp_ptr = bq_ptr + N1  # [B, K+1] p_0..p_K of the block rule
-    return bm_ptr, bq_ptr, pp_ptr
+    of every position, their unusable-q counts, and p_0..p_K (both forms start at mass_ptr)."""
+    return (_at(mass_ptr, _M_MASSES, B, K1, NC), _at(mass_ptr, _M_CHUNK_MASS, B, K1, NC),
+            _at(mass_ptr, _M_CHUNK_Q_BAD, B, K1, NC), _at(mass_ptr, _M_P, B, K1, NC))
 
 
 @triton.jit
@@ -252,7 +290,7 @@ def acceptance_chain(row_logits, row_tokens, row_q, stride_lk, stride_tk, stride
     cm_ptr, cs_ptr, pm_ptr, pS_ptr, dm_ptr, ds_ptr, pmd_ptr, pSd_ptr = _f_fields(part_f_ptr, B, K1, NC)
     (ca_ptr, cb_ptr, ct_ptr, cn_ptr, pa_ptr, pb_ptr, pt_ptr, rj_ptr, rr_ptr, rbad_ptr, rx_ptr, cq_ptr, pf_ptr, db_ptr,
      pbd_ptr) = _i_fields(part_i_ptr, B, K1, NC)
-    bm_ptr, bq_ptr, pp_ptr = _m_fields(mass_ptr, B, K1, NC)
+    tm_ptr, bm_ptr, bq_ptr, pp_ptr = _m_fields(mass_ptr, B, K1, NC)
     ks = tl.arange(0, BLOCK_K)
     j = kb * 0
     rejected = tl.full([], 0, tl.int1)

@@ -17,7 +17,7 @@ import triton.language as tl
 from .common import order_key as _order_key
 from .draw import _chunk_weights, _draft_uniforms, _draw, _emit, _final_uniform, _logprob, _p_masses
 from .stage1 import _f_fields, _i_fields, _m_fields
-from .stats import _INT32_MIN
+from .candidates import _INT32_MIN
 
 
 @triton.jit
@@ -31,7 +31,7 @@ def stage2_item(row_logits, row_tokens, row_q, stride_lk, stride_tk, stride_qk, 
     cm_ptr, cs_ptr, pm_ptr, pS_ptr, dm_ptr, ds_ptr, pmd_ptr, pSd_ptr = _f_fields(part_f_ptr, B, K1, NC)
     (ca_ptr, cb_ptr, ct_ptr, cn_ptr, pa_ptr, pb_ptr, pt_ptr, rj_ptr, rr_ptr, rbad_ptr, rx_ptr, cq_ptr, pf_ptr, db_ptr,
      pbd_ptr) = _i_fields(part_i_ptr, B, K1, NC)
-    bm_ptr, bq_ptr, pp_ptr = _m_fields(mass_ptr, B, K1, NC)
+    tm_ptr, bm_ptr, bq_ptr, pp_ptr = _m_fields(mass_ptr, B, K1, NC)
     offs0 = tl.arange(0, CHUNK)
     bad_row = tl.load(rbad_ptr + b, cache_modifier=".cg") != 0
     sampled = (greedy == 0) & (bad_row == 0)
@@ -48,7 +48,7 @@ def stage2_item(row_logits, row_tokens, row_q, stride_lk, stride_tk, stride_qk, 
         rejected = tl.load(rr_ptr + b, cache_modifier=".cg") != 0
         x_j = tl.load(rx_ptr + b, cache_modifier=".cg").to(tl.int64)
         pp_j = tl.full([], 1.0, tl.float64)
-        m_rec = mass_ptr + b * NC
+        m_rec = tm_ptr + b * NC
         active = sampled
     pos_ptr = row_logits + j * stride_lk
     q_ptr = row_q + j * stride_qk
@@ -93,7 +93,7 @@ def final_draw(row_logits, row_tokens, row_q, stride_lk, stride_tk, stride_qk, u
     cm_ptr, cs_ptr, pm_ptr, pS_ptr, dm_ptr, ds_ptr, pmd_ptr, pSd_ptr = _f_fields(part_f_ptr, B, K1, NC)
     (ca_ptr, cb_ptr, ct_ptr, cn_ptr, pa_ptr, pb_ptr, pt_ptr, rj_ptr, rr_ptr, rbad_ptr, rx_ptr, cq_ptr, pf_ptr, db_ptr,
      pbd_ptr) = _i_fields(part_i_ptr, B, K1, NC)
-    bm_ptr, bq_ptr, pp_ptr = _m_fields(mass_ptr, B, K1, NC)
+    tm_ptr, bm_ptr, bq_ptr, pp_ptr = _m_fields(mass_ptr, B, K1, NC)
     offs0 = tl.arange(0, CHUNK)
     cs_ids = tl.arange(0, NCB)
     ks = tl.arange(0, BLOCK_K)
@@ -137,7 +137,7 @@ def final_draw(row_logits, row_tokens, row_q, stride_lk, stride_tk, stride_qk, u
             m_dj = tl.load(pmd_ptr + b * K1 + j, cache_modifier=".cg")
             S_dj = tl.load(pSd_ptr + b * K1 + j, cache_modifier=".cg")
     else:
-        W = tl.load(mass_ptr + b * NC + cs_ids, mask=cmask, other=0.0, cache_modifier=".cg")
+        W = tl.load(tm_ptr + b * NC + cs_ids, mask=cmask, other=0.0, cache_modifier=".cg")
         n_bad_q = tl.sum(tl.load(cq_ptr + b * NC + cs_ids, mask=cmask, other=0,
                                  cache_modifier=".cg"), axis=0)
         bad_row = n_bad_q > 0

@@ -1,8 +1,9 @@
-"""The split kernel's device functions for the warp (``verify.triton.split_kernel``'s header gives the
-design): each chunk's candidate keys (``_chunk_candidates``, by radix select on 8-bit digits,
-``_radix_select``), top-k and top-p decided from a position's candidates
-(``_warp_from_candidates``), and min-p's threshold as an order key (``min_p_key``, by
-``reference.min_p_log``'s float64 steps, with the reference's constants bit for bit).
+"""The warp's candidates: the split kernel's device functions for top-k, top-p and min-p
+(``verify.triton.split_kernel``'s header gives the design): each chunk's candidate keys
+(``_chunk_candidates``, by radix select on 8-bit digits, ``_radix_select``), top-k and top-p
+decided from a position's candidates (``_warp_from_candidates``), and min-p's threshold as an
+order key (``min_p_key``, by ``reference.min_p_log``'s float64 steps, with the reference's
+constants bit for bit).
 
 Memory traffic: none of them reads the logits (the kernel hands them a chunk's keys or a
 position's candidates in registers).  ``_chunk_candidates`` writes a chunk's list, at most
