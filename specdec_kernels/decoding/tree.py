@@ -45,6 +45,7 @@ from .stats import DecodingStats
 __all__ = ["TreeShape", "check_tree_arguments", "check_tree_model", "generate_tree", "parse_tree", "run_tree"]
 
 _ATTENTION = ("eager", "sdpa")
+_MAX_TREE_NODES = 256
 # model types whose attention takes a 4D mask and position ids as given (others are refused by name)
 _TREE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -93,9 +94,6 @@ class TreeShape:
         if self.branching:
             return ",".join(str(b) for b in self.branching)
         return f"dynamic:{self.nodes},{self.depth},{self.branch}"
-
-
-_MAX_TREE_NODES = 256
 
 
 def parse_tree(spec) -> Optional[TreeShape]:
