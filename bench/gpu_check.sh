@@ -105,13 +105,13 @@ timeout 90 $PY -c "from specdec_kernels.models.embedded import default_target_pa
 # runs on CPU anyway. SIGINT at the limit makes pytest print its summary of
 # failures and skips so far (SIGTERM would lose it); KILL 10 s later if it does not stop. Two
 # threads per worker: 8 workers with torch's 16 threads each oversubscribed the 16 cores 8x.
-CUDA_TESTS="python_tests/ops/test_kv_cache.py python_tests/ops/test_verify_exact.py python_tests/ops/test_verify_properties.py
- python_tests/ops/test_verify_edges.py python_tests/ops/test_verify_distribution.py python_tests/ops/test_verify_greedy_fast_path.py
- python_tests/ops/test_verify_sampling_fast_path.py python_tests/ops/test_verify_split.py python_tests/decoding/test_decoder_devices.py
- python_tests/decoding/test_decoder_triton_verify.py python_tests/bench/test_bench_verify.py python_tests/ops/test_verify_contract.py python_tests/ops/test_verify_packed.py
- python_tests/ops/test_cpp_ops_layouts.py python_tests/integrations/test_integration_flashinfer.py
- python_tests/ops/test_verify_draft_logits.py python_tests/ops/test_verify_min_p.py python_tests/ops/test_block_verify_kernel.py
- python_tests/ops/test_tree_verify_kernel.py python_tests/ops/test_gather_kv.py"
+CUDA_TESTS="python_tests/ops/kv/test_kv_cache.py python_tests/ops/verify/test_verify_exact.py python_tests/ops/verify/test_verify_properties.py
+ python_tests/ops/verify/test_verify_edges.py python_tests/ops/verify/test_verify_distribution.py python_tests/ops/verify/test_verify_greedy_fast_path.py
+ python_tests/ops/verify/test_verify_sampling_fast_path.py python_tests/ops/verify/test_verify_split.py python_tests/decoding/test_decoder_devices.py
+ python_tests/decoding/test_decoder_triton_verify.py python_tests/bench/test_bench_verify.py python_tests/ops/verify/test_verify_contract.py python_tests/ops/verify/test_verify_packed.py
+ python_tests/ops/kv/test_cpp_ops_layouts.py python_tests/integrations/test_integration_flashinfer.py
+ python_tests/ops/verify/test_verify_draft_logits.py python_tests/ops/verify/test_verify_min_p.py python_tests/ops/verify/test_block_verify_kernel.py
+ python_tests/ops/tree/test_tree_verify_kernel.py python_tests/ops/kv/test_gather_kv.py"
 missing=0
 for f in $CUDA_TESTS bench/ops/bench_verify_knobs.py bench/ops/bench_verify.py bench/decoding/random_pair.py \
          bench/decoding/bench_e2e.py; do

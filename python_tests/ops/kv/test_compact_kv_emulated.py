@@ -3,7 +3,7 @@
 ``csrc/compact_kv_kernel.cuh`` holds the kernel's body (what one thread does) and the host
 code that plans the launches (groups of up to 64 caches, the widest access their addresses
 allow); ``csrc/compact_kv_cuda.cu`` only launches it.  Here the same header is compiled with
-the host compiler (``python_tests/ops/cuda_emulation/compact_kv_emulated.cpp``) and every thread
+the host compiler (``python_tests/ops/kv/cuda_emulation/compact_kv_emulated.cpp``) and every thread
 of every block of every launch runs serially on CPU tensors.  The kernel's threads share no
 memory and never wait on one another, so every serial order must give the result a GPU
 gives: each case runs with the threads in order and reversed, with the GPU's 256 threads a
@@ -25,7 +25,7 @@ from specdec_kernels.ops.reference import compact_kv_reference
 
 from test_kv_cache import CASES, _idx, _indices, _make_caches
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 SOURCE = Path(__file__).resolve().parent / "cuda_emulation" / "compact_kv_emulated.cpp"
 GPU_THREADS = 256  # kThreads in compact_kv_kernel.cuh
 

@@ -585,7 +585,7 @@ def _rows_kernel():
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[2] / "bench" / "ops" / "rows_kernel.py"
+    path = Path(__file__).resolve().parents[3] / "bench" / "ops" / "rows_kernel.py"
     spec = importlib.util.spec_from_file_location("rows_kernel_under_test", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -30,7 +30,7 @@ needs_ext = pytest.mark.skipif(
 )
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 EMULATED_SOURCE = Path(__file__).resolve().parent / "cuda_emulation" / "gather_kv_emulated.cpp"
 GPU_THREADS = 256  # kThreads in compact_kv_kernel.cuh (gather_kv_ launches as compact_kv_ does)
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

@@ -18,7 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from test_verify_distribution import chi_square_pvalue
+from helpers import chi_square_pvalue
 
 from specdec_kernels.ops import reference
 from specdec_kernels.ops.tree import reference as tree_reference

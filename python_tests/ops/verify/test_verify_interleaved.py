@@ -110,10 +110,10 @@ def test_tree_kernel_programs_touch_only_their_rows_under_interleaving(tree_sett
 
     from specdec_kernels import fused_verify_tree
     from specdec_kernels.ops.interleave import Schedule, interleaved
-    from test_tree_verify import _case
+    from tree_setup import tree_case
 
     tree_settings(block_v=16)
-    logits, tokens, parents, q, nb, temp, kw, u = _case(4, 4, 40, 40, torch.Generator().manual_seed(3), warp=True)
+    logits, tokens, parents, q, nb, temp, kw, u = tree_case(4, 4, 40, 40, torch.Generator().manual_seed(3), warp=True)
     call = lambda: fused_verify_tree(logits, tokens, parents, q, num_nodes=nb, temperature=temp, seed=7,  # noqa: E731
                                      backend="triton", **kw)
     want = call()

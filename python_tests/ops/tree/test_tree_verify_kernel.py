@@ -21,7 +21,7 @@ from specdec_kernels.ops.verify import launch as _verify_launch
 from specdec_kernels.ops.reference import philox_uniforms
 from specdec_kernels.ops.tree.reference import tree_verify_reference
 from specdec_kernels.ops.tree.api import _launch_tree, fused_verify_tree
-from test_tree_verify import _case
+from tree_setup import tree_case
 
 pytestmark = pytest.mark.slow  # the tree kernel, interpreted on a CPU
 
@@ -91,7 +91,7 @@ def test_kernel_equals_reference(cfg, tree_settings):
     g = torch.Generator().manual_seed(sum(map(ord, name)))
     stats = [0, 0, 0]
     for rep in range(2):
-        logits, tokens, parents, q, nb, temp, kw, u = _case(B, N, V, Vd, g, sampled, warp=warp)
+        logits, tokens, parents, q, nb, temp, kw, u = tree_case(B, N, V, Vd, g, sampled, warp=warp)
         nb[0] = 0  # the root alone
         am = logits.argmax(-1)  # [B, N+1]
         nb[1:4] = N
@@ -165,7 +165,7 @@ def test_max_depth_none_and_a_single_row():
     """max_depth None: the width is the deepest used node's depth, as the reference's; B = 1; the
     root alone; B = 0."""
     g = torch.Generator().manual_seed(21)
-    logits, tokens, parents, q, nb, temp, kw, u = _case(4, 6, 19, 19, g, True)
+    logits, tokens, parents, q, nb, temp, kw, u = tree_case(4, 6, 19, 19, g, True)
     ref = _reference(logits, tokens, parents, q, nb, temp, kw, u, None)
     out = _kernel(logits, tokens, parents, q, nb, temp, kw, uniforms=u)
     assert out[1].shape == ref[1].shape
@@ -306,7 +306,7 @@ def test_chain_as_tree_equals_fused_verify_triton(sampled, tree_settings, split_
 def test_backends(monkeypatch):
     """"auto" on CPU tensors is the reference; "triton" on CPU tensors needs the interpreter."""
     g = torch.Generator().manual_seed(41)
-    logits, tokens, parents, q, nb, temp, kw, u = _case(2, 3, 7, 7, g, True)
+    logits, tokens, parents, q, nb, temp, kw, u = tree_case(2, 3, 7, 7, g, True)
     args = (logits, tokens, parents, q)
     kwargs = dict(num_nodes=nb, temperature=temp, uniforms=u, max_depth=3)
     auto = fused_verify_tree(*args, **kwargs)

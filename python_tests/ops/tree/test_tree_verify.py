@@ -17,40 +17,9 @@ from specdec_kernels.ops import reference
 from specdec_kernels.ops.verify.reference import warp as warp_reference
 from specdec_kernels.ops.tree.reference import tree_verify_reference
 from specdec_kernels.ops.tree.api import fused_verify_tree
+from tree_setup import tree_case
 
 D64 = torch.float64
-
-
-def _random_tree(N: int, g: torch.Generator) -> list[int]:
-    """parents of N nodes in topological order (each node's parent is the root or an earlier node),
-    siblings contiguous or not."""
-    return [int(torch.randint(-1, n, (1,), generator=g)) if n > 0 else -1 for n in range(N)]
-
-
-def _case(B, N, V, Vd, g, sampled=True, greedy_frac=0.25, warp=False):
-    logits = torch.randn(B, N + 1, V, generator=g) * 2
-    logits[torch.rand(B, N + 1, V, generator=g) < 0.15] = float("-inf")
-    logits[..., 0] = 0.0  # every position keeps a token
-    parents = torch.tensor([_random_tree(N, g) for _ in range(B)], dtype=torch.int64).view(B, N)
-    q = torch.softmax(torch.randn(B, N + 1, Vd, generator=g) * 2, -1) if sampled else None
-    # children: mostly drawn from q (or likely under p), sometimes anything
-    tokens = torch.randint(0, Vd, (B, N), generator=g)
-    if sampled:
-        par_pos = parents + 1
-        qq = q.gather(1, par_pos[..., None].expand(B, N, Vd))  # q at each node's parent
-        tokens = torch.multinomial(qq.reshape(-1, Vd), 1, generator=g).view(B, N)
-    likely = logits.argmax(-1).gather(1, parents + 1).clamp(max=Vd - 1)  # the parent's argmax: often accepted
-    tokens = torch.where(torch.rand(B, N, generator=g) < 0.4, likely, tokens)
-    nb = torch.randint(0, N + 1, (B,), generator=g)
-    temp = torch.rand(B, generator=g) + 0.5
-    temp[torch.rand(B, generator=g) < greedy_frac] = 0.0
-    kw = {}
-    if warp:
-        kw = {"top_k": torch.randint(0, V + 1, (B,), generator=g),
-              "top_p": torch.where(torch.rand(B, generator=g) < 0.5, 1.0, 0.8),
-              "min_p": torch.where(torch.rand(B, generator=g) < 0.5, 0.0, 0.05)}
-    u = torch.rand(B, N + 1, dtype=D64, generator=g)
-    return logits, tokens, parents, q, nb, temp, kw, u
 
 
 def _walk_row(p, argmax, tokens, parents, q, nb, greedy, u):
@@ -107,7 +76,7 @@ def test_reference_equals_the_walk(sampled, warp, seed):
     g = torch.Generator().manual_seed(seed)
     B, N, V = 48, 7, 9
     Vd = V - 2 if seed == 1 else V
-    logits, tokens, parents, q, nb, temp, kw, u = _case(B, N, V, Vd, g, sampled, warp=warp)
+    logits, tokens, parents, q, nb, temp, kw, u = tree_case(B, N, V, Vd, g, sampled, warp=warp)
     out_tokens, path, na = tree_verify_reference(logits, tokens, parents, q, nb, temp, kw.get("top_k"),
                                                  kw.get("top_p"), u, min_p=kw.get("min_p"), max_depth=N)
     assert (na >= 2).any() and (na == 0).any()  # deep walks and early stops both occur
@@ -167,7 +136,7 @@ def test_chain_as_tree_equals_fused_verify(sampled, warp):
 def test_invariants_determinism_and_row_independence():
     g = torch.Generator().manual_seed(11)
     B, N, V = 64, 9, 7
-    logits, tokens, parents, q, nb, temp, kw, _ = _case(B, N, V, V, g, True)
+    logits, tokens, parents, q, nb, temp, kw, _ = tree_case(B, N, V, V, g, True)
     seed = torch.arange(B) + 100
     out = fused_verify_tree(logits, tokens, parents, q, num_nodes=nb, temperature=temp, seed=seed, offset=3)
     D = out.path.shape[1]
