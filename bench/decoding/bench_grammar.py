@@ -143,7 +143,7 @@ def main() -> int:
                     ids.append(row[:row.index(tok.eos_token_id) + 1] if tok.eos_token_id in row else row)
                 return ids, None
 
-            sides = {"ours": ours, "ours, draft unmasked": lambda: ours(True), "target alone (same loop)": alone,
+            sides = {"ours": ours, "ours (draft unmasked)": lambda: ours(True), "target alone (same loop)": alone,
                      "transformers + xgrammar": hf}
             for fn in sides.values():  # untimed warm-up
                 fn()
