@@ -4,8 +4,9 @@
    the same JSON schema, on the embedded pair and its feature draft, batch 1 and a ragged batch.
 2. Law: a tiny character-level pair and a regex whose masks differ along the prefix; the joint law
    of the first three tokens against the masked target's, computed exactly (chi-square,
-   significance 1e-4, 6,000 rows), with two mutants the statistic must reject: position 0's mask
-   applied at every position, and the bonus position left unmasked.
+   significance 1e-4, 6,000 rows), with three mutants the statistic must reject: position 0's mask
+   applied at every position, the bonus position left unmasked, and the draft drawing without the
+   grammar while reporting the masked q.
 3. Every output of 200 sampled generations (T = 1) of a nested JSON schema parses and validates.
 4. Arguments: what is refused, by name.
 """
@@ -141,10 +142,13 @@ def test_the_first_three_tokens_follow_the_masked_target(chars):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mutant", ["position_zero_everywhere", "bonus_unmasked"])
+@pytest.mark.parametrize("mutant", ["position_zero_everywhere", "bonus_unmasked", "draft_unmasked_q_masked"])
 def test_a_wrong_mask_is_caught(chars, monkeypatch, mutant):
+    """Three wrong rules the law test must reject: position 0's mask at every position; the last
+    position a row reads (its bonus or recovered token) unmasked; the draft sampling without the
+    grammar while reporting the masked q as the law it drew from."""
     dec, tok = chars
-    real = G.RowGrammars.verify_bitmask
+    real, real_allowed = G.RowGrammars.verify_bitmask, G.RowGrammars.draft_allowed
 
     def wrong(self, drafts, kb_host, rows, generated, K):
         mask = real(self, drafts, kb_host, rows, generated, K)
@@ -154,7 +158,21 @@ def test_a_wrong_mask_is_caught(chars, monkeypatch, mutant):
             mask[b, k] = -1  # the last position a row reads: its bonus (or its recovered token)
         return mask
 
-    monkeypatch.setattr(G.RowGrammars, "verify_bitmask", wrong)
+    if mutant == "draft_unmasked_q_masked":
+        from specdec_kernels.decoding.drafters.base import DraftPicker
+
+        real_add = DraftPicker.add
+
+        def add_reporting_masked(self, logits, j):  # logits unmasked (below): x drawn without the grammar
+            out = real_add(self, logits, j)
+            allowed = real_allowed(self.st.hooks.grammar, self.xs[:-1], self.st.rows, self.st.generated, self.Vd)
+            self.Q[:, j] = torch.softmax(logits.float().masked_fill(~allowed, float("-inf")), -1)  # T = 1: no warp
+            return out
+
+        monkeypatch.setattr(G.RowGrammars, "draft_allowed", lambda self, *a: None)
+        monkeypatch.setattr(DraftPicker, "add", add_reporting_masked)
+    else:
+        monkeypatch.setattr(G.RowGrammars, "verify_bitmask", wrong)
     prompt = tok("abc")["input_ids"]
     assert _pvalue(_masked_joint(dec, tok, prompt), _first_three(dec, tok, prompt)) < SIGNIFICANCE
 
