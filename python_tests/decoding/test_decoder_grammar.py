@@ -62,9 +62,9 @@ def test_greedy_equals_target_generate_with_xgrammars_processor(embedded, featur
     dec = (SpeculativeDecoder(drafter="feature") if feature else SpeculativeDecoder(draft, target, tok))
     prompts = ["The largest city in France, as JSON:", "Data:", "A city record in JSON format follows."]
     for batch in (prompts[:1], prompts):
-        refs = _hf_reference(dec.target, dec.tokenizer, batch, CITY, 30)
-        res = dec.generate(batch, max_new_tokens=30, grammar=CITY)
-        _assert_same(res, refs, dec.tokenizer.eos_token_id, 30)
+        refs = _hf_reference(dec.target, dec.tokenizer, batch, CITY, 20)
+        res = dec.generate(batch, max_new_tokens=20, grammar=CITY)
+        _assert_same(res, refs, dec.tokenizer.eos_token_id, 20)
         for text, reason in zip(res.texts, res.finish_reasons):
             if reason == "eos":
                 json.loads(text)
