@@ -68,22 +68,12 @@ class HookClock:
             finally:
                 clock.seconds += time.perf_counter() - t0
 
+        self.timed_draft = draft
         G.RowGrammars.verify_bitmask, G.RowGrammars.draft_allowed = verify, draft
 
     def unmasked_draft(self, on: bool) -> None:
         """The draft proposes without the grammar (the verify still masks: exact, fewer accepted)."""
-        self.G.RowGrammars.draft_allowed = (lambda *a, **k: None) if on else self.real_draft_timed()
-
-    def real_draft_timed(self):
-        clock = self
-
-        def draft(self_, *a, **k):
-            t0 = time.perf_counter()
-            try:
-                return clock.real_draft(self_, *a, **k)
-            finally:
-                clock.seconds += time.perf_counter() - t0
-        return draft
+        self.G.RowGrammars.draft_allowed = (lambda *a, **k: None) if on else self.timed_draft
 
 
 def main() -> int:

@@ -227,6 +227,12 @@ def test_arguments_are_refused_by_name(chars):
     dec, tok = chars
     with pytest.raises(ValueError, match="grammar as a string must be a JSON schema"):
         dec.generate(["ab"], max_new_tokens=2, grammar="[a-d]+")
+    with pytest.raises(TypeError, match=r"regex\(pattern\): pattern must be a non-empty str, got 3"):
+        G.regex(3)
+    with pytest.raises(TypeError, match=r"ebnf\(grammar\): grammar must be a non-empty str, got ''"):
+        G.ebnf("")
+    with pytest.raises(TypeError, match=r"json_schema\(schema\): schema must be a dict or its JSON text, got list"):
+        G.json_schema([])
     with pytest.raises(TypeError, match="grammar must be a JSON schema .* got int"):
         dec.generate(["ab"], max_new_tokens=2, grammar=3)
     with pytest.raises(ValueError, match=r"one grammar per prompt \(2\), got 1"):

@@ -47,17 +47,25 @@ def json_schema(schema, *, any_whitespace: bool = True, indent=None, strict_mode
     any_whitespace=False: JSON laid out one way (``indent`` spaces per level, None: one line), so
     that a model cannot fill a row's budget with whitespace; strict_mode=False: properties the schema
     does not name are allowed (xgrammar's ``compile_json_schema`` options)."""
+    if not isinstance(schema, (dict, str)):
+        raise TypeError(f"json_schema(schema): schema must be a dict or its JSON text, got {type(schema).__name__}")
+    if indent is not None and (isinstance(indent, bool) or not isinstance(indent, int) or indent < 0):
+        raise ValueError(f"json_schema(indent=): indent must be None or an int >= 0, got {indent!r}")
     return GrammarSpec("json_schema", schema, (("any_whitespace", bool(any_whitespace)), ("indent", indent),
                                                ("strict_mode", bool(strict_mode))))
 
 
 def regex(pattern: str) -> GrammarSpec:
     """A regular expression the whole output matches."""
+    if not isinstance(pattern, str) or not pattern:
+        raise TypeError(f"regex(pattern): pattern must be a non-empty str, got {pattern!r:.60}")
     return GrammarSpec("regex", pattern)
 
 
 def ebnf(grammar: str) -> GrammarSpec:
     """An EBNF grammar in xgrammar's dialect (its root rule ``root``)."""
+    if not isinstance(grammar, str) or not grammar:
+        raise TypeError(f"ebnf(grammar): grammar must be a non-empty str, got {grammar!r:.60}")
     return GrammarSpec("ebnf", grammar)
 
 
@@ -95,6 +103,7 @@ class _Compiler:
 
     def __init__(self, tokenizer, vocab_size: int):
         xgr = _xgrammar()
+        self.tokenizer = tokenizer  # kept: the cache below is keyed by its id
         if tokenizer is None:
             raise ValueError("grammar= needs the decoder's tokenizer to compile a grammar over text (or pass an "
                              "xgrammar CompiledGrammar), got tokenizer=None")
@@ -127,10 +136,8 @@ _COMPILERS: dict = {}  # (id of the tokenizer, V) -> _Compiler, for the tokenize
 def _compiler(tokenizer, vocab_size: int) -> _Compiler:
     key = (id(tokenizer), vocab_size)
     got = _COMPILERS.get(key)
-    if got is None or got.tokenizer_ref is not tokenizer:
-        got = _Compiler(tokenizer, vocab_size)
-        got.tokenizer_ref = tokenizer
-        _COMPILERS[key] = got
+    if got is None or got.tokenizer is not tokenizer:
+        got = _COMPILERS[key] = _Compiler(tokenizer, vocab_size)
     return got
 
 
