@@ -12,6 +12,9 @@ from helpers import DEVICE, HAS_CUDA  # noqa: E402  (helpers imports torch only,
 
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    import interpreter_calls  # noqa: E402
+
+    interpreter_calls.install()  # device-function calls without a second language patch
 # The tests never write the user's fp16 weight cache (specdec generate's default): those that test
 # the cache name their own directory.
 os.environ.setdefault("SPECDEC_WEIGHT_CACHE", "off")

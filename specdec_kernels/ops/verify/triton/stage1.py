@@ -67,52 +67,64 @@ def _elements(length: tl.constexpr, B, K1, NC):
 
 
 @triton.jit
-def _at(base, offset: tl.constexpr, B, K1, NC):
-    """base + a field's offset of ``records``, one unit's length at a time: each step an int32
-    length (as the fields' own indices are), the pointer moved as a chain of fields would move it."""
+def _units(B, K1, NC):
+    """The lengths of one unit of ``records``, once: chunks [B, K+1, NC], positions [B, K+1],
+    rows [B], row chunks [B, NC] (int32, as the fields' own indices are)."""
+    return B * K1 * NC, B * K1, B, B * NC
+
+
+@triton.jit
+def _at(base, offset: tl.constexpr, N1, N2, N3, N4):
+    """base + a field's offset of ``records``, one unit's length at a time (the pointer moved as a
+    chain of fields would move it; a count of zero adds nothing)."""
     ptr = base
     for _ in tl.static_range(tl.constexpr(offset[0])):
-        ptr += B * K1 * NC
+        ptr += N1
     for _ in tl.static_range(tl.constexpr(offset[1])):
-        ptr += B * K1
+        ptr += N2
     for _ in tl.static_range(tl.constexpr(offset[2])):
-        ptr += B
+        ptr += N3
     for _ in tl.static_range(tl.constexpr(offset[3])):
-        ptr += B * NC
-    return ptr + offset[4]
+        ptr += N4
+    if offset[4] != 0:
+        ptr += offset[4]
+    return ptr
 
 
 @triton.jit
 def _f_fields(part_f_ptr, B, K1, NC):
     """The fp32 records: per chunk [B, K+1, NC], per position [B, K+1] (DRAFT_LOGITS: the draft's
     four fields after the others, which keep their offsets)."""
-    return (_at(part_f_ptr, _F_CHUNK_MAX, B, K1, NC), _at(part_f_ptr, _F_CHUNK_SUM, B, K1, NC),
-            _at(part_f_ptr, _F_M, B, K1, NC), _at(part_f_ptr, _F_S, B, K1, NC),
-            _at(part_f_ptr, _F_DRAFT_CHUNK_MAX, B, K1, NC),
-            _at(part_f_ptr, _F_DRAFT_CHUNK_SUM, B, K1, NC),
-            _at(part_f_ptr, _F_M_D, B, K1, NC), _at(part_f_ptr, _F_S_D, B, K1, NC))
+    N1, N2, N3, N4 = _units(B, K1, NC)
+    return (_at(part_f_ptr, _F_CHUNK_MAX, N1, N2, N3, N4), _at(part_f_ptr, _F_CHUNK_SUM, N1, N2, N3, N4),
+            _at(part_f_ptr, _F_M, N1, N2, N3, N4), _at(part_f_ptr, _F_S, N1, N2, N3, N4),
+            _at(part_f_ptr, _F_DRAFT_CHUNK_MAX, N1, N2, N3, N4),
+            _at(part_f_ptr, _F_DRAFT_CHUNK_SUM, N1, N2, N3, N4),
+            _at(part_f_ptr, _F_M_D, N1, N2, N3, N4), _at(part_f_ptr, _F_S_D, N1, N2, N3, N4))
 
 
 @triton.jit
 def _i_fields(part_i_ptr, B, K1, NC):
     """The int32 records: per chunk [B, K+1, NC], per position [B, K+1], per row [B], per row
     chunk [B, NC] (DRAFT_LOGITS: the draft's two fields after the others)."""
-    return (_at(part_i_ptr, _I_CHUNK_ARGMAX, B, K1, NC), _at(part_i_ptr, _I_CHUNK_BAD, B, K1, NC),
-            _at(part_i_ptr, _I_CHUNK_THR, B, K1, NC), _at(part_i_ptr, _I_CHUNK_COUNT, B, K1, NC),
-            _at(part_i_ptr, _I_ARGMAX, B, K1, NC), _at(part_i_ptr, _I_BAD, B, K1, NC),
-            _at(part_i_ptr, _I_THR, B, K1, NC), _at(part_i_ptr, _I_J, B, K1, NC),
-            _at(part_i_ptr, _I_REJECTED, B, K1, NC), _at(part_i_ptr, _I_ROW_BAD, B, K1, NC),
-            _at(part_i_ptr, _I_X_J, B, K1, NC), _at(part_i_ptr, _I_Q_BAD, B, K1, NC),
-            _at(part_i_ptr, _I_SCANNED, B, K1, NC), _at(part_i_ptr, _I_DRAFT_CHUNK_BAD, B, K1, NC),
-            _at(part_i_ptr, _I_BAD_D, B, K1, NC))
+    N1, N2, N3, N4 = _units(B, K1, NC)
+    return (_at(part_i_ptr, _I_CHUNK_ARGMAX, N1, N2, N3, N4), _at(part_i_ptr, _I_CHUNK_BAD, N1, N2, N3, N4),
+            _at(part_i_ptr, _I_CHUNK_THR, N1, N2, N3, N4), _at(part_i_ptr, _I_CHUNK_COUNT, N1, N2, N3, N4),
+            _at(part_i_ptr, _I_ARGMAX, N1, N2, N3, N4), _at(part_i_ptr, _I_BAD, N1, N2, N3, N4),
+            _at(part_i_ptr, _I_THR, N1, N2, N3, N4), _at(part_i_ptr, _I_J, N1, N2, N3, N4),
+            _at(part_i_ptr, _I_REJECTED, N1, N2, N3, N4), _at(part_i_ptr, _I_ROW_BAD, N1, N2, N3, N4),
+            _at(part_i_ptr, _I_X_J, N1, N2, N3, N4), _at(part_i_ptr, _I_Q_BAD, N1, N2, N3, N4),
+            _at(part_i_ptr, _I_SCANNED, N1, N2, N3, N4), _at(part_i_ptr, _I_DRAFT_CHUNK_BAD, N1, N2, N3, N4),
+            _at(part_i_ptr, _I_BAD_D, N1, N2, N3, N4))
 
 
 @triton.jit
 def _m_fields(mass_ptr, B, K1, NC):
     """The float64 masses: token verification's [B, NC] of the stop position; BLOCK's per chunk
     of every position, their unusable-q counts, and p_0..p_K (both forms start at mass_ptr)."""
-    return (_at(mass_ptr, _M_MASSES, B, K1, NC), _at(mass_ptr, _M_CHUNK_MASS, B, K1, NC),
-            _at(mass_ptr, _M_CHUNK_Q_BAD, B, K1, NC), _at(mass_ptr, _M_P, B, K1, NC))
+    N1, N2, N3, N4 = _units(B, K1, NC)
+    return (_at(mass_ptr, _M_MASSES, N1, N2, N3, N4), _at(mass_ptr, _M_CHUNK_MASS, N1, N2, N3, N4),
+            _at(mass_ptr, _M_CHUNK_Q_BAD, N1, N2, N3, N4), _at(mass_ptr, _M_P, N1, N2, N3, N4))
 
 
 @triton.jit
