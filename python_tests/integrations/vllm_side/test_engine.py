@@ -101,3 +101,64 @@ def test_vllm_own_sampler_mixed_batch(llm, calls, record_property):
     print(f"vLLM's own sampler: greedy requests {differ} of {sorted(solo)} differ from their solo run in a mixed batch")
     assert not calls
 
+
+
+# Structured output: vLLM applies the grammar's bitmask (xgrammar) to the target's logits at every
+# speculative position before its rejection sampler, so the plugin's sampler receives them masked.
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}, "ok": {"type": "boolean"}},
+          "required": ["name", "ok"], "additionalProperties": False}
+REGEX = r"(yes|no), [a-z]{1,8}( [a-z]{1,8}){0,3}\."
+
+
+def structured(kind: str):
+    from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
+
+    so = (StructuredOutputsParams(json=SCHEMA) if kind == "json"
+          else StructuredOutputsParams(regex=REGEX))
+    return SamplingParams(temperature=0.0, max_tokens=48, structured_outputs=so)
+
+
+@pytest.mark.parametrize("kind", ["json", "regex"])
+def test_structured_output_same_with_plugin(llm, monkeypatch, kind):
+    """Greedy requests under a JSON schema or a regex: the same token ids with the plugin as with
+    vLLM's own sampler; the plugin's sampler sees the logits already masked (every position has
+    tokens at -inf, which the model's logits never are); every regex output matches, every finished
+    JSON output parses and holds the schema's fields."""
+    import json
+    import re
+
+    import torch
+
+    if llm.method != "draft_model":
+        pytest.skip("once, with the draft model")
+    seen = []
+    real = sv.fused_rejection_sample
+
+    def spy(metadata, draft_probs, logits, sampling_metadata, **kw):
+        seen.append(torch.isneginf(logits).float().mean(-1).min().item())  # the least-masked position's -inf share
+        return real(metadata, draft_probs, logits, sampling_metadata, **kw)
+
+    monkeypatch.setattr(sv, "fused_rejection_sample", spy)
+    prompts = PROMPTS[:4]
+    sv.unpatch()
+    without = llm.generate(prompts, structured(kind), use_tqdm=False)
+    assert not seen
+    sv.patch()
+    try:
+        with_plugin = llm.generate(prompts, structured(kind), use_tqdm=False)
+    finally:
+        sv.unpatch()
+    assert seen, "the fused sampler was never called: the engine did not speculate"
+    assert min(seen) > 0, "a position's logits reached the plugin unmasked (no -inf)"
+    assert max(seen) > 0.5, f"no position had most of its vocabulary masked: {seen}"
+    for i, (a, b) in enumerate(zip(without, with_plugin)):
+        ids_a, ids_b = list(a.outputs[0].token_ids), list(b.outputs[0].token_ids)
+        assert ids_a == ids_b, f"{kind}: prompt {i} differs with the plugin:\n{ids_a}\n{ids_b}"
+        text, reason = b.outputs[0].text, b.outputs[0].finish_reason
+        if kind == "json":  # a weak model may pad with the whitespace JSON allows until max_tokens
+            if reason == "stop":
+                value = json.loads(text)
+                assert set(value) == {"name", "ok"} and isinstance(value["ok"], bool) and len(value["name"]) <= 8, text
+        else:
+            assert reason == "stop" and re.fullmatch(REGEX, text), (reason, text)
