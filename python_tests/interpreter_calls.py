@@ -12,11 +12,12 @@ whose interpreter lacks the names it wraps (the tests then run as before, only s
 from __future__ import annotations
 
 import inspect
+import sys
 import threading
 
 _lock = threading.Lock()
-_active = 0  # launches whose patch is in place (the interleaver's threads share one launch's)
-_done: set = set()  # the language modules patched since the outer launch's patch
+_active = False  # a launch's patch is in place (the interleaver's threads share their launch's)
+_done: set = set()  # the language modules patched since that launch's patch
 _keys: dict = {}  # function -> the language modules its module sees (what the patch patches)
 
 
@@ -29,8 +30,10 @@ def install() -> bool:
         return False
     orig = getattr(ti, "_patch_lang", None)
     scope_cls = getattr(ti, "_LangPatchScope", None)
-    if orig is None or scope_cls is None or getattr(orig, "_specdec_wrapped", False):
+    device_call = getattr(getattr(ti, "InterpretedFunction", None), "__call__", None)
+    if orig is None or scope_cls is None or device_call is None or getattr(orig, "_specdec_wrapped", False):
         return False
+    device_code = device_call.__code__
 
     def key(fn):
         k = _keys.get(fn)
@@ -41,23 +44,31 @@ def install() -> bool:
 
     def patch_lang(fn):
         global _active
+        from_device_call = sys._getframe(1).f_code is device_code
         k = key(fn)
         with _lock:
-            if _active and k <= _done:
-                return scope_cls()  # this launch has patched these modules already
-            scope = orig(fn)
-            _done.update(k)
+            if from_device_call:
+                if _active and k and k <= _done:
+                    return scope_cls()  # this launch has patched these modules already
+                scope = orig(fn)  # Triton never restores a device call's own patch either
+                if _active:
+                    _done.update(k)
+                return scope
             if _active:
-                return scope  # a device call's own patch: Triton never restores it either
-            _active += 1
+                return orig(fn)  # a launch inside a launch: as Triton does it
+            scope = orig(fn)
+            _active = True
+            _done.update(k)
         restore = scope.restore
 
         def restore_and_release():
             global _active
             with _lock:
-                restore()
-                _active -= 1
-                _done.clear()
+                try:
+                    restore()
+                finally:
+                    _active = False
+                    _done.clear()
 
         scope.restore = restore_and_release
         return scope

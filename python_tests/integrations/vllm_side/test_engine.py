@@ -136,12 +136,19 @@ def test_structured_output_same_with_plugin(llm, monkeypatch, kind):
     real = sv.fused_rejection_sample
 
     def spy(metadata, draft_probs, logits, sampling_metadata, **kw):
-        seen.append(torch.isneginf(logits).float().mean(-1).min().item())  # the least-masked position's -inf share
+        share = torch.isneginf(logits).float().mean(-1)  # each position's share of -inf logits
+        seen.append((share.min().item(), share.max().item()))
         return real(metadata, draft_probs, logits, sampling_metadata, **kw)
 
     monkeypatch.setattr(sv, "fused_rejection_sample", spy)
     prompts = PROMPTS[:4]
-    sv.unpatch()
+    sv.patch()
+    try:  # the control: without a grammar no logit reaches the plugin at -inf
+        llm.generate(prompts, greedy(), use_tqdm=False)
+    finally:
+        sv.unpatch()
+    assert seen and max(hi for _, hi in seen) == 0, f"the model's own logits reach the plugin with -inf: {seen}"
+    seen.clear()
     without = llm.generate(prompts, structured(kind), use_tqdm=False)
     assert not seen
     sv.patch()
@@ -150,15 +157,18 @@ def test_structured_output_same_with_plugin(llm, monkeypatch, kind):
     finally:
         sv.unpatch()
     assert seen, "the fused sampler was never called: the engine did not speculate"
-    assert min(seen) > 0, "a position's logits reached the plugin unmasked (no -inf)"
-    assert max(seen) > 0.5, f"no position had most of its vocabulary masked: {seen}"
+    assert min(lo for lo, _ in seen) > 0, f"a position's logits reached the plugin unmasked (no -inf): {seen}"
+    assert max(hi for _, hi in seen) > 0.5, f"no position had most of its vocabulary masked: {seen}"
+    stopped = []
     for i, (a, b) in enumerate(zip(without, with_plugin)):
         ids_a, ids_b = list(a.outputs[0].token_ids), list(b.outputs[0].token_ids)
         assert ids_a == ids_b, f"{kind}: prompt {i} differs with the plugin:\n{ids_a}\n{ids_b}"
         text, reason = b.outputs[0].text, b.outputs[0].finish_reason
         if kind == "json":  # a weak model may pad with the whitespace JSON allows until max_tokens
+            stopped.append(reason == "stop")
             if reason == "stop":
                 value = json.loads(text)
                 assert set(value) == {"name", "ok"} and isinstance(value["ok"], bool) and len(value["name"]) <= 8, text
         else:
             assert reason == "stop" and re.fullmatch(REGEX, text), (reason, text)
+    assert kind != "json" or any(stopped), "no JSON output finished: nothing was parsed"
