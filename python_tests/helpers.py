@@ -109,3 +109,15 @@ def chi_square_pvalue(tokens: np.ndarray, p: np.ndarray) -> float:
     if len(exp_bins) < 2:
         return 1.0 if obs_bins[0] == n else 0.0  # a single allowed token: all draws must be it
     return float(stats.chisquare(obs_bins, exp_bins).pvalue)
+
+
+def random_bitmask(g: torch.Generator, lead: tuple, V: int, density: float = 0.5) -> torch.Tensor:
+    """A grammar's token mask in xgrammar's layout for ``token_bitmask=``: [*lead, ceil(V/32)] int32
+    with each token allowed with probability ``density`` (at least one per position), its padding
+    bits set at random (they must not be read)."""
+    W = (V + 31) // 32
+    bits = torch.rand(*lead, W * 32, generator=g) < density
+    bits[..., torch.randint(0, V, (1,), generator=g)] = True
+    bits[..., V:] = torch.rand(*lead, W * 32 - V, generator=g) < 0.5
+    words = (bits.view(*lead, W, 32).to(torch.int64) << torch.arange(32)).sum(-1)
+    return words.to(torch.int64).where(words < 2**31, words - 2**32).to(torch.int32)

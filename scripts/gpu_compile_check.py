@@ -209,6 +209,7 @@ def verify_split_signature(logits: str, tokens: str, meta: dict) -> dict:
         draft_probs_ptr=f"*{meta.get('_q_dtype', 'fp32')}" if meta["HAS_DRAFT_PROBS"] else placeholder,
         stride_qb="i32", stride_qk="i32",
         cu_ptr="*i32" if meta["PACKED"] else placeholder, cu_stride="i32",
+        mask_ptr="*i32" if meta.get("MASKED") else placeholder, stride_mb="i32", stride_mk="i32",
         uniforms_ptr="*fp64" if meta["HAS_UNIFORMS"] else placeholder, stride_ub="i32", stride_uk="i32",
         param_flags="i32",
         nd_ptr="*i64", nd_stride="i32", nd_scalar="i32",
@@ -338,6 +339,13 @@ SPLIT_SETTINGS = [
     ("bf16 block, one-hot drafts, top-k + top-p", "bf16", "i64", 128256, 4, False, True, True, False, {"BLOCK": True}),
     ("bf16 packed block, fp32 draft logits, min-p, logprobs", "bf16", "i32", 128256, 4, True, False, False, False,
      {"PACKED": True, "LOGPROBS": True, "DRAFT_LOGITS": True, "HAS_MIN_P": True, "BLOCK": True}),
+    ("bf16 grammar mask", "bf16", "i64", 128256, 4, True, False, False, False, {"MASKED": True}),
+    ("bf16 grammar mask, top-k + top-p + min-p", "bf16", "i64", 128256, 4, True, True, True, False,
+     {"MASKED": True, "HAS_MIN_P": True}),
+    ("bf16 packed grammar mask, fp32 draft logits, logprobs", "bf16", "i32", 128256, 4, True, False, False, False,
+     {"PACKED": True, "LOGPROBS": True, "DRAFT_LOGITS": True, "MASKED": True}),
+    ("fp32 block, grammar mask, probabilities in", "fp32", "i64", 128256, 4, True, False, False, False,
+     {"BLOCK": True, "MASKED": True, "PROBS": True}),
 ]
 
 

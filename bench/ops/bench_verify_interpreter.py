@@ -8,16 +8,19 @@ registers (a bisection step over a chunk's keys) costs here what a pass that loa
 the ratio overstates what the extra passes cost a GPU in memory traffic.  The figure checked
 here: the split kernel's top-k 50 + top-p 0.9 call costs at most 3x its plain call (its
 top-k/top-p are decided from per-chunk candidate keys, with no re-read of the logits, unless
-those cannot decide and the position is bisected whole).  The absolute times are numpy's, not
-a GPU's.
+those cannot decide and the position is bisected whole), and its call under a grammar's token
+mask (``token_bitmask=``, applied inside the launch) at most 1.3x.  The absolute times are
+numpy's, not a GPU's.
 
 Kernels, each with four warps of the same inputs:
   split   fused_verify(backend="triton"): the split-vocabulary kernel (one launch, chunks of 4096 tokens)
   rows    rows_kernel.verify_rows (bench/ops/rows_kernel.py): the one-program-per-row kernel it replaced
-  warps   plain (none), top_k=50, top_p=0.9, top_k=50 + top_p=0.9
+  warps   plain (none), top_k=50, top_p=0.9, top_k=50 + top_p=0.9; the split kernel also under a
+          grammar's mask (mask, mask_topk50_topp0.9): each position allows a random half of the
+          tokens and its draft, so that every draft is still accepted
 
 The inputs are bench_verify.make_inputs' (every draft accepted by default: all K + 1 positions
-verified), fp32 logits, T = 1, one seed.  The eight calls are timed in rounds
+verified), fp32 logits, T = 1, one seed.  The ten calls are timed in rounds
 (harness.time_interleaved: one call of each per round after a warm-up call each, the first
 rotating), so a drift of the machine lands on every case alike; each reports its median over
 --repeats rounds and its ratio to the plain case of the same kernel.  For the split kernel,
@@ -63,6 +66,8 @@ KERNELS = {"split": ("triton", lambda *a, **kw: fused_verify(*a, backend="triton
            "rows": ("rows_kernel", verify_rows)}
 # (name, top_k, top_p); "none" first: the others' ratio is to it
 WARPS = [("none", None, None), ("topk50", 50, None), ("topp0.9", None, 0.9), ("topk50_topp0.9", 50, 0.9)]
+# (name, top_k, top_p) under a grammar's mask: the split kernel only (the rows kernel takes none)
+MASKED_WARPS = [("mask", None, None), ("mask_topk50_topp0.9", 50, 0.9)]
 SMOKE = dict(B=1, K=2, V=600, repeats=1)
 
 
@@ -89,16 +94,33 @@ def fallback_positions(B: int, K1: int, V: int):
         return None
 
 
+def allowed_to_bitmask(allowed: torch.Tensor) -> torch.Tensor:
+    """[..., V] bool -> xgrammar's layout, [..., ceil(V / 32)] int32 (bit v % 32 of word v // 32)."""
+    V = allowed.shape[-1]
+    W = (V + 31) // 32
+    bits = torch.zeros(*allowed.shape[:-1], W * 32, dtype=torch.int64)
+    bits[..., :V] = allowed.long()
+    words = (bits.view(*allowed.shape[:-1], W, 32) << torch.arange(32)).sum(-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
 def build_cases(B, K, V, seed=0):
     """{(kernel, warp): a no-argument call}, and {(kernel, warp): what its last call gave}
     (num_accepted; for the split kernel also its fallback count), filled as they are called."""
     logits, x, q = make_inputs(B, K, V, torch.float32, torch.device("cpu"))
+    allowed = torch.rand(B, K + 1, V, generator=torch.Generator().manual_seed(seed)) < 0.5
+    allowed[:, :K].scatter_(2, x[:, :, None].long(), True)  # every draft allowed where it stands
+    mask = allowed_to_bitmask(allowed)
     last: dict = {}
     cases = {}
     for kernel, (_, verify) in KERNELS.items():
-        for warp, top_k, top_p in WARPS:
-            def call(key=(kernel, warp), verify=verify, top_k=top_k, top_p=top_p):
-                out = verify(logits, x, q, temperature=1.0, top_k=top_k, top_p=top_p, seed=seed)
+        warps = [(w, k, p, None) for w, k, p in WARPS]
+        if kernel == "split":
+            warps += [(w, k, p, mask) for w, k, p in MASKED_WARPS]
+        for warp, top_k, top_p, bitmask in warps:
+            def call(key=(kernel, warp), verify=verify, top_k=top_k, top_p=top_p, bitmask=bitmask):
+                kw = {} if bitmask is None else dict(token_bitmask=bitmask)
+                out = verify(logits, x, q, temperature=1.0, top_k=top_k, top_p=top_p, seed=seed, **kw)
                 last[key] = dict(num_accepted=out.num_accepted,
                                  fallback_positions=fallback_positions(B, K + 1, V) if key[0] == "split" else None)
                 return out
@@ -169,6 +191,17 @@ def main(argv=None):
         line = f"split top-k 50 + top-p 0.9 / plain = {ratio:.3g}x ({'<=' if ratio <= 3 else '>'} 3x)"
         print(line)
         text += "\n" + line
+    mask_claim = None
+    if "mask" in split and split["mask"]["ratio_to_plain"] is not None:
+        ratio = split["mask"]["ratio_to_plain"]
+        mask_claim = dict(statement="split kernel: a call under a grammar's mask costs at most 1.3x its plain call",
+                          ratio=ratio, holds=bool(ratio <= 1.3))
+        line = f"split under a grammar's mask / plain = {ratio:.3g}x ({'<=' if ratio <= 1.3 else '>'} 1.3x)"
+        if split.get("mask_topk50_topp0.9", {}).get("ratio_to_plain") and split["topk50_topp0.9"]["ratio_to_plain"]:
+            both = split["mask_topk50_topp0.9"]["ratio_to_plain"] / split["topk50_topp0.9"]["ratio_to_plain"]
+            line += f"; with top-k 50 + top-p 0.9, masked / unmasked = {both:.3g}x"
+        print(line)
+        text += "\n" + line
     with open(os.path.join(out, "bench_verify_interpreter.txt"), "w") as f:
         f.write(f"# bench_verify_interpreter on {dev_name}; {ver}; {stamp}; B={B} K={K} V={V} fp32 T=1, "
                 f"{args.repeats} rounds; load average {load_before[0]:.2f} before, {load_after[0]:.2f} after\n"
@@ -179,7 +212,8 @@ def main(argv=None):
         rounds=args.repeats, warm_up_calls=1, cpu=cpu_model(), device=dev_name, threads=torch.get_num_threads(),
         cpu_count=os.cpu_count(), load_average_before=load_before, load_average_after=load_after,
         python=platform.python_version(), numpy=np.__version__, triton_interpret=os.environ["TRITON_INTERPRET"],
-        versions=ver, claim=claim, failed={k: f"{type(e).__name__}: {e}" for k, e in failed.items()})
+        versions=ver, claim=claim, mask_claim=mask_claim,
+        failed={k: f"{type(e).__name__}: {e}" for k, e in failed.items()})
     with open(os.path.join(out, "conditions.json"), "w") as f:
         json.dump(conditions, f, indent=2)
     print(f"wrote bench_verify_interpreter.csv, .txt and conditions.json in {out}")

@@ -67,7 +67,7 @@ def _draw_tile(pos_ptr, q_ptr, start, V, q_len, x_j, inv_t, m, S, thr, subtract_
     """One tile of the final draw: p, q and the weights r = max(0, p - q) when subtract_q
     (the residual after a rejection), else r = p. q is read up to q_len (0 = not at all), or is
     one-hot at x_j for a deterministic drafter."""
-    offs, mask, s = scaled_tile(pos_ptr, start, V, inv_t, BLOCK_V)
+    offs, mask, s = scaled_tile(pos_ptr, start, V, inv_t, pos_ptr, BLOCK_V, False)  # no grammar mask
     p = tl.where(mask & (order_key(s).to(tl.int64) >= thr), tl.exp(s - m) / S, 0.0)
     if HAS_DRAFT_PROBS:
         q = tl.load(q_ptr + offs, mask=offs < q_len, other=0.0)

@@ -31,17 +31,20 @@ def test_smoke_run_times_every_case_and_writes_its_files(tmp_path):
     with open(tmp_path / "bench_verify_interpreter.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     warps = ["none", "topk50", "topp0.9", "topk50_topp0.9"]
-    assert [(row["kernel"], row["warp"]) for row in rows] == [(k, w) for k in ("split", "rows") for w in warps]
+    masked = ["mask", "mask_topk50_topp0.9"]  # the split kernel under a grammar's mask
+    assert [(row["kernel"], row["warp"]) for row in rows] == (
+        [("split", w) for w in warps + masked] + [("rows", w) for w in warps])
     for row in rows:
         assert float(row["median_s"]) > 0 and float(row["ratio_to_plain"]) > 0, row
         assert row["interpreter"] == "True" and row["commit"] and row["rounds"] == "1"
-        assert float(row["mean_accepted"]) == 2  # make_inputs' accepted drafts, K = 2
+        assert float(row["mean_accepted"]) == 2  # make_inputs' accepted drafts, K = 2 (allowed by the mask)
         assert (row["fallback_positions"] != "") == (row["kernel"] == "split")
     assert all(float(row["ratio_to_plain"]) == 1 for row in rows if row["warp"] == "none")
     cond = json.loads((tmp_path / "conditions.json").read_text())
     assert cond["shape"] == dict(B=1, K=2, V=600, dtype="fp32", temperature=1.0, drafts="accepted")
     assert cond["triton_interpret"] == "1" and cond["cpu"] and cond["versions"]["commit"] and cond["threads"] == 1
     assert cond["claim"]["ratio"] == float(rows[3]["ratio_to_plain"])
+    assert cond["mask_claim"]["ratio"] == float(rows[4]["ratio_to_plain"])
     assert "ratio_to_plain" in (tmp_path / "bench_verify_interpreter.txt").read_text()
 
 

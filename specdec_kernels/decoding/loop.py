@@ -52,7 +52,6 @@ import torch
 
 from ..ops.host import to_device
 from ..ops.kv.cache import compact_dynamic_cache_, crop_cache_
-from ..ops.verify.bitmask import apply_token_bitmask
 from .emit import emit_rows
 from .parts import DecoderParts
 from .prefill import prefill_
@@ -208,13 +207,12 @@ def _verify(parts: DecoderParts, st: DecodeState, drafter, X: torch.Tensor, Q, k
     if st.hooks.grammar is not None:  # each position's grammar mask, from the row's tokens and x_1 .. x_i
         bitmask = st.hooks.grammar.verify_bitmask(X.tolist(), kb.tolist(), st.rows, st.generated, K)
     temp, top_k, top_p, min_p = _row_params(st, B)
-    if parts.verification == "block":  # the op's checks included (block verification is eager)
+    if parts.verification == "block" or bitmask is not None:
+        # the op's checks included (block verification and a grammar's mask, applied in the launch, are eager)
         out = fused_verify(logits, X, Q, num_draft_tokens=kb, temperature=temp, top_k=top_k, top_p=top_p,
-                           min_p=min_p, seed=st.seed, offset=st.step, backend=parts.verify_backend, method="block",
-                           token_bitmask=bitmask)
+                           min_p=min_p, seed=st.seed, offset=st.step, backend=parts.verify_backend,
+                           method=parts.verification, token_bitmask=bitmask)
     else:  # fused_verify without its per-call checks: generate checked the parameters, the tensors are built here
-        if bitmask is not None:
-            logits = apply_token_bitmask(logits, bitmask)
         out = verify_prechecked(logits, X, Q, kb, temp, top_k, top_p, st.seed, st.step, min_p=min_p,
                                 backend=parts.verify_backend)
     return out, feats

@@ -10,7 +10,7 @@ from typing import Optional
 
 import torch
 
-from helpers import assert_close, make_step
+from helpers import assert_close, make_step, random_bitmask
 from specdec_kernels import fused_verify, fused_verify_packed
 from specdec_kernels.ops.interleave import Schedule, interleaved
 from specdec_kernels.ops.kernels import launch_settings, split_workspace
@@ -39,6 +39,7 @@ class Case:
     top_k: Optional[tuple] = None
     top_p: Optional[tuple] = None
     min_p: Optional[float] = None
+    grammar: bool = False  # token_bitmask=: a random mask per verify position
     data_seed: int = 0
 
     @property
@@ -64,12 +65,17 @@ class Case:
         if self.min_p is not None:
             kw["min_p"] = self.min_p
         dq = None if self.draft == "none" else (torch.log(q) if self.draft == "logits" else q)
+        mask = None
+        if self.grammar:
+            mask = random_bitmask(torch.Generator().manual_seed(self.data_seed), (B, K + 1), V, density=0.6)
         if self.packed:
             K1 = K + 1
             rows = torch.cat([torch.arange(k + 1) + b * K1 for b, k in enumerate(self.kb)])
             drafts = torch.cat([torch.arange(k) + b * K for b, k in enumerate(self.kb)]).long()
             cu = torch.cat([torch.zeros(1, dtype=torch.int64), kb.cumsum(0)])
             pdq = None if dq is None else dq.reshape(B * K, -1)[drafts]
+            if mask is not None:
+                kw["token_bitmask"] = mask.reshape(B * K1, -1)[rows]
             if self.draft == "logits":
                 kw["draft_logits"] = pdq
                 pdq = None
@@ -78,7 +84,7 @@ class Case:
         if self.draft == "logits":
             kw["draft_logits"] = dq
             dq = None
-        return fused_verify(target, x, dq, num_draft_tokens=kb, **kw)
+        return fused_verify(target, x, dq, num_draft_tokens=kb, token_bitmask=mask, **kw)
 
 
 def _greedy_mix(B: int) -> tuple:
@@ -86,7 +92,8 @@ def _greedy_mix(B: int) -> tuple:
 
 
 # Every form the issue names: token and block verification, padded and packed, probabilities and
-# draft logits in, log-probabilities, each warp, ragged K_b with 0, greedy and sampled rows, B 1-8.
+# draft logits in, log-probabilities, each warp, a grammar's mask, ragged K_b with 0, greedy and
+# sampled rows, B 1-8.
 CASES = [
     Case("token_padded_plain_B1", (2,), (1.0,)),
     Case("token_padded_ragged_B3", (2, 0, 1), (1.0, 0.0, 0.7), data_seed=1),
@@ -104,6 +111,9 @@ CASES = [
          logprobs=True, data_seed=11),
     Case("block_topk_topp_B2", (1, 2), (0.9, 1.0), method="block", top_k=(4, 0), top_p=(1.0, 0.8), data_seed=12),
     Case("token_five_chunks_B2", (2, 1), (1.0, 0.0), V=80, data_seed=13),
+    Case("token_grammar_packed_warp_logprobs_B3", (2, 0, 1), (1.0, 0.0, 0.9), packed=True, top_k=(5, 0, 0),
+         top_p=(1.0, 1.0, 0.8), min_p=0.02, logprobs=True, grammar=True, data_seed=14),
+    Case("block_grammar_B2", (2, 1), (1.0, 0.8), method="block", grammar=True, data_seed=15),
 ]
 
 # The slow set's cases: the same forms on 2 chunks a position (3 for the five-chunk case), so

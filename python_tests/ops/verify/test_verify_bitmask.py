@@ -4,7 +4,9 @@ xgrammar's layout (int32 words, bit v % 32 of word v // 32; ``ops/verify/bitmask
 1. The torch path and the Triton kernel (interpreted on a CPU) equal the reference
    (``verify_reference(token_bitmask=)``, whose unpacking of the bits is written apart) token for
    token: padded and packed, token and block verification, greedy and sampled rows, top-k, top-p
-   and min-p after the mask, probabilities in, logprobs of the masked law.
+   and min-p after the mask (also where the kernel's candidate lists cannot decide them and it
+   scans the masked position), probabilities and draft logits in, logprobs of the masked law.
+   The kernel applies the mask inside its launch: no masked copy of the logits is made first.
 2. Invariants: every emitted token is allowed at its position; a position that allows nothing with
    a finite logit makes its row invalid (-1), a NaN at a forbidden token is masked away, one at an
    allowed token still makes the row invalid; the op's unpacking equals xgrammar's own.
@@ -20,25 +22,14 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import chi_square_pvalue, make_step
+from helpers import assert_close, chi_square_pvalue, make_step, random_bitmask
 from specdec_kernels import fused_verify, fused_verify_packed
-from specdec_kernels.ops.reference import block_verify_reference, verify_reference
+from specdec_kernels.ops.reference import block_verify_reference, draft_softmax, verify_reference
 from specdec_kernels.ops.verify.bitmask import allowed_tokens, apply_token_bitmask, bitmask_width
 from test_verify_packed import _pack
 
 BACKENDS = [pytest.param("triton", marks=pytest.mark.slow), "torch"]  # the kernel, interpreted on a CPU: slow
 SIGNIFICANCE = 1e-4
-
-
-def random_bitmask(g: torch.Generator, lead: tuple, V: int, density: float = 0.5) -> torch.Tensor:
-    """[*lead, ceil(V/32)] int32 with each token allowed with probability ``density`` (at least one
-    per position), its padding bits set at random (they must not be read)."""
-    W = bitmask_width(V)
-    bits = torch.rand(*lead, W * 32, generator=g) < density
-    bits[..., torch.randint(0, V, (1,), generator=g)] = True
-    bits[..., V:] = torch.rand(*lead, W * 32 - V, generator=g) < 0.5
-    words = (bits.view(*lead, W, 32).to(torch.int64) << torch.arange(32)).sum(-1)
-    return words.to(torch.int64).where(words < 2**31, words - 2**32).to(torch.int32)
 
 
 def _row_params(g, B):
@@ -90,17 +81,20 @@ def test_packed_equals_padded(backend):
         assert torch.equal(packed.tokens[b, :n], padded.tokens[b, :n])
 
 
-def test_probabilities_in_and_logprobs_follow_the_masked_law():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_probabilities_in_and_logprobs_follow_the_masked_law(backend):
     B, K, V = 3, 2, 30
     logits, x, q = make_step(B, K, V, seed=7)
     mask = random_bitmask(torch.Generator().manual_seed(8), (B, K + 1), V)
     u = torch.rand(B, K + 1, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
     p = torch.softmax(logits, -1)
-    from_probs = fused_verify(p, x, q, uniforms=u, target_is_probs=True, token_bitmask=mask)
-    ref = verify_reference(p, x, q, torch.full((B,), K), torch.ones(B), None, None, u, target_is_probs=True,
-                           token_bitmask=mask)
-    assert torch.equal(from_probs.tokens, ref[0]) and torch.equal(from_probs.num_accepted, ref[1])
-    out = fused_verify(logits, x, q, uniforms=u, token_bitmask=mask, return_logprobs=True)
+    for method in ("token", "block"):
+        from_probs = fused_verify(p, x, q, uniforms=u, target_is_probs=True, token_bitmask=mask, backend=backend,
+                                  method=method)
+        ref = (block_verify_reference if method == "block" else verify_reference)(
+            p, x, q, torch.full((B,), K), torch.ones(B), None, None, u, target_is_probs=True, token_bitmask=mask)
+        assert torch.equal(from_probs.tokens, ref[0]) and torch.equal(from_probs.num_accepted, ref[1])
+    out = fused_verify(logits, x, q, uniforms=u, token_bitmask=mask, return_logprobs=True, backend=backend)
     want = torch.log_softmax(apply_token_bitmask(logits, mask), -1)
     for b in range(B):
         for i in range(int(out.num_accepted[b]) + 1):
@@ -123,7 +117,8 @@ def test_the_unpacking_is_the_references_and_xgrammars():
     assert torch.equal(allowed_tokens(mask, V).view(6, V), want)
 
 
-def test_a_position_allowing_nothing_finite_makes_the_row_invalid():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_position_allowing_nothing_finite_makes_the_row_invalid(backend):
     B, K, V = 3, 2, 33
     logits, x, q = make_step(B, K, V, seed=11)
     mask = torch.full((B, K + 1, bitmask_width(V)), -1, dtype=torch.int32)  # everything allowed
@@ -134,12 +129,79 @@ def test_a_position_allowing_nothing_finite_makes_the_row_invalid():
     mask[1, 0, 0] = 1 << 7  # row 1: only token 7 allowed, whose logit is -inf
     logits[2, :, 4] = float("nan")
     mask[2, :, 0] &= ~(1 << 4)  # row 2: a NaN at a forbidden token
-    for backend in ("torch",):
-        out = fused_verify(logits, x, q, seed=1, backend=backend, token_bitmask=mask)
+    for temperature in (1.0, 0.0):
+        out = fused_verify(logits, x, q, seed=1, backend=backend, token_bitmask=mask, temperature=temperature)
         assert out.num_accepted.tolist()[:2] == [-1, -1] and (out.tokens[:2] == -1).all()
         assert out.num_accepted[2] >= 0 and (out.tokens[2, :int(out.num_accepted[2]) + 1] != 4).all()
     mask[2, :, 0] |= 1 << 4  # the NaN's token allowed: the row is invalid as without a mask
-    assert fused_verify(logits, x, q, seed=1, token_bitmask=mask).num_accepted[2] == -1
+    assert fused_verify(logits, x, q, seed=1, token_bitmask=mask, backend=backend).num_accepted[2] == -1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [31, 35])
+def test_the_kernel_scans_the_masked_position_where_its_candidates_cannot_decide(seed, split_settings):
+    """Chunks of 16 tokens and 2 candidate keys a chunk: top-k 5, top-p and min-p are decided by
+    the kernel's scans of the whole position (bisection, masked mass), every read under the mask;
+    NaN logits at forbidden tokens (masked away)."""
+    split_settings(chunk=16, top_k_cap=2)
+    B, K, V = 5, 2, 70
+    logits, x, q = make_step(B, K, V, seed=seed, scale=2.0)
+    g = torch.Generator().manual_seed(seed + 1)
+    mask = random_bitmask(g, (B, K + 1), V, density=0.7)
+    logits = logits.masked_fill(~allowed_tokens(mask, V) & (torch.rand(B, K + 1, V, generator=g) < 0.3),
+                                float("nan"))
+    # rows: top-k over the lists, top-p, greedy, top-k with min-p, min-p alone keeping more than the lists
+    T = torch.tensor([1.0, 0.8, 0.0, 1.2, 1.0])
+    top_k, top_p = torch.tensor([5, 0, 0, 7, 0]), torch.tensor([0.9, 0.75, 1.0, 1.0, 1.0])
+    min_p = torch.tensor([0.0, 0.0, 0.0, 0.1, 0.02])
+    u = torch.rand(B, K + 1, generator=g, dtype=torch.float64)
+    for method in ("token", "block"):
+        out = fused_verify(logits, x, q, temperature=T, top_k=top_k, top_p=top_p, min_p=min_p, uniforms=u,
+                           backend="triton", method=method, token_bitmask=mask, return_logprobs=True)
+        ref = (block_verify_reference if method == "block" else verify_reference)(
+            logits, x, q, torch.full((B,), K), T, top_k, top_p, u, min_p=min_p, token_bitmask=mask)
+        assert torch.equal(out.tokens, ref[0]) and torch.equal(out.num_accepted, ref[1]), method
+        assert (out.num_accepted >= 0).all()
+        torch_lp = fused_verify(logits, x, q, temperature=T, top_k=top_k, top_p=top_p, min_p=min_p, uniforms=u,
+                                backend="torch", method=method, token_bitmask=mask, return_logprobs=True).logprobs
+        assert_close(out.logprobs, torch_lp)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_draft_logits_under_the_mask_equal_their_softmax(backend):
+    """q = softmax(draft_logits / T) as given (the mask is the target's): the same tokens as with
+    that q passed as draft_probs, and as the reference."""
+    B, K, V = 3, 3, 50
+    logits, x, q = make_step(B, K, V, seed=41)
+    mask = random_bitmask(torch.Generator().manual_seed(42), (B, K + 1), V)
+    T = torch.tensor([1.0, 0.7, 0.0])
+    u = torch.rand(B, K + 1, generator=torch.Generator().manual_seed(43), dtype=torch.float64)
+    d_logits = torch.log(q) * 1.3
+    from_logits = fused_verify(logits, x, draft_logits=d_logits, temperature=T, uniforms=u, backend=backend,
+                               token_bitmask=mask)
+    q_soft = draft_softmax(d_logits, 1.0 / torch.where(T > 0, T, torch.ones(B)))  # each row's 1 / T (greedy: 1)
+    ref = verify_reference(logits, x, q_soft, torch.full((B,), K), T, None, None, u, token_bitmask=mask)
+    assert torch.equal(from_logits.tokens, ref[0]) and torch.equal(from_logits.num_accepted, ref[1])
+
+
+def test_the_kernel_masks_inside_its_launch(monkeypatch):
+    """The Triton backend makes no masked copy of the logits: with the torch path's masking
+    function made to fail, its calls still equal the reference."""
+    from specdec_kernels.ops.verify import api
+
+    def no_copy(*args, **kwargs):
+        raise AssertionError("the logits were masked outside the launch")
+
+    monkeypatch.setattr(api, "apply_token_bitmask", no_copy)
+    B, K, V = 2, 2, 40
+    logits, x, q = make_step(B, K, V, seed=51)
+    mask = random_bitmask(torch.Generator().manual_seed(52), (B, K + 1), V)
+    u = torch.rand(B, K + 1, generator=torch.Generator().manual_seed(53), dtype=torch.float64)
+    out = fused_verify(logits, x, q, uniforms=u, backend="triton", token_bitmask=mask)
+    ref = verify_reference(logits, x, q, torch.full((B,), K), torch.ones(B), None, None, u, token_bitmask=mask)
+    assert torch.equal(out.tokens, ref[0]) and torch.equal(out.num_accepted, ref[1])
+    with pytest.raises(AssertionError, match="masked outside the launch"):  # the torch path does mask first
+        fused_verify(logits, x, q, uniforms=u, backend="torch", token_bitmask=mask)
 
 
 def test_bad_masks_are_refused_by_name():

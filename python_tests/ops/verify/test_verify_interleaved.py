@@ -3,7 +3,7 @@
 program, switches at every access or at atomics only, under every launch-settings form.  Each
 launch gives the torch backend's tokens and counts (log-probabilities within the fp32 tolerance),
 the plain interpreter's outputs bit for bit, no deadlock, no access out of bounds, and the items
-``_ticket_item`` numbers, ticket by ticket.  A quick set (42 schedules), a slow set (816), the
+``_ticket_item`` numbers, ticket by ticket.  A quick set (48 schedules), a slow set (816), the
 protocol's mutants (each caught within the quick set's schedules), and the tree kernel."""
 
 from __future__ import annotations

@@ -90,7 +90,7 @@ def _tree_position(pos_ptr, V, inv_t, top_k, top_p, min_p, mp_on,
         thr_mp = min_p_key(m, min_p)
         if mp_on & (bad == 0) & (thr_mp > thr):
             thr = thr_mp
-            S = masked_mass(pos_ptr, V, inv_t, m, thr, BLOCK_V)
+            S = masked_mass(pos_ptr, V, inv_t, m, thr, pos_ptr, BLOCK_V, False)  # no grammar mask
     return m, S, thr, amax, bad
 
 

@@ -80,8 +80,11 @@ def _verify_layout(a: _Args, lay: _Layout, backend: str):
                                   "return_logprobs or method='block', are eager ops: call them outside torch.compile")
     resolved = resolve_backend(backend, a.target_logits.device)
     if resolved == "triton":
-        tokens, num, lp = _launch(a, lay)
+        tokens, num, lp = _launch(a, lay)  # a grammar's mask applied in the launch
     else:
+        if lay.mask is not None:  # the torch path: the mask applied to the logits first
+            a = a._replace(target_logits=apply_token_bitmask(a.target_logits, lay.mask, lay.probs))
+            lay = lay._replace(mask=None)
         tokens, num, lp = _run_torch_layout(a, lay)
     if lay.logprobs:
         return VerifyOutputWithLogprobs(tokens, num, lp)
@@ -279,7 +282,9 @@ def fused_verify(
     position's mask for its own prefix.  The mask comes first (a forbidden token's logit is -inf),
     then the temperature and the warps: the output follows the target's law restricted to the
     allowed tokens and renormalised.  A position that allows no token with a finite logit makes
-    its row invalid (``num_accepted = -1``).
+    its row invalid (``num_accepted = -1``).  The Triton backend applies it inside its one launch
+    (no masked copy of the logits); the torch path masks a copy first.  Eager-only, as ``out=``
+    (under torch.compile the mask is applied to a copy before the registered op).
     """
     _check_method(method)
     if isinstance(temperature, float):
@@ -301,16 +306,19 @@ def fused_verify(
             raise ValueError("token_bitmask needs target_logits [B, K+1, V]")
         check_token_bitmask(token_bitmask, tuple(target_logits.shape[:2]), target_logits.shape[-1],
                             target_logits.device)
-        target_logits = apply_token_bitmask(target_logits, token_bitmask, bool(target_is_probs))
+        if torch.compiler.is_compiling():  # the registered op takes no mask: applied before it
+            target_logits = apply_token_bitmask(target_logits, token_bitmask, bool(target_is_probs))
+            token_bitmask = None
     a = normalize_arguments(target_logits, draft_tokens, draft_probs, num_draft_tokens, temperature, top_k,
                    top_p, seed, offset, uniforms, materialize=False, target_is_probs=bool(target_is_probs),
                    draft_logits=draft_logits, min_p=min_p)
-    if target_is_probs or out is not None or return_logprobs or draft_logits is not None or method == "block":
+    if (target_is_probs or out is not None or return_logprobs or draft_logits is not None or method == "block"
+            or token_bitmask is not None):
         B, K1, _ = target_logits.shape
         if out is not None:
             out = _check_out(out, B, K1, target_logits.device, bool(return_logprobs))
         lay = _Layout(B, K1 - 1, None, bool(target_is_probs), bool(return_logprobs), out,
-                      draft_logits=draft_logits is not None, block=method == "block")
+                      draft_logits=draft_logits is not None, block=method == "block", mask=token_bitmask)
         return _verify_layout(a, lay, backend)
     return verify_prechecked(*a, backend=backend)
 
@@ -361,12 +369,11 @@ def fused_verify_packed(
         if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
             raise ValueError("token_bitmask needs logits [sum_b (K_b + 1), V]")
         check_token_bitmask(token_bitmask, (logits.shape[0],), logits.shape[-1], logits.device)
-        logits = apply_token_bitmask(logits, token_bitmask, bool(target_is_probs))
     a, B, K = _normalize_packed(logits, draft_tokens, cu_num_draft_tokens, draft_probs, max_num_draft_tokens,
                                 temperature, top_k, top_p, seed, offset, uniforms, bool(target_is_probs),
                                 draft_logits=draft_logits, min_p=min_p)
     if out is not None:
         out = _check_out(out, B, K + 1, logits.device, bool(return_logprobs))
     lay = _Layout(B, K, cu_num_draft_tokens, bool(target_is_probs), bool(return_logprobs), out,
-                  draft_logits=draft_logits is not None, block=method == "block")
+                  draft_logits=draft_logits is not None, block=method == "block", mask=token_bitmask)
     return _verify_layout(a, lay, backend)

@@ -14,8 +14,10 @@ away; at an allowed one it makes the row invalid as without a mask.  A position 
 nothing, or only tokens whose logits are -inf, has no finite logit: its row is invalid
 (``num_accepted = -1``, tokens -1), never a forbidden token.
 
-Memory traffic: on the torch path and, for now, the Triton path, the mask is one extra pass over
-the logits (read [B, K+1, V] and W words per position, write [B, K+1, V]) before the verify.
+Memory traffic: the Triton kernel applies the mask inside its one launch (MASKED): every read of a
+position's logits also reads the mask's words that cover them, W * 4 = V / 8 bytes a position
+(1/32 of fp32 logits, 1/16 of bf16), and nothing is written.  The torch path (CPU) masks a copy
+first: one extra pass (read [B, K+1, V] and W words per position, write [B, K+1, V]).
 """
 
 from __future__ import annotations

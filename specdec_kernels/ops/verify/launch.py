@@ -165,14 +165,15 @@ def _sm_count(index: int) -> int:
 def split_kernel_meta(V: int, K1: int, has_draft_probs: bool, has_top_k: bool, has_top_p: bool, has_uniforms: bool,
                       has_order: bool = False, packed: bool = False, probs: bool = False, logprobs: bool = False,
                       draft_logits: bool = False, has_min_p: bool = False, block: bool = False,
-                      cuda: bool = True) -> dict:
+                      cuda: bool = True, masked: bool = False) -> dict:
     """The split kernel's compile-time parameters for V tokens and K + 1 = K1 positions under the
     current ``SETTINGS``: its constexprs, num_warps, enable_fp_fusion (pinned off: a
     multiply and an add stay two roundings) and maxnreg (CUDA only).  The launch and the ahead-of-time compile
     check (``scripts/gpu_compile_check.py``) both take them here.  ``draft_logits``: the draft
     tensor holds logits (DRAFT_LOGITS; with has_draft_probs); ``has_min_p``: a min_p argument was
     given (HAS_MIN_P); ``block``: block verification (BLOCK); ``cuda``: compiled for a GPU (the
-    poll's nanosleep is CUDA inline assembly, which the interpreter cannot run)."""
+    poll's nanosleep is CUDA inline assembly, which the interpreter cannot run); ``masked``: a
+    grammar's token mask applied in the launch (MASKED)."""
     import triton
 
     st = SETTINGS
@@ -180,7 +181,8 @@ def split_kernel_meta(V: int, K1: int, has_draft_probs: bool, has_top_k: bool, h
     nc = triton.cdiv(V, chunk)
     meta = dict(HAS_DRAFT_PROBS=has_draft_probs, HAS_TOP_K=has_top_k, HAS_TOP_P=has_top_p, HAS_MIN_P=has_min_p,
                 HAS_UNIFORMS=has_uniforms, HAS_ORDER=has_order, PACKED=packed, PROBS=probs, LOGPROBS=logprobs,
-                DRAFT_LOGITS=bool(draft_logits and has_draft_probs), BLOCK=bool(block), CHUNK=chunk,
+                DRAFT_LOGITS=bool(draft_logits and has_draft_probs), BLOCK=bool(block), MASKED=bool(masked),
+                CHUNK=chunk,
                 TILES=st.tiles_per_item, STAGES=st.stages, NCB=triton.next_power_of_2(nc),
                 CAP=st.top_k_cap, BLOCK_K=triton.next_power_of_2(K1),
                 TICKET=_TICKETS.index(st.ticket), POLL=_POLLS.index(st.poll),
@@ -203,7 +205,8 @@ class _Layout(NamedTuple):
     """What a call asks beyond ``_Args``: the batch (B rows, K = max_b K_b), the packed layout's
     cu [B + 1] (None: padded), probabilities in, log-probabilities out, preallocated outputs, and
     whether ``_Args.draft_probs`` holds the draft's logits (``draft_logits=``: q = softmax(l / T)),
-    and the verification method (``block``: ``method="block"``)."""
+    the verification method (``block``: ``method="block"``) and a grammar's token mask (``mask``:
+    ``token_bitmask=``, int32 [B, K+1, W] or packed [sum_b (K_b + 1), W], checked)."""
 
     B: int
     K: int
@@ -213,6 +216,7 @@ class _Layout(NamedTuple):
     out: Optional[tuple] = None
     draft_logits: bool = False
     block: bool = False  # method="block": block verification
+    mask: Optional[torch.Tensor] = None  # token_bitmask=: applied in the launch (the torch path: before it)
 
 
 def _padded_layout(a: _Args) -> _Layout:
@@ -270,7 +274,7 @@ def _launch(a: _Args, lay: _Layout, order: Optional[torch.Tensor] = None,
     meta = split_kernel_meta(V, K1, q is not None, a.top_k is not None, a.top_p is not None, u is not None,
                              order is not None, packed=packed, probs=lay.probs, logprobs=lay.logprobs,
                              draft_logits=lay.draft_logits, has_min_p=a.min_p is not None, block=lay.block,
-                             cuda=dev.type == "cuda")
+                             cuda=dev.type == "cuda", masked=lay.mask is not None)
     nc = -(-V // meta["CHUNK"])
     sizes = SplitWorkspace.sizes(B, K1, nc, meta["CAP"] if warp else 0, meta["DRAFT_LOGITS"], lay.block)
     if local_workspace:
@@ -319,6 +323,15 @@ def _launch(a: _Args, lay: _Layout, order: Optional[torch.Tensor] = None,
         x_strides = (x.stride(0), x.stride(1) if K > 0 else 1)
         q_strides = (q.stride(0), q.stride(1)) if q is not None else (0, 0)
         cu, cu_stride = dummy, 0
+    mask = lay.mask
+    if mask is not None and mask.stride(-1) != 1:
+        mask = mask.contiguous()  # the kernel reads a position's words at ptr + v // 32
+    if mask is None:
+        m_strides = (0, 0)
+    elif packed:
+        m_strides = (0, mask.stride(0))
+    else:
+        m_strides = (mask.stride(0), mask.stride(1))
     lp = logprobs if logprobs is not None else dummy
     lp_strides = (logprobs.stride(0), logprobs.stride(1)) if logprobs is not None else (0, 0)
     # Triton launches on the current device's current stream: make it the tensors'. Nothing to
@@ -326,6 +339,7 @@ def _launch(a: _Args, lay: _Layout, order: Optional[torch.Tensor] = None,
     with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
         verify_split_kernel[(grid,)](
             logits, *l_strides, x, *x_strides, q if q is not None else dummy, *q_strides, cu, cu_stride,
+            mask if mask is not None else dummy, *m_strides,
             u if u is not None else dummy, u.stride(0) if u is not None else 0, u.stride(1) if u is not None else 0,
             flags, nd_p, nd_s, nd_v, t_p, t_s, float(t_v), k_p, k_s, k_v, p_p, p_s, float(p_v),
             mp_p, mp_s, float(mp_v), s_p, s_s, s_v, o_p, o_s, o_v, seed_step,

@@ -2,13 +2,15 @@
 as the reference's ``row_parameters``) and where its data start (``_row_offsets``), its random
 numbers (``_draft_uniforms``, ``_final_uniform``: ``reference.philox_uniforms``'s), a chunk's
 scores and final-draw weights (``_scores``, ``_weight``, ``_chunk_weights``, with the draft's
-softmax ``_draft_q``), log-probabilities (``_logprob``), the inverse-CDF draw (``_draw``) and the
-row's outputs (``_emit``).
+softmax ``_draft_q``; under a grammar's mask with MASKED, and ``_masked_score`` for single
+tokens), log-probabilities (``_logprob``), the inverse-CDF draw (``_draw``) and the row's
+outputs (``_emit``).
 
 Memory traffic, with E-byte logits and Ed-byte draft probabilities or logits: ``_param`` reads
 one element of a [B] parameter (nothing for a scalar, passed by value), ``_row_offsets`` cu[b]
-(PACKED); ``_scores`` reads CHUNK * E bytes, ``_chunk_weights`` CHUNK * E and, where q is read
-(after a rejection; at every draft position with BLOCK), up to CHUNK * Ed more; ``_draw``
+(PACKED); ``_scores`` reads CHUNK * E bytes (MASKED: CHUNK / 8 more, the mask's words),
+``_chunk_weights`` CHUNK * E and, where q is read (after a rejection; at every draft position
+with BLOCK), up to CHUNK * Ed more; ``_draw``
 re-reads the one chunk that holds the sampled token (L2-hot), and ``_p_masses`` the whole
 position (V * E bytes) only when the residual sums to zero; given uniforms are 8 bytes each
 (4 for fp32; without them Philox runs in registers); ``_emit`` reads up to K draft ids and
@@ -21,7 +23,7 @@ import triton
 import triton.language as tl
 
 from ..row_params import PARAM_FLAG
-from .common import order_key
+from .common import allowed, order_key
 from .candidates import _INT32_MAX
 
 _FLT_MIN = tl.constexpr(1.1754943508222875e-38)  # 2^-126, reference.FLT_MIN: the smallest temperature
@@ -105,30 +107,50 @@ def _row_params(b, K, V, flags,
 
 @triton.jit
 def _row_offsets(b, cu_ptr, cu_stride, stride_lb, stride_lk, stride_tb, stride_tk, stride_qb, stride_qk,
-                 PACKED: tl.constexpr):
-    """Element offsets of row b's first position in the logits, its first draft token and its
-    first draft distribution.  Padded: row b at b * stride.  PACKED: the rows back to back, row b's
-    K_b + 1 positions from logits row cu[b] + b, its drafts from cu[b]."""
+                 stride_mb, stride_mk, PACKED: tl.constexpr):
+    """Element offsets of row b's first position in the logits, its first draft token, its first
+    draft distribution and its first position's grammar mask.  Padded: row b at b * stride.
+    PACKED: the rows back to back, row b's K_b + 1 positions (and masks) from row cu[b] + b, its
+    drafts from cu[b]."""
     if PACKED:
         c0 = tl.load(cu_ptr + b * cu_stride).to(tl.int64)
         l_off = (c0 + b) * stride_lk
         t_off = c0 * stride_tk
         q_off = c0 * stride_qk
+        m_off = (c0 + b) * stride_mk
     else:
         l_off = b * stride_lb
         t_off = b * stride_tb
         q_off = b * stride_qb
-    return l_off, t_off, q_off
+        m_off = b * stride_mb
+    return l_off, t_off, q_off, m_off
 
 
 @triton.jit
-def _scores(ptr, offs, n, inv_t, PROBS: tl.constexpr):
+def _scores(ptr, offs, n, inv_t, mask_row, PROBS: tl.constexpr, MASKED: tl.constexpr):
     """A chunk's scores as fp32: the logits times 1 / T, -inf at offs >= n; or, PROBS, the
-    probabilities as given, 0 at offs >= n."""
+    probabilities as given, 0 at offs >= n.  MASKED: -inf (PROBS: 0) too where the position's
+    grammar mask (``mask_row``) forbids the token, whatever its logit (a NaN there is masked away)."""
     if PROBS:
         s = tl.load(ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
+        if MASKED:
+            s = tl.where(allowed(mask_row, offs, offs < n), s, 0.0)
     else:
         s = tl.load(ptr + offs, mask=offs < n, other=float("-inf")).to(tl.float32) * inv_t
+        if MASKED:
+            s = tl.where(allowed(mask_row, offs, offs < n), s, float("-inf"))
+    return s
+
+
+@triton.jit
+def _masked_score(s, mask_row, x, ok, PROBS: tl.constexpr, MASKED: tl.constexpr):
+    """Scores s of single tokens x (a draft per position, the final token), -inf (PROBS: 0) where
+    the grammar mask of each one's position (``mask_row``, one per lane) forbids it (MASKED)."""
+    if MASKED:
+        if PROBS:
+            s = tl.where(allowed(mask_row, x, ok), s, 0.0)
+        else:
+            s = tl.where(allowed(mask_row, x, ok), s, float("-inf"))
     return s
 
 
@@ -162,18 +184,19 @@ def _draft_q(ld, m_d, S_d):
 
 
 @triton.jit
-def _chunk_weights(pos_ptr, q_ptr, offs, V, q_len, x_j, inv_t, m, S, thr, subtract_q, m_d, S_d, scale,
+def _chunk_weights(pos_ptr, q_ptr, offs, V, q_len, x_j, inv_t, m, S, thr, subtract_q, m_d, S_d, scale, pos_mask,
                    HAS_DRAFT_PROBS: tl.constexpr, PROBS: tl.constexpr, DRAFT_LOGITS: tl.constexpr,
-                   BLOCK: tl.constexpr):
+                   BLOCK: tl.constexpr, MASKED: tl.constexpr):
     """One chunk's final-draw weights (fp32): r = max(0, p - q) when subtract_q (the residual
     after a rejection), else r = p; with the non-finite/negative q count.  BLOCK (block
     verification): r = max(0, scale * p - q) in float64, scale the float64 p_i of the position
     (``reference.block_verify_reference``), else r = p in float64.  q (fp32, bf16 or fp16,
     read as fp32) is read up to q_len (0 = not at all), or is one-hot at x_j for a deterministic
     drafter; DRAFT_LOGITS: q_ptr holds the draft's logits, q = exp(l / T - m_d) / S_d (m_d, S_d:
-    the position's draft max and sum, from its stage-1 records)."""
+    the position's draft max and sum, from its stage-1 records).  MASKED: p under the position's
+    grammar mask (``pos_mask``); q as given."""
     mask = offs < V
-    s = _scores(pos_ptr, offs, V, inv_t, PROBS)
+    s = _scores(pos_ptr, offs, V, inv_t, pos_mask, PROBS, MASKED)
     p = tl.where(mask & (order_key(s).to(tl.int64) >= thr), _weight(s, m, PROBS) / S, 0.0)
     if HAS_DRAFT_PROBS:
         if DRAFT_LOGITS:
@@ -224,23 +247,23 @@ def _final_uniform(b, uniforms_ptr, stride_ub, stride_uk, K, flags, seed_ptr, se
 
 
 @triton.jit
-def _p_masses(pos_ptr, q_ptr, V, NC, inv_t, m_j, S_j, thr_j, m_dj, S_dj, cs_ids, offs0, NCB: tl.constexpr,
+def _p_masses(pos_ptr, q_ptr, V, NC, inv_t, m_j, S_j, thr_j, m_dj, S_dj, cs_ids, offs0, pos_mask, NCB: tl.constexpr,
               HAS_DRAFT_PROBS: tl.constexpr, PROBS: tl.constexpr, DRAFT_LOGITS: tl.constexpr, BLOCK: tl.constexpr,
-              CHUNK: tl.constexpr):
+              CHUNK: tl.constexpr, MASKED: tl.constexpr):
     """The float64 chunk masses [NCB] of p itself at one position: the final draw's weights when
     the residual sums to zero (q >= p everywhere in floating point; rare: one pass of its own)."""
     W = tl.zeros([NCB], dtype=tl.float64)
     for cc in range(0, NC):
         r, _, _ = _chunk_weights(pos_ptr, q_ptr, cc * CHUNK + offs0, V, 0, -1, inv_t, m_j, S_j, thr_j, False,
-                                 m_dj, S_dj, 1.0, HAS_DRAFT_PROBS, PROBS, DRAFT_LOGITS, BLOCK)
+                                 m_dj, S_dj, 1.0, pos_mask, HAS_DRAFT_PROBS, PROBS, DRAFT_LOGITS, BLOCK, MASKED)
         W = tl.where(cs_ids == cc, tl.sum(r.to(tl.float64), axis=0), W)
     return W
 
 
 @triton.jit
 def _draw(W, u_final, cmask, cs_ids, offs0, pos_ptr, q_ptr, V, q_len, x_j, inv_t, m_j, S_j, thr_j, subtract_q,
-          m_dj, S_dj, scale, HAS_DRAFT_PROBS: tl.constexpr, PROBS: tl.constexpr, DRAFT_LOGITS: tl.constexpr,
-          BLOCK: tl.constexpr, CHUNK: tl.constexpr):
+          m_dj, S_dj, scale, pos_mask, HAS_DRAFT_PROBS: tl.constexpr, PROBS: tl.constexpr,
+          DRAFT_LOGITS: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr, MASKED: tl.constexpr):
     """The inverse-CDF draw from one position's weights, given their float64 chunk masses W [NCB]
     (chunk order): the chunk holding u_final * sum(W) is the first chunk of positive mass whose
     cumulative mass passes it (the last one if rounding leaves none); that chunk's weights are
@@ -255,7 +278,7 @@ def _draw(W, u_final, cmask, cs_ids, offs0, pos_ptr, q_ptr, V, q_len, x_j, inv_t
     carry = tl.sum(tl.where(cs_ids == c_star, cdf - W, 0.0), axis=0)
     offs = tl.maximum(c_star, 0) * CHUNK + offs0
     r, mask, _ = _chunk_weights(pos_ptr, q_ptr, offs, V, q_len, x_j, inv_t, m_j, S_j, thr_j, subtract_q, m_dj, S_dj,
-                                scale, HAS_DRAFT_PROBS, PROBS, DRAFT_LOGITS, BLOCK)
+                                scale, pos_mask, HAS_DRAFT_PROBS, PROBS, DRAFT_LOGITS, BLOCK, MASKED)
     cdf_v = carry + tl.cumsum(r.to(tl.float64), axis=0)
     hit = tl.min(tl.where(mask & (r > 0.0) & (cdf_v > target), offs, _INT32_MAX), axis=0)
     last_nz = tl.max(tl.where(mask & (r > 0.0), offs, -1), axis=0)

@@ -11,7 +11,9 @@ bytes from HBM, every position once and in parallel (the floor: each decision ne
 position's softmax); stage 2 reads position j again, V * E (+ q_j's Vd * 4 after a rejection),
 from L2 when ``stage2_lag`` numbers it close to its stage 1; the draw rescans one chunk; records
 are 16 bytes a chunk (+ 4 * CAP with top-k/top-p/min-p).  Block verification reads every
-position twice; draft logits add K_b * Vd * Ed.  Per-form details: docs/verify_kernel.md.
+position twice; draft logits add K_b * Vd * Ed; a grammar's mask (MASKED) adds V / 8 bytes to
+each read of a position (its int32 words), in the same pass: no pass of its own.  Per-form
+details: docs/verify_kernel.md.
 
 Ordering and progress: items publish records, then an acq_rel arrival; the last arrival combines.
 The chain publishes with a release of the ready flag; stage 2 acquires it.  A stage-2 item waits
@@ -124,6 +126,8 @@ def verify_split_kernel(
     draft_probs_ptr, stride_qb, stride_qk,  # [B, K, Vd] (PACKED: [sum_b K_b, Vd]) fp32/bf16/fp16, last dim contiguous
     #                                        (DRAFT_LOGITS: the draft's logits, same layout and dtypes)
     cu_ptr, cu_stride,  # PACKED: [B + 1] int32/int64, cu[b] = K_0 + ... + K_{b-1}
+    mask_ptr, stride_mb, stride_mk,  # MASKED: [B, K+1, W] (PACKED: [sum_b (K_b + 1), W]) int32, W = ceil(V/32),
+    #                                  last dim contiguous
     uniforms_ptr, stride_ub, stride_uk,  # [B, K+1] float64/fp32
     param_flags,  # bit set: that parameter is a [B] tensor (ptr, stride), else the scalar
     nd_ptr, nd_stride, nd_scalar,  # num_draft_tokens: int
@@ -156,6 +160,7 @@ def verify_split_kernel(
     LOGPROBS: tl.constexpr,  # also write each emitted token's target log-probability
     DRAFT_LOGITS: tl.constexpr,  # draft_probs_ptr holds the draft's logits: q = softmax(logits / T), per row's T
     BLOCK: tl.constexpr,  # block verification (Sun et al. 2025) instead of token by token
+    MASKED: tl.constexpr,  # a grammar's token mask (xgrammar's bitmask) applied to every read of the target's logits
     CHUNK: tl.constexpr,
     TILES: tl.constexpr,  # chunks per work item
     STAGES: tl.constexpr,  # software-pipelining depth over an item's chunks
@@ -197,33 +202,36 @@ def verify_split_kernel(
                 b, K, V, param_flags, nd_ptr, nd_stride, nd_scalar, t_ptr, t_stride, t_scalar,
                 k_ptr, k_stride, k_scalar, p_ptr, p_stride, p_scalar, mp_ptr, mp_stride, mp_scalar, cu_ptr, cu_stride,
                 HAS_TOP_K, HAS_TOP_P, HAS_MIN_P, PACKED, PROBS)
-            l_off, t_off, q_off = _row_offsets(b, cu_ptr, cu_stride, stride_lb, stride_lk, stride_tb, stride_tk,
-                                               stride_qb, stride_qk, PACKED)
+            l_off, t_off, q_off, m_off = _row_offsets(b, cu_ptr, cu_stride, stride_lb, stride_lk, stride_tb,
+                                                      stride_tk, stride_qb, stride_qk, stride_mb, stride_mk, PACKED)
             pid_bi = b * K1 + i
             warp_on = k_on | p_on | mp_on
-            stage1_item(logits_ptr + l_off, draft_probs_ptr + q_off, stride_lk, stride_qk, cand_ptr, part_f_ptr,
-                        part_i_ptr, B, K1, NC, V, Vd, pid_bi, i, g, kb, greedy, bad_param, inv_t, warp_on,
-                        HAS_TOP_K, HAS_TOP_P, HAS_MIN_P, PROBS, LOGPROBS, DRAFT_LOGITS, CHUNK, TILES, STAGES, CAP)
+            stage1_item(logits_ptr + l_off, draft_probs_ptr + q_off, mask_ptr + m_off, stride_lk, stride_qk, stride_mk,
+                        cand_ptr, part_f_ptr, part_i_ptr, B, K1, NC, V, Vd, pid_bi, i, g, kb, greedy, bad_param,
+                        inv_t, warp_on, HAS_TOP_K, HAS_TOP_P, HAS_MIN_P, PROBS, LOGPROBS, DRAFT_LOGITS, CHUNK, TILES,
+                        STAGES, CAP, MASKED)
             # Arrive at the position (release this item's records); the last of its NI items
             # (acquiring every other's) combines its NC chunks.
             tl.debug_barrier()
             arrived = tl.atomic_add(pos_cnt_ptr + pid_bi, 1, sem="acq_rel")
             if arrived == NI - 1:
                 if (i <= kb) & (bad_param == 0):
-                    combine_position(logits_ptr + l_off, stride_lk, cand_ptr, part_f_ptr, part_i_ptr, B, K1, NC, V,
-                                     pid_bi, i, kb, greedy, inv_t, k_on, p_on, top_k, top_p, mp_on, min_p, warp_on,
-                                     HAS_TOP_K, HAS_TOP_P, HAS_MIN_P, PROBS, LOGPROBS, DRAFT_LOGITS, CHUNK, NCB, CAP)
+                    combine_position(logits_ptr + l_off, mask_ptr + m_off, stride_lk, stride_mk, cand_ptr, part_f_ptr,
+                                     part_i_ptr, B, K1, NC, V, pid_bi, i, kb, greedy, inv_t, k_on, p_on, top_k, top_p,
+                                     mp_on, min_p, warp_on, HAS_TOP_K, HAS_TOP_P, HAS_MIN_P, PROBS, LOGPROBS,
+                                     DRAFT_LOGITS, CHUNK, NCB, CAP, MASKED)
                 # Arrive at the row: the last of its K + 1 positions runs the acceptance chain.
                 tl.debug_barrier()
                 rows_done = tl.atomic_add(row_cnt_ptr + b, 1, sem="acq_rel")
                 if rows_done == K1 - 1:
-                    acceptance_chain(logits_ptr + l_off, draft_tokens_ptr + t_off, draft_probs_ptr + q_off, stride_lk,
-                                     stride_tk, stride_qk, uniforms_ptr, stride_ub, stride_uk, param_flags, seed_ptr,
-                                     seed_stride, seed_scalar, seed_row_step, off_ptr, off_stride, off_scalar,
+                    acceptance_chain(logits_ptr + l_off, draft_tokens_ptr + t_off, draft_probs_ptr + q_off,
+                                     mask_ptr + m_off, stride_lk, stride_tk, stride_qk, stride_mk, uniforms_ptr,
+                                     stride_ub, stride_uk, param_flags, seed_ptr, seed_stride, seed_scalar,
+                                     seed_row_step, off_ptr, off_stride, off_scalar,
                                      tokens_ptr, stride_ob, stride_oc, num_accepted_ptr, stride_on, logprobs_ptr,
                                      stride_pb, stride_pc, part_f_ptr, part_i_ptr, mass_ptr, b, B, K, V, Vd, NC, kb,
                                      greedy, bad_param, inv_t, HAS_DRAFT_PROBS, HAS_UNIFORMS, PROBS, LOGPROBS,
-                                     DRAFT_LOGITS, BLOCK, BLOCK_K)
+                                     DRAFT_LOGITS, BLOCK, BLOCK_K, MASKED)
                     tl.debug_barrier()
                     tl.atomic_xchg(ready_ptr + b, 1, sem="release")
         else:  # stage 2, item (b, g) (BLOCK: (b, position, g))
@@ -240,24 +248,25 @@ def verify_split_kernel(
                 b, K, V, param_flags, nd_ptr, nd_stride, nd_scalar, t_ptr, t_stride, t_scalar,
                 k_ptr, k_stride, k_scalar, p_ptr, p_stride, p_scalar, mp_ptr, mp_stride, mp_scalar, cu_ptr, cu_stride,
                 HAS_TOP_K, HAS_TOP_P, HAS_MIN_P, PACKED, PROBS)
-            l_off, t_off, q_off = _row_offsets(b, cu_ptr, cu_stride, stride_lb, stride_lk, stride_tb, stride_tk,
-                                               stride_qb, stride_qk, PACKED)
+            l_off, t_off, q_off, m_off = _row_offsets(b, cu_ptr, cu_stride, stride_lb, stride_lk, stride_tb,
+                                                      stride_tk, stride_qb, stride_qk, stride_mb, stride_mk, PACKED)
             sampled, bad_row, j, rejected, x_j, pp_j, m_j, S_j, thr_j, m_dj, S_dj = stage2_item(
-                logits_ptr + l_off, draft_tokens_ptr + t_off, draft_probs_ptr + q_off, stride_lk, stride_tk, stride_qk,
-                part_f_ptr, part_i_ptr, mass_ptr, b, B, K1, NC, V, Vd, pos, g, kb, greedy, inv_t,
-                HAS_DRAFT_PROBS, PROBS, DRAFT_LOGITS, BLOCK, CHUNK, TILES, STAGES)
+                logits_ptr + l_off, draft_tokens_ptr + t_off, draft_probs_ptr + q_off, mask_ptr + m_off, stride_lk,
+                stride_tk, stride_qk, stride_mk, part_f_ptr, part_i_ptr, mass_ptr, b, B, K1, NC, V, Vd, pos, g, kb,
+                greedy, inv_t, HAS_DRAFT_PROBS, PROBS, DRAFT_LOGITS, BLOCK, CHUNK, TILES, STAGES, MASKED)
             tl.debug_barrier()
             arrived = tl.atomic_add(s2_cnt_ptr + b, 1, sem="acq_rel")
             if arrived == NI * (K1 if BLOCK else 1) - 1:
                 if sampled:
-                    final_draw(logits_ptr + l_off, draft_tokens_ptr + t_off, draft_probs_ptr + q_off, stride_lk,
-                               stride_tk, stride_qk, uniforms_ptr, stride_ub, stride_uk, param_flags, seed_ptr,
-                               seed_stride, seed_scalar, seed_row_step, off_ptr, off_stride, off_scalar,
+                    final_draw(logits_ptr + l_off, draft_tokens_ptr + t_off, draft_probs_ptr + q_off, mask_ptr + m_off,
+                               stride_lk, stride_tk, stride_qk, stride_mk, uniforms_ptr, stride_ub, stride_uk,
+                               param_flags, seed_ptr, seed_stride, seed_scalar, seed_row_step, off_ptr, off_stride,
+                               off_scalar,
                                tokens_ptr, stride_ob, stride_oc, num_accepted_ptr, stride_on, logprobs_ptr,
                                stride_pb, stride_pc, part_f_ptr, part_i_ptr, mass_ptr, b, B, K, NC, V, Vd, kb, inv_t,
                                bad_row, j, rejected, x_j, pp_j, m_j, S_j, thr_j, m_dj, S_dj,
                                HAS_DRAFT_PROBS, HAS_UNIFORMS, PROBS, LOGPROBS, DRAFT_LOGITS, BLOCK, CHUNK, NCB,
-                               BLOCK_K)
+                               BLOCK_K, MASKED)
         if TICKET == 2:
             t = t_next
         else:

@@ -13,7 +13,9 @@ Memory traffic: ``stage1_item`` reads its chunks of position i (TILES * CHUNK * 
 DRAFT_LOGITS as many of the draft's logits) and writes 16 bytes a chunk (+ 4 * CAP with a warp);
 ``combine_position`` reads the position's records (L2) and, only when the candidate lists cannot
 decide top-k/top-p/min-p, the position again; ``acceptance_chain`` reads K_b logits, draft ids
-and q entries and writes the row's records.  The whole launch: ``split_kernel``'s header.
+and q entries and writes the row's records.  MASKED (a grammar's mask): every read of the
+target's logits also reads the mask's words that cover them, one int32 per 32 tokens (1/32 of
+fp32 logits' bytes, 1/16 of bf16's).  The whole launch: ``split_kernel``'s header.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import triton.language as tl
 
 from ..records import field_offset
 from .common import masked_mass as _masked_mass, order_key as _order_key, warp_full as _warp_full
-from .draw import _draft_q, _draft_uniforms, _emit, _logprob, _scores, _weight
+from .draw import _draft_q, _draft_uniforms, _emit, _logprob, _masked_score, _scores, _weight
 from .candidates import _INT32_MAX, _INT32_MIN, _chunk_candidates, _key_value, _warp_from_candidates
 from .candidates import min_p_key as _min_p_key
 
@@ -128,19 +130,21 @@ def _m_fields(mass_ptr, B, K1, NC):
 
 
 @triton.jit
-def stage1_item(row_logits, row_q, stride_lk, stride_qk, cand_ptr, part_f_ptr, part_i_ptr, B, K1, NC, V, Vd,
-                pid_bi, i, g, kb, greedy, bad_param, inv_t, warp_on,
+def stage1_item(row_logits, row_q, row_mask, stride_lk, stride_qk, stride_mk, cand_ptr, part_f_ptr, part_i_ptr,
+                B, K1, NC, V, Vd, pid_bi, i, g, kb, greedy, bad_param, inv_t, warp_on,
                 HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr, PROBS: tl.constexpr,
                 LOGPROBS: tl.constexpr, DRAFT_LOGITS: tl.constexpr, CHUNK: tl.constexpr, TILES: tl.constexpr,
-                STAGES: tl.constexpr, CAP: tl.constexpr):
-    """Stage 1, item (b, i, g): its TILES chunks of position i, the next chunk's loads issued
-    while this one reduces (software pipelining; one chunk per item by default)."""
+                STAGES: tl.constexpr, CAP: tl.constexpr, MASKED: tl.constexpr):
+    """Stage 1, item (b, i, g): its TILES chunks of position i (MASKED: under the position's
+    grammar mask), the next chunk's loads issued while this one reduces (software pipelining; one
+    chunk per item by default)."""
     cm_ptr, cs_ptr, pm_ptr, pS_ptr, dm_ptr, ds_ptr, pmd_ptr, pSd_ptr = _f_fields(part_f_ptr, B, K1, NC)
     (ca_ptr, cb_ptr, ct_ptr, cn_ptr, pa_ptr, pb_ptr, pt_ptr, rj_ptr, rr_ptr, rbad_ptr, rx_ptr, cq_ptr, pf_ptr, db_ptr,
      pbd_ptr) = _i_fields(part_i_ptr, B, K1, NC)
     offs0 = tl.arange(0, CHUNK)
     row_on = (i <= kb) & (bad_param == 0)
     pos_ptr = row_logits + i * stride_lk
+    pos_mask = row_mask + i * stride_mk
     v_read = tl.where(row_on, V, 0)  # a row or position that needs no read reads nothing
     # DRAFT_LOGITS: a sampled row's draft position i < K_b also reduces the draft's logits
     # l_i / T over the chunk (max, sum of exp, NaN/+inf count); chunks past Vd read nothing
@@ -152,9 +156,9 @@ def stage1_item(row_logits, row_q, stride_lk, stride_qk, cand_ptr, part_f_ptr, p
         rec = pid_bi * NC + c
         offs = c * CHUNK + offs0
         mask = offs < V  # false past the last chunk
-        s = _scores(pos_ptr, offs, v_read, inv_t, PROBS)
+        s = _scores(pos_ptr, offs, v_read, inv_t, pos_mask, PROBS, MASKED)
         if DRAFT_LOGITS:
-            ld = _scores(d_pos_ptr, offs, vd_read, inv_t, False)  # -inf past Vd
+            ld = _scores(d_pos_ptr, offs, vd_read, inv_t, pos_mask, False, False)  # -inf past Vd; q unmasked
             if d_on & (c < NC):
                 n_bad_d = tl.sum(((ld != ld) | (ld == float("inf"))).to(tl.int32), axis=0)
                 ld = tl.where(ld != ld, float("-inf"), ld)
@@ -190,11 +194,11 @@ def stage1_item(row_logits, row_q, stride_lk, stride_qk, cand_ptr, part_f_ptr, p
 
 
 @triton.jit
-def combine_position(row_logits, stride_lk, cand_ptr, part_f_ptr, part_i_ptr, B, K1, NC, V, pid_bi, i, kb, greedy,
-                     inv_t, k_on, p_on, top_k, top_p, mp_on, min_p, warp_on,
+def combine_position(row_logits, row_mask, stride_lk, stride_mk, cand_ptr, part_f_ptr, part_i_ptr, B, K1, NC, V,
+                     pid_bi, i, kb, greedy, inv_t, k_on, p_on, top_k, top_p, mp_on, min_p, warp_on,
                      HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr, PROBS: tl.constexpr,
                      LOGPROBS: tl.constexpr, DRAFT_LOGITS: tl.constexpr, CHUNK: tl.constexpr, NCB: tl.constexpr,
-                     CAP: tl.constexpr):
+                     CAP: tl.constexpr, MASKED: tl.constexpr):
     """Position (b, i)'s records from its NC chunks, folded in chunk order (the result does not
     depend on which program arrives last): (m, S, argmax, bad, thr, scanned), with DRAFT_LOGITS
     the draft's (m_d, S_d, bad_d).  Top-k/top-p/min-p from the chunks' candidate keys, or by a
@@ -244,8 +248,8 @@ def combine_position(row_logits, stride_lk, cand_ptr, part_f_ptr, part_i_ptr, B,
                 else:  # the lists cannot decide: bisect over the whole position
                     scanned = tl.full([], 1, tl.int32)
                     S, thr = _warp_full(row_logits + i * stride_lk, V, inv_t,
-                                        m_safe, S, key_max, top_k, top_p, k_on, p_on,
-                                        HAS_TOP_K, HAS_TOP_P, CHUNK)
+                                        m_safe, S, key_max, top_k, top_p, k_on, p_on, row_mask + i * stride_mk,
+                                        HAS_TOP_K, HAS_TOP_P, CHUNK, MASKED)
                 if HAS_MIN_P:
                     # min-p after top-k/top-p: a threshold key from m alone, the
                     # higher of the two kept (an intersection of upper sets)
@@ -258,7 +262,7 @@ def combine_position(row_logits, stride_lk, cand_ptr, part_f_ptr, part_i_ptr, B,
                         else:  # kept tokens below the lists: one pass for the mass
                             scanned = tl.full([], 1, tl.int32)
                             S = _masked_mass(row_logits + i * stride_lk, V, inv_t,
-                                             m_safe, thr, CHUNK)
+                                             m_safe, thr, row_mask + i * stride_mk, CHUNK, MASKED)
     if DRAFT_LOGITS:
         # the draft's (m_d, S_d) of position i, its chunks in chunk order; defaults
         # where q_i is not read (greedy rows, the bonus position)
@@ -288,13 +292,15 @@ def combine_position(row_logits, stride_lk, cand_ptr, part_f_ptr, part_i_ptr, B,
 
 
 @triton.jit
-def acceptance_chain(row_logits, row_tokens, row_q, stride_lk, stride_tk, stride_qk, uniforms_ptr, stride_ub, stride_uk,
+def acceptance_chain(row_logits, row_tokens, row_q, row_mask, stride_lk, stride_tk, stride_qk, stride_mk,
+                     uniforms_ptr, stride_ub, stride_uk,
                      param_flags, seed_ptr, seed_stride, seed_scalar,
                      seed_row_step, off_ptr, off_stride, off_scalar,
                      tokens_ptr, stride_ob, stride_oc, num_accepted_ptr, stride_on, logprobs_ptr, stride_pb, stride_pc,
                      part_f_ptr, part_i_ptr, mass_ptr, b, B, K, V, Vd, NC, kb, greedy, bad_param, inv_t,
                      HAS_DRAFT_PROBS: tl.constexpr, HAS_UNIFORMS: tl.constexpr, PROBS: tl.constexpr,
-                     LOGPROBS: tl.constexpr, DRAFT_LOGITS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr):
+                     LOGPROBS: tl.constexpr, DRAFT_LOGITS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr,
+                     MASKED: tl.constexpr):
     """Row b's K_b acceptance tests at once (float64, the Philox counters of
     ``reference.philox_uniforms``), giving the stop position j; block verification's p_0..p_K; a
     greedy or invalid row written out here; the row's records (j, rejected, bad, x_j) for stage 2."""
@@ -323,6 +329,7 @@ def acceptance_chain(row_logits, row_tokens, row_q, stride_lk, stride_tk, stride
         x_safe = tl.where(x_ok, x, 0)
         s_x = tl.load(row_logits + ks * stride_lk + x_safe, mask=dmask,
                       other=0.0).to(tl.float32) * inv_t
+        s_x = _masked_score(s_x, row_mask + ks * stride_mk, x_safe, dmask, PROBS, MASKED)  # a forbidden x_i: p = 0
         kept_x = _order_key(s_x).to(tl.int64) >= thr_i
         p_x = tl.where(kept_x, _weight(s_x, m_i, PROBS) / S_i, 0.0)
         q_x = tl.full([BLOCK_K], 1.0, tl.float32)

@@ -6,7 +6,8 @@ over the chunk masses, then within one chunk, and writes the row.
 Memory traffic: ``stage2_item`` reads its chunks of position j (TILES * CHUNK * E bytes, L2-hot
 when its row's stage 1 was claimed just before) and of q_j after a rejection, and writes 12 bytes
 a chunk; ``final_draw`` reads the row's NC masses, rescans one chunk (CHUNK * (E + 4) bytes) and
-the whole position only when the residual sums to zero, and writes (K + 2) * 8 bytes.
+the whole position only when the residual sums to zero, and writes (K + 2) * 8 bytes.  MASKED:
+each read of position j's logits reads its grammar mask's words too (CHUNK / 8 bytes a chunk).
 """
 
 from __future__ import annotations
@@ -15,16 +16,16 @@ import triton
 import triton.language as tl
 
 from .common import order_key as _order_key
-from .draw import _chunk_weights, _draft_uniforms, _draw, _emit, _final_uniform, _logprob, _p_masses
+from .draw import _chunk_weights, _draft_uniforms, _draw, _emit, _final_uniform, _logprob, _masked_score, _p_masses
 from .stage1 import _f_fields, _i_fields, _m_fields
 from .candidates import _INT32_MIN
 
 
 @triton.jit
-def stage2_item(row_logits, row_tokens, row_q, stride_lk, stride_tk, stride_qk, part_f_ptr, part_i_ptr, mass_ptr,
-                b, B, K1, NC, V, Vd, pos, g, kb, greedy, inv_t,
+def stage2_item(row_logits, row_tokens, row_q, row_mask, stride_lk, stride_tk, stride_qk, stride_mk, part_f_ptr,
+                part_i_ptr, mass_ptr, b, B, K1, NC, V, Vd, pos, g, kb, greedy, inv_t,
                 HAS_DRAFT_PROBS: tl.constexpr, PROBS: tl.constexpr, DRAFT_LOGITS: tl.constexpr, BLOCK: tl.constexpr,
-                CHUNK: tl.constexpr, TILES: tl.constexpr, STAGES: tl.constexpr):
+                CHUNK: tl.constexpr, TILES: tl.constexpr, STAGES: tl.constexpr, MASKED: tl.constexpr):
     """Stage 2, item (b, g) (BLOCK: (b, pos, g)): the float64 masses of its chunks' final-draw
     weights, max(0, p - q) at the stop position j after a rejection, p for the bonus (BLOCK:
     max(0, p_pos P - Q) below K_b, P at K_b).  Returns what the row's final draw needs."""
@@ -51,6 +52,7 @@ def stage2_item(row_logits, row_tokens, row_q, stride_lk, stride_tk, stride_qk, 
         m_rec = tm_ptr + b * NC
         active = sampled
     pos_ptr = row_logits + j * stride_lk
+    pos_mask = row_mask + j * stride_mk
     q_ptr = row_q + j * stride_qk
     q_len = tl.where(rejected, Vd, 0)  # q_j is read only after a rejection (BLOCK: below K_b)
     m_j = tl.load(pm_ptr + b * K1 + j, cache_modifier=".cg")
@@ -67,8 +69,8 @@ def stage2_item(row_logits, row_tokens, row_q, stride_lk, stride_tk, stride_qk, 
         for tt in tl.range(0, TILES, num_stages=STAGES):
             c = g * TILES + tt
             r, _, n_bad_q = _chunk_weights(pos_ptr, q_ptr, c * CHUNK + offs0, V, q_len, x_j, inv_t, m_j,
-                                           S_j, thr_j, rejected, m_dj, S_dj, pp_j, HAS_DRAFT_PROBS, PROBS,
-                                           DRAFT_LOGITS, BLOCK)
+                                           S_j, thr_j, rejected, m_dj, S_dj, pp_j, pos_mask, HAS_DRAFT_PROBS,
+                                           PROBS, DRAFT_LOGITS, BLOCK, MASKED)
             tl.store(m_rec + c, tl.sum(r.to(tl.float64), axis=0), mask=c < NC)
             if BLOCK:
                 tl.store(bq_ptr + (b * K1 + j) * NC + c, n_bad_q.to(tl.float64), mask=c < NC)
@@ -78,7 +80,8 @@ def stage2_item(row_logits, row_tokens, row_q, stride_lk, stride_tk, stride_qk, 
 
 
 @triton.jit
-def final_draw(row_logits, row_tokens, row_q, stride_lk, stride_tk, stride_qk, uniforms_ptr, stride_ub, stride_uk,
+def final_draw(row_logits, row_tokens, row_q, row_mask, stride_lk, stride_tk, stride_qk, stride_mk,
+               uniforms_ptr, stride_ub, stride_uk,
                param_flags, seed_ptr, seed_stride, seed_scalar,
                seed_row_step, off_ptr, off_stride, off_scalar,
                tokens_ptr, stride_ob, stride_oc, num_accepted_ptr, stride_on, logprobs_ptr, stride_pb, stride_pc,
@@ -86,7 +89,7 @@ def final_draw(row_logits, row_tokens, row_q, stride_lk, stride_tk, stride_qk, u
                bad_row, j, rejected, x_j, pp_j, m_j, S_j, thr_j, m_dj, S_dj,
                HAS_DRAFT_PROBS: tl.constexpr, HAS_UNIFORMS: tl.constexpr, PROBS: tl.constexpr, LOGPROBS: tl.constexpr,
                DRAFT_LOGITS: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr, NCB: tl.constexpr,
-               BLOCK_K: tl.constexpr):
+               BLOCK_K: tl.constexpr, MASKED: tl.constexpr):
     """Row b's final token (recovered or bonus; BLOCK: tau first, from the positions' masses),
     drawn by inverse CDF over the chunk masses and then within one chunk; the row written out."""
     K1 = K + 1
@@ -98,6 +101,7 @@ def final_draw(row_logits, row_tokens, row_q, stride_lk, stride_tk, stride_qk, u
     cs_ids = tl.arange(0, NCB)
     ks = tl.arange(0, BLOCK_K)
     pos_ptr = row_logits + j * stride_lk
+    pos_mask = row_mask + j * stride_mk
     q_ptr = row_q + j * stride_qk
     q_len = tl.where(rejected, Vd, 0)
     cmask = cs_ids < NC
@@ -128,6 +132,7 @@ def final_draw(row_logits, row_tokens, row_q, stride_lk, stride_tk, stride_qk, u
         pp_j = tl.load(pp_ptr + b * K1 + j, cache_modifier=".cg")
         W = tl.load(bm_ptr + (b * K1 + j) * NC + cs_ids, mask=cmask, other=0.0, cache_modifier=".cg")
         pos_ptr = row_logits + j * stride_lk
+        pos_mask = row_mask + j * stride_mk
         q_ptr = row_q + j * stride_qk
         q_len = tl.where(rejected, Vd, 0)
         m_j = tl.load(pm_ptr + b * K1 + j, cache_modifier=".cg")
@@ -145,17 +150,18 @@ def final_draw(row_logits, row_tokens, row_q, stride_lk, stride_tk, stride_qk, u
             bad_row = bad_row | (rejected & (tl.load(pbd_ptr + b * K1 + j, cache_modifier=".cg") != 0))
     use_p = tl.sum(W, axis=0) <= 0.0
     if use_p:
-        W = _p_masses(pos_ptr, q_ptr, V, NC, inv_t, m_j, S_j, thr_j, m_dj, S_dj, cs_ids, offs0, NCB,
-                      HAS_DRAFT_PROBS, PROBS, DRAFT_LOGITS, BLOCK, CHUNK)
+        W = _p_masses(pos_ptr, q_ptr, V, NC, inv_t, m_j, S_j, thr_j, m_dj, S_dj, cs_ids, offs0, pos_mask, NCB,
+                      HAS_DRAFT_PROBS, PROBS, DRAFT_LOGITS, BLOCK, CHUNK, MASKED)
     u_final = _final_uniform(b, uniforms_ptr, stride_ub, stride_uk, K, param_flags, seed_ptr,
                              seed_stride, seed_scalar, seed_row_step, off_ptr, off_stride, off_scalar,
                              HAS_UNIFORMS)
     final = _draw(W, u_final, cmask, cs_ids, offs0, pos_ptr, q_ptr, V, q_len, x_j, inv_t, m_j, S_j,
-                  thr_j, rejected & ~use_p, m_dj, S_dj, pp_j, HAS_DRAFT_PROBS, PROBS, DRAFT_LOGITS,
-                  BLOCK, CHUNK)
+                  thr_j, rejected & ~use_p, m_dj, S_dj, pp_j, pos_mask, HAS_DRAFT_PROBS, PROBS, DRAFT_LOGITS,
+                  BLOCK, CHUNK, MASKED)
     bad_row = bad_row | (final < 0)
     if LOGPROBS:
         s_f = tl.load(pos_ptr + tl.maximum(final, 0)).to(tl.float32) * inv_t
+        s_f = _masked_score(s_f, pos_mask, tl.maximum(final, 0), final >= 0, PROBS, MASKED)
         lp_f = _logprob(s_f, m_j, S_j, _order_key(s_f).to(tl.int64) >= thr_j, PROBS)
         lp = tl.where(ks == j, lp_f, float("-inf"))
         if BLOCK:  # the accepted drafts' log p_i(x_i), known only now
@@ -163,6 +169,7 @@ def final_draw(row_logits, row_tokens, row_q, stride_lk, stride_tk, stride_qk, u
             x_a = tl.load(row_tokens + ks * stride_tk, mask=am, other=0).to(tl.int64)
             s_a = tl.load(row_logits + ks * stride_lk + x_a, mask=am,
                           other=0.0).to(tl.float32) * inv_t
+            s_a = _masked_score(s_a, row_mask + ks * stride_mk, x_a, am, PROBS, MASKED)
             m_a = tl.load(pm_ptr + b * K1 + ks, mask=am, other=0.0, cache_modifier=".cg")
             S_a = tl.load(pS_ptr + b * K1 + ks, mask=am, other=1.0, cache_modifier=".cg")
             thr_a = tl.load(pt_ptr + b * K1 + ks, mask=am, other=_INT32_MIN,
