@@ -7,10 +7,18 @@ Per (batch, temperature), each side an untimed warm-up then ``--repeats`` timed 
 acceptance without the grammar), the target alone through the same loop and grammar
 (``generate_target_only(grammar=)``), and ``target.generate`` with ``xgrammar.contrib.hf.LogitsProcessor``.
 Tokens/s counts the emitted tokens (EOS included); the matcher's cost is the time in the grammar's
-hooks (``RowGrammars.verify_bitmask`` and ``draft_allowed``) per step.  Greedy rows of every side
-must give the same ids (checked and printed).
+hooks (``RowGrammars.verify_bitmask``, ``draft_allowed`` and ``allowed_proposals``) per step.
+Greedy rows of every side must give the same ids (checked and printed).
+
+Pairs: ``embedded`` (SmolLM2-135M-Instruct and its distilled draft, one tokenizer) and ``real``
+(``real_pair.py``: SmolLM2-135M-Instruct drafting for Qwen2.5-Coder-1.5B-Instruct across tokenizers,
+the prompts under the target's chat template; prepare it once with ``python
+bench/decoding/real_pair.py``).  Across tokenizers the draft masks the shared tokens' logits (the
+intersection, sampled rows) or its proposals are cut at the first forbidden token (the string
+level, greedy rows); "draft unmasked" turns both off.
 
     python bench/decoding/bench_grammar.py --threads 2            # the embedded pair, batch 1 and 4
+    python bench/decoding/bench_grammar.py --pair real --max-new-tokens 64 --repeats 2 --out DIR
 """
 
 from __future__ import annotations
@@ -41,6 +49,11 @@ SCHEMA = {
 }
 PROMPTS = ["The capital of France, as JSON:", "A small village in Italy, as JSON:", "Describe Tokyo as JSON:",
            "A port town in Norway, as JSON:"]
+# the real pair's user messages (under the target's chat template)
+REAL_PROMPTS = ["Describe Paris as a JSON object with its name, kind, location (lat, lon), tags and population.",
+                "Give a small village in Italy as JSON: name, kind, location, tags and population.",
+                "Write Tokyo as a JSON record (name, kind, location with lat and lon, tags, population).",
+                "A port town in Norway as a JSON object: name, kind, location, tags, population."]
 
 
 class HookClock:
@@ -51,6 +64,7 @@ class HookClock:
 
         self.G, self.seconds, self.steps = G, 0.0, 0
         self.real_verify, self.real_draft = G.RowGrammars.verify_bitmask, G.RowGrammars.draft_allowed
+        self.real_cut = G.RowGrammars.allowed_proposals
         clock = self
 
         def verify(self_, *a, **k):
@@ -68,12 +82,21 @@ class HookClock:
             finally:
                 clock.seconds += time.perf_counter() - t0
 
-        self.timed_draft = draft
+        def cut(self_, *a, **k):
+            t0 = time.perf_counter()
+            try:
+                return clock.real_cut(self_, *a, **k)
+            finally:
+                clock.seconds += time.perf_counter() - t0
+
+        self.timed_draft, self.timed_cut = draft, cut
         G.RowGrammars.verify_bitmask, G.RowGrammars.draft_allowed = verify, draft
+        G.RowGrammars.allowed_proposals = cut
 
     def unmasked_draft(self, on: bool) -> None:
         """The draft proposes without the grammar (the verify still masks: exact, fewer accepted)."""
         self.G.RowGrammars.draft_allowed = (lambda *a, **k: None) if on else self.timed_draft
+        self.G.RowGrammars.allowed_proposals = (lambda self_, props, *a, **k: props) if on else self.timed_cut
 
 
 def main() -> int:
@@ -85,6 +108,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("-k", "--num-draft-tokens", default="4")
     ap.add_argument("--out", default="bench/results/cpu-xeon/grammar")
+    ap.add_argument("--pair", choices=("embedded", "real"), default="embedded")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     import xgrammar as xgr
@@ -94,21 +118,34 @@ def main() -> int:
     from specdec_kernels.decoding import grammar as G
 
     k = args.num_draft_tokens if args.num_draft_tokens == "auto" else int(args.num_draft_tokens)
-    draft, target, tok = models.default_pair()
-    dec = SpeculativeDecoder(draft, target, tok)
+    if args.pair == "real":
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import real_pair
+
+        draft, draft_tok, target, tok = real_pair.load_real_pair()
+        dec = SpeculativeDecoder(draft=draft, target=target, tokenizer=tok, draft_tokenizer=draft_tok)
+        prompt_texts = [tok.apply_chat_template([{"role": "user", "content": m}], tokenize=False,
+                                                add_generation_prompt=True) for m in REAL_PROMPTS]
+        pair_line = ("real pair (SmolLM2-135M-Instruct drafting for Qwen2.5-Coder-1.5B-Instruct across tokenizers, "
+                     "vocabulary='auto'), prompts under the target's chat template")
+    else:
+        draft, target, tok = models.default_pair()
+        dec = SpeculativeDecoder(draft, target, tok)
+        prompt_texts = PROMPTS
+        pair_line = "embedded pair (SmolLM2-135M-Instruct target, its distilled draft)"
     spec = G.json_schema(SCHEMA, any_whitespace=False)
     info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=target.config.vocab_size)
     compiled = xgr.GrammarCompiler(info).compile_json_schema(json.dumps(SCHEMA), any_whitespace=False)
     clock = HookClock()
     lines = [f"# bench_grammar {time.strftime('%Y-%m-%d %H:%M:%S %Z')}: {platform.processor() or platform.machine()}, "
              f"{args.threads} threads, torch {torch.__version__}, load average {os.getloadavg()[0]:.2f}",
-             f"# embedded pair (SmolLM2-135M-Instruct target, its distilled draft), fp32, K = {k}, "
+             f"# {pair_line}, fp32, K = {k}, "
              f"max_new_tokens {args.max_new_tokens}, {args.repeats} timed runs per side (median), schema: "
              f"bench_grammar.py SCHEMA, JSON on one line",
              "batch,T,side,tokens_per_s,tokens,alpha,matcher_ms_per_step,same_ids_as_target_alone"]
     for B in (int(b) for b in args.batches.split(",")):
-        prompts = (PROMPTS * B)[:B]
-        enc = tok(prompts, return_tensors="pt", padding=True, padding_side="left")
+        prompts = (prompt_texts * B)[:B]
+        enc = tok(prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
         for T in (float(t) for t in args.temperatures.split(",")):
             sample = dict(temperature=T, seed=1) if T > 0 else {}
 
@@ -127,6 +164,7 @@ def main() -> int:
                 kw = dict(do_sample=True, temperature=T, top_k=0) if T > 0 else dict(do_sample=False)
                 with torch.inference_mode():
                     out = target.generate(**enc, max_new_tokens=args.max_new_tokens, pad_token_id=tok.pad_token_id,
+                                          eos_token_id=tok.eos_token_id,
                                           logits_processor=[LogitsProcessor([compiled] * B)], **kw)
                 ids = []
                 for row in out[:, enc["input_ids"].shape[1]:].tolist():

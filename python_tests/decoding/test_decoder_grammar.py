@@ -70,6 +70,70 @@ def test_greedy_equals_target_generate_with_xgrammars_processor(embedded, featur
                 json.loads(text)
 
 
+@pytest.fixture
+def draft_verdicts(monkeypatch):
+    """[bool]: for every draft the verify reads under a grammar, whether the grammar allows it where
+    it stands (from the masks ``RowGrammars.verify_bitmask`` fills for the verify)."""
+    from specdec_kernels.ops.verify.bitmask import allowed_tokens
+
+    verdicts = []
+    fill = G.RowGrammars.verify_bitmask
+
+    def checked(self, drafts, kb_host, rows, generated, K):
+        mask = fill(self, drafts, kb_host, rows, generated, K)
+        keep = allowed_tokens(mask.cpu(), self.vocab_size)
+        verdicts.extend(bool(keep[b, i, drafts[b][i]]) for b in range(len(rows)) for i in range(kb_host[b]))
+        return mask
+
+    monkeypatch.setattr(G.RowGrammars, "verify_bitmask", checked)
+    return verdicts
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("drafter", ["model", "feature", "prompt_lookup"])
+def test_every_draft_is_one_the_grammar_allows(embedded, drafter, draft_verdicts):
+    """The drafters draft under the grammar: every draft the verify reads is allowed where it
+    stands (a draft model and a feature draft mask their logits, prompt lookup cuts its proposals
+    at the first forbidden token), and the ids are still the target's."""
+    draft, target, tok = embedded
+    verdicts = draft_verdicts
+    dec = {"model": lambda: SpeculativeDecoder(draft, target, tok),
+           "feature": lambda: SpeculativeDecoder(drafter="feature"),
+           "prompt_lookup": lambda: SpeculativeDecoder(target=target, tokenizer=tok,
+                                                       drafter="prompt_lookup")}[drafter]()
+    prompts = ['Cities: {"city": "Lyon", "population": 513275} {"city": "Nice", "population": 342669}. Next:',
+               'A city record in JSON format follows: {"city": "Rome", "population": 2761632}']
+    refs = _hf_reference(dec.target, dec.tokenizer, prompts, CITY, 24)
+    res = dec.generate(prompts, max_new_tokens=24, grammar=CITY, num_draft_tokens=4)
+    _assert_same(res, refs, dec.tokenizer.eos_token_id, 24)
+    assert len(verdicts) >= 10 and all(verdicts), (len(verdicts), verdicts.count(False))
+
+
+@pytest.mark.parametrize("vocabulary", ["intersection", "string"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_draft_over_another_tokenizer_drafts_under_the_grammar(vocabulary, temperature, draft_verdicts):
+    """Across tokenizers: the intersection drafts the shared tokens the grammar allows (its logits
+    masked), the string level cuts its proposals at the first forbidden token; every draft the
+    verify reads is allowed, greedy ids are the target's alone under the same grammar, and every
+    output matches the regex."""
+    import re
+
+    from cross_setup import cross_pair
+
+    draft, target, dt, tt = cross_pair(noise=0.02)
+    dec = SpeculativeDecoder(draft=draft, target=target, tokenizer=tt, draft_tokenizer=dt, vocabulary=vocabulary)
+    pattern = "[a-h ]+[.]"
+    prompts = ["abcd efgh abcd ef", "hgfe dcba", "a b c d e"]
+    res = dec.generate(prompts, max_new_tokens=16, num_draft_tokens=4, temperature=temperature, seed=3,
+                       grammar=G.regex(pattern))
+    if temperature == 0.0:
+        alone = dec.generate_target_only(prompts, max_new_tokens=16, temperature=0.0, grammar=G.regex(pattern))
+        assert res.token_ids == alone.token_ids
+    for text, reason in zip(res.texts, res.finish_reasons):
+        assert re.fullmatch("[a-h ]*[.]?", text) and (reason != "eos" or re.fullmatch(pattern, text)), (text, reason)
+    assert len(draft_verdicts) >= 10 and all(draft_verdicts), (len(draft_verdicts), draft_verdicts.count(False))
+
+
 # --- the law ---------------------------------------------------------------------------------------
 REGEX = "[a-d][a-d]?[e-h]+"  # position 0: a-d; 1: a-h; 2: e-h, or EOS after one of e-h
 N_ROWS = 6_000

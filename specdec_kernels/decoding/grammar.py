@@ -7,10 +7,13 @@ speculatively, one at a time, and fills the mask of every position from its own 
 are known before verification), then rolls them back: ``fused_verify(token_bitmask=)`` applies the
 K + 1 masks.  A draft the grammar forbids has probability 0 under the masked target, so it is
 rejected there and the positions after it are never read.  After the step the matcher takes the
-tokens the row emitted.  A draft model over the target's vocabulary drafts under the same grammar
-(its logits masked at each draft's prefix, so q is the masked draft law and acceptance stays high);
-other drafters (prompt lookup, a feature draft, a draft over another tokenizer) propose without it,
-which costs acceptance, never exactness.  The grammar's stop tokens are the call's EOS ids: EOS is
+tokens the row emitted.  A draft model and a feature draft draft under the same grammar (their
+logits masked at each draft's prefix, ``mask_draft``, so q is the masked draft law and acceptance
+stays high), and so does a draft over another tokenizer drafting the shared tokens (the
+intersection: the grammar's mask of the shared tokens); prompt lookup and a draft over another
+tokenizer at the string level propose only what the grammar allows (their proposals cut before the
+first forbidden token, ``allowed_proposals``).  A drafter that proposes without the grammar costs
+acceptance, never exactness.  The grammar's stop tokens are the call's EOS ids: EOS is
 allowed only where the grammar may end, and a row ends there.
 
 Grammars (xgrammar, an optional dependency: ``pip install specdec-kernels[grammar]``): a JSON
@@ -215,6 +218,40 @@ class RowGrammars:
             if ok:
                 m.rollback(ok)
         return allowed_tokens(mask, self.vocab_size)[:, :vocab].to(self.device)
+
+    def mask_draft(self, logits: torch.Tensor, drafts: list, rows: list, generated: list, vocab: int,
+                   vocab_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """A drafter's logits for its next draft, [B, vocab] (or [B, N] over ``vocab_rows``, a draft
+        vocabulary's target ids), -inf where a row's grammar forbids the token after its emitted
+        tokens and the drafts so far (``draft_allowed``): the drafter's q is the masked draft law."""
+        allowed = self.draft_allowed(drafts, rows, generated, vocab)
+        if allowed is None:
+            return logits
+        if vocab_rows is not None:
+            allowed = allowed.index_select(1, vocab_rows)
+        return logits.masked_fill(~allowed, float("-inf"))
+
+    def allowed_proposals(self, proposals: list, rows: list, generated: list) -> list:
+        """Each row's proposed tokens (lists of ids) cut before the first one its grammar forbids
+        after its emitted tokens and the proposals before it (a stop token ends the proposal): a
+        deterministic drafter's drafts under the grammar.  A forbidden draft would be rejected
+        where it stands, so cutting it changes nothing but the work."""
+        out = []
+        for b, p in enumerate(rows):
+            m = self._sync(p, generated[p])
+            prop = proposals[b]
+            if m is None:
+                out.append(prop)
+                continue
+            ok = 0
+            for t in prop:
+                if m.is_terminated() or not m.accept_token(int(t)):
+                    break
+                ok += 1
+            if ok:
+                m.rollback(ok)
+            out.append(prop[:ok])
+        return out
 
 
 def row_grammars(grammar, tokenizer, vocab_size: int, B: int, eos: set, device: torch.device) -> Optional[RowGrammars]:

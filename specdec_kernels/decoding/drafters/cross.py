@@ -264,7 +264,12 @@ class CrossVocabDrafter(Drafter):
                     picks = DraftPicker(st, K, t_ids, self.target_vocab_size)
                 else:
                     picks = DraftPicker(st, K, None, logits.shape[-1])
-            cut = picks.add(logits if d_ids is None else logits.index_select(1, d_ids), j)
+            if d_ids is not None:  # the shared tokens' logits [B, N], in the target's ids t_ids
+                logits = logits.index_select(1, d_ids)
+                if st.hooks.grammar is not None:  # the shared tokens the rows' grammars allow: q masked
+                    logits = st.hooks.grammar.mask_draft(logits, picks.xs, st.rows, st.generated,
+                                                         self.target_vocab_size, t_ids)
+            cut = picks.add(logits, j)
             x = picks.xs[-1]
             ids = (x if t2d is None else t2d[x])[:, None]  # the draft's own id of its pick
             if cut:
@@ -310,6 +315,8 @@ class CrossVocabDrafter(Drafter):
                 new = new[:K]
                 bad = [j for j, t in enumerate(new) if t >= self.target_vocab_size]
                 props[b] = new[:bad[0]] if bad else new  # a token past the target's rows ends them
+        if st.hooks.grammar is not None:  # only what each row's grammar allows
+            props = st.hooks.grammar.allowed_proposals(props, st.rows, st.generated)
         width = max(len(x) for x in props)
         X = torch.tensor([x + [0] * (width - len(x)) for x in props], dtype=torch.int64).reshape(len(props), width)
         n = torch.tensor([len(x) for x in props], dtype=torch.int64)

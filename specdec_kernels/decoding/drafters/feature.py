@@ -116,6 +116,7 @@ def draft_with_features(f, st: "DecodeState", K: int):
     fh = h.gather(1, (cnt - 1)[:, None, None].expand(B, 1, h.shape[-1]))[:, 0]  # [B, H]: each row's last
     T = st.draft.columns + C
     picks = DraftPicker(st, K, rows, Vd)
+    grammar = st.hooks.grammar
     for j in range(K):
         if j > 0:  # the pair (f^, x_j) at column ld + cnt + j - 1
             p = (st.draft.cache_len + cnt + (j - 1))[:, None]
@@ -125,7 +126,10 @@ def draft_with_features(f, st: "DecodeState", K: int):
                 mask = torch.cat([mask, torch.ones((B, 1), dtype=torch.bool, device=dev)], 1)
             fh = f.step(st.draft.cache, picks.xs[-1][:, None], fh[:, None], mask, p, 1)[:, -1]
             T += 1
-        if picks.add(f.head(fh), j):  # logits [B, N] over the draft vocabulary (or [B, V])
+        logits = f.head(fh)  # [B, N] over the draft vocabulary (or [B, V])
+        if grammar is not None:  # the rows' grammars at this draft's prefix: q is the masked draft law
+            logits = grammar.mask_draft(logits, picks.xs, st.rows, st.generated, Vd, rows)
+        if picks.add(logits, j):
             break
     st.draft.columns = T
     if not picks.xs:

@@ -153,10 +153,7 @@ def draft_with_model(d, st: "DecodeState", K: int):
         if procs is not None:  # the target's sequence processors, at this draft's prefix
             logits = procs.draft_scores(logits, picks.xs, st.rows, st.generated)
         if grammar is not None:  # the rows' grammars at this draft's prefix: q is the masked draft law
-            allowed = grammar.draft_allowed(picks.xs, st.rows, st.generated, Vd)
-            if allowed is not None:
-                logits = logits.masked_fill(~(allowed if rows is None else allowed.index_select(1, rows)),
-                                            float("-inf"))
+            logits = grammar.mask_draft(logits, picks.xs, st.rows, st.generated, Vd, rows)
         if picks.add(logits, j):
             break  # every row's K_b is cut before here
     st.draft.columns = T

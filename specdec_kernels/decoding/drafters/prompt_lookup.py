@@ -71,6 +71,8 @@ class PromptLookupDrafter(Drafter):
         [B, K'] with K' the longest; K_b [B]: how many each row proposed."""
         want = [min(K, st.budget_host[p] - len(st.generated[p]) - 1) for p in st.rows]
         props = self.propose([st.seqs[p] for p in st.rows], want)
+        if st.hooks.grammar is not None:  # only what each row's grammar allows
+            props = st.hooks.grammar.allowed_proposals(props, st.rows, st.generated)
         K = max(len(x) for x in props)
         X = to_device([x + [0] * (K - len(x)) for x in props], torch.int64, st.device).reshape(len(props), K)
         return Drafts(X, None, to_device([len(x) for x in props], torch.int64, st.device), 0)
