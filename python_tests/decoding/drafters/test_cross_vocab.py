@@ -245,7 +245,8 @@ def test_string_drafts_propose_a_lone_token_that_text_may_extend(drafted, propos
     chars, bpe = target_tokenizer(), draft_tokenizer()
     d = _string_drafter(chars, bpe)
     context = "g "
-    st = SimpleNamespace(rows=[0], seqs=[bpe(context)["input_ids"]], device=torch.device("cpu"))
+    st = SimpleNamespace(rows=[0], seqs=[bpe(context)["input_ids"]], device=torch.device("cpu"),
+                         hooks=SimpleNamespace(grammar=None))
     encs = [chars(context)["input_ids"]]
     ids = chars(drafted)["input_ids"]
     out = d._string_drafts(st, encs, [ids], [len(ids)], 4, len(ids))
