@@ -215,12 +215,16 @@ def test_bad_masks_are_refused_by_name():
         fused_verify(logits, x, q, token_bitmask=[[1]])
 
 
-def test_seeded_calls_repeat():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_seeded_calls_repeat(backend):
+    """The same seed gives the same tokens, and the kernel's Philox draws are the torch path's."""
     logits, x, q = make_step(4, 3, 50, seed=2)
     mask = random_bitmask(torch.Generator().manual_seed(4), (4, 4), 50)
-    a = fused_verify(logits, x, q, seed=13, offset=1, temperature=0.8, token_bitmask=mask)
-    b = fused_verify(logits, x, q, seed=13, offset=1, temperature=0.8, token_bitmask=mask)
+    a = fused_verify(logits, x, q, seed=13, offset=1, temperature=0.8, token_bitmask=mask, backend=backend)
+    b = fused_verify(logits, x, q, seed=13, offset=1, temperature=0.8, token_bitmask=mask, backend=backend)
     assert torch.equal(a.tokens, b.tokens) and torch.equal(a.num_accepted, b.num_accepted)
+    c = fused_verify(logits, x, q, seed=13, offset=1, temperature=0.8, token_bitmask=mask, backend="torch")
+    assert torch.equal(a.tokens, c.tokens) and torch.equal(a.num_accepted, c.num_accepted)
 
 
 # --- the law -------------------------------------------------------------------------------------
