@@ -65,33 +65,23 @@ class HookClock:
         self.G, self.seconds, self.steps = G, 0.0, 0
         self.real_verify, self.real_draft = G.RowGrammars.verify_bitmask, G.RowGrammars.draft_allowed
         self.real_cut = G.RowGrammars.allowed_proposals
+        self.timed_draft, self.timed_cut = self._timed(self.real_draft), self._timed(self.real_cut)
+        G.RowGrammars.verify_bitmask = self._timed(self.real_verify, step=True)
+        G.RowGrammars.draft_allowed, G.RowGrammars.allowed_proposals = self.timed_draft, self.timed_cut
+
+    def _timed(self, fn, step: bool = False):
+        """``fn`` with its time added to ``seconds`` (and, ``step``, a step counted)."""
         clock = self
 
-        def verify(self_, *a, **k):
+        def timed(self_, *a, **k):
             t0 = time.perf_counter()
             try:
-                return clock.real_verify(self_, *a, **k)
+                return fn(self_, *a, **k)
             finally:
                 clock.seconds += time.perf_counter() - t0
-                clock.steps += 1
+                clock.steps += int(step)
 
-        def draft(self_, *a, **k):
-            t0 = time.perf_counter()
-            try:
-                return clock.real_draft(self_, *a, **k)
-            finally:
-                clock.seconds += time.perf_counter() - t0
-
-        def cut(self_, *a, **k):
-            t0 = time.perf_counter()
-            try:
-                return clock.real_cut(self_, *a, **k)
-            finally:
-                clock.seconds += time.perf_counter() - t0
-
-        self.timed_draft, self.timed_cut = draft, cut
-        G.RowGrammars.verify_bitmask, G.RowGrammars.draft_allowed = verify, draft
-        G.RowGrammars.allowed_proposals = cut
+        return timed
 
     def unmasked_draft(self, on: bool) -> None:
         """The draft proposes without the grammar (the verify still masks: exact, fewer accepted)."""

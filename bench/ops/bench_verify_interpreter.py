@@ -183,25 +183,28 @@ def main(argv=None):
             "fallback_positions"]
     text = print_table(rows, cols)
     split = {r["warp"]: r for r in rows if r["kernel"] == "split"}
-    claim = None
-    if "topk50_topp0.9" in split and split["topk50_topp0.9"]["ratio_to_plain"] is not None:
-        ratio = split["topk50_topp0.9"]["ratio_to_plain"]
-        claim = dict(statement="split kernel: top-k 50 + top-p 0.9 costs at most 3x its plain call",
-                     ratio=ratio, holds=bool(ratio <= 3.0))
-        line = f"split top-k 50 + top-p 0.9 / plain = {ratio:.3g}x ({'<=' if ratio <= 3 else '>'} 3x)"
-        print(line)
-        text += "\n" + line
-    mask_claim = None
-    if "mask" in split and split["mask"]["ratio_to_plain"] is not None:
-        ratio = split["mask"]["ratio_to_plain"]
-        mask_claim = dict(statement="split kernel: a call under a grammar's mask costs at most 1.3x its plain call",
-                          ratio=ratio, holds=bool(ratio <= 1.3))
-        line = f"split under a grammar's mask / plain = {ratio:.3g}x ({'<=' if ratio <= 1.3 else '>'} 1.3x)"
-        if split.get("mask_topk50_topp0.9", {}).get("ratio_to_plain") and split["topk50_topp0.9"]["ratio_to_plain"]:
-            both = split["mask_topk50_topp0.9"]["ratio_to_plain"] / split["topk50_topp0.9"]["ratio_to_plain"]
-            line += f"; with top-k 50 + top-p 0.9, masked / unmasked = {both:.3g}x"
-        print(line)
-        text += "\n" + line
+
+    def ratio_claim(warp: str, bound: float, statement: str, line: str):
+        """The claim on split's ``warp`` over its plain call (None where it did not run), its line printed."""
+        if warp not in split or split[warp]["ratio_to_plain"] is None:
+            return None, ""
+        ratio = split[warp]["ratio_to_plain"]
+        line = f"{line} = {ratio:.3g}x ({'<=' if ratio <= bound else '>'} {bound:g}x)"
+        return dict(statement=statement, ratio=ratio, holds=bool(ratio <= bound)), line
+
+    claim, line = ratio_claim("topk50_topp0.9", 3.0,
+                              "split kernel: top-k 50 + top-p 0.9 costs at most 3x its plain call",
+                              "split top-k 50 + top-p 0.9 / plain")
+    mask_claim, mask_line = ratio_claim("mask", 1.3,
+                                        "split kernel: a call under a grammar's mask costs at most 1.3x its plain call",
+                                        "split under a grammar's mask / plain")
+    if mask_claim and split.get("mask_topk50_topp0.9", {}).get("ratio_to_plain") and claim:
+        both = split["mask_topk50_topp0.9"]["ratio_to_plain"] / claim["ratio"]
+        mask_line += f"; with top-k 50 + top-p 0.9, masked / unmasked = {both:.3g}x"
+    for text_line in (line, mask_line):
+        if text_line:
+            print(text_line)
+            text += "\n" + text_line
     with open(os.path.join(out, "bench_verify_interpreter.txt"), "w") as f:
         f.write(f"# bench_verify_interpreter on {dev_name}; {ver}; {stamp}; B={B} K={K} V={V} fp32 T=1, "
                 f"{args.repeats} rounds; load average {load_before[0]:.2f} before, {load_after[0]:.2f} after\n"

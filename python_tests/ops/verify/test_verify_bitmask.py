@@ -169,8 +169,8 @@ def test_the_kernel_scans_the_masked_position_where_its_candidates_cannot_decide
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_draft_logits_under_the_mask_equal_their_softmax(backend):
-    """q = softmax(draft_logits / T) as given (the mask is the target's): the same tokens as with
-    that q passed as draft_probs, and as the reference."""
+    """q = softmax(draft_logits / T) as given (the mask is the target's): the reference's tokens
+    with that q passed as draft_probs."""
     B, K, V = 3, 3, 50
     logits, x, q = make_step(B, K, V, seed=41)
     mask = random_bitmask(torch.Generator().manual_seed(42), (B, K + 1), V)

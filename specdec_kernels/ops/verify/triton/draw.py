@@ -133,19 +133,16 @@ def _scores(ptr, offs, n, inv_t, mask_row, PROBS: tl.constexpr, MASKED: tl.const
     grammar mask (``mask_row``) forbids the token, whatever its logit (a NaN there is masked away)."""
     if PROBS:
         s = tl.load(ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
-        if MASKED:
-            s = tl.where(allowed(mask_row, offs, offs < n), s, 0.0)
     else:
         s = tl.load(ptr + offs, mask=offs < n, other=float("-inf")).to(tl.float32) * inv_t
-        if MASKED:
-            s = tl.where(allowed(mask_row, offs, offs < n), s, float("-inf"))
-    return s
+    return _masked_score(s, mask_row, offs, offs < n, PROBS, MASKED)
 
 
 @triton.jit
 def _masked_score(s, mask_row, x, ok, PROBS: tl.constexpr, MASKED: tl.constexpr):
-    """Scores s of single tokens x (a draft per position, the final token), -inf (PROBS: 0) where
-    the grammar mask of each one's position (``mask_row``, one per lane) forbids it (MASKED)."""
+    """Scores s of tokens x (a chunk of one position, or a draft per position, the final token),
+    -inf (PROBS: 0) where the grammar mask of each one's position (``mask_row``) forbids it
+    (MASKED; nothing read where not ok)."""
     if MASKED:
         if PROBS:
             s = tl.where(allowed(mask_row, x, ok), s, 0.0)
